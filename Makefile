@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` and `make test`. Both build .venv on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# 8 fake CPU devices so sharding is exercised on any machine; tests that need one device still get device 0.
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
+.PHONY: demo test bench install install-test clean
+
+$(VENV)/.core-installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml $(VENV)/.core-installed
+	# torch first, by exact version: that CPU build lies on the machine's disk (any other version downloads GBs).
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.core-installed
+install-test: $(VENV)/.test-installed
+
+demo: $(VENV)/.core-installed
+	$(PY) -m launchers.demo --workdir=demo_workdir
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+bench: $(VENV)/.test-installed
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf demo_workdir bench_out .pytest_cache

@@ -1,0 +1,284 @@
+"""Qwen3.5 text-tower configuration, read from either Hugging Face layout.
+
+Two layouts exist (docs/qwen35-architecture.md §1, §4):
+  * "container": `Qwen3_5ForConditionalGeneration`, the official checkpoints. `config.json` has `text_config`
+    and `vision_config`; language-tower tensors are under `model.language_model.`.
+  * "text": `Qwen3_5ForCausalLM`. `config.json` is the text config itself; tensors under `model.`.
+
+Only the text tower is modelled in JAX. Everything else in a checkpoint folder is carried through unchanged by
+`checkpoint.save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+# Fields of Qwen3_5TextConfig that change the computation. Anything else in config.json is accepted and ignored
+# here (real checkpoints carry extra keys such as `attn_output_gate` or `mtp_num_hidden_layers`), because
+# save_pretrained copies config.json verbatim rather than regenerating it.
+_ACCEPTED_ACTIVATIONS = ("silu",)
+_ACCEPTED_ROPE_TYPES = ("default",)
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a Qwen3.5 model; the message names the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: tuple[str, ...] = ()
+    attention_bias: bool = False
+    max_position_embeddings: int = 262144
+    pad_token_id: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int | tuple[int, ...]] = None
+    # Chunk length of the chunked gated delta rule (the reference uses 64).
+    gdn_chunk_size: int = 64
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", default_layer_types(self.num_hidden_layers, 4))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self.validate()
+
+    # ----- derived sizes -----
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def validate(self, source: str = "config") -> None:
+        def bad(key, msg):
+            raise ConfigError(f"{source}: `{key}` {msg}")
+
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "gdn_chunk_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                bad(key, f"must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad("num_attention_heads", f"({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                                       f"({self.num_key_value_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            bad("linear_num_value_heads", f"({self.linear_num_value_heads}) must be a multiple of "
+                                          f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if len(self.layer_types) != self.num_hidden_layers:
+            bad("layer_types", f"has {len(self.layer_types)} entries but num_hidden_layers is "
+                               f"{self.num_hidden_layers}")
+        for i, t in enumerate(self.layer_types):
+            if t not in (LINEAR, FULL):
+                bad(f"layer_types[{i}]", f"is {t!r}; expected {LINEAR!r} or {FULL!r}")
+        rot = self.rotary_dim
+        if rot <= 0 or rot % 2 or rot > self.head_dim:
+            bad("partial_rotary_factor", f"gives {rot} rotary dims for head_dim {self.head_dim}; "
+                                         "need an even number in (0, head_dim]")
+        if not (self.rms_norm_eps > 0):
+            bad("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+
+    # ----- serialisation of the *jaxrl* view (HF config.json is never regenerated from this) -----
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Qwen35Config":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ConfigError(f"unknown Qwen35Config keys {unknown}; valid keys: {sorted(fields)}")
+        d = dict(d)
+        if isinstance(d.get("eos_token_id"), list):
+            d["eos_token_id"] = tuple(d["eos_token_id"])
+        return cls(**d)
+
+
+def default_layer_types(num_layers: int, full_attention_interval: int) -> tuple[str, ...]:
+    """HF rule when `layer_types` is absent: layer i is full attention iff (i + 1) % interval == 0."""
+    return tuple(FULL if (i + 1) % full_attention_interval == 0 else LINEAR for i in range(num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class HFLayout:
+    """Where the language tower lives in a checkpoint, and how config.json is shaped."""
+
+    kind: str  # "container" | "text"
+    tower_prefix: str  # "model.language_model." | "model."
+    architectures: tuple[str, ...]
+
+
+CONTAINER = HFLayout("container", "model.language_model.", ("Qwen3_5ForConditionalGeneration",))
+TEXT_ONLY = HFLayout("text", "model.", ("Qwen3_5ForCausalLM",))
+
+
+def _text_config_from_hf(text: dict[str, Any], source: str, tie: bool) -> Qwen35Config:
+    def get(key, default=None, required=False):
+        if key not in text or text[key] is None:
+            if required:
+                raise ConfigError(f"{source}: missing required key `{key}`")
+            return default
+        return text[key]
+
+    act = get("hidden_act", "silu")
+    if act not in _ACCEPTED_ACTIVATIONS:
+        raise ConfigError(f"{source}: `hidden_act` is {act!r}; Qwen3.5 uses one of {_ACCEPTED_ACTIVATIONS}")
+
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _ACCEPTED_ROPE_TYPES:
+        raise ConfigError(f"{source}: `rope_parameters.rope_type` is {rope_type!r}; supported: "
+                          f"{_ACCEPTED_ROPE_TYPES}")
+    theta = rope.get("rope_theta", get("rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25))
+
+    num_layers = int(get("num_hidden_layers", required=True))
+    layer_types = get("layer_types")
+    if layer_types is None:
+        layer_types = default_layer_types(num_layers, int(get("full_attention_interval", 4)))
+
+    hidden = int(get("hidden_size", required=True))
+    heads = int(get("num_attention_heads", required=True))
+    eos = get("eos_token_id")
+    if isinstance(eos, list):
+        eos = tuple(eos)
+    if get("mlp_only_layers"):
+        raise ConfigError(f"{source}: `mlp_only_layers` is {get('mlp_only_layers')}; layers without a token "
+                          "mixer are not supported")
+    for moe_key in ("num_experts", "moe_intermediate_size"):
+        if get(moe_key):
+            raise ConfigError(f"{source}: `{moe_key}` is set: this is a Qwen3.5-MoE config; jaxrl supports the "
+                              "dense Qwen3.5 models")
+    cfg = Qwen35Config(
+        vocab_size=int(get("vocab_size", required=True)),
+        hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size", required=True)),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("num_key_value_heads", heads)),
+        head_dim=int(get("head_dim", hidden // heads)),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(tie),
+        rope_theta=float(theta),
+        partial_rotary_factor=float(partial),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(get("linear_num_value_heads", 32)),
+        layer_types=tuple(layer_types),
+        attention_bias=bool(get("attention_bias", False)),
+        max_position_embeddings=int(get("max_position_embeddings", 262144)),
+        pad_token_id=get("pad_token_id"),
+        bos_token_id=get("bos_token_id"),
+        eos_token_id=eos,
+    )
+    return cfg
+
+
+def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> tuple[Qwen35Config, HFLayout]:
+    """Turn an HF config.json dict into our config and the checkpoint layout.
+
+    Raises ConfigError naming `source` and the offending key for anything we cannot model faithfully, notably
+    tying flags that disagree between the container and its text config (§4.3: the container would save no
+    lm_head while the text model expects one, which silently yields a random head).
+    """
+    model_type = raw.get("model_type")
+    if "text_config" in raw:
+        if model_type not in (None, "qwen3_5"):
+            raise ConfigError(f"{source}: `model_type` is {model_type!r}; expected 'qwen3_5' for a container")
+        text = dict(raw["text_config"] or {})
+        top_tie = raw.get("tie_word_embeddings", False)
+        text_tie = text.get("tie_word_embeddings", top_tie)
+        if bool(top_tie) != bool(text_tie):
+            raise ConfigError(
+                f"{source}: `tie_word_embeddings` ({top_tie}) and `text_config.tie_word_embeddings` ({text_tie}) "
+                "disagree. HF decides tying from the top-level flag, vLLM and Qwen3_5ForCausalLM from the text "
+                "flag, so one of them would run with a random lm_head. Set both to the same value.")
+        # Token ids sometimes live only at the top level of the container.
+        for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            if text.get(key) is None and raw.get(key) is not None:
+                text[key] = raw[key]
+        return _text_config_from_hf(text, f"{source}: text_config", bool(top_tie)), CONTAINER
+    if model_type not in (None, "qwen3_5_text", "qwen3_5"):
+        raise ConfigError(f"{source}: `model_type` is {model_type!r}; expected 'qwen3_5_text' (text-only) or a "
+                          "'qwen3_5' container with `text_config`")
+    if model_type == "qwen3_5":
+        raise ConfigError(f"{source}: `model_type` is 'qwen3_5' but there is no `text_config`")
+    return _text_config_from_hf(raw, source, bool(raw.get("tie_word_embeddings", False))), TEXT_ONLY
+
+
+def load_hf_config(model_dir: str) -> tuple[Qwen35Config, HFLayout, dict[str, Any]]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{model_dir}: no config.json (is this an HF model folder?)")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    cfg, layout = parse_hf_config(raw, path)
+    return cfg, layout, raw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets for the real shapes (§1.2) and the tiny shape used by tests and the demo.
+
+def qwen35_9b() -> Qwen35Config:
+    return Qwen35Config(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                        num_attention_heads=16, num_key_value_heads=4, head_dim=256, tie_word_embeddings=False,
+                        rope_theta=1e7, partial_rotary_factor=0.25, linear_num_key_heads=16,
+                        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                        eos_token_id=248046, pad_token_id=248044)
+
+
+def qwen35_4b() -> Qwen35Config:
+    return dataclasses.replace(qwen35_9b(), hidden_size=2560, intermediate_size=9216, tie_word_embeddings=True)
+
+
+def tiny(**overrides) -> Qwen35Config:
+    """The tiny shape of docs §5 (4 layers: linear, full, linear, full)."""
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                layer_types=default_layer_types(4, 2), rms_norm_eps=1e-6, tie_word_embeddings=False,
+                max_position_embeddings=4096, rope_theta=1e7, partial_rotary_factor=0.25, pad_token_id=0,
+                eos_token_id=1)
+    base.update(overrides)
+    return Qwen35Config(**base)
+
+
+PRESETS = {"qwen3.5-9b": qwen35_9b, "qwen3.5-4b": qwen35_4b, "tiny": tiny}

@@ -1,0 +1,217 @@
+"""Qwen3.5 text-tower layers in Flax NNX (docs/qwen35-architecture.md §2).
+
+Weights keep the Hugging Face layout ([out, in] for linear layers, [C, 1, K] for the conv), so checkpoint
+conversion and PEFT export are renames, never transposes. Every linear layer can carry a LoRA adapter
+(`jaxrl.models.lora`), which `Linear.__call__` adds when it is attached and enabled.
+
+Dtypes follow the reference: matmuls in the parameter/compute dtype, fp32 islands in every RMSNorm, in the decay
+`g`, in the whole gated delta rule and in the attention softmax (§2.7).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.qwen35.config import Qwen35Config
+from jaxrl.ops.attention import gqa_attention
+from jaxrl.ops.conv import causal_depthwise_conv
+from jaxrl.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from jaxrl.ops.rotary import apply_partial_rotary
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W^T (+ b), W stored [out, in] like torch.nn.Linear; optional LoRA adapter in `self.lora`."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = False):
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else nnx.data(None)
+        self.lora = nnx.data(None)  # a jaxrl.models.lora.LoRA once attached
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora(x).astype(y.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), in fp32, cast back (weight initialised to 0)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm: w * x / rms(x) * silu(z); a plain weight (initialised to 1), the norm before the gate."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        xf = x.astype(jnp.float32)
+        normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(dtype)
+        y = self.weight[...] * normed
+        return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-layer decode state. NamedTuples are pytrees, so caches pass through jit, scan and while_loop unchanged.
+
+class KVState(NamedTuple):
+    """Keys (after k_norm and RoPE) and values of a full-attention layer: [B, S_max, nKV, hd] each."""
+    k: jax.Array
+    v: jax.Array
+
+
+class LinearState(NamedTuple):
+    """Gated DeltaNet state: the last K-1 pre-conv q|k|v inputs [B, K-1, conv_dim] and S [B, Hv, dk, dv] (fp32)."""
+    conv: jax.Array
+    recurrent: jax.Array
+
+
+class StepContext(NamedTuple):
+    """What every layer needs to know about the current call (built once per forward by the model)."""
+    cos: jax.Array  # [B, T, rot]
+    sin: jax.Array  # [B, T, rot]
+    token_mask: jax.Array  # [B, T] bool: real (non-padding) tokens
+    attn_mask: jax.Array  # [B, T, S] bool: query t may attend key slot s
+    write_index: Optional[jax.Array]  # int32 scalar: first cache slot written by this call (None: no cache)
+
+
+class GatedAttention(nnx.Module):
+    """Full softmax attention with an output gate, q/k norms, partial RoPE and GQA (§2.3)."""
+
+    def __init__(self, cfg: Qwen35Config, *, dtype, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        h = cfg.hidden_size
+        bias = cfg.attention_bias
+        # q_proj rows are interleaved per head: [q_h (hd) | gate_h (hd)] for h = 0..nH-1.
+        self.q_proj = Linear(h, self.num_heads * self.head_dim * 2, dtype=dtype, rngs=rngs, use_bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, use_bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, use_bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype=dtype, rngs=rngs, use_bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x: jax.Array, ctx: StepContext, state: Optional[KVState]):
+        batch, seq_len, _ = x.shape
+        qg = self.q_proj(x).reshape(batch, seq_len, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim)
+        q = apply_partial_rotary(q, ctx.cos, ctx.sin)
+        k = apply_partial_rotary(k, ctx.cos, ctx.sin)
+        if state is not None:
+            start = (0, ctx.write_index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start)
+            state = KVState(k_all, v_all)
+            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        o = gqa_attention(q, k, v, ctx.attn_mask, self.head_dim ** -0.5)
+        o = o.reshape(batch, seq_len, self.num_heads * self.head_dim)
+        o = o * jax.nn.sigmoid(gate.reshape(batch, seq_len, -1))
+        return self.o_proj(o), state
+
+
+class GatedDeltaNet(nnx.Module):
+    """Linear attention with the gated delta rule, a causal depthwise conv and a gated output norm (§2.5)."""
+
+    def __init__(self, cfg: Qwen35Config, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.chunk_size = cfg.gdn_chunk_size
+        self.in_proj_qkv = Linear(h, cfg.linear_conv_dim, dtype=dtype, rngs=rngs)  # rows [q | k | v], head-major
+        self.in_proj_z = Linear(h, self.value_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear(h, self.num_v_heads, dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear(h, self.num_v_heads, dtype=dtype, rngs=rngs)
+        kernel = cfg.linear_conv_kernel_dim
+        self.conv1d = nnx.Param(_normal(rngs, (cfg.linear_conv_dim, 1, kernel), dtype, std=0.2))  # HF [C, 1, K]
+        a_init = jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
+        self.A_log = nnx.Param(jnp.log(a_init).astype(dtype))
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), dtype))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(self.value_dim, h, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, ctx: StepContext, state: Optional[LinearState]):
+        batch, seq_len, _ = x.shape
+        # Padding positions must not touch the conv window or the recurrent state.
+        x = x * ctx.token_mask[..., None].astype(x.dtype)
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(x)
+        a = self.in_proj_a(x)
+
+        weight = self.conv1d[...][:, 0, :]
+        conv_out, conv_state = causal_depthwise_conv(mixed.astype(weight.dtype),
+                                                     weight, None if state is None else state.conv)
+        mixed = jax.nn.silu(conv_out).astype(x.dtype)
+        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+
+        beta = jax.nn.sigmoid(b)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+
+        initial = None if state is None else state.recurrent
+        if state is not None and seq_len == 1:
+            o, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
+        else:
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.chunk_size)
+        o = self.norm(o, z).reshape(batch, seq_len, self.value_dim)
+        new_state = None if state is None else LinearState(conv_state.astype(state.conv.dtype), final)
+        return self.out_proj(o), new_state
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, layer_type: str, *, dtype, rngs: nnx.Rngs):
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, h: jax.Array, ctx: StepContext, state):
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        mixed, state = mixer(self.input_layernorm(h), ctx, state)
+        h = h + mixed
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, state

@@ -1,0 +1,99 @@
+"""Build DPO preference pairs from scored rollouts, or filter an existing pairs file; optionally freeze a cohort.
+
+    python -m launchers.build_pairs --rollouts=rollouts.jsonl --out_dir=pairs/ --max_new_tokens=4096
+    python -m launchers.build_pairs --pairs_in=old/pairs.jsonl --out_dir=clean/ --max_new_tokens=4096
+    python -m launchers.build_pairs --rollouts=... --out_dir=... --cohort_size=1000 --seed=0
+
+Writes ``out_dir/pairs.jsonl`` and ``out_dir/audit.json`` (and ``out_dir/cohort/`` with --cohort_size), all
+atomically, and prints the audit summary. Filters and selection rules: ``jaxrl/data/pairs.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+from jaxrl.data import pairs as pairs_lib
+from jaxrl.data.jsonl import JsonlError
+
+_ROLLOUTS = flags.DEFINE_string("rollouts", None, "rollouts.jsonl to build pairs from.")
+_PAIRS_IN = flags.DEFINE_string("pairs_in", None, "Existing pairs.jsonl to filter (instead of --rollouts).")
+_PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl giving the prompt messages when the rollouts "
+                                "carry no 'messages'.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Output folder for pairs.jsonl, audit.json and cohort/.")
+_MIN_MARGIN = flags.DEFINE_float("min_margin", 0.5, "Minimum chosen - rejected partial reward.")
+_TRUNCATION_BUFFER = flags.DEFINE_integer("truncation_buffer", 24, "A completion with more than "
+                                          "max_new_tokens - truncation_buffer tokens counts as truncated.")
+_MAX_LENGTH_DIFF = flags.DEFINE_integer("max_length_diff", 512, "Maximum |chosen_tokens - rejected_tokens|.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Generation cap, used for records that do not "
+                                       "carry their own max_new_tokens.")
+_PAIRING = flags.DEFINE_enum("pairing", "single", list(pairs_lib.PAIRINGS),
+                             "single: one pair a prompt; all: every admissible pair.")
+_SELECTION = flags.DEFINE_enum("selection", "best_worst", list(pairs_lib.SELECTIONS),
+                               "best_worst: best vs worst or drop the prompt; best_admissible: fall back to the "
+                               "admissible pair with the largest margin.")
+_COHORT_SIZE = flags.DEFINE_integer("cohort_size", 0, "If > 0, freeze this many pairs into out_dir/cohort/.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the cohort selection.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing frozen cohort.")
+_SKIP_MALFORMED = flags.DEFINE_bool("skip_malformed", False, "Skip (and count) malformed input lines instead "
+                                    "of failing.")
+
+
+def run() -> dict:
+    """Does the work for the parsed flags; returns the audit."""
+    if bool(_ROLLOUTS.value) == bool(_PAIRS_IN.value):
+        raise app.UsageError("pass exactly one of --rollouts and --pairs_in")
+    if not _OUT_DIR.value:
+        raise app.UsageError("--out_dir is required")
+    out_dir = Path(_OUT_DIR.value)
+    config = pairs_lib.PairConfig(
+        min_margin=_MIN_MARGIN.value, truncation_buffer=_TRUNCATION_BUFFER.value,
+        max_length_diff=_MAX_LENGTH_DIFF.value, max_new_tokens=_MAX_NEW_TOKENS.value,
+        pairing=_PAIRING.value, selection=_SELECTION.value)
+    if _COHORT_SIZE.value > 0:
+        # Refuse before writing anything, so a refused run leaves the folder exactly as it was.
+        pairs_lib.check_cohort_writable(out_dir, _OVERWRITE.value)
+
+    skipped: list[str] = []
+    if _ROLLOUTS.value:
+        src = _ROLLOUTS.value
+        samples = pairs_lib.read_rollouts(src, skip_malformed=_SKIP_MALFORMED.value, skipped=skipped)
+        messages = pairs_lib.read_problem_messages(_PROBLEMS.value) if _PROBLEMS.value else None
+        pairs, audit = pairs_lib.build_pairs(samples, config, messages)
+        n_records = len(samples)
+    else:
+        src = _PAIRS_IN.value
+        if Path(src).resolve() == (out_dir / "pairs.jsonl").resolve():
+            raise app.UsageError(f"--pairs_in {src} is the output file; choose another --out_dir")
+        records = pairs_lib.read_pairs(src, skip_malformed=_SKIP_MALFORMED.value, skipped=skipped)
+        pairs, audit = pairs_lib.filter_pairs(records, config)
+        n_records = len(records)
+    audit["input"] = {"path": os.fspath(src), "records": n_records, "skipped_malformed": len(skipped),
+                      "skipped_examples": skipped[:10]}
+    if _COHORT_SIZE.value > 0:
+        manifest = pairs_lib.freeze_cohort(pairs, out_dir, _COHORT_SIZE.value, seed=_SEED.value,
+                                           overwrite=_OVERWRITE.value, source=os.fspath(src))
+        audit["cohort"] = {"dir": os.fspath(out_dir / "cohort"), "size": manifest["size"],
+                           "seed": manifest["seed"], "sha256": manifest["sha256"]}
+    pairs_path, audit_path = pairs_lib.write_pairs(out_dir, pairs, audit)
+    print(pairs_lib.format_audit(audit))
+    print(f"wrote {pairs_path} and {audit_path}")
+    return audit
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        run()
+    except (JsonlError, pairs_lib.CohortError, FileExistsError, FileNotFoundError, ValueError) as e:
+        # Input problems: one clear line, not a traceback.
+        print(f"build_pairs: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,26 @@
+"""Shared pytest set-up: 8 fake CPU devices (sharding tests), offline HF, tiny reference checkpoints."""
+
+import os
+
+# Must be set before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_container(tmp_path_factory):
+    """(folder, torch model) of a tiny container checkpoint with perturbed norms, fp32."""
+    import hf_tiny
+    return hf_tiny.build_container(str(tmp_path_factory.mktemp("hf_container")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_text(tmp_path_factory):
+    """(folder, torch model) of a tiny text-only checkpoint whose GDN value heads are 3x the key heads."""
+    import hf_tiny
+    return hf_tiny.build_text(str(tmp_path_factory.mktemp("hf_text")), seed=1, linear_num_value_heads=6)
