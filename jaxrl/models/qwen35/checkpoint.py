@@ -181,18 +181,20 @@ def _atomic_save_safetensors(tensors: dict, path: str, metadata: Optional[dict])
 
 def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
                     tensor_transform: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
-                    layout: str = "container", metadata: Optional[dict] = None) -> str:
+                    layout: str = "container", extra_tensors: Optional[dict] = None,
+                    extra_config: Optional[dict] = None) -> str:
     """Write `model`'s language tower as an HF folder.
 
     With `base_dir` (the usual case): same layout, same shard files and index, same dtype per tensor as the base;
     every tensor that is not part of the language tower, and every non-weight file, is copied unchanged.
-    Without `base_dir`: a fresh folder (`layout` "container" or "text") with a generated config.json; used to
-    create test and demo checkpoints without torch (see `jaxrl.models.qwen35.tiny`).
+    Without `base_dir`: a fresh folder (`layout` "container" or "text") with a generated config.json, plus
+    `extra_tensors` (e.g. a vision tower) and `extra_config` keys merged into config.json; used to create test and
+    demo checkpoints without torch (see `jaxrl.models.qwen35.tiny`).
     `tensor_transform(hf_key, array)` may replace a tower tensor just before it is written (merged LoRA export).
     """
     os.makedirs(out_dir, exist_ok=True)
     if base_dir is None:
-        return _save_fresh(model, out_dir, layout, tensor_transform, metadata)
+        return _save_fresh(model, out_dir, layout, tensor_transform, extra_tensors or {}, extra_config or {})
     if os.path.abspath(base_dir) == os.path.abspath(out_dir):
         raise CheckpointError(f"save_pretrained: out_dir and base_dir are the same folder ({out_dir}); refusing "
                               "to overwrite the base checkpoint")
@@ -280,17 +282,16 @@ def hf_text_config_dict(cfg: Qwen35Config) -> dict:
     }
 
 
-def _save_fresh(model: Qwen35, out_dir: str, layout_kind: str, tensor_transform, metadata) -> str:
+def _save_fresh(model: Qwen35, out_dir: str, layout_kind: str, tensor_transform, extra_tensors: dict,
+                extra_config: dict) -> str:
     if layout_kind not in ("container", "text"):
         raise CheckpointError(f"layout must be 'container' or 'text', got {layout_kind!r}")
     layout = CONTAINER if layout_kind == "container" else TEXT_ONLY
-    tensors = {}
+    tensors = dict(extra_tensors)
     for name, var in base_params(model):
         key = hf_key(name, layout)
         value = np.asarray(jax.device_get(var[...]))
         tensors[key] = tensor_transform(key, value) if tensor_transform else value
-    if metadata:
-        tensors.update(metadata.get("extra_tensors", {}))
     _atomic_save_safetensors(tensors, os.path.join(out_dir, SINGLE_FILE), {"format": "pt"})
     text = hf_text_config_dict(model.config)
     if layout_kind == "text":
@@ -298,9 +299,7 @@ def _save_fresh(model: Qwen35, out_dir: str, layout_kind: str, tensor_transform,
     else:
         config = {"model_type": "qwen3_5", "architectures": list(CONTAINER.architectures),
                   "tie_word_embeddings": model.config.tie_word_embeddings, "text_config": text}
-        if metadata and "vision_config" in metadata:
-            config.update(metadata["container_extra"])
-            config["vision_config"] = metadata["vision_config"]
+    config.update(extra_config)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
         json.dump(config, f, indent=2)

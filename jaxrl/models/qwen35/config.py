@@ -182,6 +182,13 @@ def _text_config_from_hf(text: dict[str, Any], source: str, tie: bool) -> Qwen35
         if get(moe_key):
             raise ConfigError(f"{source}: `{moe_key}` is set: this is a Qwen3.5-MoE config; jaxrl supports the "
                               "dense Qwen3.5 models")
+    try:
+        return _build(get, source, tie, hidden, heads, num_layers, layer_types, theta, partial, eos)
+    except ConfigError as e:  # validation errors inside the dataclass: name the file
+        raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
+
+
+def _build(get, source, tie, hidden, heads, num_layers, layer_types, theta, partial, eos) -> "Qwen35Config":
     cfg = Qwen35Config(
         vocab_size=int(get("vocab_size", required=True)),
         hidden_size=hidden,

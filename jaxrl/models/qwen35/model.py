@@ -104,8 +104,8 @@ class Qwen35(nnx.Module):
         new_states = []
         for i, layer in enumerate(self.layers):
             state = None if cache is None else cache.layers[i]
-            if cache is None and REMAT_POLICIES[self.remat] is not None:
-                h = nnx.remat(lambda lyr, x, c: lyr(x, c, None)[0], policy=REMAT_POLICIES[self.remat])(layer, h, ctx)
+            if cache is None and self.remat != "none":
+                h = _remat_layer(layer, h, ctx, REMAT_POLICIES[self.remat])
             else:
                 h, state = layer(h, ctx, state)
             new_states.append(state)
@@ -133,6 +133,21 @@ class Qwen35(nnx.Module):
                 layers.append(KVState(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)))
         return Cache(tuple(layers), jnp.zeros((batch, max_length), bool), jnp.zeros((), jnp.int32),
                      jnp.zeros((batch,), jnp.int32))
+
+
+def _remat_layer(layer: DecoderLayer, h: jax.Array, ctx: StepContext, policy) -> jax.Array:
+    """One decoder layer under `jax.checkpoint` (training forward, no cache).
+
+    The layer is split into (graphdef, state) and merged again inside the checkpointed function, so the
+    checkpoint sees its weights as explicit inputs; this works under plain `jax.grad`/`jax.jit` of a merged
+    model (`nnx.remat` would try to write the inner trace's values back into the outer Variables).
+    """
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, c):
+        return nnx.merge(graphdef, state)(x, c, None)[0]
+
+    return jax.checkpoint(run, policy=policy)(state, h, ctx)
 
 
 def init_model(cfg: Qwen35Config, dtype=jnp.float32, seed: int = 0, remat: str = "none") -> Qwen35:

@@ -1,0 +1,161 @@
+"""Small rewards for demos and learning tests, behind the same interface as the code verifier.
+
+They read the expected answer from the problem: ``problem["answer"]`` when present (toy task records), else
+the output of the problem's first test (canonical coding problems). Reasoning is stripped first, as for code.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import re
+from fractions import Fraction
+from typing import Any, Callable, Sequence
+
+from jaxrl.rewards.base import (RewardResult, TruncationPolicy, check_batch, normalize_truncated,
+                                problem_field, truncated_result)
+from jaxrl.rewards.extract import strip_reasoning
+
+
+def expected_answer(problem: Any) -> str:
+    answer = problem_field(problem, "answer")
+    if answer is not None:
+        return str(answer)
+    tests = problem_field(problem, "tests")
+    if tests:
+        first = tests[0]
+        return str(first["output"] if isinstance(first, dict) else first.output)
+    raise KeyError("problem has neither an 'answer' nor tests to take the expected answer from")
+
+
+class _PerSampleReward:
+    """Shared batch logic: truncation, reasoning stripping, then a per-sample check."""
+
+    def __init__(self, truncation: TruncationPolicy = "zero"):
+        self.truncation = truncation
+
+    def check(self, answer: str, problem: Any) -> bool:
+        raise NotImplementedError
+
+    def score(self, completions: Sequence[str], problems: Sequence[Any],
+              truncated: Sequence[bool | str] | None = None) -> list[RewardResult]:
+        check_batch(completions, problems)
+        results = []
+        for completion, problem, cut in zip(completions, problems,
+                                            normalize_truncated(truncated, len(completions))):
+            if cut:
+                results.append(truncated_result(self.truncation))
+                continue
+            answer = strip_reasoning(completion)
+            if answer is None:
+                results.append(RewardResult.nothing_ran("unclosed_think", n_tests=1, status="wrong"))
+                continue
+            status = "pass" if self.check(answer, problem) else "wrong"
+            results.append(RewardResult.from_tests([status]))
+        return results
+
+
+class ExactMatchReward(_PerSampleReward):
+    """1 if the answer equals the expected one after stripping whitespace (optionally ignoring case)."""
+
+    def __init__(self, case_sensitive: bool = True, truncation: TruncationPolicy = "zero"):
+        super().__init__(truncation)
+        self.case_sensitive = case_sensitive
+
+    def check(self, answer: str, problem: Any) -> bool:
+        got, want = answer.strip(), expected_answer(problem).strip()
+        return got == want if self.case_sensitive else got.casefold() == want.casefold()
+
+
+class PatternReward(_PerSampleReward):
+    """1 if a regular expression matches the answer: ``pattern=`` here, or the problem's "pattern" field."""
+
+    def __init__(self, pattern: str | None = None, fullmatch: bool = False, flags: int = re.DOTALL,
+                 truncation: TruncationPolicy = "zero"):
+        super().__init__(truncation)
+        self.pattern = re.compile(pattern, flags) if pattern is not None else None
+        self.fullmatch, self.flags = fullmatch, flags
+
+    def check(self, answer: str, problem: Any) -> bool:
+        pattern = self.pattern
+        if pattern is None:
+            raw = problem_field(problem, "pattern")
+            if raw is None:
+                raise KeyError("PatternReward needs pattern= or a 'pattern' field in the problem")
+            pattern = re.compile(raw, self.flags)
+        text = answer.strip()
+        return bool(pattern.fullmatch(text) if self.fullmatch else pattern.search(text))
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def evaluate_arithmetic(expression: str) -> Fraction:
+    """Exact value of + - * / // % ** on numbers; nothing else is evaluated (no names, calls or attributes)."""
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > 64):
+                raise ValueError("only small integer powers are evaluated")
+            return Fraction(_BINARY[type(node.op)](left, right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](walk(node.operand))
+        raise ValueError(f"not plain arithmetic: {ast.dump(node)[:60]}")
+
+    return walk(ast.parse(expression, mode="eval"))
+
+
+class ArithmeticReward(_PerSampleReward):
+    """1 if the last number in the answer equals the problem's value within ``tolerance``.
+
+    The value is ``problem["answer"]`` (or the first test's output), or ``problem["expression"]`` evaluated
+    exactly, e.g. {"expression": "12 * (3 + 4)"} -> 84.
+    """
+
+    def __init__(self, tolerance: float = 1e-6, truncation: TruncationPolicy = "zero"):
+        super().__init__(truncation)
+        self.tolerance = tolerance
+
+    def check(self, answer: str, problem: Any) -> bool:
+        numbers = _NUMBER.findall(answer.replace(",", ""))
+        if not numbers:
+            return False
+        got = Fraction(numbers[-1])
+        expression = problem_field(problem, "expression")
+        want = evaluate_arithmetic(expression) if expression is not None else Fraction(expected_answer(problem).strip())
+        return math.isclose(float(got), float(want), rel_tol=0.0, abs_tol=self.tolerance) or got == want
+
+
+class FunctionReward(_PerSampleReward):
+    """Wraps a user function ``fn(answer, problem, **kwargs) -> bool | float | RewardResult``."""
+
+    def __init__(self, fn: Callable[..., Any], truncation: TruncationPolicy = "zero", **kwargs: Any):
+        super().__init__(truncation)
+        self.fn, self.kwargs = fn, kwargs
+
+    def score(self, completions, problems, truncated=None):  # noqa: D102 - see _PerSampleReward.score
+        check_batch(completions, problems)
+        results = []
+        for completion, problem, cut in zip(completions, problems,
+                                            normalize_truncated(truncated, len(completions))):
+            if cut:
+                results.append(truncated_result(self.truncation))
+                continue
+            value = self.fn(completion, problem, **self.kwargs)
+            if isinstance(value, RewardResult):
+                results.append(value)
+            else:
+                partial = float(value)
+                if not 0.0 <= partial <= 1.0:
+                    raise ValueError(f"{self.fn!r} returned {value!r}; rewards are in [0, 1]")
+                results.append(RewardResult(partial=partial, strict=partial >= 1.0, tests=[]))
+        return results
