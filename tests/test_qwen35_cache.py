@@ -49,6 +49,17 @@ def test_chunked_and_recurrent_agree_with_float64_reference(seq_len):
         np.testing.assert_allclose(np.asarray(state), ref_state, atol=5e-5, rtol=1e-4)
 
 
+def test_matmul_inverse_solve_equals_triangular_solve():
+    """The accelerator path ((I+N)^-1 by repeated squaring) agrees with XLA's triangular solve."""
+    inputs = random_inputs(5, seq_len=130)
+    a, sa = chunk_gated_delta_rule(*inputs, solve_method="triangular")
+    b, sb = chunk_gated_delta_rule(*inputs, solve_method="matmul")
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(sa), np.asarray(sb), atol=2e-5)
+    ref, _ = numpy_recurrence(*inputs)
+    np.testing.assert_allclose(np.asarray(b), ref, atol=5e-5, rtol=1e-4)
+
+
 def test_chunk_sizes_agree():
     inputs = random_inputs(3, seq_len=100)
     a, sa = chunk_gated_delta_rule(*inputs, chunk_size=64)

@@ -44,6 +44,29 @@ def _prepare(q, k, v, g, beta):
             jnp.swapaxes(beta.astype(f32), 1, 2))
 
 
+def solve_unit_lower(strict: jax.Array, rhs: jax.Array, method: str = "auto") -> jax.Array:
+    """X with (I + strict) X = rhs, for strictly lower-triangular `strict` [..., C, C] and rhs [..., C, n].
+
+    "triangular": XLA's triangular solve (fastest on CPU). "matmul": (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...
+    exactly, since N is nilpotent (N^C = 0); log2(C) squarings of C x C matrices, i.e. only matmuls, which is what
+    accelerators are good at (batched triangular solves are not). "auto" picks by backend.
+    """
+    if method == "auto":
+        method = "triangular" if jax.default_backend() == "cpu" else "matmul"
+    size = strict.shape[-1]
+    eye = jnp.eye(size, dtype=strict.dtype)
+    if method == "triangular":
+        return solve_triangular(strict + eye, rhs, lower=True, unit_diagonal=True)
+    if method != "matmul":
+        raise ValueError(f"method must be 'auto', 'triangular' or 'matmul', got {method!r}")
+    inverse, power, reach = eye - strict, strict, 1
+    while 2 * reach < size:  # after this loop `inverse` holds sum_{k < 2*reach} (-N)^k >= C terms
+        power = power @ power
+        inverse = inverse @ (eye + power)
+        reach *= 2
+    return inverse @ rhs
+
+
 def chunk_gated_delta_rule(
     q: jax.Array,  # [B, T, Hk, dk]
     k: jax.Array,  # [B, T, Hk, dk]
@@ -52,6 +75,7 @@ def chunk_gated_delta_rule(
     beta: jax.Array,  # [B, T, Hv]
     initial_state: Optional[jax.Array] = None,  # [B, Hv, dk, dv] fp32
     chunk_size: int = 64,
+    solve_method: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] fp32)."""
     out_dtype = v.dtype
@@ -77,9 +101,8 @@ def chunk_gated_delta_rule(
     v_beta = v * beta[..., None]
     # WY/UT representation of the C delta-rule updates of a chunk: solve (I + strictly_lower(A)) X = RHS.
     a_mat = jnp.einsum("...id,...jd->...ij", k_beta, k) * decay
-    system = jnp.tril(a_mat, -1) + jnp.eye(C, dtype=a_mat.dtype)
     rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    solved = solve_unit_lower(jnp.tril(a_mat, -1), rhs, solve_method)
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]  # [B,H,N,C,dv], [B,H,N,C,dk]
 
     intra = jnp.einsum("...id,...jd->...ij", q, k) * decay  # causal attention inside the chunk, diagonal kept

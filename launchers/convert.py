@@ -1,0 +1,48 @@
+"""Convert Qwen3.5 weights between a Hugging Face folder and an Orbax params folder.
+
+    # HF -> Orbax (e.g. once per cluster, so every host restores its shards directly)
+    python -m launchers.convert --to=orbax --src=/models/Qwen3.5-4B --out=/ckpt/qwen35_4b_orbax --dtype=bfloat16
+    # Orbax -> HF (language tower written into the layout of --base; vision tower, mtp, tokenizer kept)
+    python -m launchers.convert --to=hf --src=/ckpt/qwen35_4b_orbax --base=/models/Qwen3.5-4B --out=/models/out
+    # HF -> HF round trip (a check that load + save is lossless for this folder)
+    python -m launchers.convert --to=hf --src=/models/Qwen3.5-4B --base=/models/Qwen3.5-4B --out=/tmp/copy
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("to", None, ["orbax", "hf"], "Target format.")
+flags.DEFINE_string("src", None, "Source: an HF folder, or a jaxrl Orbax params folder (has jaxrl_model.json).")
+flags.DEFINE_string("out", None, "Output folder.")
+flags.DEFINE_string("base", None, "For --to=hf: the HF folder whose layout, dtypes and non-language files to keep.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "In-memory dtype while converting.")
+flags.mark_flags_as_required(["to", "src", "out"])
+
+
+def main(argv):
+    del argv
+    import jax.numpy as jnp
+
+    from jaxrl.models import qwen35
+    from jaxrl.models.qwen35.orbax_io import META_FILE, load_orbax_params, save_orbax_params
+
+    dtype = jnp.bfloat16 if FLAGS.dtype == "bfloat16" else jnp.float32
+    src_is_orbax = os.path.isfile(os.path.join(FLAGS.src, META_FILE))
+    model = (load_orbax_params(FLAGS.src, dtype=dtype) if src_is_orbax
+             else qwen35.from_pretrained(FLAGS.src, dtype=dtype))
+    if FLAGS.to == "orbax":
+        save_orbax_params(model, FLAGS.out, hf_source=None if src_is_orbax else os.path.abspath(FLAGS.src))
+    else:
+        if not FLAGS.base:
+            raise app.UsageError("--to=hf needs --base: the HF folder to take layout, dtypes and other files from")
+        qwen35.save_pretrained(model, FLAGS.out, base_dir=FLAGS.base)
+    print(f"convert: wrote {FLAGS.to} to {FLAGS.out} ({sum(1 for _ in qwen35.checkpoint.base_params(model))} "
+          f"tensors, dtype {FLAGS.dtype})")
+
+
+if __name__ == "__main__":
+    app.run(main)
