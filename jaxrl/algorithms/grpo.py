@@ -1,0 +1,456 @@
+"""GRPO objective math: group-relative advantages, the clipped surrogate, KL, and micro-batch-exact aggregation.
+
+Pure and jit-compatible; the trainer loop lives elsewhere. Definitions follow TRL's ``GRPOTrainer``
+(``_generate_and_score_completions`` and ``_compute_loss``, trl 1.16) and ``docs/algorithms.md`` section 2.2.
+
+Shapes: ``N`` completions = prompts x ``num_generations``, laid out prompt-major (prompt j's samples are
+``j*G ... j*G+G-1``, as ``jaxrl.rollout.generate`` returns them). A micro-batch holds ``b`` completions padded
+to ``T`` tokens; ``mask [b, T]`` is 1 on completion tokens that count in the loss.
+
+Micro-batch contract (the trainer relies on it)
+-----------------------------------------------
+The trainer splits one optimizer step's global batch (all micro-batches of the gradient-accumulation window,
+over all devices) into micro-batches and *sums* their losses / gradients -- it never divides by the number of
+micro-batches. Each micro-batch's loss is
+
+    contribution = sum_{i,t} per_token_loss[i, t] * weight[i, t],     weight = token_weights(mask, mode, norm)
+
+where ``norm = global_normalizers(global_mask, ...)`` is computed ONCE from the masks of the whole global batch
+before it is split, and passed unchanged to every micro-batch:
+
+==================  ==================================================  ==========================================
+mode                weight[i, t]                                        sum over micro-batches equals
+==================  ==================================================  ==========================================
+``sequence_mean``   mask / (max(len_i, 1) * num_sequences)              mean_i( sum_t l m / sum_t m )   (TRL grpo)
+``token_mean``      mask / num_tokens                                   sum l m / sum m over the global batch
+                                                                        (TRL dapo; verl/OpenRLHF token-mean)
+``dr_grpo``         mask / (num_sequences * max_completion_length)      sum l m / (B * L_max)           (Dr. GRPO)
+==================  ==================================================  ==========================================
+
+``len_i`` is sequence i's own active-token count (a sequence never straddles micro-batches). Because every
+weight is either local to a sequence or a global constant, the summed contributions -- and hence the summed
+gradients -- equal the full-batch loss exactly, for any split (1x8, 2x4, 8x1, ragged lengths). Rows that are pure
+padding (added to fill a micro-batch) have mask 0 and contribute nothing; exclude them from ``num_sequences`` by
+passing ``sequence_mask`` to :func:`global_normalizers`. ``max_completion_length`` must be the configured cap, not
+the padded width of a bucket. Metrics follow the same rule: :func:`token_metric_contributions` returns per-token
+means as additive contributions (divide by ``num_tokens``), so summing them over micro-batches gives global
+token means. Advantages must be computed on whole groups (before splitting), see :func:`compute_advantages`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jaxrl.algorithms import kl as kl_lib
+from jaxrl.algorithms import registry
+
+__all__ = [
+    "SCALE_REWARDS",
+    "AGGREGATIONS",
+    "LOSS_TYPE_AGGREGATION",
+    "combine_rewards",
+    "group_advantages",
+    "zero_variance_groups",
+    "compute_advantages",
+    "rloo_advantages",
+    "token_log_ratio",
+    "importance_log_weights",
+    "clipped_surrogate",
+    "rollout_importance_weights",
+    "Normalizers",
+    "global_normalizers",
+    "token_weights",
+    "aggregate_loss",
+    "reference_aggregate",
+    "grpo_loss",
+    "token_metric_contributions",
+    "clip_fraction",
+    "masked_mean",
+    "overlong_penalty",
+    "mask_truncated_completions",
+    "truncated_completions",
+]
+
+SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sequence_mean", "token_mean", "dr_grpo")
+# TRL loss_type -> our aggregation. TRL's bnpo normalises by the *local* batch's tokens; made micro-batch exact it
+# is the same as dapo's global token mean.
+LOSS_TYPE_AGGREGATION = {"grpo": "sequence_mean", "dapo": "token_mean", "bnpo": "token_mean", "dr_grpo": "dr_grpo"}
+
+_STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
+
+
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+    """``sum(x * mask) / max(sum(mask), 1)`` (masked entries never leak, even NaN)."""
+    m = jnp.asarray(mask) > 0
+    return jnp.sum(jnp.where(m, _f32(x), 0.0), axis=axis) / jnp.maximum(jnp.sum(m, axis=axis), 1)
+
+
+# ------------------------------------------------------------------------------------------------- advantages
+
+
+def combine_rewards(rewards_per_func: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Weighted sum of several reward functions: ``[N, K] -> [N]`` (TRL sum_then_normalize).
+
+    NaN (a reward function that returned None) counts as absent; a row with no reward at all is NaN, which the
+    advantage functions turn into advantage 0 and leave out of the group statistics.
+    """
+    r = _f32(rewards_per_func)
+    w = jnp.ones((r.shape[-1],), jnp.float32) if weights is None else _f32(weights)
+    valid = ~jnp.isnan(r)
+    total = jnp.sum(jnp.where(valid, r * w, 0.0), axis=-1)
+    return jnp.where(jnp.any(valid, axis=-1), total, jnp.nan)
+
+
+def _grouped(rewards, num_generations):
+    r = _f32(rewards)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be [N]; got shape {r.shape}")
+    if num_generations < 1 or r.shape[0] % num_generations:
+        raise ValueError(f"N={r.shape[0]} rewards do not split into groups of num_generations={num_generations}")
+    return r.reshape(-1, num_generations)
+
+
+def _nan_mean_std(x, axis):
+    """NaN-ignoring mean and Bessel-corrected std along ``axis`` (keepdims). Fewer than 2 values -> std NaN
+    (TRL ``nanstd``); no values -> mean NaN."""
+    valid = ~jnp.isnan(x)
+    n = jnp.sum(valid, axis=axis, keepdims=True).astype(jnp.float32)
+    xs = jnp.where(valid, x, 0.0)
+    mean = jnp.sum(xs, axis=axis, keepdims=True) / jnp.where(n > 0, n, jnp.nan)
+    sq = jnp.sum(jnp.where(valid, (x - mean) ** 2, 0.0), axis=axis, keepdims=True)
+    std = jnp.sqrt(sq / jnp.where(n > 1, n - 1.0, jnp.nan))
+    return mean, std
+
+
+def group_advantages(
+    rewards: jax.Array, num_generations: int, scale_rewards: str = "group", eps: float = _STD_EPS
+) -> jax.Array:
+    """GRPO advantages ``[N] -> [N]`` float32: ``(r - mean_group) / (std + eps)``.
+
+    ``scale_rewards``: "group" (std of the group), "batch" (std of all N rewards; the mean is still the group's,
+    as in TRL), "none" (no division: Dr. GRPO). std is Bessel-corrected; NaN rewards are ignored in the group
+    statistics and get advantage 0, as does every member of a group whose std is undefined (fewer than two
+    scored members).
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}; got {scale_rewards!r}")
+    g = _grouped(rewards, num_generations)
+    mean, std = _nan_mean_std(g, axis=1)
+    adv = g - mean
+    if scale_rewards == "group":
+        adv = adv / (std + eps)
+    elif scale_rewards == "batch":
+        _, bstd = _nan_mean_std(g.reshape(-1), axis=0)
+        adv = adv / (bstd + eps)
+    adv = adv.reshape(-1)
+    return jnp.where(jnp.isnan(adv), 0.0, adv)
+
+
+def zero_variance_groups(rewards: jax.Array, num_generations: int, atol: float = 1e-6) -> jax.Array:
+    """``[N]`` bool: True for every member of a group whose (NaN-ignoring) rewards are all equal (or that has
+    fewer than two scored members). Such groups carry no GRPO signal; DAPO's dynamic sampling drops them."""
+    g = _grouped(rewards, num_generations)
+    _, std = _nan_mean_std(g, axis=1)
+    flag = jnp.isnan(std) | (std <= atol)
+    return jnp.broadcast_to(flag, g.shape).reshape(-1)
+
+
+def rloo_advantages(rewards: jax.Array, num_generations: int) -> jax.Array:
+    """REINFORCE leave-one-out: ``r_i - mean_{j != i} r_j`` within the group, ``[N] -> [N]`` (NaN-safe; a member
+    with no scored peer gets 0)."""
+    g = _grouped(rewards, num_generations)
+    valid = ~jnp.isnan(g)
+    n = jnp.sum(valid, axis=1, keepdims=True).astype(jnp.float32)
+    s = jnp.sum(jnp.where(valid, g, 0.0), axis=1, keepdims=True)
+    adv = g - (s - jnp.where(valid, g, 0.0)) / jnp.where(n > 1, n - 1.0, jnp.nan)
+    adv = jnp.where(valid, adv, jnp.nan).reshape(-1)
+    return jnp.where(jnp.isnan(adv), 0.0, adv)
+
+
+# Registered estimators: fn(rewards [N], num_generations) -> [N].
+registry.register("advantage", "grpo")(lambda r, g: group_advantages(r, g, "group"))
+registry.register("advantage", "grpo_batch_std")(lambda r, g: group_advantages(r, g, "batch"))
+registry.register("advantage", "dr_grpo")(lambda r, g: group_advantages(r, g, "none"))
+registry.register("advantage", "rloo")(rloo_advantages)
+
+
+def compute_advantages(rewards: jax.Array, num_generations: int, estimator: str = "grpo") -> jax.Array:
+    """Advantages ``[N]`` by registry name: grpo, grpo_batch_std, dr_grpo, rloo, or a loaded plug-in."""
+    adv = jnp.asarray(registry.get("advantage", estimator)(rewards, num_generations), jnp.float32)
+    if adv.shape != jnp.shape(rewards):
+        raise ValueError(f"advantage estimator {estimator!r} returned {adv.shape}; expected {jnp.shape(rewards)}")
+    return adv
+
+
+# ------------------------------------------------------------------------------------------------- surrogate
+
+
+def token_log_ratio(logp: jax.Array, old_logp: jax.Array) -> jax.Array:
+    """``log pi_theta - log pi_old`` per token, ``[B, T]`` float32."""
+    return _f32(logp) - _f32(old_logp)
+
+
+def importance_log_weights(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, level: str = "token"):
+    """Log importance weights: ``[B, T]`` (token) or ``[B, 1]`` (sequence, GSPO: the masked mean of the token
+    log-ratios, so the sequence ratio is the geometric mean of the token ratios)."""
+    lr = token_log_ratio(logp, old_logp)
+    if level == "token":
+        return lr
+    if level == "sequence":
+        return masked_mean(lr, mask, axis=-1)[:, None]
+    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}")
+
+
+def clipped_surrogate(
+    log_ratio: jax.Array,
+    advantages: jax.Array,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    dual_clip: float | None = None,
+) -> jax.Array:
+    """PPO/GRPO clipped policy loss per token: ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``.
+
+    ``log_ratio`` ``[B, T]`` or ``[B, 1]``; ``advantages`` ``[B]`` or ``[B, T]``; returns the broadcast shape
+    (unmasked; aggregation applies the mask). ``delta`` (INTELLECT-2): the unclipped ratio is also capped at
+    delta, bounding the loss for negative advantages. ``dual_clip`` (verl ``clip_ratio_c``, > 1): for A < 0 the
+    loss is capped at ``-A * dual_clip``.
+    """
+    eh = epsilon_low if epsilon_high is None else epsilon_high
+    a = _f32(advantages)
+    if a.ndim == 1:
+        a = a[:, None]
+    rho = jnp.exp(_f32(log_ratio))
+    rho_clipped = jnp.clip(rho, 1.0 - epsilon_low, 1.0 + eh)
+    if delta is not None:
+        rho = jnp.minimum(rho, delta)
+    loss = -jnp.minimum(rho * a, rho_clipped * a)
+    if dual_clip is not None:
+        loss = jnp.where(a < 0, jnp.minimum(loss, -a * dual_clip), loss)
+    return loss
+
+
+def clip_fraction(
+    log_ratio: jax.Array, advantages: jax.Array, epsilon_low: float = 0.2, epsilon_high: float | None = None
+) -> dict[str, jax.Array]:
+    """Per-token 0/1 float indicators where the clip binds: ``low`` (rho < 1-eps_low and A < 0), ``high``
+    (rho > 1+eps_high and A > 0) and ``region`` (either). Average them with a mask (``masked_mean``)."""
+    eh = epsilon_low if epsilon_high is None else epsilon_high
+    a = _f32(advantages)
+    if a.ndim == 1:
+        a = a[:, None]
+    rho = jnp.exp(_f32(log_ratio))
+    low = (rho < 1.0 - epsilon_low) & (a < 0)
+    high = (rho > 1.0 + eh) & (a > 0)
+    f = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return {"low": f(low), "high": f(high), "region": f(low | high)}
+
+
+def rollout_importance_weights(
+    old_logp: jax.Array,
+    sampling_logp: jax.Array,
+    mask: jax.Array,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> jax.Array:
+    """Correction for the rollout engine's numerics differing from the trainer's (TRL's vLLM IS correction).
+
+    w = exp(old_logp - sampling_logp) per token (``token_*``, ``[B, T]``) or exp of its masked SUM per sequence
+    (``sequence_*``, ``[B, 1]``; a product of token ratios, as TRL). ``*_truncate`` clamps w to
+    [clip_min, clip_max]; ``*_mask`` zeroes w outside it. NaN sampling log-probs count as ratio 1. The result is a
+    constant (no gradient); multiply the per-token policy loss by it before adding KL.
+    """
+    m = jnp.asarray(mask) > 0
+    diff = jnp.where(m, _f32(old_logp) - _f32(sampling_logp), 0.0)
+    diff = jnp.where(jnp.isnan(diff), 0.0, diff)
+    if mode.startswith("sequence_"):
+        diff = jnp.sum(diff, axis=-1, keepdims=True)
+    elif not mode.startswith("token_"):
+        raise ValueError(f"unknown mode {mode!r}: token_truncate, token_mask, sequence_truncate, sequence_mask")
+    w = jnp.exp(diff)
+    lo = -jnp.inf if clip_min is None else clip_min
+    hi = jnp.inf if clip_max is None else clip_max
+    if mode.endswith("_truncate"):
+        w = jnp.clip(w, lo, hi)
+    elif mode.endswith("_mask"):
+        w = jnp.where((w < lo) | (w > hi), 0.0, w)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return jax.lax.stop_gradient(w)
+
+
+# ------------------------------------------------------------------------------------------------- aggregation
+
+
+class Normalizers(NamedTuple):
+    """Global-batch constants of the aggregation (see the module docstring). Scalars, float32."""
+
+    num_sequences: jax.Array  # sequences in the whole accumulated batch
+    num_tokens: jax.Array  # active completion tokens in the whole accumulated batch
+    max_completion_length: jax.Array  # the configured completion cap (dr_grpo)
+
+
+def global_normalizers(
+    mask: jax.Array, max_completion_length: int | None = None, sequence_mask: jax.Array | None = None
+) -> Normalizers:
+    """Normalisers from the masks ``[B_global, T]`` of the whole batch of one optimizer step.
+
+    ``max_completion_length`` defaults to ``T``; ``sequence_mask [B_global]`` (1 = real sequence) excludes
+    padding rows from ``num_sequences``. Counts are clamped to >= 1 so an all-masked batch yields loss 0.
+    """
+    m = jnp.asarray(mask) > 0
+    n_seq = m.shape[0] if sequence_mask is None else jnp.sum(jnp.asarray(sequence_mask) > 0)
+    L = m.shape[-1] if max_completion_length is None else max_completion_length
+    return Normalizers(
+        num_sequences=jnp.maximum(_f32(n_seq), 1.0),
+        num_tokens=jnp.maximum(jnp.sum(m).astype(jnp.float32), 1.0),
+        max_completion_length=_f32(L),
+    )
+
+
+def token_weights(mask: jax.Array, aggregation: str, normalizers: Normalizers) -> jax.Array:
+    """Per-token loss weights ``[b, T]`` float32 of one micro-batch (table in the module docstring)."""
+    m = (jnp.asarray(mask) > 0).astype(jnp.float32)
+    if aggregation == "token_mean":
+        return m / normalizers.num_tokens
+    if aggregation == "sequence_mean":
+        length = jnp.maximum(jnp.sum(m, axis=-1, keepdims=True), 1.0)
+        return m / (length * normalizers.num_sequences)
+    if aggregation == "dr_grpo":
+        return m / (normalizers.num_sequences * normalizers.max_completion_length)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")
+
+
+def aggregate_loss(per_token_loss: jax.Array, weights: jax.Array) -> jax.Array:
+    """``sum(per_token_loss * weights)``: one micro-batch's additive contribution (zero-weight entries never
+    leak, even NaN/inf)."""
+    w = _f32(weights)
+    return jnp.sum(jnp.where(w != 0, _f32(per_token_loss) * w, 0.0))
+
+
+def reference_aggregate(
+    per_token_loss: jax.Array, mask: jax.Array, aggregation: str, max_completion_length: int | None = None
+) -> jax.Array:
+    """The one-batch definitions (TRL's formulas), for tests and single-batch use; equals
+    ``aggregate_loss(l, token_weights(mask, agg, global_normalizers(mask, L)))``."""
+    m = (jnp.asarray(mask) > 0).astype(jnp.float32)
+    lm = jnp.where(m > 0, _f32(per_token_loss), 0.0)
+    if aggregation == "token_mean":
+        return jnp.sum(lm) / jnp.maximum(jnp.sum(m), 1.0)
+    if aggregation == "sequence_mean":
+        return jnp.mean(jnp.sum(lm, -1) / jnp.maximum(jnp.sum(m, -1), 1.0))
+    if aggregation == "dr_grpo":
+        L = m.shape[-1] if max_completion_length is None else max_completion_length
+        return jnp.sum(lm) / (m.shape[0] * L)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")
+
+
+def token_metric_contributions(
+    per_token: dict[str, jax.Array], mask: jax.Array, normalizers: Normalizers
+) -> dict[str, jax.Array]:
+    """``{name: sum(x * mask) / num_tokens}`` per metric: additive over micro-batches, summing to the global
+    token mean. ``[b, 1]`` (sequence-level) entries are broadcast over the sequence's tokens."""
+    w = token_weights(mask, "token_mean", normalizers)
+    return {k: aggregate_loss(jnp.broadcast_to(_f32(v), w.shape), w) for k, v in per_token.items()}
+
+
+# ------------------------------------------------------------------------------------------------- objective
+
+
+def grpo_loss(
+    logp: jax.Array,
+    old_logp: jax.Array | None,
+    advantages: jax.Array,
+    mask: jax.Array,
+    normalizers: Normalizers,
+    *,
+    ref_logp: jax.Array | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    aggregation: str = "token_mean",
+    sampling_weights: jax.Array | None = None,
+    entropies: jax.Array | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One micro-batch's GRPO loss contribution and metric contributions.
+
+    ``logp``, ``old_logp``, ``ref_logp``, ``mask``: ``[b, T]``; ``advantages``: ``[b]`` (or ``[b, T]``);
+    ``old_logp=None`` means on-policy (``stop_gradient(logp)``: ratio 1, gradient of ``A * logp``).
+    Per token: ``l = clipped_surrogate(...) * sampling_weights + beta * KL_estimator(logp, ref_logp)``, then
+    ``contribution = sum(l * token_weights(mask, aggregation, normalizers))``. TRL defaults: aggregation
+    token_mean (loss_type dapo), beta 0; TRL's loss_type maps through ``LOSS_TYPE_AGGREGATION``.
+
+    ``beta`` must be a Python number (``beta == 0`` skips the reference entirely). ``entropies`` ``[b, T]``
+    (per-token entropies of the policy) adds an ``entropy`` metric and, with ``entropy_coef``, the bonus
+    ``- entropy_coef * token_mean(entropy)`` (a token mean whatever the aggregation, as TRL).
+
+    Metrics (each additive over micro-batches, see :func:`token_metric_contributions`): ``policy_loss`` (token
+    mean of the surrogate), ``ratio``, ``clip_fraction/low``, ``clip_fraction/high``, ``clip_fraction/region``,
+    ``kl`` when ``beta != 0``, ``entropy`` when given.
+    """
+    chex.assert_rank(mask, 2)
+    chex.assert_equal_shape([logp, mask] + ([] if old_logp is None else [old_logp]))
+    chex.assert_axis_dimension(jnp.asarray(advantages), 0, mask.shape[0])
+    old = jax.lax.stop_gradient(_f32(logp)) if old_logp is None else _f32(old_logp)
+    log_w = importance_log_weights(logp, old, mask, importance_sampling_level)
+    pg = clipped_surrogate(log_w, advantages, epsilon_low, epsilon_high, delta)
+    if sampling_weights is not None:
+        pg = pg * _f32(sampling_weights)
+    per_token = pg
+    sg = jax.lax.stop_gradient
+    per_token_metrics = {"policy_loss": sg(pg), "ratio": sg(jnp.exp(log_w))}
+    clips = clip_fraction(sg(log_w), advantages, epsilon_low, epsilon_high)
+    per_token_metrics.update({f"clip_fraction/{k}": v for k, v in clips.items()})
+    if beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("beta != 0 needs ref_logp")
+        kl = kl_lib.kl(logp, ref_logp, kl_estimator)
+        per_token = per_token + beta * kl
+        per_token_metrics["kl"] = sg(kl)
+    w = token_weights(mask, aggregation, normalizers)
+    loss = aggregate_loss(jnp.broadcast_to(per_token, w.shape), w)
+    if entropies is not None:
+        per_token_metrics["entropy"] = sg(_f32(entropies))
+        if entropy_coef:
+            loss = loss - entropy_coef * aggregate_loss(entropies, token_weights(mask, "token_mean", normalizers))
+    return loss, token_metric_contributions(per_token_metrics, mask, normalizers)
+
+
+# ------------------------------------------------------------------------------------------------- shaping
+
+
+def overlong_penalty(lengths: jax.Array, max_length: int, buffer: int, penalty_factor: float = 1.0) -> jax.Array:
+    """DAPO soft overlong punishment ``[N] -> [N]`` (<= 0), added to the reward: 0 up to
+    ``max_length - buffer`` tokens, then linear down to ``-penalty_factor`` at ``max_length`` (and beyond)."""
+    if buffer <= 0:
+        raise ValueError("buffer must be > 0")
+    exceed = _f32(lengths) - (max_length - buffer)
+    return -penalty_factor * jnp.clip(exceed / buffer, 0.0, 1.0)
+
+
+def truncated_completions(completion_ids: jax.Array, mask: jax.Array, eos_token_ids) -> jax.Array:
+    """``[B]`` bool: True when no completion token is a stop token (the completion hit the length cap)."""
+    ids = jnp.asarray(completion_ids)
+    is_eos = jnp.isin(ids, jnp.asarray(tuple(eos_token_ids), ids.dtype)) & (jnp.asarray(mask) > 0)
+    return ~jnp.any(is_eos, axis=-1)
+
+
+def mask_truncated_completions(mask: jax.Array, truncated: jax.Array) -> jax.Array:
+    """Zero the loss mask ``[B, T]`` of truncated completions (``truncated [B]`` bool, e.g. finish_reason ==
+    "length"), so they give no gradient (TRL ``mask_truncated_completions``). Keep the original mask for the
+    normalisers only if truncated tokens should still count in the denominators (TRL does not)."""
+    return jnp.asarray(mask) * (~jnp.asarray(truncated, bool))[:, None].astype(jnp.asarray(mask).dtype)
