@@ -1,0 +1,143 @@
+"""Checkpoint curves: every evaluation metric per optimizer step, with its paired interval vs the base.
+
+Input is an evaluation's ``results.json`` (``formats.RESULTS``) holding ``base`` and checkpoints ``step_<N>``.
+The interval of a checkpoint is its results.json comparison row against the baseline; where that row is absent
+and the per-sample files are given, it is computed with ``jaxrl.evaluation.stats.compare`` (the same paired
+bootstrap the evaluator uses).
+
+Selecting the best of m checkpoints and quoting its 95% interval overstates the evidence. When samples are
+available, the best checkpoint also gets a Bonferroni-adjusted interval (confidence ``1 - (1 - c) / m``) and
+``flags.early_gain_not_significant`` uses it.
+
+Output (``curves.json``)::
+
+    {"baseline": "base", "confidence": 0.95, "n_checkpoints": m,
+     "metrics": {METRIC: {"higher_is_better": bool,
+                          "points": [{"step", "model", "value", "n_prompts", "n_samples",
+                                      "diff", "ci_low", "ci_high", "n_pairs", "confidence", "ci_crosses_zero",
+                                      optional "ci_low_adjusted", "ci_high_adjusted", "adjusted_confidence",
+                                      "n_checkpoints"}, ...]}},     # sorted by step; the base is step 0, diff 0
+     "flags": [Flag.to_dict(), ...]}
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics.formats import BASE_MODEL, available_samples, model_step, read_results, read_samples
+from jaxrl.evaluation.metrics import per_prompt_values
+from jaxrl.evaluation.stats import compare
+
+__all__ = ["CURVE_METRICS", "FLAG_METRICS", "checkpoint_curves", "curves_from_eval_dir", "load_eval_samples"]
+
+CURVE_METRICS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
+FLAG_METRICS = ("partial_reward_mean", "strict_rate")  # the task metrics; the others are descriptive
+_LOWER_IS_BETTER = ("truncation_rate",)
+
+
+def load_eval_samples(eval_dir: str | os.PathLike, names: Optional[Sequence[str]] = None) -> dict[str, list]:
+    """``{model: SAMPLES records}`` for the sample files under ``eval_dir/samples`` (only ``names`` if given)."""
+    files = available_samples(eval_dir)
+    return {n: read_samples(p) for n, p in files.items() if names is None or n in names}
+
+
+def _comparison_index(results: Mapping) -> dict[tuple[str, str, str], Mapping]:
+    return {(c["model"], c["baseline"], c["metric"]): c for c in results.get("comparisons", [])}
+
+
+def checkpoint_curves(
+    results: Mapping | str | os.PathLike,
+    *,
+    metrics: Sequence[str] = CURVE_METRICS,
+    baseline: str = BASE_MODEL,
+    samples: Optional[Mapping[str, Sequence[Mapping]]] = None,
+    confidence: float = 0.95,
+    n_resamples: int = 10000,
+    seed: int = 0,
+    tol: float = 0.0,
+    flag_metrics: Sequence[str] = FLAG_METRICS,
+) -> dict:
+    """Curves over checkpoints with intervals and flags (see the module docstring for the output).
+
+    Args:
+      results: a results.json dict, or its path / folder.
+      metrics: metrics to trace (keys of each model entry).
+      baseline: the step-0 model every checkpoint is compared with.
+      samples: ``{model: SAMPLES records}`` used for missing comparisons and the selection-adjusted interval
+        (e.g. :func:`load_eval_samples`); optional.
+      confidence, n_resamples, seed: of any interval computed here (results.json intervals are used as they are).
+      tol: moves of at most ``tol`` count as flat for the non-monotonic flag.
+      flag_metrics: metrics whose shape is flagged (non-monotonic, early gain not significant).
+    """
+    if not isinstance(results, Mapping):
+        results = read_results(results)
+    models = results["models"]
+    if baseline not in models:
+        raise KeyError(f"baseline {baseline!r} is not among the evaluated models {sorted(models)}")
+    ckpts = sorted(((model_step(n, e), n) for n, e in models.items() if n != baseline
+                    and model_step(n, e) is not None), key=lambda t: t[0])
+    index = _comparison_index(results)
+    samples = dict(samples or {})
+    per_prompt = {}
+
+    def pp(name):
+        if name not in per_prompt:
+            per_prompt[name] = per_prompt_values(samples[name])
+        return per_prompt[name]
+
+    def computed(name, metric, conf):
+        rows = compare({name: pp(name), baseline: pp(baseline)}, baseline=baseline, metrics=[metric],
+                       n_resamples=n_resamples, confidence=conf, seed=seed)
+        return rows[0]
+
+    out_metrics = {}
+    flags: list[Optional[F.Flag]] = []
+    m = len(ckpts)
+    for metric in metrics:
+        if any(models[n].get(metric) is None for _, n in ckpts) or models[baseline].get(metric) is None:
+            continue
+        base_entry = models[baseline]
+        points = [{"step": model_step(baseline, base_entry) or 0, "model": baseline,
+                   "value": base_entry[metric], "n_prompts": base_entry["n_prompts"],
+                   "n_samples": base_entry["n_samples"], "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0,
+                   "n_pairs": base_entry["n_prompts"], "confidence": None, "ci_crosses_zero": True}]
+        for step, name in ckpts:
+            e = models[name]
+            row = index.get((name, baseline, metric))
+            if row is None and name in samples and baseline in samples:
+                row = computed(name, metric, confidence)
+            pt = {"step": step, "model": name, "value": e[metric], "n_prompts": e["n_prompts"],
+                  "n_samples": e["n_samples"], "diff": None, "ci_low": None, "ci_high": None, "n_pairs": None,
+                  "confidence": None, "ci_crosses_zero": None}
+            if row is not None:
+                pt.update(diff=row["diff"], ci_low=row["ci_low"], ci_high=row["ci_high"], n_pairs=row["n_pairs"],
+                          confidence=row.get("confidence", confidence),
+                          ci_crosses_zero=bool(row["ci_low"] <= 0.0 <= row["ci_high"]))
+            points.append(pt)
+        higher = metric not in _LOWER_IS_BETTER
+        with_ci = [p for p in points[1:] if p["diff"] is not None]
+        if metric in flag_metrics and with_ci and m > 1:
+            best = max(with_ci, key=lambda p: p["diff"])
+            best["n_checkpoints"] = m
+            if best["diff"] > 0 and best["model"] in samples and baseline in samples:
+                adj = 1.0 - (1.0 - confidence) / m
+                row = computed(best["model"], metric, adj)
+                best.update(ci_low_adjusted=row["ci_low"], ci_high_adjusted=row["ci_high"],
+                            adjusted_confidence=adj)
+        out_metrics[metric] = {"higher_is_better": higher, "points": points}
+        if metric in flag_metrics:
+            flags.append(F.non_monotonic_checkpoints(metric, [p["step"] for p in points],
+                                                     [p["value"] for p in points], tol=tol,
+                                                     n_prompts=base_entry["n_prompts"], higher_is_better=higher))
+            flags.extend(F.early_gain_not_significant(metric, with_ci))
+    return {"baseline": baseline, "confidence": confidence, "n_checkpoints": m, "metrics": out_metrics,
+            "flags": [f.to_dict() for f in F.sort_flags(flags)]}
+
+
+def curves_from_eval_dir(eval_dir: str | os.PathLike, **kwargs) -> dict:
+    """:func:`checkpoint_curves` of ``eval_dir/results.json`` with the sample files it has."""
+    eval_dir = Path(eval_dir)
+    return checkpoint_curves(read_results(eval_dir), samples=load_eval_samples(eval_dir), **kwargs)

@@ -1,0 +1,464 @@
+"""The run report: one self-contained ``report.html`` (inline CSS, PNG plots as base64 data URIs, no scripts,
+no external resources), readable offline in any browser.
+
+    from jaxrl.diagnostics.report import build_report
+    path = build_report("runs/dpo_4b")                 # -> runs/dpo_4b/report.html
+
+Sections: flags (plain-language, errors first), run summary + config, training curves, evaluation table with
+intervals, checkpoint curves, termination, pair audit, generation diffs, drift. What it reads (``formats``):
+``metrics.jsonl``, ``config.json``, ``eval/results.json``, ``eval/samples/*.jsonl`` and the diagnostics in
+``diagnostics/*.json`` (written by ``launchers.diagnose``). Diagnostics that are cheap and need no model are
+computed here when their JSON is absent: checkpoint curves and termination (from eval/), generation diffs
+(base vs the best checkpoint and vs the last one, from eval/samples), and the static pair audit (when a pairs
+file is given). Drift needs a model and the semantic pair audit runs code, so they come only from their JSON
+(or ``problems=`` for the semantic audit). A section without data says how to produce it.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from jaxrl.data.jsonl import atomic_write_text
+from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics import plots
+from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples
+from jaxrl.diagnostics.formats import (BASE_MODEL, EVAL_DIR, METRICS_FILE, REPORT_FILE, diagnostics_path,
+                                       model_step, read_config, read_diagnostic, read_results,
+                                       read_training_metrics)
+from jaxrl.diagnostics.generation_diff import diff_generations
+from jaxrl.diagnostics.pair_audit import audit_pairs
+from jaxrl.diagnostics.termination import termination_analysis
+
+__all__ = ["collect", "render_html", "build_report", "default_diff_pairs"]
+
+_COLLAPSE_AFTER = 4  # more flags than this with one code are folded into one line with a details list
+
+
+# --------------------------------------------------------------------------------------------- collecting
+
+
+def default_diff_pairs(results: Mapping, samples: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(base, best checkpoint by partial-reward diff) and (base, last checkpoint), where samples exist."""
+    if BASE_MODEL not in samples:
+        return []
+    ckpts = sorted((model_step(n, e), n) for n, e in results["models"].items()
+                   if n != BASE_MODEL and n in samples and model_step(n, e) is not None)
+    others = [n for n in results["models"] if n != BASE_MODEL and n in samples and model_step(n, results["models"][n])
+              is None]
+    names: list[str] = []
+    if ckpts:
+        base_v = results["models"][BASE_MODEL]["partial_reward_mean"]
+        best = max(ckpts, key=lambda t: (results["models"][t[1]]["partial_reward_mean"] - base_v, -t[0]))[1]
+        names = [best] + ([ckpts[-1][1]] if ckpts[-1][1] != best else [])
+    elif others:
+        names = others[:1]
+    return [(BASE_MODEL, n) for n in names]
+
+
+def _kl_reward_flag(drift: Optional[Mapping], curves: Optional[Mapping], metrics: Sequence[Mapping]):
+    """KL rising while held-out reward falls: drift KL (or the training ``kl`` at the checkpoint steps) vs the
+    checkpoint curve of partial reward."""
+    if not curves or "partial_reward_mean" not in curves.get("metrics", {}):
+        return None
+    pts = curves["metrics"]["partial_reward_mean"]["points"]
+    reward = {p["step"]: p["value"] for p in pts}
+    kl: dict[int, float] = {}
+    if drift:
+        kl = {r["step"]: r["kl_to_base"] for r in drift.get("per_step", []) if r.get("kl_to_base") is not None}
+        kl.setdefault(0, 0.0)
+    else:
+        logged = [(r["step"], r["kl"]) for r in metrics if isinstance(r.get("kl"), (int, float))]
+        for s in reward:
+            before = [v for st, v in logged if st <= s]
+            if before:
+                kl[s] = before[-1]
+    steps = sorted(set(kl) & set(reward))
+    return F.kl_rising_reward_falling(steps, [kl[s] for s in steps], [reward[s] for s in steps],
+                                      n=pts[0].get("n_prompts"), reward_name="held-out partial reward")
+
+
+def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike] = None,
+            pairs: Optional[str | os.PathLike] = None, problems=None,
+            diff_models: Optional[Sequence[tuple[str, str]]] = None, sample_size: int = 20, seed: int = 0) -> dict:
+    """Everything the report shows, as plain dicts (see the module docstring for the sources)."""
+    workdir = Path(workdir)
+    eval_dir = Path(eval_dir) if eval_dir else workdir / EVAL_DIR
+    data: dict[str, Any] = {"workdir": os.fspath(workdir), "config": read_config(workdir), "notes": []}
+    mpath = workdir / METRICS_FILE
+    data["metrics"] = read_training_metrics(mpath) if mpath.is_file() else []
+    results = read_results(eval_dir) if (eval_dir / "results.json").is_file() else None
+    data["results"] = results
+    samples = load_eval_samples(eval_dir) if eval_dir.is_dir() else {}
+    data["sample_models"] = {n: len(r) for n, r in samples.items()}
+
+    data["curves"] = read_diagnostic(diagnostics_path(workdir, "curves"))
+    if data["curves"] is None and results and len(results["models"]) > 1 and BASE_MODEL in results["models"]:
+        data["curves"] = checkpoint_curves(results, samples=samples, seed=seed)
+    data["termination"] = read_diagnostic(diagnostics_path(workdir, "termination"))
+    if data["termination"] is None and samples:
+        data["termination"] = termination_analysis(samples)
+    data["diffs"] = []
+    stored = read_diagnostic(diagnostics_path(workdir, "diff"))
+    if stored is not None:
+        data["diffs"].append(stored)
+    elif results and samples:
+        for a, b in (diff_models if diff_models is not None else default_diff_pairs(results, samples)):
+            data["diffs"].append(diff_generations(samples[a], samples[b], name_a=a, name_b=b, max_examples=10))
+    data["pairs"] = read_diagnostic(diagnostics_path(workdir, "pairs"))
+    if pairs is not None:
+        data["pairs"] = audit_pairs(pairs, problems=problems, sample_size=sample_size, seed=seed)
+    data["drift"] = read_diagnostic(diagnostics_path(workdir, "drift"))
+
+    flags: list = [F.nonfinite_updates(data["metrics"])] if data["metrics"] else []
+    if results:
+        term_models = (data["termination"] or {}).get("models", {})
+        for name, m in results["models"].items():
+            cap = results.get("max_new_tokens") or term_models.get(name, {}).get("max_new_tokens")
+            flags.append(F.truncation_censoring(name, m["truncation_rate"], m["n_samples"], max_new_tokens=cap))
+        for c in results.get("comparisons", []):
+            if c["metric"] in ("partial_reward_mean", "strict_rate"):
+                flags.append(F.interval_crosses_zero(c))
+    flags.append(_kl_reward_flag(data["drift"], data["curves"], data["metrics"]))
+    as_flags = [f for f in F.sort_flags(flags)]
+    # Flags the diagnostics computed themselves (dicts); truncation from results.json already covers termination.
+    extra = []
+    for section in ("curves", "pairs"):
+        extra += (data[section] or {}).get("flags", [])
+    for d in data["diffs"]:
+        extra += d.get("flags", [])
+    if not results and data["termination"]:
+        extra += data["termination"].get("flags", [])
+    all_flags = [f.to_dict() for f in as_flags] + list(extra)
+    all_flags.sort(key=lambda f: F.SEVERITIES.index(f["severity"]))
+    data["flags"] = all_flags
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;color:#222;
+line-height:1.4;padding:0 12px}
+h1{font-size:24px;margin-bottom:4px}h2{font-size:19px;border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:34px}
+h3{font-size:15px;margin-top:18px}
+table{border-collapse:collapse;margin:8px 0 14px;font-size:13px}
+th,td{border:1px solid #ccc;padding:3px 7px;text-align:right;vertical-align:top}
+th{background:#f2f2f2}td.l,th.l{text-align:left}
+img{max-width:100%;border:1px solid #eee;margin:6px 0}
+.flag{padding:7px 10px;margin:5px 0;border-left:6px solid;border-radius:3px;font-size:14px}
+.error{background:#fdecea;border-color:#c62828}.warning{background:#fff8e1;border-color:#f9a825}
+.info{background:#e8f1fb;border-color:#1e88e5}.sev{font-weight:bold;text-transform:uppercase;font-size:11px;
+margin-right:6px}.code{font-family:monospace;font-size:12px;color:#555}
+.muted{color:#777;font-size:13px}pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-size:12px;
+white-space:pre-wrap;word-break:break-word;max-height:420px}
+.sbs{display:grid;grid-template-columns:1fr 1fr;gap:10px}.sbs pre{margin:0}
+.tag{display:inline-block;padding:1px 6px;border-radius:3px;background:#eee;font-family:monospace;font-size:12px}
+nav a{margin-right:12px;font-size:13px}
+"""
+
+_SECTIONS = (("flags", "Flags"), ("summary", "Run summary"), ("training", "Training curves"),
+             ("evaluation", "Evaluation"), ("curves", "Checkpoint curves"), ("termination", "Termination"),
+             ("pairs", "Pair audit"), ("diffs", "Generation diffs"), ("drift", "Drift"))
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _img(png: Optional[bytes], alt: str) -> str:
+    if not png:
+        return ""
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+
+
+def _num(v: Any, spec: str = ".4f") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return format(v, spec)
+    return _e(v)
+
+
+def _pct(v: Optional[float]) -> str:
+    return "–" if v is None else f"{100 * v:.2f}%"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Cells are already-escaped HTML; the first ``left`` columns are left-aligned."""
+    th = "".join(f'<th class="{"l" if i < left else ""}">{_e(h)}</th>' for i, h in enumerate(head))
+    body = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{c}</td>' for i, c in enumerate(r))
+                   + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{body}</table>"
+
+
+def _missing(what: str, how: str) -> str:
+    return f'<p class="muted">No {_e(what)}: {_e(how)}</p>'
+
+
+def _flag_html(f: Mapping) -> str:
+    return (f'<div class="flag {_e(f["severity"])}"><span class="sev">{_e(f["severity"])}</span>'
+            f'{_e(f["message"])} <span class="code">[{_e(f["code"])}]</span></div>')
+
+
+def _flags_section(flags: Sequence[Mapping]) -> str:
+    if not flags:
+        return '<p>No flags raised by the checks that had data.</p>'
+    by_code: dict[tuple[str, str], list] = {}
+    for f in flags:
+        by_code.setdefault((f["severity"], f["code"]), []).append(f)
+    out = []
+    for (sev, code), group in by_code.items():
+        if len(group) <= _COLLAPSE_AFTER:
+            out += [_flag_html(f) for f in group]
+        else:
+            inner = "".join(_flag_html(f) for f in group)
+            out.append(f'<div class="flag {_e(sev)}"><span class="sev">{_e(sev)}</span>{len(group)} × '
+                       f'<span class="code">{_e(code)}</span>, e.g.: {_e(group[0]["message"])}'
+                       f'<details><summary>all {len(group)}</summary>{inner}</details></div>')
+    return "".join(out)
+
+
+def _summary_section(data: Mapping) -> str:
+    cfg = data.get("config") or {}
+    m = data.get("metrics") or []
+    rows = [["workdir", _e(data["workdir"])]]
+    for key in ("algorithm", "model_path", "steps", "seed", "checkpoint_every"):
+        if key in cfg:
+            rows.append([key, _e(cfg[key])])
+    if m:
+        rows.append(["logged steps", f"{len(m)} (steps {m[0]['step']}–{m[-1]['step']})"])
+        last = m[-1]
+        for key in ("loss", "preference_accuracy", "reward_mean", "kl", "skipped_updates"):
+            if isinstance(last.get(key), (int, float)):
+                rows.append([f"last {key} (step {last['step']}, one batch)", _num(last[key])])
+    res = data.get("results")
+    if res:
+        rows.append(["evaluated models", _e(", ".join(res["models"]))])
+    html_ = _table(["", ""], rows)
+    if cfg:
+        html_ += f"<details><summary>config.json</summary><pre>{_e(json.dumps(cfg, indent=2))}</pre></details>"
+    else:
+        html_ += _missing("config.json", "the trainer writes DIR/config.json")
+    return html_
+
+
+def _training_section(data: Mapping) -> str:
+    m = data.get("metrics") or []
+    if not m:
+        return _missing("metrics.jsonl", "the trainer writes one record per step to DIR/metrics.jsonl")
+    rows = []
+    for title, keys, _ in plots.training_panels(m):
+        for k in keys:
+            vals = [r[k] for r in m if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+            if vals:
+                rows.append([_e(k), str(len(vals)), _num(float(vals[0])), _num(float(vals[-1])),
+                             _num(float(min(vals))), _num(float(max(vals)))])
+    return (_img(plots.training_curves(m), "training curves")
+            + "<details><summary>values table</summary>"
+            + _table(["metric", "n steps", "first", "last", "min", "max"], rows) + "</details>")
+
+
+def _evaluation_section(data: Mapping) -> str:
+    res = data.get("results")
+    if not res:
+        return _missing("evaluation", "run the evaluator (launchers.evaluate) to write DIR/eval/results.json")
+    ks = sorted({k for m in res["models"].values() for k in m.get("pass_at_k", {})}, key=int)
+    rows = []
+    for name, m in res["models"].items():
+        u = m.get("untruncated") or {}
+        rows.append([_e(name), _num(model_step(name, m)), str(m["n_prompts"]), str(m["n_samples"]),
+                     _pct(m["partial_reward_mean"]), _pct(m["strict_rate"])]
+                    + [_pct(m["pass_at_k"].get(k)) for k in ks]
+                    + [_pct(m["truncation_rate"]), _num(m["mean_completion_tokens"], ".1f"),
+                       _pct(u.get("partial_reward_mean")), _pct(u.get("strict_rate")),
+                       f"{u.get('n_prompts', '–')} / {u.get('n_samples', '–')}"])
+    out = ("<p class='muted'>Means are per prompt first, then over prompts. The untruncated columns leave out "
+           "completions that hit the cap (conditional on finishing).</p>"
+           + _table(["model", "step", "prompts", "samples", "partial reward", "strict"] + [f"pass@{k}" for k in ks]
+                    + ["truncated", "mean tokens", "untrunc. partial", "untrunc. strict", "untrunc. prompts / samples"],
+                    rows))
+    comps = res.get("comparisons") or []
+    if comps:
+        crow = []
+        for c in comps:
+            crosses = c["ci_low"] <= 0.0 <= c["ci_high"]
+            p = c.get("p_value")
+            crow.append([_e(c["model"]), _e(c["baseline"]), _e(c["metric"]), _e(F.fmt_diff(c["metric"], c["diff"])),
+                         _e(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
+                         str(c["n_pairs"]), "–" if p is None else f"{p:.3g}",
+                         "<b>yes</b>" if crosses else "no"])
+        out += ("<h3>Paired comparisons (model − baseline, bootstrap over prompts)</h3>"
+                + _table(["model", "baseline", "metric", "diff", "interval", "n prompts", "p", "crosses 0"], crow, 3))
+    for w in res.get("warnings") or []:
+        if "truncation" not in w:  # truncation warnings are already flags at the top
+            out += f'<div class="flag warning"><span class="sev">evaluator</span>{_e(w)}</div>'
+    return out
+
+
+def _curves_section(data: Mapping) -> str:
+    cur = data.get("curves")
+    if not cur or not cur.get("metrics"):
+        return _missing("checkpoint curves", "evaluate base and step_<N> checkpoints into DIR/eval/")
+    out = _img(plots.checkpoint_curves_plot(cur), "checkpoint curves")
+    for metric, mc in cur["metrics"].items():
+        rows = []
+        for p in mc["points"]:
+            interval = "–" if p["diff"] is None or p["model"] == cur["baseline"] else _e(
+                F.fmt_interval(metric, p["ci_low"], p["ci_high"], p.get("confidence")))
+            adj = ""
+            if p.get("ci_low_adjusted") is not None:
+                adj = _e(F.fmt_interval(metric, p["ci_low_adjusted"], p["ci_high_adjusted"],
+                                        p.get("adjusted_confidence")))
+            rows.append([str(p["step"]), _e(p["model"]), _e(F.fmt_value(metric, p["value"])),
+                         "–" if p["diff"] is None else _e(F.fmt_diff(metric, p["diff"])), interval, adj,
+                         str(p["n_prompts"])])
+        out += f"<h3>{_e(metric)}</h3>" + _table(
+            ["step", "model", "value", "diff vs base", "interval", "best-of-m adjusted", "n prompts"], rows, 2)
+    return out
+
+
+def _termination_section(data: Mapping) -> str:
+    t = data.get("termination")
+    if not t or not t.get("models"):
+        return _missing("termination analysis", "the evaluator writes per-sample files to DIR/eval/samples/")
+    rows = []
+    for name, m in t["models"].items():
+        u = m["metrics"].get("untruncated") or {}
+        rows.append([_e(name), str(m["n_samples"]), f"{m['n_truncated']} ({_pct(m['truncation_rate'])})",
+                     _num(m["max_new_tokens"]), _pct(m["metrics"]["partial_reward_mean"]),
+                     _pct(m["reward_finished_mean"]), _pct(m["reward_truncated_mean"]),
+                     _pct(u.get("partial_reward_mean")), _pct(u.get("strict_rate")),
+                     f"{u.get('n_prompts', '–')} / {u.get('n_samples', '–')}"])
+    out = (_img(plots.termination_plot(t), "termination")
+           + _table(["model", "samples", "truncated", "cap", "partial (all)", "partial (finished samples)",
+                     "partial (truncated samples)", "partial excl. truncated", "strict excl. truncated",
+                     "excl. truncated: prompts / samples"], rows))
+    for name, r in (t.get("resampled") or {}).items():
+        crow = [[_e(c["metric"]), _e(F.fmt_diff(c["metric"], c["diff"])),
+                 _e(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))), str(c["n_pairs"])]
+                for c in r["comparisons"]]
+        out += (f"<h3>{_e(name)}: truncated samples re-sampled at {r['max_new_tokens']} tokens "
+                f"({r['n_resampled']} re-sampled, {r['still_truncated']} still truncated)</h3>"
+                + _table(["metric", "after − before", "interval", "n prompts"], crow))
+    return out
+
+
+def _pairs_section(data: Mapping) -> str:
+    a = data.get("pairs")
+    if not a:
+        return _missing("pair audit", "run `python -m launchers.diagnose --what=pairs --pairs=PAIRS.jsonl "
+                                      "--problems=PROBLEMS.jsonl --workdir=DIR`, or pass --pairs to the report")
+    lb = a["length_bias"]
+    out = _img(plots.pair_audit_plot(a), "pair audit")
+    f = a["filters"]
+    rows = [["pairs", str(a["n_pairs"])]]
+    if lb.get("n_pairs"):
+        rows += [["chosen − rejected tokens, mean (95% interval)",
+                  f"{lb['mean_diff']:+.1f} [{lb['ci_low']:+.1f}, {lb['ci_high']:+.1f}] (n={lb['n_pairs']})"],
+                 ["chosen shorter / longer / equal",
+                  f"{lb['fraction_chosen_shorter']:.1%} / {lb['fraction_chosen_longer']:.1%} / "
+                  f"{lb['fraction_equal']:.1%} (sign test p={lb['sign_test']['p_value']:.3g})"]]
+        c = lb["margin_vs_length_diff"]
+        if c.get("spearman") is not None:
+            rows.append(["margin vs length difference",
+                         f"Spearman {c['spearman']:+.2f} (p={c['spearman_p']:.3g}), Pearson {c['pearson']:+.2f}"])
+    rows += [["chosen not a full solution (chosen_reward < 1)",
+              f"{a['chosen_not_full']['n']} of {a['n_pairs']}"],
+             ["chosen / rejected hit the cap (finish_reason)",
+              f"{a['truncation']['chosen_length_finish']} / {a['truncation']['rejected_length_finish']}"],
+             ["would be dropped by the default filters", f"{f['dropped']} of {f['candidates']}" + "".join(
+                 f"; {k} {v}" for k, v in f["fail_counts"].items() if v)]]
+    out += _table(["", ""], rows)
+    sem = a.get("semantic")
+    if sem:
+        out += (f"<h3>Semantic audit: {sem['n_failed']} of {sem['n_checked']} sampled chosen solutions fail a "
+                f"re-run (seed {sem['seed']})</h3>")
+        if sem.get("missing_problems"):
+            out += f"<p class='muted'>problems not in the problems file: {_e(', '.join(sem['missing_problems']))}</p>"
+        for x in sem["failures"][:10]:
+            out += (f"<p><b>{_e(x['problem_id'])}</b> recorded {x['recorded_reward']:.2f}, re-run "
+                    f"{x['partial']:.2f} (strict {_num(x['strict'])}; reason {_e(x['reason'])}; tests "
+                    f"{_e(', '.join(x['tests']))})</p><pre>{_e(x['chosen'])}</pre>")
+    else:
+        out += _missing("semantic audit", "pass --problems to re-run the verifier on sampled chosen solutions")
+    return out
+
+
+def _diffs_section(data: Mapping) -> str:
+    diffs = data.get("diffs") or []
+    if not diffs:
+        return _missing("generation diffs", "needs eval/samples/base.jsonl and a checkpoint's samples")
+    out = ""
+    for d in diffs:
+        s = d["summary"]
+        out += (f"<h3>{_e(d['model_b'])} vs {_e(d['model_a'])}: {s['n_changed']} of {s['n_compared']} samples "
+                f"changed reward ({s['n_prompts_changed']} of {s['n_prompts']} prompts; "
+                f"{s['improved']} improved, {s['worsened']} worsened; mean partial "
+                f"{100 * s['mean_partial_diff']:+.2f} pp)</h3>")
+        out += _img(plots.diff_plot(d), f"diff {d['model_a']} {d['model_b']}")
+        rows = [[f'<span class="tag">{_e(t)}</span>', str(v["n"]), str(v["improved"]), str(v["worsened"]),
+                 f"{100 * v['net_delta']:+.2f} pp"] for t, v in s["by_tag"].items() if v["n"]]
+        out += _table(["tag", "changed", "improved", "worsened", "net contribution"], rows)
+        for c in [c for c in d["changes"] if c.get("text_a") is not None][:6]:
+            sim = "" if c["similarity"] is None else f", code similarity {c['similarity']:.2f}"
+            out += (f"<p><b>{_e(c['problem_id'])}</b> #{c['sample_index']} <span class='tag'>{_e(c['tag'])}</span> "
+                    f"reward {c['reward_a']:.2f} → {c['reward_b']:.2f}; finish {_e(c['finish_a'])} → "
+                    f"{_e(c['finish_b'])}; tokens {c['tokens_a']} → {c['tokens_b']}{_e(sim)}</p>"
+                    f"<div class='sbs'><pre>{_e(d['model_a'])}:\n{_e(c['text_a'])}</pre>"
+                    f"<pre>{_e(d['model_b'])}:\n{_e(c['text_b'])}</pre></div>")
+    return out
+
+
+def _drift_section(data: Mapping) -> str:
+    d = data.get("drift")
+    if not d or not d.get("per_step"):
+        return _missing("drift", "run `python -m launchers.diagnose --what=drift --base_model=HF_DIR "
+                                 "--adapters=DIR_OF_PEFT_STEPS --prompts=PROBLEMS.jsonl --workdir=DIR`")
+    rows = []
+    for r in d["per_step"]:
+        un = r.get("update_norm") or {}
+        top = sorted((un.get("layers") or {}).items(), key=lambda kv: -kv[1])[:3]
+        rows.append([str(r["step"]), _num(r.get("kl_to_base"), ".5f"), _num(r.get("kl_max_token"), ".4f"),
+                     f"{r.get('n_tokens', '–')} / {r.get('n_sequences', '–')}", _num(un.get("total"), ".4g"),
+                     _e(", ".join(f"{k} {v:.3g}" for k, v in top))])
+    return (_img(plots.drift_plot(d), "drift")
+            + _table(["step", "KL per token", "max token KL", "tokens / sequences", "update norm",
+                      "largest layers"], rows))
+
+
+_RENDER = {"summary": _summary_section, "training": _training_section, "evaluation": _evaluation_section,
+           "curves": _curves_section, "termination": _termination_section, "pairs": _pairs_section,
+           "diffs": _diffs_section, "drift": _drift_section}
+
+
+def render_html(data: Mapping, title: Optional[str] = None) -> str:
+    """The report page for :func:`collect`'s output."""
+    title = title or f"jaxrl report: {Path(data['workdir']).name}"
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    nav = "".join(f'<a href="#{k}">{_e(v)}</a>' for k, v in _SECTIONS)
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
+             f"<p class='muted'>generated {when} from {_e(data['workdir'])}</p><nav>{nav}</nav>",
+             f"<h2 id='flags'>Flags</h2>{_flags_section(data.get('flags') or [])}"]
+    for key, name in _SECTIONS[1:]:
+        parts.append(f"<h2 id='{key}'>{_e(name)}</h2>{_RENDER[key](data)}")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def build_report(workdir: str | os.PathLike, out: Optional[str | os.PathLike] = None, **kwargs) -> Path:
+    """Collects (``collect(workdir, **kwargs)``), renders and writes ``out`` (default ``DIR/report.html``)
+    atomically; returns its path."""
+    data = collect(workdir, **kwargs)
+    path = Path(out) if out else Path(workdir) / REPORT_FILE
+    return atomic_write_text(path, render_html(data))
