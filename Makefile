@@ -9,6 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 PYTEST_ARGS ?= -n 2 --dist loadfile
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test bench install install-test clean
 
@@ -22,6 +23,8 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.core-installed
 	# torch first, by exact version: that CPU build lies on the machine's disk (any other version downloads GBs).
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
+	# The report test renders report.html in headless Chromium (Debian's package; needs root or sudo).
+	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y chromium; } || echo "warning: could not install chromium; browser tests will skip unless JAXRL_REQUIRE_BROWSER=1"
 	touch $@
 
 install: $(VENV)/.core-installed
