@@ -9,6 +9,11 @@ match gives a PartitionSpec per dimension. The scheme:
   * vectors (norms, A_log, dt_bias) are replicated; the conv is split over its channels like in_proj_qkv.
 A dimension is only sharded when the mesh axis size divides it; otherwise that dimension falls back to
 replication, so tiny test models and odd head counts still run on any mesh.
+
+Training (jaxrl.train): the trainable LoRA factors follow the rules above, the optimizer state mirrors the
+parameter it belongs to (`train_state_shardings`), scalars are replicated, and a global batch split into
+micro-batches `[n_micro, micro_batch_size, ...]` is sharded over data x fsdp on its second dimension
+(`micro_batch_sharding`).
 """
 
 from __future__ import annotations
@@ -80,3 +85,50 @@ def named_sharding(name: str, shape: Sequence[int], mesh: Mesh) -> NamedSharding
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Batches are split over data x fsdp on their first dimension."""
     return NamedSharding(mesh, P((DATA, FSDP), *([None] * (ndim - 1))))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training: whole pytrees of shardings.
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways a batch dimension is split (data x fsdp)."""
+    return mesh.shape[DATA] * mesh.shape[FSDP]
+
+
+def micro_batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """[n_micro, micro_batch_size, ...]: micro-batches are scanned in sequence, each split over data x fsdp."""
+    if ndim < 2:
+        raise ValueError(f"a split batch leaf needs >= 2 dims [n_micro, micro_batch_size, ...], got ndim={ndim}")
+    return NamedSharding(mesh, P(None, (DATA, FSDP), *([None] * (ndim - 2))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _dotted(keypath) -> str:
+    from jaxrl.train.state import path_name  # local: parallel must not import train at module load
+    return path_name(keypath)
+
+
+def nnx_state_shardings(state, mesh: Mesh):
+    """The same pytree as `state` (an nnx.State or a {name: array} dict), every leaf a NamedSharding from the
+    rules, by the leaf's dotted name."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: named_sharding(_dotted(path), getattr(x, "shape", ()), mesh), state)
+
+
+def train_state_shardings(state, mesh: Mesh):
+    """Shardings for a `jaxrl.train.state.TrainState`: `params[name]` by the rules; every optimizer-state leaf
+    that sits under a parameter name (Adam's mu/nu) like that parameter; everything else replicated."""
+    names = set(state.params)
+
+    def leaf(path, x):
+        shape = getattr(x, "shape", ())
+        for entry in path:
+            key = getattr(entry, "key", None)
+            if isinstance(key, str) and key in names:
+                return named_sharding(key, shape, mesh)
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(leaf, state)

@@ -1,0 +1,60 @@
+"""The device mesh from the config: `mesh.shape = (data, fsdp, tensor)`.
+
+    mesh = mesh_from_config(config)          # e.g. (1, -1, 1): FSDP over every device
+    mesh = make_mesh((2, 2, 2))
+
+One entry may be -1 (all remaining devices). On a single process the mesh may use fewer devices than exist
+(the first ones), which is what a one-device run on a many-device host wants; across processes it must use them
+all (every process has to own part of the mesh).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from jaxrl.parallel.sharding import MESH_AXES, make_mesh as _make_mesh_exact
+
+
+class MeshConfigError(ValueError):
+    """`mesh.shape` does not fit the devices; names the key and what would be valid."""
+
+
+def resolve_shape(shape: Sequence[int], n_devices: int) -> tuple[int, int, int]:
+    shape = [int(s) for s in shape]
+    if len(shape) != 3:
+        raise MeshConfigError(f"mesh.shape must have 3 entries {MESH_AXES}, got {tuple(shape)}")
+    if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise MeshConfigError(f"mesh.shape={tuple(shape)}: entries must be positive, with at most one -1")
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        if n_devices % known:
+            raise MeshConfigError(f"mesh.shape={tuple(shape)}: {n_devices} devices are not a multiple of {known}")
+        shape[shape.index(-1)] = n_devices // known
+    return tuple(shape)
+
+
+def make_mesh(shape: Sequence[int], devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all); fewer devices than exist on one process."""
+    devices = list(devices if devices is not None else jax.devices())
+    resolved = resolve_shape(shape, len(devices))
+    total = resolved[0] * resolved[1] * resolved[2]
+    if total > len(devices):
+        raise MeshConfigError(f"mesh.shape={tuple(shape)} needs {total} devices; {len(devices)} are available")
+    if total < len(devices):
+        if jax.process_count() > 1:
+            raise MeshConfigError(f"mesh.shape={tuple(shape)} uses {total} of {len(devices)} devices; with "
+                                  f"{jax.process_count()} processes the mesh must span every device")
+        devices = devices[:total]
+    return _make_mesh_exact(resolved, devices)
+
+
+def mesh_from_config(config) -> Mesh:
+    """`config.mesh.shape` (default (1, -1, 1)) -> Mesh."""
+    mesh_cfg = config.get("mesh", None)
+    shape = (1, -1, 1) if mesh_cfg is None else tuple(mesh_cfg.get("shape", (1, -1, 1)))
+    return make_mesh(shape)

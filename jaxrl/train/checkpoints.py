@@ -1,0 +1,146 @@
+"""Orbax checkpoints of a training run: adapter-only artifacts per step, plus resumable training states.
+
+Layout under `<workdir>/checkpoints/` (Orbax CheckpointManager folders, one per step, named by the number of
+train steps completed):
+
+    adapters/<step>/adapter/   {name: fp32 array}: the LoRA factors only (`...q_proj.lora.lora_A` [r, in],
+                                `...lora_B` [out, r]); what users share and `export` reads. Never deleted.
+    adapters/<step>/meta/      JSON: step, lora (rank, alpha, scale, use_rslora, dropout, modules, by_name),
+                                model (Qwen35Config dict), model_path.
+    state/<step>/state/        the full TrainState (params, optimizer state, step, schedule position, rng,
+                                non-finite counters), sharded as in training.
+    state/<step>/meta/         JSON: step, data_state (the data position), config (resolved).
+                                Only the newest `keep_checkpoints` states are kept (the heavy part).
+
+Saves are atomic: Orbax writes each step into a temporary folder and renames it when complete, so a process
+killed during a save leaves the previous complete step as the newest one (unfinished temporaries are ignored
+and cleaned). The state of step N is saved before its adapter, so an adapter folder never outlives a state
+that failed to land; on resume, adapter folders newer than the restored state are removed (they are
+re-created, identically, as training reaches them again).
+
+    ckpt = RunCheckpoints(workdir, keep=2)
+    ckpt.save(step, state, state_meta, adapter_params, adapter_meta)
+    step = ckpt.latest_step()                        # newest complete training state, or None
+    state, meta = ckpt.restore(step, abstract_state)
+    params, meta = load_adapter(path)                # a workdir, its checkpoints/ or adapters/ folder, or a step
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+CHECKPOINTS = "checkpoints"
+ADAPTERS = "adapters"
+STATE = "state"
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """No adapter / state checkpoint where one was asked for; names the folder."""
+
+
+def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, async_save: bool
+             ) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                           enable_async_checkpointing=async_save,
+                                           cleanup_tmp_directories=True)
+    return ocp.CheckpointManager(os.path.abspath(directory), item_names=item_names, options=options)
+
+
+class RunCheckpoints:
+    """The two Orbax managers of one run (see the module docstring)."""
+
+    def __init__(self, workdir: str, keep: Optional[int] = 2, async_save: bool = True):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 (or None to keep all), got {keep}")
+        root = os.path.join(workdir, CHECKPOINTS)
+        self.adapter_dir = os.path.join(root, ADAPTERS)
+        self.state_dir = os.path.join(root, STATE)
+        self.states = _manager(self.state_dir, keep, ("state", "meta"), async_save)
+        self.adapters = _manager(self.adapter_dir, None, ("adapter", "meta"), async_save)
+
+    def latest_step(self) -> Optional[int]:
+        """Newest complete training state (None when the run has none)."""
+        return self.states.latest_step()
+
+    def adapter_steps(self) -> list[int]:
+        return sorted(self.adapters.all_steps())
+
+    def save(self, step: int, state, state_meta: dict, adapter_params: dict, adapter_meta: dict) -> None:
+        """Save the full state, then the adapter, of `step` (asynchronously when enabled; the device-to-host
+        copy happens before this returns, so the caller may donate `state` right after)."""
+        if step in self.states.all_steps():  # already saved (e.g. a stop right after a cadence save)
+            return
+        self.states.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(state_meta)))
+        if step in self.adapters.all_steps():
+            self.adapters.delete(step)
+        self.adapters.save(step, args=ocp.args.Composite(adapter=ocp.args.StandardSave(adapter_params),
+                                                         meta=ocp.args.JsonSave(adapter_meta)))
+
+    def wait(self) -> None:
+        """Block until every pending save is complete on disk."""
+        self.states.wait_until_finished()
+        self.adapters.wait_until_finished()
+
+    def restore(self, step: int, abstract_state) -> tuple:
+        """(state, meta) of `step`; `abstract_state` gives structure, dtypes and shardings
+        (jax.ShapeDtypeStruct leaves with `sharding`)."""
+        restored = self.states.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                                     meta=ocp.args.JsonRestore()))
+        return restored.state, dict(restored.meta)
+
+    def drop_adapters_after(self, step: int) -> list[int]:
+        """Delete adapter folders newer than `step` (left by a run that died before its state landed)."""
+        stale = [s for s in self.adapters.all_steps() if s > step]
+        for s in stale:
+            self.adapters.delete(s)
+        return stale
+
+    def close(self) -> None:
+        self.wait()
+        self.states.close()
+        self.adapters.close()
+
+
+def _adapter_root_and_step(path: str, step: Optional[int]) -> tuple[str, Optional[int]]:
+    path = os.path.abspath(path)
+    base = os.path.basename(path.rstrip("/"))
+    if base.isdigit() and os.path.basename(os.path.dirname(path)) == ADAPTERS:
+        return os.path.dirname(path), int(base) if step is None else step
+    for candidate in (path, os.path.join(path, ADAPTERS), os.path.join(path, CHECKPOINTS, ADAPTERS)):
+        if os.path.basename(candidate) == ADAPTERS and os.path.isdir(candidate):
+            return candidate, step
+    raise CheckpointNotFound(f"{path}: not a run workdir, its checkpoints/ or adapters/ folder, or an adapter "
+                             f"step folder (expected .../{CHECKPOINTS}/{ADAPTERS}/<step>)")
+
+
+def load_adapter(path: str, step: Optional[int] = None) -> tuple[dict[str, np.ndarray], dict]:
+    """(params {name: np.float32 array}, meta) of one adapter checkpoint; `step` None = the newest there."""
+    root, step = _adapter_root_and_step(path, step)
+    mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
+                                options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        steps = sorted(mgr.all_steps())
+        if not steps:
+            raise CheckpointNotFound(f"{root}: no complete adapter checkpoint")
+        if step is None:
+            step = steps[-1]
+        if step not in steps:
+            raise CheckpointNotFound(f"{root}: no adapter for step {step}; steps present: {steps}")
+        restored = mgr.restore(step, args=ocp.args.Composite(adapter=ocp.args.StandardRestore(),
+                                                             meta=ocp.args.JsonRestore()))
+    finally:
+        mgr.close()
+    params = {k: np.asarray(jax.device_get(v)) for k, v in restored.adapter.items()}
+    return params, dict(restored.meta)
+
+
+def remove_run_checkpoints(workdir: str) -> None:
+    """Delete a run's checkpoints (tests / explicit restarts only)."""
+    shutil.rmtree(os.path.join(workdir, CHECKPOINTS), ignore_errors=True)

@@ -1,0 +1,382 @@
+"""The one training loop every algorithm runs on.
+
+    task = get_trainer(config.algorithm)(config, model, mesh)      # an algorithm's Task
+    Trainer(config, model, task, workdir, mesh=mesh).run()          # resumes from workdir by itself
+
+or all of it from a config: `run_training(config, workdir)` (what `launchers/train.py` calls).
+
+A `Task` (what an algorithm provides; only `objective` and `batch` are required):
+
+    objective: Objective                         # jaxrl.train.objective (normalisers + loss, micro-batch contract)
+    batch(step, trainer) -> arrays | (arrays, host_metrics)
+        the global batch of train step `step` (0-based): {key: np.ndarray [B_global, ...]},
+        B_global = batch.micro_batch_size * batch.grad_accum, fixed shapes (bucket/pad: every new shape
+        recompiles). `trainer.current_model()` is the current policy (for rollouts); host_metrics (floats)
+        are logged with the step.
+    trainable                                    # nnx filter of the trained variables (default LoRAParam;
+                                                 # PPO: nnx.Any(LoRAParam, nnx.PathContains("value_head")))
+    state_dict() -> dict / load_state_dict(d)    # the data position (JSON), saved with every training state;
+                                                 # default {"position": steps done}: step-indexed data needs none
+    num_tokens(batch) -> int                     # for tokens/s; default sum(attention_mask) or input_ids.size
+    on_checkpoint(step, trainer) -> dict | None  # after each checkpoint (evaluation); logged as metrics
+
+Each step: batch -> split into [grad_accum, micro_batch_size, ...] -> sharded over data x fsdp -> one jitted
+step (accumulation, update, non-finite masking) -> metrics line. Every `checkpoint_every` steps (and at the
+end) an adapter artifact and the full state are saved. `max_consecutive_nonfinite` skipped updates in a row
+(0 = never stop) save a checkpoint and raise NonFiniteError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from jaxrl.models.lora import LoRAParam, lora_targets_report
+from jaxrl.parallel import sharding as shd
+from jaxrl.parallel.distributed import is_main_process
+from jaxrl.parallel.mesh import mesh_from_config
+from jaxrl.train import checkpoints as ckpt_lib
+from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
+from jaxrl.train.optim import make_optimizer
+from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
+from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
+
+CONFIG_FILE = "config.json"
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite updates in a row; a checkpoint was saved before this was raised."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    final_step: int
+    state: TrainState
+    records: list  # the metrics records written by this process in this run
+
+
+def config_to_dict(config) -> dict:
+    return json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else dict(config)
+
+
+def _default_num_tokens(batch: dict) -> int:
+    if "attention_mask" in batch:
+        return int(np.sum(np.asarray(batch["attention_mask"]) != 0))
+    if "input_ids" in batch:
+        return int(np.asarray(batch["input_ids"]).size)
+    return 0
+
+
+def _nonfinite_reason(m: dict, groups: list[str]) -> str:
+    parts = []
+    loss = m["loss"]
+    if not math.isfinite(loss):
+        parts.append(f"loss is {loss}")
+    if groups:
+        parts.append("non-finite gradients in " + ", ".join(groups))
+    return "; ".join(parts) or "non-finite update"
+
+
+class Trainer:
+    """Holds the model split (graphdef, trainable, frozen base), mesh, optimizer and the jitted step.
+
+    fault_fn (tests): `fault_fn(step) -> None | (loss_add, grad_add)` compiles the fault-injection variant
+    of the step and adds those values (e.g. nan, inf) at the chosen 0-based steps; `fault_group` restricts the
+    gradient fault to one parameter group. on_step_end(steps_done, trainer): called after each step's metrics
+    and checkpoint (the launcher's test-only kill switch).
+    """
+
+    def __init__(self, config, model: nnx.Module, task, workdir: str, *, mesh=None,
+                 fault_fn: Optional[Callable] = None, fault_group: Optional[str] = None,
+                 on_step_end: Optional[Callable] = None):
+        self.config, self.task, self.workdir = config, task, workdir
+        self.mesh = mesh if mesh is not None else mesh_from_config(config)
+        self.fault_fn, self.on_step_end = fault_fn, on_step_end
+        self.steps = int(config.steps)
+        self.micro_batch_size = int(config.batch.micro_batch_size)
+        self.grad_accum = int(config.batch.grad_accum)
+        if self.steps <= 0 or self.micro_batch_size <= 0 or self.grad_accum <= 0:
+            raise ValueError(f"steps ({self.steps}), batch.micro_batch_size ({self.micro_batch_size}) and "
+                             f"batch.grad_accum ({self.grad_accum}) must be positive")
+        self.checkpoint_every = int(config.get("checkpoint_every", 4))
+        if self.checkpoint_every <= 0:
+            raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
+        self.max_nonfinite = int(config.get("max_consecutive_nonfinite", 0))
+        options = config.get("compile_options", None) or {}
+        self.compile_options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+
+        trainable = getattr(task, "trainable", LoRAParam)
+        self.graphdef, trainable_state, frozen = nnx.split(model, trainable, ...)
+        self.codec = ParamCodec(trainable_state)
+        if not self.codec.names:
+            raise ValueError("nothing to train: the model has no variable matching the task's `trainable` filter "
+                             "(apply LoRA first: config.lora)")
+        self.frozen = jax.device_put(frozen, shd.nnx_state_shardings(frozen, self.mesh))
+        self.optimizer, self.schedule = make_optimizer(config.optimizer, self.steps)
+        init_params = {k: v.astype(jnp.float32) for k, v in self.codec.to_flat(trainable_state).items()}
+        abstract = jax.eval_shape(lambda p: init_train_state(p, self.optimizer, 0), init_params)
+        self.state_shardings = shd.train_state_shardings(abstract, self.mesh)
+        self.state: TrainState = create_train_state(init_params, self.optimizer, int(config.seed),
+                                                    shardings=self.state_shardings)
+        self.step_fn = make_train_step(task.objective, self.optimizer, self.schedule, self.graphdef, self.codec,
+                                       fault_injection=fault_fn is not None, fault_group=fault_group)
+        self._compiled = {}
+        try:
+            self.lora_report = lora_targets_report(model)
+        except ValueError:
+            self.lora_report = None
+        model_cfg = getattr(model, "config", None)
+        self.model_config = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else None
+        self.main = is_main_process()
+        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.get("keep_checkpoints", 2),
+                                            async_save=bool(config.get("checkpoint_async", True)))
+
+    # ------------------------------------------------------------------------------------------------------------
+    def current_model(self) -> nnx.Module:
+        """The policy as it is now (adapters with the current parameters); for rollouts and evaluation."""
+        return nnx.merge(self.graphdef, self.codec.to_state(self.state.params), self.frozen)
+
+    def _abstract_state(self):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                            self.state_shardings)
+
+    def _step_callable(self, batch: dict):
+        """(compiled step for this batch layout, seconds spent compiling it now: 0 when cached)."""
+        key = tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items()))
+        compile_s = 0.0
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            jitted = jit_train_step(self.step_fn, self.mesh, self.state, self.frozen, batch,
+                                    fault_injection=self.fault_fn is not None)
+            args = (self.state, self.frozen, batch)
+            if self.fault_fn is not None:
+                args = args + (self._fault(None),)
+            self._compiled[key] = jitted.lower(*args).compile(compiler_options=self.compile_options or None)
+            compile_s = time.perf_counter() - t0
+            logging.info("compiled the train step for batch %s in %.1f s", {k: v.shape for k, v in batch.items()},
+                         compile_s)
+        return self._compiled[key], compile_s
+
+    def _fault(self, value) -> dict:
+        loss_add, grad_add = (0.0, 0.0) if value is None else value
+        rep = shd.replicated(self.mesh)
+        return {"loss": jax.device_put(jnp.float32(loss_add), rep), "grad": jax.device_put(jnp.float32(grad_add), rep)}
+
+    def _adapter_meta(self, step: int) -> dict:
+        cfg = self.config
+        return {"step": step, "lora": self.lora_report, "model": self.model_config,
+                "model_path": cfg.get("model_path", ""), "algorithm": cfg.get("algorithm", "")}
+
+    def save(self, step: int) -> None:
+        """Checkpoint after `step` train steps (asynchronous when checkpoint_async)."""
+        data_state = (self.task.state_dict() if hasattr(self.task, "state_dict") else {"position": step})
+        meta = {"step": step, "data_state": data_state, "config": config_to_dict(self.config)}
+        adapter = {n: v for n, v in self.state.params.items() if ".lora." in f".{n}."}
+        self.ckpt.save(step, self.state, meta, adapter, self._adapter_meta(step))
+
+    def restore_latest(self) -> int:
+        """Restore the newest complete training state in the workdir; returns the steps it had done (0: none)."""
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return 0
+        self._check_same_run(latest)
+        state, meta = self.ckpt.restore(latest, self._abstract_state())
+        self.state = state
+        if hasattr(self.task, "load_state_dict"):
+            self.task.load_state_dict(meta.get("data_state", {}))
+        stale = self.ckpt.drop_adapters_after(latest)
+        logging.info("resumed from %s/%d (step %d)%s", self.ckpt.state_dir, latest, latest,
+                     f"; removed adapter folders of unfinished steps {stale}" if stale else "")
+        return latest
+
+    # Keys that change the shape of the training state: resuming across a change cannot work.
+    _STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_preset", "model_overrides",
+                   "optimizer.name", "optimizer.max_grad_norm")
+
+    def _check_same_run(self, step: int) -> None:
+        path = os.path.join(self.workdir, CONFIG_FILE)
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            old = json.load(f)
+        new = config_to_dict(self.config)
+
+        def get(d, dotted):
+            for part in dotted.split("."):
+                d = d.get(part) if isinstance(d, dict) else None
+            return d
+
+        changed = [k for k in self._STATE_KEYS if get(old, k) != get(new, k)]
+        if changed:
+            detail = ", ".join(f"{k}: {get(old, k)!r} -> {get(new, k)!r}" for k in changed)
+            raise ValueError(f"{self.workdir} holds a run (checkpoint of step {step}) whose config differs in keys "
+                             f"that shape the training state ({detail}); resume with the same values or use a "
+                             f"new --workdir")
+
+    def _write_config(self) -> None:
+        if not self.main:
+            return
+        path = os.path.join(self.workdir, CONFIG_FILE)
+        new = config_to_dict(self.config)
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    old = json.load(f)
+                changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                if changed:
+                    logging.warning("%s: the config differs from the previous run's in %s", path, changed)
+            except (OSError, json.JSONDecodeError):
+                pass
+        atomic_write_text(path, json.dumps(new, indent=2, sort_keys=True) + "\n")
+
+    # ------------------------------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        os.makedirs(self.workdir, exist_ok=True)
+        start = self.restore_latest()
+        self._write_config()
+        writer = MetricsWriter(self.workdir, tensorboard=bool(self.config.get("tensorboard", True)),
+                               enabled=self.main)
+        writer.truncate_after(start)
+        progress = Progress(self.steps, initial=start, log_every=int(self.config.get("log_every", 1)),
+                            enabled=self.main)
+        records = []
+        try:
+            for step in range(start, self.steps):
+                t0 = time.perf_counter()
+                out = self.task.batch(step, self)
+                batch, host_metrics = out if isinstance(out, tuple) else (out, {})
+                batch = {k: np.asarray(v) for k, v in batch.items()}
+                expected = self.micro_batch_size * self.grad_accum
+                for k, v in batch.items():
+                    if v.shape[:1] != (expected,):
+                        raise ValueError(f"task batch[{k!r}] has shape {v.shape}; the global batch is "
+                                         f"batch.micro_batch_size x batch.grad_accum = {expected} rows")
+                num_tokens = (self.task.num_tokens(batch) if hasattr(self.task, "num_tokens")
+                              else _default_num_tokens(batch))
+                split = put_batch(split_batch(batch, self.grad_accum), self.mesh)
+                fn, compile_s = self._step_callable(split)
+                args = (self.state, self.frozen, split)
+                if self.fault_fn is not None:
+                    args = args + (self._fault(self.fault_fn(step)),)
+                self.state, metrics = fn(*args)
+                m = {k: v.item() for k, v in jax.device_get(metrics).items()}
+                dt = time.perf_counter() - t0 - compile_s  # step time without a first-call compilation
+                done = step + 1
+                record = self._record(done, m, num_tokens, dt, host_metrics)
+                if compile_s:
+                    record["compile_time_s"] = compile_s
+                records.append(record)
+                writer.write(record)
+                progress.update(done, record)
+                if record["update_skipped"]:
+                    logging.warning("step %d: update skipped (%s); %d skipped so far, %d in a row", done,
+                                    record["nonfinite_reason"], record["skipped_updates"],
+                                    record["nonfinite_consecutive"])
+                if self.max_nonfinite > 0 and record["nonfinite_consecutive"] >= self.max_nonfinite:
+                    self.save(done)
+                    self.ckpt.wait()
+                    raise NonFiniteError(
+                        f"training stopped after step {done}: {record['nonfinite_consecutive']} non-finite updates "
+                        f"in a row (max_consecutive_nonfinite={self.max_nonfinite}); last: "
+                        f"{record['nonfinite_reason']}. The training state was saved to "
+                        f"{self.ckpt.state_dir}/{done}; see {writer.path} (nonfinite_reason, nonfinite_groups).")
+                if done % self.checkpoint_every == 0 or done == self.steps:
+                    self.save(done)
+                    if hasattr(self.task, "on_checkpoint"):
+                        extra = self.task.on_checkpoint(done, self)
+                        if extra:
+                            writer.write({"step": done, **extra})
+                if self.on_step_end is not None:
+                    self.on_step_end(done, self)
+        finally:
+            progress.close()
+            writer.close()
+            self.ckpt.wait()
+        return RunResult(final_step=int(jax.device_get(self.state.step)), state=self.state, records=records)
+
+    def _record(self, done: int, m: dict, num_tokens: int, dt: float, host_metrics: dict) -> dict:
+        groups = sorted(k.split("/", 1)[1] for k, v in m.items() if k.startswith("finite/") and not v)
+        record = {"step": done}
+        for key in ("loss", "grad_norm", "update_norm", "lora_norm", "learning_rate"):
+            record[key] = float(m[key])
+        skipped = bool(m["update_skipped"])
+        record.update(update_skipped=int(skipped), skipped_updates=int(m["nonfinite_total"]),
+                      nonfinite_consecutive=int(m["nonfinite_consecutive"]), loss_finite=bool(m["loss_finite"]),
+                      nonfinite_groups=groups, tokens=int(num_tokens), step_time_s=dt,
+                      tokens_per_s=num_tokens / dt if dt > 0 else 0.0)
+        if skipped:
+            record["nonfinite_reason"] = _nonfinite_reason(m, groups)
+        skip = set(record) | {"update_skipped", "nonfinite_total", "nonfinite_consecutive", "loss_finite"}
+        for k, v in m.items():
+            if k not in skip and not k.startswith("finite/"):
+                record[k] = float(v)
+        for k, v in host_metrics.items():
+            record[k] = v
+        return record
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def init_model_jit(cfg, dtype=jnp.float32, seed: int = 0, remat: str = "none", mesh=None):
+    """A random-init model built in one jitted program (instead of one eager op per weight), placed straight
+    onto its shards when a mesh is given."""
+    from jaxrl.models import qwen35
+
+    def make():
+        return qwen35.Qwen35(cfg, dtype=dtype, rngs=nnx.Rngs(seed), remat=remat)
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    out_sh = None if mesh is None else shd.nnx_state_shardings(abstract, mesh)
+    # Runs once: on CPU a low LLVM optimisation level compiles the random-number code ~3x faster.
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    init = jax.jit(lambda: nnx.split(make())[1], out_shardings=out_sh).lower().compile(compiler_options=options)
+    return nnx.merge(graphdef, init())
+
+
+def build_model(config, mesh=None):
+    """The base model from `model_path` (HF folder) or `model_preset` (+ `model_overrides`, random init with
+    `model_seed`), in `dtype`, with `remat`; then LoRA from `config.lora` (A drawn with `seed`)."""
+    from jaxrl.models import qwen35
+    from jaxrl.models.lora import apply_lora_from_config
+    dtype = jnp.dtype(config.get("dtype", "float32"))
+    remat = config.get("remat", "none")
+    path = config.get("model_path", "")
+    if path:
+        model = qwen35.from_pretrained(path, dtype=dtype, mesh=mesh, remat=remat)
+    else:
+        preset = config.get("model_preset", "")
+        if preset not in qwen35.PRESETS:
+            raise ValueError(f"model_path is empty and model_preset={preset!r}; set model_path to an HF folder or "
+                             f"model_preset to one of {sorted(qwen35.PRESETS)}")
+        overrides = config.get("model_overrides", None) or {}
+        overrides = overrides.to_dict() if hasattr(overrides, "to_dict") else dict(overrides)
+        if "layer_types" in overrides:
+            overrides["layer_types"] = tuple(overrides["layer_types"])
+        try:
+            model_cfg = dataclasses.replace(qwen35.PRESETS[preset](), **overrides)
+        except TypeError as e:
+            raise ValueError(f"model_overrides={overrides}: {e}") from e
+        model = init_model_jit(model_cfg, dtype, int(config.get("model_seed", 0)), remat, mesh)
+    report = apply_lora_from_config(model, config.lora, seed=int(config.seed))
+    logging.info("LoRA on %d modules (%s): %d trainable of %d parameters", len(report["modules"]),
+                 ", ".join(f"{k} x{v}" for k, v in report["by_name"].items()), report["trainable_params"],
+                 report["total_params"])
+    return model
+
+
+def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunResult:
+    """Build the model and the algorithm's task from the config and run (resuming from the workdir)."""
+    from jaxrl.train.registry import get_trainer
+    mesh = mesh if mesh is not None else mesh_from_config(config)
+    model = build_model(config, mesh)
+    task = get_trainer(config.algorithm)(config, model, mesh)
+    return Trainer(config, model, task, workdir, mesh=mesh, **trainer_kwargs).run()

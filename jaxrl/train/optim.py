@@ -1,0 +1,88 @@
+"""Optimizer and learning-rate schedules from the config (`optimizer.*`), through optax.
+
+    tx, schedule = make_optimizer(config.optimizer, total_steps=config.steps)
+
+`tx` = [clip_by_global_norm(max_grad_norm)] -> AdamW(schedule, b1, b2, eps, weight_decay). The schedule is a
+function of the optimizer's own step count (updates actually applied; a skipped non-finite step does not move
+it), with the formulas of transformers' `get_*_schedule_with_warmup` so runs match the users' earlier stack:
+
+  linear                 s < w: s / w;   else max(0, (T - s) / (T - w))
+  constant_with_warmup   s < w: s / w;   else 1
+  cosine                 s < w: s / w;   else max(0, 0.5 (1 + cos(pi * p))),  p = (s - w) / (T - w)
+  constant               1
+
+times `learning_rate`; s = updates applied so far (the first update uses s = 0, so with warmup its rate is 0,
+as in transformers), w = warmup steps (`warmup_steps`, or ceil(warmup_ratio * T) when warmup_steps is 0),
+T = `steps`. AdamW is optax's (decoupled decay, torch.optim.AdamW's update rule).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("linear", "constant_with_warmup", "cosine", "constant")
+
+
+class OptimizerConfigError(ValueError):
+    """An `optimizer.*` config value we cannot use; names the key."""
+
+
+def warmup_steps(opt_cfg, total_steps: int) -> int:
+    steps = int(opt_cfg.get("warmup_steps", 0) or 0)
+    if steps < 0:
+        raise OptimizerConfigError(f"optimizer.warmup_steps must be >= 0, got {steps}")
+    if steps == 0:
+        ratio = float(opt_cfg.get("warmup_ratio", 0.0) or 0.0)
+        if not (0.0 <= ratio <= 1.0):
+            raise OptimizerConfigError(f"optimizer.warmup_ratio must be in [0, 1], got {ratio}")
+        steps = math.ceil(ratio * total_steps)
+    return steps
+
+
+def make_schedule(opt_cfg, total_steps: int) -> Callable:
+    """learning rate as a function of the optimizer step count s (int array or int) -> fp32 scalar."""
+    name = opt_cfg.get("schedule", "linear")
+    if name not in SCHEDULES:
+        raise OptimizerConfigError(f"optimizer.schedule={name!r}; choose one of {SCHEDULES}")
+    lr = float(opt_cfg.learning_rate)
+    if not lr >= 0:
+        raise OptimizerConfigError(f"optimizer.learning_rate must be >= 0, got {lr}")
+    w = warmup_steps(opt_cfg, total_steps)
+    total = int(total_steps)
+
+    def schedule(count):
+        s = jnp.asarray(count, jnp.float32)
+        warm = s / max(1.0, float(w))
+        if name == "constant":
+            factor = jnp.ones_like(s)
+        elif name == "constant_with_warmup":
+            factor = jnp.where(s < w, warm, 1.0)
+        elif name == "linear":
+            factor = jnp.where(s < w, warm, jnp.maximum(0.0, (total - s) / max(1.0, float(total - w))))
+        else:  # cosine, num_cycles = 0.5
+            progress = (s - w) / max(1.0, float(total - w))
+            factor = jnp.where(s < w, warm, jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * progress))))
+        return (lr * factor).astype(jnp.float32)
+
+    return schedule
+
+
+def make_optimizer(opt_cfg, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """(gradient transformation, schedule). Keys: learning_rate, schedule, warmup_steps / warmup_ratio,
+    weight_decay, b1, b2, eps, max_grad_norm (<= 0 disables clipping)."""
+    name = opt_cfg.get("name", "adamw")
+    if name != "adamw":
+        raise OptimizerConfigError(f"optimizer.name={name!r}; only 'adamw' is implemented")
+    schedule = make_schedule(opt_cfg, total_steps)
+    parts = []
+    max_norm = float(opt_cfg.get("max_grad_norm", 0.0) or 0.0)
+    if max_norm > 0:
+        parts.append(optax.clip_by_global_norm(max_norm))
+    parts.append(optax.adamw(schedule, b1=float(opt_cfg.get("b1", 0.9)), b2=float(opt_cfg.get("b2", 0.999)),
+                             eps=float(opt_cfg.get("eps", 1e-8)),
+                             weight_decay=float(opt_cfg.get("weight_decay", 0.0))))
+    return optax.chain(*parts), schedule

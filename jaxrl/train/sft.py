@@ -1,0 +1,119 @@
+"""`algorithm = "sft"`: next-token training (tests, benchmarks, and supervised warm-up runs).
+
+Data (`config.data`):
+  * `source = "synthetic"`: deterministic token sequences, a function of (seed, step) only, so any step's batch
+    can be rebuilt after a restart without saved state. Each row is an arithmetic progression modulo the vocab
+    (learnable: the loss falls), left-padded by a random amount on about half of the rows so masks matter.
+  * `source = "jsonl"`: `data.path`, one `{"input_ids": [...], "loss_mask": [...] (optional)}` per line; rows
+    are cut / right-padded to `data.seq_len`; the order is reshuffled every epoch from (seed, epoch).
+Both are indexed by the step, so the data position is the number of rows consumed (kept in checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import numpy as np
+
+from jaxrl.train.objective import NextToken
+from jaxrl.train.registry import register_trainer
+
+
+def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab_size: int, seed: int,
+                    pad_id: int = 0, min_token: int = 2) -> dict[str, np.ndarray]:
+    """{"input_ids": int32 [B, T], "attention_mask": int32 [B, T]} for `step`; tokens in [min_token, vocab)."""
+    rng = np.random.default_rng([int(seed), int(step), 7919])
+    span = vocab_size - min_token
+    if span <= 1:
+        raise ValueError(f"vocab_size={vocab_size} is too small for synthetic data")
+    start = rng.integers(0, span, size=(batch_size, 1))
+    stride = rng.integers(1, 8, size=(batch_size, 1))
+    ids = (min_token + (start + stride * np.arange(seq_len)[None, :]) % span).astype(np.int32)
+    mask = np.ones((batch_size, seq_len), np.int32)
+    pads = np.where(rng.random(batch_size) < 0.5, rng.integers(0, max(1, seq_len // 4) + 1, size=batch_size), 0)
+    for row, n in enumerate(pads):
+        if n:
+            ids[row] = np.concatenate([np.full(n, pad_id, np.int32), ids[row, :seq_len - n]])
+            mask[row, :n] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class JsonlTokens:
+    """Token rows from a JSON Lines file, reshuffled each epoch (see the module docstring)."""
+
+    def __init__(self, path: str, seq_len: int, seed: int, pad_id: int = 0):
+        self.seq_len, self.seed = seq_len, seed
+        ids, loss, lengths = [], [], []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    row = [int(t) for t in record["input_ids"]][:seq_len]
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                    raise ValueError(f"{path}:{lineno}: expected {{\"input_ids\": [int, ...]}}: {e}") from e
+                lm = [int(t) for t in record.get("loss_mask", [1] * len(row))][:seq_len]
+                if len(lm) != len(row):
+                    raise ValueError(f"{path}:{lineno}: loss_mask has {len(lm)} entries, input_ids {len(row)}")
+                lengths.append(len(row))
+                ids.append(row + [pad_id] * (seq_len - len(row)))
+                loss.append(lm + [0] * (seq_len - len(lm)))
+        if not ids:
+            raise ValueError(f"{path}: no rows")
+        self.ids = np.asarray(ids, np.int32)
+        self.loss_mask = np.asarray(loss, np.int32)
+        self.attention_mask = (np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+
+    def rows(self, start: int, count: int) -> dict[str, np.ndarray]:
+        n = len(self.ids)
+        index = []
+        for i in range(start, start + count):
+            epoch, offset = divmod(i, n)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
+            index.append(order[offset])
+        index = np.asarray(index)
+        return {"input_ids": self.ids[index], "attention_mask": self.attention_mask[index],
+                "loss_mask": self.loss_mask[index]}
+
+
+class SFTTask:
+    """Next-token objective over synthetic or JSON Lines token data."""
+
+    def __init__(self, config, vocab_size: int, pad_id: int = 0):
+        data = config.data
+        self.objective = NextToken(chunk_size=int(config.get("logprob_chunk_size", 512)))
+        self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
+        self.seq_len = int(data.seq_len)
+        self.seed = int(config.seed)
+        self.vocab_size, self.pad_id = vocab_size, pad_id
+        self.position = 0
+        source = data.get("source", "synthetic")
+        if source == "synthetic":
+            self.source: Optional[JsonlTokens] = None
+        elif source == "jsonl":
+            if not data.get("path"):
+                raise ValueError("data.source='jsonl' needs data.path")
+            self.source = JsonlTokens(data.path, self.seq_len, self.seed, pad_id)
+        else:
+            raise ValueError(f"data.source={source!r}; choose 'synthetic' or 'jsonl'")
+
+    def batch(self, step: int, trainer=None) -> dict[str, np.ndarray]:
+        self.position = (step + 1) * self.global_batch
+        if self.source is None:
+            return synthetic_batch(step, batch_size=self.global_batch, seq_len=self.seq_len,
+                                   vocab_size=self.vocab_size, seed=self.seed, pad_id=self.pad_id)
+        return self.source.rows(step * self.global_batch, self.global_batch)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state.get("position", 0))
+
+
+@register_trainer("sft")
+def build_sft(config, model, mesh) -> SFTTask:
+    pad = model.config.pad_token_id
+    return SFTTask(config, vocab_size=model.config.vocab_size, pad_id=0 if pad is None else int(pad))

@@ -1,0 +1,91 @@
+"""The training state: a pytree of arrays that the jitted step maps to its successor.
+
+    state = init_train_state(params, optimizer, seed)
+    TrainState(step, opt_step, params, opt_state, rng, nonfinite_total, nonfinite_consecutive)
+
+`params` is a flat `{name: array}` dict of the trainable variables (the LoRA factors, names like
+`layers.0.self_attn.q_proj.lora.lora_A`, PEFT layout [r, in] / [out, r], fp32); the optimizer state mirrors it.
+Flat string keys keep Orbax checkpoints, sharding rules and PEFT export on one naming. `ParamCodec` converts
+between that dict and the `nnx.State` that `nnx.merge` needs.
+
+Counters: `step` counts train steps attempted (= global batches consumed; what `steps` and `checkpoint_every`
+count), `opt_step` counts updates applied (the schedule position; a skipped non-finite step leaves it, the
+parameters and the optimizer state unchanged). The host-side data position lives beside this state in the
+checkpoint (see `checkpoints.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 []: train steps attempted so far
+    opt_step: jax.Array  # int32 []: updates applied so far (schedule position)
+    params: dict  # {name: fp32 array}: the trainable variables
+    opt_state: Any  # optax state over `params`
+    rng: jax.Array  # uint32 [2]: raw key data; step k uses fold_in(rng, k)
+    nonfinite_total: jax.Array  # int32 []: skipped updates so far
+    nonfinite_consecutive: jax.Array  # int32 []: skipped updates in a row, up to and including the last step
+
+
+def init_train_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    def zero():  # a fresh buffer per counter: the jitted step donates the state, and a buffer shared by two
+        return jnp.zeros((), jnp.int32)  # leaves could not be donated twice
+
+    return TrainState(step=zero(), opt_step=zero(), params=dict(params), opt_state=optimizer.init(params),
+                      rng=jax.random.key_data(jax.random.key(seed)), nonfinite_total=zero(),
+                      nonfinite_consecutive=zero())
+
+
+def create_train_state(params: dict, optimizer: optax.GradientTransformation, seed: int, mesh=None,
+                       shardings=None) -> TrainState:
+    """`init_train_state` as one jitted program (no per-leaf eager ops), laid out on `mesh` by the partition
+    rules (`jaxrl.parallel.sharding.train_state_shardings`) or by explicit `shardings`. Use this layout for the
+    state fed to the jitted step: a state on another layout would make it compile a second time. Parameters are
+    copied: the step donates the state, and the caller's arrays (the model's own) must survive that."""
+    if shardings is None and mesh is not None:
+        from jaxrl.parallel.sharding import train_state_shardings
+        abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed), params)
+        shardings = train_state_shardings(abstract, mesh)
+    fn = jax.jit(lambda p: init_train_state(jax.tree.map(jnp.copy, p), optimizer, seed), out_shardings=shardings)
+    return fn(params)
+
+
+def _key_name(entry) -> str | None:
+    if isinstance(entry, DictKey):
+        return str(entry.key)
+    if isinstance(entry, SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, GetAttrKey):
+        return None if entry.name == "value" else entry.name
+    return str(entry)
+
+
+def path_name(keypath) -> str:
+    """A jax key path inside an nnx.State -> the dotted parameter name (the Variable's `.value` dropped)."""
+    return ".".join(n for n in (_key_name(e) for e in keypath) if n is not None)
+
+
+class ParamCodec:
+    """Flat {name: array} <-> the nnx.State it came from (same tree structure and Variable types)."""
+
+    def __init__(self, template_state):
+        leaves_with_path, self.treedef = jax.tree_util.tree_flatten_with_path(template_state)
+        self.names = [path_name(p) for p, _ in leaves_with_path]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("ParamCodec: duplicate parameter names in the trainable state")
+
+    def to_flat(self, state) -> dict:
+        return dict(zip(self.names, jax.tree.leaves(state)))
+
+    def to_state(self, flat: dict):
+        missing = [n for n in self.names if n not in flat]
+        if missing:
+            raise KeyError(f"ParamCodec: {len(missing)} parameter(s) missing, first {missing[0]!r}")
+        return jax.tree_util.tree_unflatten(self.treedef, [flat[n] for n in self.names])

@@ -1,0 +1,86 @@
+r"""Train with LoRA (sft, dpo, grpo, ppo: `config.algorithm`); resumes from the newest checkpoint in --workdir.
+
+    python -m launchers.train --config=configs/sft_tiny.py --workdir=/tmp/run
+    python -m launchers.train --config=configs/X.py --workdir=DIR --config.optimizer.learning_rate=5e-7 \
+        --config.lora.rank=32 --config.lora.alpha=64
+    # several hosts (run on each, with its --process_id; or --distributed_auto on SLURM / TPU pods):
+    python -m launchers.train --config=... --workdir=... --coordinator_address=10.0.0.1:1234 \
+        --num_processes=4 --process_id=0
+
+Writes into the workdir: config.json (the resolved config), metrics.jsonl, tensorboard/, checkpoints/
+(adapters/<step>, state/<step>). Exit status 0 on success, 3 when training stopped on too many non-finite
+updates in a row (a checkpoint was saved first).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()); --config.key=value overrides.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics, config.json.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+_LOCAL_DEVICES = flags.DEFINE_string("local_device_ids", None, "Comma-separated local device ids (multi-host).")
+_DIST_AUTO = flags.DEFINE_bool("distributed_auto", False, "Let jax.distributed detect the cluster.")
+# Test-only: prove that a run killed without any clean-up resumes exactly.
+_KILL_AFTER = flags.DEFINE_integer("debug_kill_after_step", 0, "TESTS ONLY: SIGKILL this process after step N "
+                                   "(after its pending checkpoint writes have landed).")
+_KILL_DURING_SAVE = flags.DEFINE_integer("debug_kill_during_save", 0, "TESTS ONLY: SIGKILL this process right "
+                                         "after the checkpoint of step N was started (its write may be unfinished).")
+
+EXIT_NONFINITE = 3
+
+
+class _QuietOrbax:
+    """Drop Orbax's INFO chatter (several lines per file written) from the console; warnings stay."""
+
+    def filter(self, record) -> bool:
+        return record.levelno > logging.converter.STANDARD_INFO or "orbax" not in record.pathname
+
+
+def _kill_hook(kill_after: int, kill_during_save: int):
+    if not kill_after and not kill_during_save:
+        return None
+
+    def hook(done: int, trainer) -> None:
+        if kill_during_save and done == kill_during_save:
+            print(f"KILLING during save of step {done}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kill_after and done == kill_after:
+            trainer.ckpt.wait()
+            print(f"KILLING after step {done}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _CONFIG.value is None or not _WORKDIR.value:
+        raise app.UsageError("--config and --workdir are required")
+    logging.get_absl_handler().addFilter(_QuietOrbax())
+    from jaxrl.parallel import distributed
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICES.value,
+                           auto=_DIST_AUTO.value)
+    from jaxrl.train.loop import NonFiniteError, run_training
+    config = _CONFIG.value
+    try:
+        result = run_training(config, _WORKDIR.value,
+                              on_step_end=_kill_hook(_KILL_AFTER.value, _KILL_DURING_SAVE.value))
+    except NonFiniteError as e:
+        logging.error("%s", e)
+        print(f"ERROR: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_NONFINITE)
+    print(f"done: {result.final_step} steps; checkpoints in {os.path.join(_WORKDIR.value, 'checkpoints')}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
