@@ -1,0 +1,550 @@
+"""Base + checkpoints on a problems file -> samples, metrics, paired comparisons, weight audit: the work behind
+`python -m launchers.evaluate`.
+
+    cfg = EvalConfig(problems="heldout.jsonl", base="Qwen3.5-4B", out="run/eval",
+                     models=[ModelSpec("step_28", "adapter", "run/checkpoints/adapters/28", step=28)],
+                     num_samples=1, temperature=0.0, max_new_tokens=8192)
+    results = Evaluator(cfg).run()
+
+Outputs under `out/` (formats: jaxrl/diagnostics/formats.py):
+
+    results.json, results.md     metrics per model (+ "untruncated"), comparisons with the baseline (paired
+                                 bootstrap interval over prompts; McNemar / sign test on strict passes), warnings
+                                 (truncation above the threshold, skipped prompts, models with identical weights)
+    samples/<name>.jsonl         every scored completion (formats.write_samples)
+    audit.json                   the weight audit (jaxrl.export.audit) of every model against the base
+    cache/<name>.jsonl           completions as they are scored, appended one problem at a time (the resume state)
+
+Honesty rules this module enforces:
+
+* Every model is scored on the same prompts, tokenised once with the base's tokenizer and chat template, with the
+  same sample keys (seed, problem id, sample index): differences are paired, and random streams are shared.
+* Every model's weights are fingerprinted (sha256 of its language tower as served; `jaxrl.export.audit`) and the
+  fingerprint is stored in results.json; the digest of the adapter the backend REALLY carries is read back from
+  the loaded model and must equal the file's. Two models with identical language weights raise a warning.
+* Resumable: a killed evaluation continues where it stopped. The cache of a model is bound to its fingerprint,
+  the sampling settings, the reward and the backend (`CACHE_KEYS`); resuming with other values is refused, so
+  samples of different weights or settings are never mixed. A cached sample whose problem changed (tests
+  included) is drawn again. Samples are keyed by (problem, sample index), so raising --num_samples reuses the
+  samples already drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from jaxrl.data.jsonl import atomic_write_json, atomic_write_text, iter_jsonl
+from jaxrl.diagnostics import formats
+from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
+from jaxrl.evaluation.stats import compare, write_results
+
+logger = logging.getLogger(__name__)
+
+BASE = formats.BASE_MODEL
+COMPARED = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
+# Settings a model's cached samples depend on; resuming with any other value is refused.
+CACHE_KEYS = ("fingerprint", "adapter_digest", "temperature", "top_p", "top_k", "max_new_tokens", "enable_thinking",
+              "reward", "reward_kwargs", "seed", "backend", "dtype", "tokenizer")
+MODEL_KINDS = ("base", "adapter", "hf")
+
+
+class ResumeError(ValueError):
+    """A cache that cannot be continued with these settings (names the file and the differing keys)."""
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """One model to evaluate.
+
+    kind: "base" (the base folder), "adapter" (base + a trainer adapter checkpoint or a PEFT folder at `path`),
+      "hf" (a full HF folder at `path`, e.g. a merged export).
+    step: optimizer step of a checkpoint (results.json "step"; the name is usually `step_<step>`).
+    """
+
+    name: str
+    kind: str
+    path: Optional[str] = None
+    step: Optional[int] = None
+
+    def __post_init__(self):
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"model {self.name!r}: kind must be one of {MODEL_KINDS}, got {self.kind!r}")
+        if self.kind != "base" and not self.path:
+            raise ValueError(f"model {self.name!r}: kind {self.kind!r} needs a path")
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"model name {self.name!r} is not usable as a file name")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    problems: str
+    base: str
+    out: str
+    models: list = dataclasses.field(default_factory=list)  # ModelSpec; "base" is added first when absent
+    num_samples: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8192
+    max_prompt_len: int = 4096
+    prompt_buckets: tuple = ()
+    enable_thinking: bool = False
+    reward: str = "code"
+    reward_kwargs: dict = dataclasses.field(default_factory=dict)
+    baseline: str = BASE
+    backend: str = "jax"
+    backend_kwargs: dict = dataclasses.field(default_factory=dict)
+    truncation_threshold: float = 0.10
+    seed: int = 0
+    dtype: str = "bfloat16"
+    batch_size: int = 64
+    limit: int = 0
+    on_overlong: str = "skip"
+    n_resamples: int = 10000
+    confidence: float = 0.95
+    progress: bool = True
+
+
+def default_reward_kwargs(name: str) -> dict:
+    """The code verifier in LiveCodeBench-compatible mode (its import preamble and int limit), as the users'
+    LCB numbers were produced; toy rewards take none."""
+    return {"lcb_compat": True} if name == "code" else {}
+
+
+def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> list[ModelSpec]:
+    """`step_<N>` specs for every adapter checkpoint of a run (or the listed steps, which must exist)."""
+    from jaxrl.export.adapters import adapter_steps
+    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
+    available = adapter_steps(workdir)
+    chosen = available if not steps else [int(s) for s in steps]
+    missing = sorted(set(chosen) - set(available))
+    if missing:
+        raise CheckpointNotFound(f"{workdir}: no adapter checkpoint for step(s) {missing}; present: {available}")
+    path = os.path.abspath(workdir)
+    root = next(p for p in (os.path.join(path, CHECKPOINTS, ADAPTERS), os.path.join(path, ADAPTERS), path)
+                if os.path.basename(p) == ADAPTERS and os.path.isdir(p))
+    return [ModelSpec(formats.checkpoint_name(s), "adapter", os.path.join(root, str(s)), step=s)
+            for s in sorted(chosen)]
+
+
+def _problem_key(problem_id: str) -> int:
+    from jaxrl.rollout.runner import problem_key
+    return problem_key(problem_id)
+
+
+def _decode(tokenizer, tokens: Sequence[int], reason: str, stop_ids) -> str:
+    # The final stop token (when it is one) is not part of the answer; special tokens are skipped, the
+    # <think> tags are ordinary tokens and stay (the rewards strip reasoning themselves).
+    body = list(tokens[:-1]) if reason == "stop" and tokens and tokens[-1] in stop_ids else list(tokens)
+    return tokenizer.decode(body, skip_special_tokens=True)
+
+
+class Evaluator:
+    """One evaluation (module docstring). `run()` does everything; the pieces are public for tools and tests.
+
+    model / tokenizer / reward: already built objects (a loaded base model for the jax backend, a tokenizer, a
+    Reward), to skip loading them from the config.
+    """
+
+    def __init__(self, cfg: EvalConfig, *, model=None, tokenizer=None, reward=None, backend=None):
+        from jaxrl.data.problems import load_problems
+        from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
+
+        if cfg.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {cfg.num_samples}")
+        if not 0.0 <= cfg.truncation_threshold < 1.0:
+            raise ValueError(f"truncation_threshold must be in [0, 1), got {cfg.truncation_threshold}")
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        specs = list(cfg.models)
+        if not any(s.name == BASE for s in specs):
+            specs.insert(0, ModelSpec(BASE, "base"))
+        names = [s.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {dupes}")
+        if cfg.baseline not in names:
+            raise ValueError(f"baseline {cfg.baseline!r} is not among the models {names}")
+        self.specs = {s.name: s for s in specs}
+
+        problems = load_problems(cfg.problems)
+        if cfg.limit:
+            problems = problems[: cfg.limit]
+        ids = [p.id for p in problems]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{cfg.problems}: problem ids repeat")
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.base)
+        from jaxrl.models.qwen35.config import load_hf_config
+        base_cfg, self.base_layout, _ = load_hf_config(cfg.base)
+        self.stop_ids = chat_stop_ids(self.tokenizer, base_cfg.eos_token_id)
+        enc = encode_prompts(self.tokenizer, [p.messages for p in problems], cfg.enable_thinking,
+                             cfg.max_prompt_len, on_overlong=cfg.on_overlong, names=ids)
+        self.n_problems_total = len(problems)
+        self.skipped = [{"problem_id": problems[i].id, "prompt_tokens": n} for i, n in enc.skipped]
+        self.problems = [problems[i] for i in enc.kept]
+        self.prompts = {problems[i].id: list(p) for i, p in zip(enc.kept, enc.ids)}
+        if not self.problems:
+            raise ValueError(f"{cfg.problems}: no problem fits max_prompt_len={cfg.max_prompt_len}")
+        self.by_id = {p.id: p for p in self.problems}
+
+        if reward is None:
+            from jaxrl.rewards import get_reward
+            reward = get_reward(cfg.reward, **{**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs})
+        self.reward = reward
+        self.reward_kwargs = {**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs}
+        if backend is None:
+            from jaxrl.evaluation.backends import make_backend
+            pad = self.tokenizer.pad_token_id
+            backend = make_backend(cfg.backend, base_dir=cfg.base, out_dir=str(self.out), dtype=cfg.dtype,
+                                   batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
+                                   prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=self.stop_ids,
+                                   pad_id=pad, model=model, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                                   **cfg.backend_kwargs)
+        self.backend = backend
+        self._adapters: dict = {}
+        self.audit_report: Optional[dict] = None
+        self._loaded: Optional[str] = None
+        from jaxrl.data.jsonl import sha256_file
+        self.tokenizer_digest = _tokenizer_digest(cfg.base, sha256_file)
+
+    # --------------------------------------------------------------------------------------------------- weights
+    def adapter(self, name: str):
+        """The Adapter of model `name` (None for base / HF folders); PEFT adapters must match the base layout."""
+        spec = self.specs[name]
+        if spec.kind != "adapter":
+            return None
+        if name not in self._adapters:
+            from jaxrl.export.adapters import is_peft_folder, read_adapter
+            if is_peft_folder(spec.path):
+                from jaxrl.export.peft import LayoutError, mismatch_message, read_peft_adapter
+                adapter, layout = read_peft_adapter(spec.path)
+                if layout != self.base_layout.kind:
+                    raise LayoutError(mismatch_message(layout, self.base_layout.kind, spec.path))
+            else:
+                adapter = read_adapter(spec.path)
+            self._adapters[name] = adapter
+        return self._adapters[name]
+
+    def source(self, name: str):
+        """The audit source of model `name` (what its fingerprint is computed from)."""
+        from jaxrl.export.audit import FolderSource, MergedSource
+        spec = self.specs[name]
+        if spec.kind == "base":
+            return FolderSource(self.cfg.base)
+        if spec.kind == "hf":
+            return FolderSource(spec.path)
+        return MergedSource(self.cfg.base, self.adapter(name))
+
+    def run_audit(self) -> dict:
+        """Fingerprints every model and compares it with the base; writes `out/audit.json`."""
+        from jaxrl.export.audit import audit
+        if self.audit_report is None:
+            t0 = time.perf_counter()
+            self.audit_report = audit({n: self.source(n) for n in self.specs}, reference=BASE)
+            atomic_write_json(self.out / "audit.json", self.audit_report)
+            logger.info("weight audit of %d models: %.1f s", len(self.specs), time.perf_counter() - t0)
+        return self.audit_report
+
+    def load(self, name: str) -> None:
+        """Makes `name` the backend's model and proves it carries the intended adapter."""
+        if self._loaded == name:
+            return
+        adapter = self.adapter(name)
+        self.backend.load(self.specs[name], adapter)
+        got = self.backend.loaded_digest()
+        want = adapter.digest() if adapter is not None else None
+        if got != want:
+            raise RuntimeError(f"model {name!r}: the backend carries adapter digest {got}, expected {want} "
+                               "(the evaluation would score other weights than the ones named)")
+        served = getattr(self.backend, "served_fingerprint", lambda: None)()
+        expected = self.run_audit()["fingerprints"][name]
+        if served is not None and served != expected:
+            raise RuntimeError(f"model {name!r}: the backend serves weights with fingerprint {served[:12]}, the "
+                               f"audit expects {expected[:12]} (a stale or foreign merged folder?)")
+        self._loaded = name
+
+    # ----------------------------------------------------------------------------------------------------- cache
+    def settings(self, name: str) -> dict:
+        cfg = self.cfg
+        adapter = self.adapter(name)
+        return {"model": dataclasses.asdict(self.specs[name]), "base": os.path.abspath(cfg.base),
+                "fingerprint": self.run_audit()["fingerprints"][name],
+                "adapter_digest": adapter.digest() if adapter is not None else None,
+                "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                "max_new_tokens": cfg.max_new_tokens, "enable_thinking": cfg.enable_thinking,
+                "reward": cfg.reward, "reward_kwargs": self.reward_kwargs, "seed": cfg.seed,
+                "backend": getattr(self.backend, "name", cfg.backend),
+                "dtype": cfg.dtype, "tokenizer": self.tokenizer_digest}
+
+    def cache_path(self, name: str) -> Path:
+        return self.out / "cache" / f"{name}.jsonl"
+
+    def _open_cache(self, name: str) -> dict[tuple[str, int], dict]:
+        """Checks the cache's settings, repairs a torn last line, returns the usable cached records."""
+        from jaxrl.rollout.runner import repair_tail
+        path = self.cache_path(name)
+        meta_path = path.with_name(path.name + ".meta.json")
+        settings = self.settings(name)
+        if meta_path.exists():
+            old = json.loads(meta_path.read_text()).get("settings", {})
+            diffs = [k for k in CACHE_KEYS if old.get(k) != settings.get(k)]
+            if diffs:
+                detail = "; ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diffs)
+                raise ResumeError(f"{path} holds samples drawn with other weights or settings ({detail}). Mixing "
+                                  "them would corrupt the statistics: evaluate into another --out, or delete "
+                                  "this model's cache to start it over")
+        elif path.exists() and path.stat().st_size:
+            raise ResumeError(f"{path} exists without {meta_path.name}, so its settings are unknown; delete it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(meta_path, {"settings": settings})
+        removed = repair_tail(path)
+        if removed:
+            logger.warning("%s: removed a partially written last line (%d bytes)", path, removed)
+        cached: dict[tuple[str, int], dict] = {}
+        stale = 0
+        if path.exists():
+            for _, rec in iter_jsonl(path):
+                problem = self.by_id.get(rec.get("problem_id"))
+                if problem is None:
+                    continue  # another --limit / problems subset: kept in the file, unused here
+                if rec.get("problem_fingerprint") != problem.fingerprint:
+                    stale += 1  # the problem (e.g. its tests) changed: the score is void, draw again
+                    continue
+                cached[(rec["problem_id"], int(rec["sample_index"]))] = rec  # a later line wins
+        if stale:
+            logger.warning("%s: %d cached samples belong to problems that changed since; drawing them again",
+                           path, stale)
+        return cached
+
+    # ---------------------------------------------------------------------------------------------- generation
+    def _score(self, gens, problem_ids: Sequence[str], max_new_tokens: int) -> list[dict]:
+        """Decodes and scores generations (gens[i] answers problem_ids[i]); returns SAMPLES records (+ extras)."""
+        texts = [_decode(self.tokenizer, g.tokens, g.finish_reason, self.stop_ids) for g in gens]
+        problems = [self.by_id[pid] for pid in problem_ids]
+        scores = self.reward.score(texts, problems, truncated=[g.finish_reason for g in gens])
+        records = []
+        for g, pid, text, s in zip(gens, problem_ids, texts, scores):
+            records.append({
+                "problem_id": pid, "sample_index": int(g.sample_index), "completion": text,
+                "completion_tokens": len(g.tokens), "finish_reason": g.finish_reason,
+                "partial": float(s.partial), "strict": bool(s.strict), "tests": list(s.tests), "reason": s.reason,
+                "max_new_tokens": int(max_new_tokens), "prompt_tokens": len(self.prompts[pid]),
+                "problem_fingerprint": self.by_id[pid].fingerprint})
+        return records
+
+    def sample_model(self, name: str, on_batch: Optional[Callable[[dict], None]] = None) -> list[dict]:
+        """Draws (or resumes) model `name`'s samples; returns its records in problem order, then sample index."""
+        cfg = self.cfg
+        cached = self._open_cache(name)
+        n = cfg.num_samples
+        todo = [p.id for p in self.problems if any((p.id, i) not in cached for i in range(n))]
+        if todo:
+            self.load(name)
+            per_batch = max(1, cfg.batch_size // n)
+            path = self.cache_path(name)
+            bar = None
+            if cfg.progress:
+                from tqdm import tqdm
+                bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
+                           desc=name, dynamic_ncols=True)
+            with open(path, "a", encoding="utf-8") as f:
+                for b in range(0, len(todo), per_batch):
+                    chunk = todo[b: b + per_batch]
+                    gens = self.backend.generate([self.prompts[pid] for pid in chunk],
+                                                 [_problem_key(pid) for pid in chunk], n=n,
+                                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
+                    gens = [g for g in gens if (chunk[g.prompt_index], g.sample_index) not in cached]
+                    records = self._score(gens, [chunk[g.prompt_index] for g in gens], cfg.max_new_tokens)
+                    # One problem's samples at a time, flushed and fsync'ed: a kill loses at most the problems
+                    # of the batch in flight, never a half-written record (a torn line is cut on resume).
+                    for pid in chunk:
+                        lines = [r for r in records if r["problem_id"] == pid]
+                        f.write("".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in lines))
+                        f.flush()
+                        os.fsync(f.fileno())
+                        for r in lines:
+                            cached[(pid, r["sample_index"])] = r
+                    if bar is not None:
+                        bar.update(len(chunk))
+                    if on_batch is not None:
+                        on_batch({"model": name, "problems_done": len(chunk)})
+            if bar is not None:
+                bar.close()
+        return [cached[(p.id, i)] for p in self.problems for i in range(n)]
+
+    # ------------------------------------------------------------------------------------------------- results
+    def run(self, on_batch: Optional[Callable[[dict], None]] = None) -> dict:
+        """Audit, sample every model (resuming), write samples, results.json and results.md; returns results."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        report = self.run_audit()
+        records = {}
+        for name in self.specs:
+            t0 = time.perf_counter()
+            records[name] = self.sample_model(name, on_batch=on_batch)
+            formats.write_samples(formats.samples_path(self.out, name), records[name])
+            logger.info("%s: %d samples in %.1f s", name, len(records[name]), time.perf_counter() - t0)
+        return self.write(records, report)
+
+    def summarize(self, records: Mapping[str, Sequence[Mapping]]) -> tuple[dict, list]:
+        """:func:`summarize` with this evaluation's baseline and bootstrap settings."""
+        cfg = self.cfg
+        return summarize(records, cfg.baseline, n_resamples=cfg.n_resamples, confidence=cfg.confidence,
+                         seed=cfg.seed)
+
+    def write(self, records: Mapping[str, Sequence[Mapping]], report: Optional[dict] = None,
+              out: Optional[str] = None) -> dict:
+        """results.json + results.md for `records` ({model: SAMPLES records}) into `out` (default: the
+        evaluation's folder); returns the validated results."""
+        cfg = self.cfg
+        report = report or self.run_audit()
+        metrics, comps = self.summarize(records)
+        warnings = []
+        if self.skipped:
+            warnings.append(f"{len(self.skipped)} of {self.n_problems_total} problems were skipped (prompt over "
+                            f"max_prompt_len={cfg.max_prompt_len} tokens); every model was scored on the other "
+                            f"{len(self.problems)}")
+        for group in report["same_weights"]:
+            warnings.append(f"models {', '.join(group)} have bit-identical language weights (fingerprint "
+                            f"{report['fingerprints'][group[0]][:12]}): they are the same model")
+        for name, m in metrics.items():
+            spec = self.specs[name]
+            entry = report["models"][name]
+            m["step"] = spec.step
+            m["fingerprint"] = entry["fingerprint"]
+            m["adapter_digest"] = self.adapter(name).digest() if spec.kind == "adapter" else None
+            m["source"] = {"kind": spec.kind, "path": os.path.abspath(spec.path) if spec.path else
+                           os.path.abspath(cfg.base)}
+            if name != BASE:
+                m["weights_vs_base"] = {"changed_tensors": len(entry["changed"]),
+                                        "max_abs_diff": entry["language"]["max_abs_diff"],
+                                        "rel_delta_norm": entry["language"]["rel_delta_norm"]}
+        extra = {"max_new_tokens": cfg.max_new_tokens,
+                 "evaluation": {"problems": os.path.abspath(cfg.problems), "n_problems": len(self.problems),
+                                "skipped_problems": self.skipped, "num_samples": cfg.num_samples,
+                                "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                                "enable_thinking": cfg.enable_thinking, "reward": cfg.reward,
+                                "reward_kwargs": self.reward_kwargs, "backend": cfg.backend, "dtype": cfg.dtype,
+                                "seed": cfg.seed, "baseline": cfg.baseline, "base": os.path.abspath(cfg.base),
+                                "truncation_threshold": cfg.truncation_threshold,
+                                "bootstrap": {"n_resamples": cfg.n_resamples, "confidence": cfg.confidence,
+                                              "seed": cfg.seed, "unit": "prompt"}},
+                 "audit": "audit.json"}
+        json_path, md_path = write_results(Path(out) if out else self.out, metrics, comps, warnings=warnings,
+                                           max_new_tokens=cfg.max_new_tokens,
+                                           truncation_threshold=cfg.truncation_threshold, extra=extra)
+        results = formats.read_results(json_path)
+        atomic_write_text(md_path, md_path.read_text(encoding="utf-8") + self._md_details(results))
+        return results
+
+    def _md_details(self, results: Mapping) -> str:
+        ev = results["evaluation"]
+        lines = ["", "## Weights (audit.json)", "",
+                 "Fingerprint: sha256 of the language tower as served (base + merged adapter). Equal fingerprints "
+                 "mean the same weights.", "",
+                 "| model | step | fingerprint | adapter digest | tensors changed vs base | max abs diff | "
+                 "rel. delta norm |", "|---|---|---|---|---|---|---|"]
+        for name, m in results["models"].items():
+            w = m.get("weights_vs_base") or {}
+            rel = w.get("rel_delta_norm")
+            lines.append(f"| {name} | {'–' if m.get('step') is None else m['step']} | `{m['fingerprint'][:12]}` | "
+                         f"{'`' + m['adapter_digest'][:12] + '`' if m.get('adapter_digest') else '–'} | "
+                         f"{w.get('changed_tensors', '–')} | "
+                         f"{'–' if not w else format(w['max_abs_diff'], '.3g')} | "
+                         f"{'–' if rel is None else format(rel, '.3g')} |")
+        lines += ["", "## Settings", "",
+                  f"{ev['n_problems']} problems ({len(ev['skipped_problems'])} skipped as over-long) from "
+                  f"`{ev['problems']}`; {ev['num_samples']} sample(s) a problem at temperature "
+                  f"{ev['temperature']} (top_p {ev['top_p']}, top_k {ev['top_k']}), cap "
+                  f"{results['max_new_tokens']} new tokens, thinking {'on' if ev['enable_thinking'] else 'off'}; "
+                  f"reward `{ev['reward']}` {json.dumps(ev['reward_kwargs'])}; backend {ev['backend']} "
+                  f"({ev['dtype']}); seed {ev['seed']}. Intervals: paired bootstrap over prompts, "
+                  f"{ev['bootstrap']['n_resamples']} resamples, {ev['bootstrap']['confidence']:.0%}.", ""]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------------------------- termination analysis
+    def resample_fn(self, name: str):
+        """`resample_fn(problem_ids, max_new_tokens) -> SAMPLES records` for
+        `jaxrl.diagnostics.termination.resample_truncated` on model `name`'s samples.
+
+        The k-th occurrence of a problem id redraws the k-th truncated sample of that problem (in the samples'
+        order) with the same key, so on the jax backend it continues the same random stream past the old cap
+        (greedy: the very same completion, only longer). Ids beyond the known truncated samples take indices
+        0, 1, ... Nothing is cached: re-sampling is an analysis, not part of the evaluation.
+        """
+        cfg = self.cfg
+        truncated: dict[str, list[int]] = {}
+        path = formats.samples_path(self.out, name)
+        if path.exists():
+            for rec in formats.read_samples(path):
+                if rec["finish_reason"] == "length":
+                    truncated.setdefault(rec["problem_id"], []).append(int(rec["sample_index"]))
+
+        def resample(problem_ids: Sequence[str], max_new_tokens: int) -> list[dict]:
+            wanted: list[tuple[str, int]] = []
+            seen: dict[str, int] = {}
+            for pid in problem_ids:
+                if pid not in self.by_id:
+                    raise KeyError(f"resample_fn: problem {pid!r} is not part of this evaluation")
+                k = seen.get(pid, 0)
+                seen[pid] = k + 1
+                known = truncated.get(pid, [])
+                wanted.append((pid, known[k] if k < len(known) else k))
+            if not wanted:
+                return []
+            self.load(name)
+            unique = list(dict.fromkeys(pid for pid, _ in wanted))
+            n = max(i for _, i in wanted) + 1
+            gens = self.backend.generate([self.prompts[pid] for pid in unique], [_problem_key(p) for p in unique],
+                                         n=n, max_new_tokens=int(max_new_tokens), temperature=cfg.temperature,
+                                         top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
+            by_key = {(unique[g.prompt_index], g.sample_index): g for g in gens}
+            chosen = [by_key[key] for key in wanted]
+            return self._score(chosen, [pid for pid, _ in wanted], int(max_new_tokens))
+
+        return resample
+
+    def close(self) -> None:
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()
+        self.backend.close()
+
+
+def summarize(records: Mapping[str, Sequence[Mapping]], baseline: str = BASE, *, metrics: Sequence[str] = COMPARED,
+              n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> tuple[dict, list]:
+    """(per-model metrics, comparisons with the baseline) from {model: SAMPLES records}: the metric path of
+    results.json (`model_metrics` per model; `compare` = paired bootstrap over prompts + McNemar / sign test on
+    strict), usable on any records, e.g. a fixed set of completions."""
+    out = {name: model_metrics(recs) for name, recs in records.items()}
+    per_prompt = {name: per_prompt_values(recs) for name, recs in records.items()}
+    comps = compare(per_prompt, baseline=baseline, metrics=list(metrics), n_resamples=n_resamples,
+                    confidence=confidence, seed=seed)
+    return out, comps
+
+
+def _tokenizer_digest(folder: str, sha256_file) -> str:
+    """sha256 over the tokenizer / chat-template files of the base (they define the prompts)."""
+    import hashlib
+    h = hashlib.sha256()
+    for fname in sorted(os.listdir(folder)):
+        if fname.startswith("tokenizer") or fname.startswith("chat_template") or fname in (
+                "vocab.json", "merges.txt", "special_tokens_map.json"):
+            h.update(fname.encode() + b"\0" + sha256_file(os.path.join(folder, fname)).encode())
+    return h.hexdigest()
+
+
+def run_evaluation(cfg: EvalConfig, **kwargs) -> dict:
+    """`Evaluator(cfg, **kwargs).run()`, closing the reward's sandboxes and the backend afterwards."""
+    ev = Evaluator(cfg, **kwargs)
+    try:
+        return ev.run()
+    finally:
+        ev.close()

@@ -1,0 +1,260 @@
+"""One in-memory form for every LoRA adapter this project reads: trainer checkpoints and PEFT folders.
+
+    adapter = read_adapter(path, step=None)   # trainer: a workdir, its checkpoints/, adapters/ or adapters/<step>
+                                              # PEFT:    a folder with adapter_config.json (any layout, see peft.py)
+    attach(model, adapter)                    # in place; replaces whatever adapters the model carried
+    detach(model)                             # back to the bare base model
+    adapter.delta(module)                     # s * B @ A, [out, in] fp32: what a merge adds to the base weight
+
+Names are ours (`layers.0.linear_attn.in_proj_qkv.lora.lora_A` [r, in], `...lora_B` [out, r]), fp32, exactly
+PEFT's tensors under another name (docs/qwen35-architecture.md §6), so every conversion is a rename.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+from jaxrl.models.lora import ALL_LINEAR
+
+A_SUFFIX = ".lora.lora_A"
+B_SUFFIX = ".lora.lora_B"
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be read, exported or attached faithfully; the message names the file and key."""
+
+
+@dataclasses.dataclass
+class Adapter:
+    """LoRA factors of one adapter plus what is needed to rebuild and describe it.
+
+    params: {our factor name: fp32 array}; every module has both `A` [r, in] and `B` [out, r].
+    modules: module paths (`layers.3.self_attn.q_proj`), in model order.
+    step: optimizer step of a trainer checkpoint (None for a PEFT folder).
+    source: where it was read from (for error messages and provenance records).
+    """
+
+    params: dict[str, np.ndarray]
+    rank: int
+    alpha: float
+    use_rslora: bool = False
+    dropout: float = 0.0
+    step: Optional[int] = None
+    source: str = ""
+    model_path: str = ""
+    kind: str = "trainer"  # "trainer" | "peft"
+
+    def __post_init__(self):
+        self.params = {k: np.asarray(v, np.float32) for k, v in self.params.items()}
+        self.validate()
+
+    @property
+    def scale(self) -> float:
+        """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @property
+    def modules(self) -> list[str]:
+        mods = {k[: -len(A_SUFFIX)] for k in self.params if k.endswith(A_SUFFIX)}
+        return sorted(mods, key=module_sort_key)
+
+    def factors(self, module: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.params[module + A_SUFFIX], self.params[module + B_SUFFIX]
+
+    def delta(self, module: str) -> np.ndarray:
+        """`scale * B @ A` in fp32, [out, in] (PEFT `get_delta_weight`)."""
+        a, b = self.factors(module)
+        return (np.float32(self.scale) * (b @ a)).astype(np.float32)
+
+    def digest(self) -> str:
+        """sha256 over (name, shape, fp32 bytes) of every factor in name order, plus rank, alpha and rsLoRA:
+        two adapters with equal digests compute the same thing."""
+        h = hashlib.sha256(f"r={self.rank};alpha={self.alpha!r};rslora={self.use_rslora}".encode())
+        for name in sorted(self.params):
+            value = np.ascontiguousarray(self.params[name], np.float32)
+            h.update(f"{name}:{value.shape}".encode())
+            h.update(value.tobytes())
+        return h.hexdigest()
+
+    def validate(self) -> None:
+        where = self.source or "adapter"
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise AdapterError(f"{where}: rank must be a positive integer, got {self.rank!r}")
+        if not self.params:
+            raise AdapterError(f"{where}: no LoRA factors")
+        for name in self.params:
+            if not (name.endswith(A_SUFFIX) or name.endswith(B_SUFFIX)):
+                raise AdapterError(f"{where}: {name!r} is not a LoRA factor name (expected '<module>{A_SUFFIX}' "
+                                   f"or '<module>{B_SUFFIX}')")
+        for module in {n.rsplit(".lora.", 1)[0] for n in self.params}:
+            for suffix in (A_SUFFIX, B_SUFFIX):
+                if module + suffix not in self.params:
+                    raise AdapterError(f"{where}: module {module!r} has no {suffix[1:]} factor")
+            a, b = self.params[module + A_SUFFIX], self.params[module + B_SUFFIX]
+            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != self.rank or b.shape[1] != self.rank:
+                raise AdapterError(f"{where}: {module}: lora_A {a.shape} / lora_B {b.shape} are not [r, in] / "
+                                   f"[out, r] with r = {self.rank}")
+            if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+                raise AdapterError(f"{where}: {module}: non-finite values in the LoRA factors")
+
+
+def module_sort_key(path: str) -> tuple:
+    """Model order: by layer number, then by name (so layers.10 follows layers.9)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
+def module_names(modules) -> list[str]:
+    """The distinct last components (`q_proj`, ...) of module paths, in ALL_LINEAR order."""
+    names = {m.rsplit(".", 1)[-1] for m in modules}
+    return [n for n in ALL_LINEAR if n in names] + sorted(names - set(ALL_LINEAR))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+
+def is_peft_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def from_trainer(params: dict, meta: dict, source: str = "") -> Adapter:
+    """An Adapter from `jaxrl.train.checkpoints.load_adapter`'s (params, meta)."""
+    spec = meta.get("lora") or {}
+    for key in ("rank", "alpha"):
+        if key not in spec:
+            raise AdapterError(f"{source}: adapter meta has no lora.{key}; cannot rebuild the adapter")
+    adapter = Adapter(params=dict(params), rank=int(spec["rank"]), alpha=float(spec["alpha"]),
+                      use_rslora=bool(spec.get("use_rslora", False)), dropout=float(spec.get("dropout", 0.0)),
+                      step=meta.get("step"), source=source, model_path=str(meta.get("model_path") or ""),
+                      kind="trainer")
+    listed = spec.get("modules")
+    if listed is not None and sorted(listed, key=module_sort_key) != adapter.modules:
+        raise AdapterError(f"{source}: meta lists {len(listed)} adapted modules but the checkpoint holds factors "
+                           f"for {len(adapter.modules)}; the checkpoint is inconsistent")
+    if spec.get("scale") is not None and not math.isclose(float(spec["scale"]), adapter.scale, rel_tol=1e-6):
+        raise AdapterError(f"{source}: meta scale {spec['scale']} disagrees with alpha/rank/rsLoRA "
+                           f"({adapter.scale})")
+    return adapter
+
+
+def read_adapter(path: str, step: Optional[int] = None) -> Adapter:
+    """A trainer adapter checkpoint or a PEFT adapter folder (detected by its adapter_config.json)."""
+    if is_peft_folder(path):
+        if step is not None:
+            raise AdapterError(f"{path}: a PEFT folder holds one adapter; --step does not apply")
+        from jaxrl.export.peft import read_peft_adapter
+        return read_peft_adapter(path)[0]
+    from jaxrl.train.checkpoints import load_adapter
+    params, meta = load_adapter(path, step)
+    where = f"{os.path.abspath(path)} (step {meta.get('step')})"
+    return from_trainer(params, meta, where)
+
+
+def write_adapter_checkpoint(workdir: str, step: int, adapter: Adapter, model_config=None) -> str:
+    """Writes `adapter` as the trainer's adapter checkpoint `workdir/checkpoints/adapters/<step>` (the format
+    `jaxrl.train.checkpoints.load_adapter` reads), e.g. to evaluate or continue from a PEFT adapter trained
+    elsewhere; returns the step folder."""
+    import orbax.checkpoint as ocp
+
+    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS
+    root = os.path.join(os.path.abspath(workdir), CHECKPOINTS, ADAPTERS)
+    by_name: dict[str, int] = {}
+    for m in adapter.modules:
+        by_name[m.rsplit(".", 1)[-1]] = by_name.get(m.rsplit(".", 1)[-1], 0) + 1
+    meta = {"step": int(step), "model_path": adapter.model_path, "algorithm": "",
+            "model": model_config.to_dict() if model_config is not None else None,
+            "lora": {"modules": adapter.modules, "by_name": by_name, "rank": adapter.rank, "alpha": adapter.alpha,
+                     "scale": adapter.scale, "use_rslora": adapter.use_rslora, "dropout": adapter.dropout},
+            "imported_from": adapter.source}
+    mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
+                                options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
+    try:
+        mgr.save(int(step), args=ocp.args.Composite(adapter=ocp.args.StandardSave(dict(adapter.params)),
+                                                    meta=ocp.args.JsonSave(meta)))
+        mgr.wait_until_finished()
+    finally:
+        mgr.close()
+    return os.path.join(root, str(int(step)))
+
+
+def adapter_steps(workdir: str) -> list[int]:
+    """Complete adapter checkpoint steps of a run (a workdir, its checkpoints/ or adapters/ folder)."""
+    import orbax.checkpoint as ocp
+
+    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
+    path = os.path.abspath(workdir)
+    for root in (os.path.join(path, CHECKPOINTS, ADAPTERS), os.path.join(path, ADAPTERS), path):
+        if os.path.basename(root) == ADAPTERS and os.path.isdir(root):
+            mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
+                                        options=ocp.CheckpointManagerOptions(read_only=True))
+            try:
+                return sorted(int(s) for s in mgr.all_steps())
+            finally:
+                mgr.close()
+    raise CheckpointNotFound(f"{path}: no {CHECKPOINTS}/{ADAPTERS} folder (not a run workdir)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attaching to the JAX model
+
+def _linears(model) -> dict:
+    from jaxrl.models.lora import _linears as linears
+    return dict(linears(model))
+
+
+def check_against_model(adapter: Adapter, model) -> None:
+    """Every adapted module exists in `model` with matching in/out features (an error names the first that
+    does not): an adapter for another model shape is refused, never half-applied."""
+    linears = _linears(model)
+    for module in adapter.modules:
+        linear = linears.get(module)
+        if linear is None or module == "lm_head":
+            valid = sorted({p.rsplit(".", 1)[-1] for p in linears if p != "lm_head"})
+            raise AdapterError(f"{adapter.source}: module {module!r} is not a projection of this model "
+                               f"({model.config.num_hidden_layers} layers; projections: {', '.join(valid)})")
+        a, b = adapter.factors(module)
+        if a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
+            raise AdapterError(f"{adapter.source}: {module}: lora_A {a.shape} / lora_B {b.shape} do not fit the "
+                               f"model's [{linear.out_features}, {linear.in_features}] weight")
+
+
+def detach(model) -> None:
+    """Removes every adapter: the model computes its base weights again."""
+    for linear in _linears(model).values():
+        linear.lora = None
+
+
+def attach(model, adapter: Adapter) -> None:
+    """Attaches `adapter` to `model` in place (after removing any adapter it carried); dropout is off (the
+    model is for evaluation / export, where PEFT and vLLM never drop)."""
+    import jax.numpy as jnp
+
+    from jaxrl.models.lora import LoRA
+    check_against_model(adapter, model)
+    detach(model)
+    linears = _linears(model)
+    for module in adapter.modules:
+        a, b = adapter.factors(module)
+        linear = linears[module]
+        lo = LoRA(linear.in_features, linear.out_features, rank=adapter.rank, alpha=adapter.alpha,
+                  use_rslora=adapter.use_rslora, dropout=0.0, lora_A=jnp.asarray(a))
+        lo.lora_B[...] = jnp.asarray(b)
+        linear.lora = lo
+
+
+def attached_digest(model) -> Optional[str]:
+    """`Adapter.digest()` of what the model carries NOW (read back from its parameters), None without adapters:
+    proof of which adapter an evaluation ran with, independent of the files it was read from."""
+    from jaxrl.models.lora import iter_lora, lora_state
+    adapters = list(iter_lora(model))
+    if not adapters:
+        return None
+    first = adapters[0][1]
+    params = {k: np.asarray(v) for k, v in lora_state(model).items()}
+    return Adapter(params=params, rank=first.rank, alpha=first.alpha, use_rslora=first.use_rslora,
+                   source="attached").digest()

@@ -1,0 +1,60 @@
+r"""Export an adapter checkpoint as a PEFT adapter folder, or merged into a full checkpoint for vLLM.
+
+    # PEFT folder (adapter_model.safetensors + adapter_config.json), keys in the base's layout
+    python -m launchers.export --checkpoint=RUN_DIR --step=28 --base=/models/Qwen3.5-4B --out=RUN_DIR/export/peft_28
+    # merged: the full container with the LoRA merged into the language tower (vision, mtp.*, configs and
+    # tokenizer byte-identical to the base), ready for `vllm serve`
+    python -m launchers.export --checkpoint=RUN_DIR --step=28 --base=/models/Qwen3.5-4B --merge \
+        --out=RUN_DIR/export/merged_28
+
+--checkpoint: a run workdir, its checkpoints/ or checkpoints/adapters/ folder, one adapters/<step> folder, or a
+PEFT adapter folder (to merge an adapter trained elsewhere). --step picks a step (default: the newest).
+--layout: the PEFT key layout; default the base's own (container: base_model.model.model.language_model.layers...,
+text-only: base_model.model.model.layers...). The other layout is refused: PEFT and vLLM would load it as a
+silent no-op (docs/qwen35-architecture.md §6-7), unless --allow_layout_mismatch (only for a container you will
+load with AutoModelForCausalLM).
+The output appears atomically (written to a temporary sibling, then renamed); an existing --out is replaced only
+with --overwrite. Both exports write jaxrl_export.json (source, step, adapter digest; merged: the fingerprint of
+the merged language tower, see `python -m jaxrl.export.audit`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Adapter checkpoint (workdir, checkpoints/, adapters/, "
+                                  "adapters/<step>) or a PEFT adapter folder.")
+_STEP = flags.DEFINE_integer("step", None, "Adapter step to export (default: the newest).")
+_BASE = flags.DEFINE_string("base", None, "The base HF folder the adapter was trained on (default: the model_path "
+                            "recorded in the adapter checkpoint).")
+_OUT = flags.DEFINE_string("out", None, "Output folder.")
+_MERGE = flags.DEFINE_bool("merge", False, "Write the merged full checkpoint instead of a PEFT adapter.")
+_LAYOUT = flags.DEFINE_enum("layout", "auto", ["auto", "container", "text"], "PEFT key layout (auto: the base's).")
+_ALLOW = flags.DEFINE_bool("allow_layout_mismatch", False, "Allow a PEFT layout other than the base's.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    for flag in (_CHECKPOINT, _OUT):
+        if not flag.value:
+            raise app.UsageError(f"--{flag.name} is required")
+    from jaxrl.export import export_checkpoint
+    from jaxrl.export.adapters import AdapterError
+    from jaxrl.train.checkpoints import CheckpointNotFound
+    try:
+        info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value,
+                                 merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,
+                                 overwrite=_OVERWRITE.value)
+    except (AdapterError, CheckpointNotFound, FileExistsError, ValueError) as e:
+        # A refused export (wrong layout, foreign shapes, existing output...): the message says why; no traceback.
+        sys.exit(f"export: {e}")
+    print(json.dumps({"out": _OUT.value, **info}, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
