@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35 import CheckpointError, ConfigError
-from jaxrl.models.qwen35.tiny import write_tiny_checkpoint
+from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
 
 
 def read_all(folder):

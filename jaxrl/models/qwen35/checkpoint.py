@@ -189,7 +189,7 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
     every tensor that is not part of the language tower, and every non-weight file, is copied unchanged.
     Without `base_dir`: a fresh folder (`layout` "container" or "text") with a generated config.json, plus
     `extra_tensors` (e.g. a vision tower) and `extra_config` keys merged into config.json; used to create test and
-    demo checkpoints without torch (see `jaxrl.models.qwen35.tiny`).
+    demo checkpoints without torch (see `jaxrl.models.qwen35.tiny_checkpoint`).
     `tensor_transform(hf_key, array)` may replace a tower tensor just before it is written (merged LoRA export).
     """
     os.makedirs(out_dir, exist_ok=True)

@@ -87,7 +87,8 @@ class MLP(nnx.Module):
 # Per-layer decode state. NamedTuples are pytrees, so caches pass through jit, scan and while_loop unchanged.
 
 class KVState(NamedTuple):
-    """Keys (after k_norm and RoPE) and values of a full-attention layer: [B, S_max, nKV, hd] each."""
+    """Keys (after k_norm and RoPE) and values of a full-attention layer: [B, nKV, S_max, hd] each (head-major,
+    like HF's cache: decode attention then reads the cache in place instead of transposing all of it per step)."""
     k: jax.Array
     v: jax.Array
 
@@ -133,12 +134,15 @@ class GatedAttention(nnx.Module):
         q = apply_partial_rotary(q, ctx.cos, ctx.sin)
         k = apply_partial_rotary(k, ctx.cos, ctx.sin)
         if state is not None:
-            start = (0, ctx.write_index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start)
+            start = (0, 0, ctx.write_index, 0)
+            head_major = lambda x, like: jnp.swapaxes(x, 1, 2).astype(like.dtype)  # [B, T, nKV, hd] -> [B, nKV, T, hd]
+            k_all = jax.lax.dynamic_update_slice(state.k, head_major(k, state.k), start)
+            v_all = jax.lax.dynamic_update_slice(state.v, head_major(v, state.v), start)
             state = KVState(k_all, v_all)
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        o = gqa_attention(q, k, v, ctx.attn_mask, self.head_dim ** -0.5)
+            o = gqa_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.attn_mask, self.head_dim ** -0.5,
+                              kv_head_major=True)
+        else:
+            o = gqa_attention(q, k, v, ctx.attn_mask, self.head_dim ** -0.5)
         o = o.reshape(batch, seq_len, self.num_heads * self.head_dim)
         o = o * jax.nn.sigmoid(gate.reshape(batch, seq_len, -1))
         return self.o_proj(o), state

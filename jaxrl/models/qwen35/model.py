@@ -129,7 +129,7 @@ class Qwen35(nnx.Module):
                     jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                cfg.linear_value_head_dim), jnp.float32)))
             else:
-                shape = (batch, max_length, cfg.num_key_value_heads, cfg.head_dim)
+                shape = (batch, cfg.num_key_value_heads, max_length, cfg.head_dim)  # head-major (KVState)
                 layers.append(KVState(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)))
         return Cache(tuple(layers), jnp.zeros((batch, max_length), bool), jnp.zeros((), jnp.int32),
                      jnp.zeros((batch,), jnp.int32))

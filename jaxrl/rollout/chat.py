@@ -1,0 +1,93 @@
+"""Chat prompts -> token ids through the model folder's tokenizer and chat template (transformers).
+
+    tok = load_tokenizer(model_dir)                                  # the folder's tokenizer + chat template
+    ids = format_chat(tok, messages, enable_thinking=False)          # list[int], ends with the generation prompt
+    enc = encode_prompts(tok, [p["messages"] for p in problems], enable_thinking=True,
+                         max_prompt_len=1024, on_overlong="skip")    # enc.ids, enc.kept, enc.skipped
+
+Qwen3.5's generation prompts (docs/qwen35-architecture.md §8): thinking on `<|im_start|>assistant\\n<think>\\n`,
+off `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`. The template of the folder decides; `enable_thinking`
+is passed to it.
+
+Prompts longer than the budget are never cut: `on_overlong="error"` raises naming the prompt, `"skip"` leaves it
+out and records (index, length) in `skipped` so callers can count and report it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+OVERLONG_POLICIES = ("error", "skip")
+
+
+class PromptTooLongError(ValueError):
+    """A prompt whose token count exceeds the prompt budget (never cut silently)."""
+
+
+def load_tokenizer(model_dir: str):
+    """The tokenizer of an HF model folder (loaded from the folder so transformers picks Qwen3_5Tokenizer)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{model_dir}: the tokenizer has no chat_template (tokenizer_config.json "
+                         "`chat_template` or chat_template.jinja); chat prompts cannot be formatted")
+    return tok
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text the chat template produces."""
+    return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=bool(enable_thinking))
+
+
+def format_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the templated conversation (special tokens come from the template text, none added)."""
+    text = render_chat(tokenizer, messages, enable_thinking, add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclasses.dataclass
+class EncodedPrompts:
+    ids: list[list[int]]  # the kept prompts, in input order
+    kept: list[int]  # input index of each kept prompt
+    skipped: list[tuple[int, int]]  # (input index, token count) of prompts over the budget
+
+
+def encode_prompts(tokenizer: Any, conversations: Sequence[Sequence[Mapping[str, str]]], enable_thinking: bool,
+                   max_prompt_len: int, on_overlong: str = "error",
+                   names: Optional[Sequence[str]] = None) -> EncodedPrompts:
+    """Formats and tokenises every conversation; applies the over-budget policy.
+
+    names: optional per-conversation labels (problem ids) used in the error message.
+    """
+    if on_overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"on_overlong must be one of {OVERLONG_POLICIES}, got {on_overlong!r}")
+    out = EncodedPrompts([], [], [])
+    for i, messages in enumerate(conversations):
+        ids = format_chat(tokenizer, messages, enable_thinking)
+        if len(ids) > max_prompt_len:
+            if on_overlong == "error":
+                label = names[i] if names is not None else f"#{i}"
+                raise PromptTooLongError(f"prompt {label} has {len(ids)} tokens after the chat template, over "
+                                         f"the budget max_prompt_len={max_prompt_len}; raise the budget or "
+                                         "skip over-long prompts")
+            out.skipped.append((i, len(ids)))
+            continue
+        out.ids.append(ids)
+        out.kept.append(i)
+    return out
+
+
+def chat_stop_ids(tokenizer: Any, model_eos: Optional[int | Sequence[int]] = None) -> tuple[int, ...]:
+    """Ids that end an assistant turn: <|im_end|>, the tokenizer's EOS and <|endoftext|>, and the model config's
+    eos_token_id (Qwen3.5's generation_config stops on both <|im_end|> and <|endoftext|>)."""
+    vocab = tokenizer.get_vocab()
+    ids = {int(vocab[t]) for t in ("<|im_end|>", "<|endoftext|>", getattr(tokenizer, "eos_token", None))
+           if t is not None and t in vocab}
+    if model_eos is not None:
+        ids.update([int(model_eos)] if isinstance(model_eos, int) else (int(t) for t in model_eos))
+    return tuple(sorted(ids))
