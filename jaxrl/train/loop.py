@@ -375,7 +375,9 @@ def build_model(config, mesh=None):
 
 def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunResult:
     """Build the model and the algorithm's task from the config and run (resuming from the workdir)."""
+    from jaxrl.train.plugins import load_config_plugins
     from jaxrl.train.registry import get_trainer
+    load_config_plugins(config)  # `plugins`: user objectives checked before any model or data work (fail fast)
     mesh = mesh if mesh is not None else mesh_from_config(config)
     model = build_model(config, mesh)
     task = get_trainer(config.algorithm)(config, model, mesh)

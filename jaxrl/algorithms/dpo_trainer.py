@@ -1,0 +1,604 @@
+"""`algorithm = "dpo"`: DPO-family preference training on the shared training core (jaxrl.train).
+
+    python -m launchers.train --config=configs/dpo.py:model=4b,start=base --workdir=runs/dpo \
+        --config.model_path=/models/Qwen3.5-4B --config.data.pairs=pairs/cohort
+
+Data (`config.data`): `pairs` is a pairs.jsonl, a frozen cohort folder (its manifest's sha256 is verified at
+start; a changed file is an error naming it), or a build folder holding `cohort/`; records are text pairs
+(chat-templated with the tokenizer of `tokenizer` or `model_path`) or pre-tokenised
+`{"prompt_ids", "chosen_ids", "rejected_ids"}`. `source = "synthetic"` makes arithmetic-progression pairs
+instead (tests, demo). Sequences, the `max_length` policy and its counts: `jaxrl.data.dpo_data`.
+A held-out slice (`eval_fraction`, or a separate `eval_pairs` file) is scored at every checkpoint.
+
+Objective (`DPOObjective`, the micro-batch contract of jaxrl.train.objective): chosen and rejected rows go
+through ONE forward ([2b, T]); per-sequence log-probs are sums over completion tokens (chunked
+`token_logprobs`); the reference log-probs come from the batch (precomputed once with the adapters off and
+cached in `<workdir>/ref_logps.npz`, `dpo.precompute_ref_logps=True`) or from a second forward with the
+adapters off under `stop_gradient`; the loss is `combined_dpo_loss` with the global pair / chosen-token counts,
+so any micro-batch split gives the same update.
+
+Metrics per step (global means over the step's pairs): loss (the trainer's), `loss/<type>`,
+`preference_accuracy`, `reward_margin`, `chosen_rewards`, `rejected_rewards` (beta * log-ratio),
+`chosen_logps`, `rejected_logps`, `ref_chosen_logps`, `ref_rejected_logps`, `chosen_length`,
+`rejected_length` (completion tokens), and the host metric `epoch`. At checkpoints: `eval_*` on held-out pairs.
+
+Batches are a pure function of (seed, step): pairs are drawn in an epoch-wise seeded permutation, so a resumed
+run needs only the step (the position is still recorded in every checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from jaxrl.algorithms import dpo as dpo_lib
+from jaxrl.algorithms import registry as loss_registry
+from jaxrl.data import dpo_data
+from jaxrl.models.lora import adapters_disabled
+from jaxrl.ops.logprobs import token_logprobs
+from jaxrl.parallel import sharding as shd
+from jaxrl.parallel.distributed import is_main_process
+from jaxrl.train.objective import target_mask
+from jaxrl.train.registry import register_trainer
+
+REF_CACHE = "ref_logps.npz"
+DATA_STATS = "data_stats.json"
+
+# Defaults of the `dpo` and `data` blocks (configs/dpo.py starts from these; a config without them gets them).
+DPO_DEFAULTS = dict(
+    loss_type="sigmoid",  # a registered loss, or several comma-separated ("sigmoid,sft" = RPO)
+    loss_weights=(),  # one weight per loss_type; () = all 1
+    beta=0.1,
+    label_smoothing=0.0,  # robust, exo_pair, aot, aot_unpaired, simpo
+    simpo_gamma=0.5,  # SimPO target margin
+    discopop_tau=0.05,
+    f_divergence="reverse_kl",  # reverse_kl | forward_kl | js_divergence | alpha_divergence
+    f_alpha=0.5,
+    plugin="",  # "my_losses.py:fn[,other.py:fn2]": checked and registered (by function name) before training
+    precompute_ref_logps=True,  # False: a second forward with the adapters off in every step
+    ref_batch_size=0,  # rows per reference / evaluation pass; 0 = batch.micro_batch_size
+)
+DATA_DEFAULTS = dict(
+    source="pairs",  # pairs | synthetic
+    pairs="",  # pairs.jsonl, a frozen cohort folder, or a build folder holding cohort/
+    problems="",  # problems.jsonl supplying `messages` of pairs that have none
+    tokenizer="",  # HF tokenizer folder; "" = model_path
+    max_length=2048,  # prompt + completion tokens of one sequence
+    max_prompt_length=0,  # 0 = bounded by max_length only
+    overlong="truncate_prompt",  # truncate_prompt (cut the prompt from the left) | drop
+    min_prompt_tokens=64,  # truncate_prompt keeps at least this many prompt tokens, else the pair is dropped
+    enable_thinking=False,  # the chat template's generation prompt (must match how the pairs were sampled)
+    pad_multiple=64,  # sequence-length bucket
+    eval_fraction=0.0,  # held-out share of the pairs (seeded by pair id), scored at every checkpoint
+    eval_pairs="",  # or a separate held-out pairs file
+    expected_pairs=0,  # > 0: refuse a pair set of any other size (e.g. 1000 for the frozen cohort)
+    # source = "synthetic": arithmetic-progression pairs (dpo_data.synthetic_pairs)
+    synthetic_pairs=256,
+    synthetic_prompt_len=6,
+    synthetic_completion_len=4,
+    synthetic_num_tokens=0,  # tokens [2, 2 + n) (0 = the whole vocabulary)
+)
+
+
+def _get(block, key: str, defaults: dict):
+    return block.get(key, defaults[key]) if block is not None else defaults[key]
+
+
+def parse_loss_types(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        names = tuple(n.strip() for n in value.split(",") if n.strip())
+    else:
+        names = tuple(str(n) for n in value)
+    if not names:
+        raise ValueError("dpo.loss_type is empty; e.g. 'sigmoid' or 'sigmoid,sft'")
+    return names
+
+
+# ------------------------------------------------------------------------------------------------- objective
+
+
+def _rows(batch, side: str) -> dict:
+    return {"input_ids": batch[f"{side}_input_ids"], "attention_mask": batch[f"{side}_attention_mask"],
+            "loss_mask": batch[f"{side}_loss_mask"]}
+
+
+def pair_token_logps(model, batch, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+    """(token log-probs [2b, T-1], target mask [2b, T-1]) of chosen rows 0..b-1 then rejected rows b..2b-1,
+    from one forward. Position t holds log p(x_{t+1} | x_<=t); the mask is 1 on completion targets only."""
+    both = {k: jnp.concatenate([_rows(batch, "chosen")[k], _rows(batch, "rejected")[k]]) for k in
+            ("input_ids", "attention_mask", "loss_mask")}
+    ids = both["input_ids"]
+    hidden, _ = model.hidden_states(ids, both["attention_mask"])
+    logp = token_logprobs(hidden[:, :-1], model.head_weight(), ids[:, 1:], chunk_size=chunk_size)
+    return logp, target_mask(both)
+
+
+def pair_sequence_logps(model, batch, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+    """(chosen_logps [b], rejected_logps [b]): sums of completion-token log-probs."""
+    logp, mask = pair_token_logps(model, batch, chunk_size)
+    sums, _ = dpo_lib.sequence_logps(logp, mask)
+    b = sums.shape[0] // 2
+    return sums[:b], sums[b:]
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOObjective:
+    """DPO-family loss of one micro-batch (module docstring). `reference`: "batch" (ref_*_logps in the batch),
+    "adapters_off" (a second forward with the LoRA adapters disabled), "none" (reference-free losses only)."""
+
+    loss_types: tuple[str, ...] = ("sigmoid",)
+    loss_weights: Optional[tuple[float, ...]] = None
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    gamma: float = 0.5
+    discopop_tau: float = 0.05
+    f_divergence: str = "reverse_kl"
+    f_alpha: float = 0.5
+    reference: str = "batch"
+    chunk_size: int = 512
+
+    def __post_init__(self):
+        if self.reference not in ("batch", "adapters_off", "none"):
+            raise ValueError(f"reference={self.reference!r}")
+
+    def normalisers(self, batch):
+        chosen = target_mask(_rows(batch, "chosen"))
+        return {"num_pairs": jnp.float32(batch["chosen_input_ids"].shape[0]),
+                "num_chosen_tokens": jnp.maximum(jnp.sum(chosen), 1.0)}
+
+    def loss(self, model, micro_batch, normalisers, rng):
+        b = micro_batch["chosen_input_ids"].shape[0]
+        logp, mask = pair_token_logps(model, micro_batch, self.chunk_size)
+        if self.reference == "batch":
+            ref_c, ref_r = micro_batch["ref_chosen_logps"], micro_batch["ref_rejected_logps"]
+        elif self.reference == "adapters_off":
+            with adapters_disabled(model):
+                ref_c, ref_r = pair_sequence_logps(model, micro_batch, self.chunk_size)
+            ref_c, ref_r = jax.lax.stop_gradient(ref_c), jax.lax.stop_gradient(ref_r)
+        else:
+            ref_c = ref_r = None
+        inputs = dpo_lib.DPOInputs(logp[:b], mask[:b], logp[b:], mask[b:], ref_c, ref_r)
+        n_pairs, n_tokens = normalisers["num_pairs"], normalisers["num_chosen_tokens"]
+        total, parts = dpo_lib.combined_dpo_loss(
+            inputs, self.loss_types, self.loss_weights, beta=self.beta, label_smoothing=self.label_smoothing,
+            gamma=self.gamma, discopop_tau=self.discopop_tau, f_divergence=self.f_divergence,
+            f_alpha=self.f_alpha, num_pairs=n_pairs, num_chosen_tokens=n_tokens)
+        metrics = pair_metrics(inputs, self.beta, n_pairs)
+        for name in self.loss_types:
+            if name == "sft":  # token mean over the global batch's chosen tokens: an additive share as is
+                metrics["loss/sft"] = dpo_lib.sft_loss(logp[:b], mask[:b], n_tokens)
+            else:  # combined_dpo_loss reports the micro-batch mean; turn it into the share of the global mean
+                metrics[f"loss/{name}"] = parts[f"loss/{name}"] * (b / n_pairs)
+        return total, metrics
+
+
+def pair_metrics(inputs: dpo_lib.DPOInputs, beta: float, num_pairs) -> dict[str, jax.Array]:
+    """Additive shares (sum over these pairs / num_pairs) of the per-pair diagnostics."""
+    c_logps, c_len = dpo_lib.sequence_logps(inputs.chosen_token_logps, inputs.chosen_mask)
+    r_logps, r_len = dpo_lib.sequence_logps(inputs.rejected_token_logps, inputs.rejected_mask)
+    ref_c = jnp.zeros_like(c_logps) if inputs.ref_chosen_logps is None else inputs.ref_chosen_logps
+    ref_r = jnp.zeros_like(r_logps) if inputs.ref_rejected_logps is None else inputs.ref_rejected_logps
+    per_pair = {
+        "preference_accuracy": dpo_lib.preference_accuracy(c_logps, r_logps, ref_c, ref_r, beta),
+        "reward_margin": dpo_lib.reward_margin(c_logps, r_logps, ref_c, ref_r, beta),
+        "chosen_rewards": dpo_lib.chosen_rewards(c_logps, ref_c, beta),
+        "rejected_rewards": dpo_lib.rejected_rewards(r_logps, ref_r, beta),
+        "chosen_logps": c_logps, "rejected_logps": r_logps,
+        "ref_chosen_logps": ref_c, "ref_rejected_logps": ref_r,
+        "chosen_length": c_len, "rejected_length": r_len,
+    }
+    return {k: jnp.sum(jnp.asarray(v, jnp.float32)) / num_pairs for k, v in per_pair.items()}
+
+
+# ------------------------------------------------------------------------------------------------- batched passes
+
+
+def _logps(graphdef, state, batch, *, adapters: bool, chunk_size: int):
+    model = nnx.merge(graphdef, state)
+    if adapters:
+        return pair_sequence_logps(model, batch, chunk_size)
+    with adapters_disabled(model):
+        return pair_sequence_logps(model, batch, chunk_size)
+
+
+_PROGRAMS: dict = {}
+
+
+def _logps_program(compile_options: Optional[dict], mesh=None):
+    """One jitted function per (XLA options, mesh); jax caches its compilations by (graphdef, shapes, flags).
+    With a mesh the [b] results come back replicated, so every process can read them (multi-host)."""
+    key = (tuple(sorted((compile_options or {}).items())), mesh)
+    if key not in _PROGRAMS:
+        out = None if mesh is None else (shd.replicated(mesh), shd.replicated(mesh))
+        _PROGRAMS[key] = jax.jit(_logps, static_argnames=("graphdef", "adapters", "chunk_size"),
+                                 out_shardings=out, compiler_options=dict(key[0]) or None)
+    return _PROGRAMS[key]
+
+
+def sequence_logps_all(model, arrays: dict, *, adapters: bool, batch_size: int, chunk_size: int = 512,
+                       mesh=None, compile_options: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(chosen_logps [N], rejected_logps [N]) of every pair in `arrays` (dpo_data.ARRAY_KEYS, [N, T]) under
+    `model` with its adapters on or off; one jitted program, `batch_size` pairs a call (the last batch is
+    padded with copies of row 0, whose results are discarded)."""
+    program = _logps_program(compile_options, mesh)
+    graphdef, state = nnx.split(model)
+    n = arrays["chosen_input_ids"].shape[0]
+    if mesh is not None:
+        batch_size = -(-batch_size // shd.batch_shards(mesh)) * shd.batch_shards(mesh)
+    out_c, out_r = [], []
+    for start in range(0, n, batch_size):
+        rows = np.arange(start, start + batch_size)
+        rows = np.where(rows < n, rows, 0)
+        batch = {k: np.asarray(arrays[k][rows]) for k in dpo_data.ARRAY_KEYS}
+        if mesh is not None:
+            batch = {k: jax.make_array_from_callback(v.shape, shd.batch_sharding(mesh, v.ndim),
+                                                     lambda idx, v=v: v[idx]) for k, v in batch.items()}
+        c, r = program(graphdef, state, batch, adapters=adapters, chunk_size=chunk_size)
+        c, r = jax.device_get((c, r))
+        keep = min(batch_size, n - start)
+        out_c.append(np.asarray(c[:keep], np.float32))
+        out_r.append(np.asarray(r[:keep], np.float32))
+    return np.concatenate(out_c), np.concatenate(out_r)
+
+
+def preference_summary(chosen, rejected, ref_chosen, ref_rejected, objective: DPOObjective,
+                       chosen_lengths=None, rejected_lengths=None, prefix: str = "") -> dict[str, float]:
+    """Means over all given pairs ([N] sequence log-probs): preference accuracy, margin, rewards, log-probs, and
+    the objective's loss without its sft term (that needs token log-probs)."""
+    beta = objective.beta
+    c, r, rc, rr = (jnp.asarray(x, jnp.float32) for x in (chosen, rejected, ref_chosen, ref_rejected))
+    out = {
+        "preference_accuracy": jnp.mean(dpo_lib.preference_accuracy(c, r, rc, rr, beta)),
+        "reward_margin": jnp.mean(dpo_lib.reward_margin(c, r, rc, rr, beta)),
+        "chosen_rewards": jnp.mean(dpo_lib.chosen_rewards(c, rc, beta)),
+        "rejected_rewards": jnp.mean(dpo_lib.rejected_rewards(r, rr, beta)),
+        "chosen_logps": jnp.mean(c), "rejected_logps": jnp.mean(r),
+    }
+    weights = dict(zip(objective.loss_types, objective.loss_weights or (1.0,) * len(objective.loss_types)))
+    names = [n for n in objective.loss_types if n != "sft"]
+    if names and (chosen_lengths is not None or not any(dpo_lib.loss_spec(n).needs_lengths for n in names)):
+        out["loss"] = sum(weights[n] * jnp.mean(dpo_lib.dpo_loss(
+            c, r, rc, rr, loss_type=n, beta=beta, label_smoothing=objective.label_smoothing,
+            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, gamma=objective.gamma,
+            discopop_tau=objective.discopop_tau, f_divergence=objective.f_divergence, f_alpha=objective.f_alpha))
+            for n in names)
+    return {prefix + k: float(v) for k, v in out.items()}
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+
+def _as_dict(block) -> dict:
+    if block is None:
+        return {}
+    return block.to_dict() if hasattr(block, "to_dict") else dict(block)
+
+
+def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
+    """(the pairs file, the cohort manifest or None). A folder with `manifest.json` (or `cohort/manifest.json`)
+    is a frozen cohort and is verified; so is a pairs file that a manifest beside it names."""
+    from jaxrl.data.pairs import verify_cohort
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"data.pairs={path!r}: no such file or folder")
+    if p.is_dir():
+        for cohort in (p, p / "cohort"):
+            if (cohort / "manifest.json").is_file():
+                manifest = verify_cohort(cohort)
+                return cohort / manifest.get("file", "pairs.jsonl"), manifest
+        if (p / "pairs.jsonl").is_file():
+            return p / "pairs.jsonl", None
+        raise FileNotFoundError(f"data.pairs={path!r}: a folder without manifest.json, cohort/ or pairs.jsonl")
+    manifest_path = p.parent / "manifest.json"
+    if manifest_path.is_file():
+        try:
+            named = json.loads(manifest_path.read_text(encoding="utf-8")).get("file", "pairs.jsonl")
+        except (json.JSONDecodeError, AttributeError):
+            named = None
+        if named == p.name:
+            return p, verify_cohort(p.parent)
+    return p, None
+
+
+def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[list, Optional[dict]]:
+    """Encoded pairs of a pairs file / cohort (text or pre-tokenised) and the cohort manifest, if any."""
+    from jaxrl.data.jsonl import read_jsonl
+    from jaxrl.data.pairs import read_pairs, read_problem_messages
+    file, manifest = resolve_pairs_path(path)
+    records = read_jsonl(file)
+    if not records:
+        raise ValueError(f"{file}: no pairs")
+    if dpo_data.is_pretokenized(records[0]):
+        return dpo_data.pretokenized_pairs(records, where=str(file)), manifest
+    records = read_pairs(file)  # checks the interfaces.md keys, naming file and line
+    if not tokenizer_path:
+        raise ValueError(f"{file} holds text pairs: set data.tokenizer or model_path to a folder with a tokenizer "
+                         "and chat template")
+    from jaxrl.rollout.chat import load_tokenizer
+    tokenizer = load_tokenizer(tokenizer_path)
+    problems = data_cfg.get("problems") or ""
+    messages = read_problem_messages(problems) if problems else None
+    return dpo_data.tokenize_pairs(records, tokenizer, bool(data_cfg["enable_thinking"]), messages), manifest
+
+
+def _model_identity(config) -> dict:
+    """What identifies the base weights, for the reference cache's fingerprint."""
+    path = config.get("model_path", "")
+    if path:
+        files = sorted(Path(path).glob("*.safetensors")) + sorted(Path(path).glob("config.json"))
+        return {"model_path": os.path.abspath(path),
+                "files": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
+    return {"model_preset": config.get("model_preset", ""), "model_seed": int(config.get("model_seed", 0)),
+            "model_overrides": _as_dict(config.get("model_overrides", None))}
+
+
+# ------------------------------------------------------------------------------------------------- task
+
+
+class DPOTask:
+    """Batches of pairs for the Trainer, reference log-probs, held-out evaluation (module docstring)."""
+
+    def __init__(self, config, model, mesh):
+        self.config, self.mesh = config, mesh
+        dcfg = {k: _get(config.get("dpo", None), k, DPO_DEFAULTS) for k in DPO_DEFAULTS}
+        self.data_cfg = {k: _get(config.get("data", None), k, DATA_DEFAULTS) for k in DATA_DEFAULTS}
+        self.seed = int(config.seed)
+        self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
+        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.ref_batch_size = int(dcfg["ref_batch_size"]) or int(config.batch.micro_batch_size)
+        options = config.get("compile_options", None) or {}
+        self.compile_options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+
+        self.objective = self._build_objective(dcfg)  # first: a broken plug-in or loss fails before data work
+        self.precompute = self.objective.reference == "batch"
+
+        self.train, self.eval = self._build_data(model)
+        if len(self.train) == 0:
+            raise ValueError("no training pairs")
+        self.position = 0
+        self.ref: Optional[dict[str, np.ndarray]] = None  # train: {"chosen", "rejected"}, set on the first batch
+        self.eval_ref: Optional[dict[str, np.ndarray]] = None
+        self._prepared = False
+
+    # ---------------------------------------------------------------------------------------------- building
+    def _build_objective(self, dcfg: dict) -> DPOObjective:
+        """The objective from the `dpo` block: plug-ins registered, loss names and weights checked, the
+        reference source chosen (batch / adapters_off / none for reference-free losses)."""
+        for spec in (s.strip() for s in str(dcfg["plugin"] or "").split(",")):
+            if spec:
+                fn = loss_registry.load_plugin(spec, kind="dpo_loss")
+                logging.info("dpo.plugin %s registered as loss_type %r", spec, fn.__name__)
+        loss_types = parse_loss_types(dcfg["loss_type"])
+        for name in loss_types:
+            if name != "sft":
+                try:
+                    dpo_lib.loss_spec(name)
+                except KeyError as e:
+                    raise ValueError(f"dpo.loss_type: {e}") from None
+        weights = tuple(float(w) for w in (dcfg["loss_weights"] or ()))
+        if weights and len(weights) != len(loss_types):
+            raise ValueError(f"dpo.loss_weights has {len(weights)} entries for {len(loss_types)} loss types "
+                             f"{loss_types}")
+        reference_free = all(n == "sft" or dpo_lib.loss_spec(n).reference_free for n in loss_types)
+        precompute = bool(dcfg["precompute_ref_logps"])
+        reference = "none" if reference_free else ("batch" if precompute else "adapters_off")
+        objective = DPOObjective(
+            loss_types=loss_types, loss_weights=weights or None, beta=float(dcfg["beta"]),
+            label_smoothing=float(dcfg["label_smoothing"]), gamma=float(dcfg["simpo_gamma"]),
+            discopop_tau=float(dcfg["discopop_tau"]), f_divergence=str(dcfg["f_divergence"]),
+            f_alpha=float(dcfg["f_alpha"]), reference=reference, chunk_size=self.chunk_size)
+        # Argument checks of the loss (f-divergence validity, label smoothing ranges) now, not inside the jit.
+        z = jnp.zeros((1,), jnp.float32)
+        dpo_lib.combined_dpo_loss(dpo_lib.DPOInputs(jnp.zeros((1, 1)), jnp.ones((1, 1)), jnp.zeros((1, 1)),
+                                                    jnp.ones((1, 1)), None if reference_free else z,
+                                                    None if reference_free else z),
+                                  loss_types, weights or None, beta=objective.beta,
+                                  label_smoothing=objective.label_smoothing, gamma=objective.gamma,
+                                  discopop_tau=objective.discopop_tau, f_divergence=objective.f_divergence,
+                                  f_alpha=objective.f_alpha)
+        return objective
+
+
+    def _build_data(self, model) -> tuple[dpo_data.PairSequences, Optional[dpo_data.PairSequences]]:
+        """(training pairs, held-out pairs or None) as arrays, after the length policy; sets seq_cfg, manifest,
+        stats."""
+        pad = model.config.pad_token_id
+        max_prompt = int(self.data_cfg["max_prompt_length"] or 0)
+        self.seq_cfg = dpo_data.SequenceConfig(
+            max_length=int(self.data_cfg["max_length"]), max_prompt_length=max_prompt or None,
+            overlong=str(self.data_cfg["overlong"]), min_prompt_tokens=int(self.data_cfg["min_prompt_tokens"]),
+            pad_multiple=int(self.data_cfg["pad_multiple"]), pad_id=0 if pad is None else int(pad))
+        encoded, self.manifest = self._load(model)
+        expected = int(self.data_cfg["expected_pairs"] or 0)
+        if expected and len(encoded) != expected:
+            raise ValueError(f"data.pairs={self.data_cfg['pairs']!r} holds {len(encoded)} pairs; "
+                             f"data.expected_pairs={expected}")
+        full = dpo_data.build_sequences(encoded, self.seq_cfg)
+        logging.info("DPO data: %s", dpo_data.format_stats(full.stats))
+        vocab = int(model.config.vocab_size)
+        top = int(max(full.arrays["chosen_input_ids"].max(), full.arrays["rejected_input_ids"].max()))
+        if top >= vocab:
+            raise ValueError(f"data.pairs: token id {top} is outside the model's vocabulary ({vocab})")
+        self.stats = {"train": full.stats}
+
+        eval_path = self.data_cfg["eval_pairs"]
+        eval_fraction = float(self.data_cfg["eval_fraction"])
+        if eval_path and eval_fraction:
+            raise ValueError("set data.eval_pairs or data.eval_fraction, not both")
+        if eval_fraction:
+            train_rows, eval_rows = dpo_data.split_eval(full.pair_ids, eval_fraction, self.seed)
+            return full.subset(train_rows), full.subset(eval_rows)
+        if eval_path:
+            enc, _ = load_encoded_pairs(eval_path, self.data_cfg, self._tokenizer_path())
+            held = dpo_data.build_sequences(enc, self.seq_cfg)
+            self.stats["eval"] = held.stats
+            logging.info("DPO held-out data (%s): %s", eval_path, dpo_data.format_stats(held.stats))
+            return full, held
+        return full, None
+
+    # ---------------------------------------------------------------------------------------------- loading
+    def _tokenizer_path(self) -> str:
+        return self.data_cfg["tokenizer"] or self.config.get("model_path", "")
+
+    def _load(self, model):
+        source = self.data_cfg["source"]
+        if source == "synthetic":
+            records = dpo_data.synthetic_pairs(
+                int(self.data_cfg["synthetic_pairs"]), int(model.config.vocab_size), self.seed,
+                prompt_len=int(self.data_cfg["synthetic_prompt_len"]),
+                completion_len=int(self.data_cfg["synthetic_completion_len"]),
+                num_tokens=int(self.data_cfg["synthetic_num_tokens"]) or None,
+                eos_id=int(np.ravel(model.config.eos_token_id)[0]))
+            return dpo_data.pretokenized_pairs(records, where="synthetic"), None
+        if source != "pairs":
+            raise ValueError(f"data.source={source!r}; choose 'pairs' or 'synthetic'")
+        if not self.data_cfg["pairs"]:
+            raise ValueError("data.pairs is empty: set it to a pairs.jsonl or a frozen cohort folder")
+        encoded, manifest = load_encoded_pairs(self.data_cfg["pairs"], self.data_cfg, self._tokenizer_path())
+        if manifest is not None:
+            logging.info("cohort %s verified: %d pairs, sha256 %s", self.data_cfg["pairs"], manifest.get("size", 0),
+                         manifest["sha256"])
+        return encoded, manifest
+
+    # ---------------------------------------------------------------------------------------------- reference
+    def fingerprint(self, seqs: dpo_data.PairSequences) -> dict:
+        return {"data_sha256": seqs.digest(), "num_pairs": len(seqs),
+                "pair_ids_sha256": hashlib.sha256("\n".join(seqs.pair_ids).encode()).hexdigest(),
+                "max_length": self.seq_cfg.max_length, "seq_len": int(seqs.arrays["chosen_input_ids"].shape[1]),
+                "dtype": str(self.config.get("dtype", "float32")), "logprob_chunk_size": self.chunk_size,
+                "model": _model_identity(self.config)}
+
+    def _reference(self, trainer, seqs: dpo_data.PairSequences, name: str) -> dict[str, np.ndarray]:
+        """Reference log-probs of `seqs` from `<workdir>/<name>` when its fingerprint matches, else computed
+        with the adapters off and written there (atomically)."""
+        from jaxrl.data.jsonl import atomic_write_bytes
+        path = os.path.join(trainer.workdir, name)
+        want = json.loads(json.dumps(self.fingerprint(seqs), sort_keys=True))  # as read back (tuples -> lists)
+        if os.path.exists(path):
+            try:
+                with np.load(path, allow_pickle=False) as f:
+                    have = json.loads(str(f["fingerprint"]))
+                    cached = {"chosen": np.asarray(f["ref_chosen_logps"]),
+                              "rejected": np.asarray(f["ref_rejected_logps"])}
+            except (OSError, KeyError, ValueError) as e:
+                logging.warning("%s is unreadable (%s); recomputing the reference log-probs", path, e)
+            else:
+                if have == want:
+                    logging.info("reference log-probs of %d pairs loaded from %s", len(seqs), path)
+                    return cached
+                diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+                logging.warning("%s is stale (differs in %s); recomputing the reference log-probs", path, diff)
+        model = trainer.current_model()
+        chosen, rejected = sequence_logps_all(model, seqs.arrays, adapters=False, batch_size=self.ref_batch_size,
+                                              chunk_size=self.chunk_size, mesh=self.mesh,
+                                              compile_options=self.compile_options)
+        if not (np.all(np.isfinite(chosen)) and np.all(np.isfinite(rejected))):
+            raise FloatingPointError(f"non-finite reference log-probs ({name}); check the model and dtype")
+        if is_main_process():
+            buf = io.BytesIO()
+            np.savez(buf, ref_chosen_logps=chosen, ref_rejected_logps=rejected,
+                     fingerprint=np.asarray(json.dumps(want, sort_keys=True)),
+                     pair_ids=np.asarray(seqs.pair_ids))
+            atomic_write_bytes(path, buf.getvalue())
+        logging.info("reference log-probs of %d pairs computed (adapters off) and cached in %s", len(seqs), path)
+        return {"chosen": chosen, "rejected": rejected}
+
+    def _prepare(self, trainer) -> None:
+        """Workdir-dependent set-up on the first batch: reference log-probs and data_stats.json."""
+        if self.precompute:
+            self.ref = self._reference(trainer, self.train, REF_CACHE)
+            if self.eval is not None:
+                self.eval_ref = self._reference(trainer, self.eval, "eval_" + REF_CACHE)
+        if is_main_process():
+            from jaxrl.data.jsonl import atomic_write_json
+            info = {**self.stats, "train_pairs": len(self.train), "eval_pairs": 0 if self.eval is None else
+                    len(self.eval), "global_batch": self.global_batch,
+                    "steps_per_epoch": len(self.train) / self.global_batch,
+                    "reference": self.objective.reference, "loss_types": list(self.objective.loss_types)}
+            if self.manifest is not None:
+                info["cohort"] = {k: self.manifest.get(k) for k in ("sha256", "size", "seed", "source", "file")}
+            atomic_write_json(os.path.join(trainer.workdir, DATA_STATS), info)
+        self._prepared = True
+
+    # ---------------------------------------------------------------------------------------------- Task
+    def rows(self, step: int) -> np.ndarray:
+        """Training pair indices of `step`: positions step*B ... step*B+B-1 of the stream of epoch-wise seeded
+        permutations (epoch e: permutation(seed, e))."""
+        n = len(self.train)
+        out = np.empty(self.global_batch, np.int64)
+        perms: dict[int, np.ndarray] = {}
+        for j, i in enumerate(range(step * self.global_batch, (step + 1) * self.global_batch)):
+            epoch, offset = divmod(i, n)
+            if epoch not in perms:
+                perms[epoch] = np.random.default_rng([self.seed, epoch, 6121]).permutation(n)
+            out[j] = perms[epoch][offset]
+        return out
+
+    def batch(self, step: int, trainer=None):
+        if not self._prepared:
+            if trainer is None:
+                raise ValueError("DPOTask.batch needs the trainer on its first call (workdir, current model)")
+            self._prepare(trainer)
+        index = self.rows(step)
+        out = {k: v[index] for k, v in self.train.arrays.items()}
+        if self.objective.reference == "batch":
+            out["ref_chosen_logps"] = self.ref["chosen"][index]
+            out["ref_rejected_logps"] = self.ref["rejected"][index]
+        self.position = (step + 1) * self.global_batch
+        return out, {"epoch": self.position / len(self.train)}
+
+    def num_tokens(self, batch) -> int:
+        return int(np.sum(batch["chosen_attention_mask"]) + np.sum(batch["rejected_attention_mask"]))
+
+    def state_dict(self) -> dict:
+        # Batches are a function of the step; the position is recorded for people reading checkpoints.
+        return {"position": self.position, "train_pairs": len(self.train)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state.get("position", 0))
+
+    def evaluate(self, model, seqs: Optional[dpo_data.PairSequences] = None, ref: Optional[dict] = None
+                 ) -> dict[str, float]:
+        """Preference metrics of `model` (adapters on) on held-out pairs (default: the task's eval slice)."""
+        seqs = self.eval if seqs is None else seqs
+        if seqs is None:
+            return {}
+        if ref is None:
+            ref = self.eval_ref if seqs is self.eval and self.eval_ref is not None else None
+        if ref is None:
+            rc, rr = sequence_logps_all(model, seqs.arrays, adapters=False, batch_size=self.ref_batch_size,
+                                        chunk_size=self.chunk_size, mesh=self.mesh,
+                                        compile_options=self.compile_options)
+            ref = {"chosen": rc, "rejected": rr}
+            if seqs is self.eval and self._prepared:  # the base never changes: score it once per run
+                self.eval_ref = ref
+        c, r = sequence_logps_all(model, seqs.arrays, adapters=True, batch_size=self.ref_batch_size,
+                                  chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options)
+        lengths = [seqs.arrays[f"{side}_loss_mask"].sum(-1) for side in dpo_data.SIDES]  # completion tokens
+        out = preference_summary(c, r, ref["chosen"], ref["rejected"], self.objective, *lengths, prefix="eval_")
+        out["eval_pairs"] = float(len(seqs))
+        return out
+
+    def on_checkpoint(self, step: int, trainer) -> Optional[dict]:
+        if self.eval is None:
+            return None
+        out = self.evaluate(trainer.current_model())
+        logging.info("step %d held-out: preference accuracy %.3f, reward margin %.4f (%d pairs)", step,
+                     out["eval_preference_accuracy"], out["eval_reward_margin"], len(self.eval))
+        return out
+
+
+@register_trainer("dpo")
+def build_dpo(config, model, mesh) -> DPOTask:
+    return DPOTask(config, model, mesh)

@@ -1,0 +1,234 @@
+"""`algorithm = "grpo"`: GRPO with online rollouts on the shared training core (jaxrl.train).
+
+    python -m launchers.train --config=configs/grpo.py:model=4b,run=4b_base --workdir=runs/grpo_4b \
+        --config.model_path=/models/Qwen3.5-4B --config.data.problems=problems.jsonl
+
+Each rollout (`jaxrl.algorithms.online`): `prompts_per_step` prompts -> `num_generations` samples each from the
+current policy (one held Sampler) -> rewards (`config.reward`) -> optional DAPO overlong penalty -> group-relative
+advantages (`scale_rewards` group | batch | none, or a registered `advantage_estimator`) -> optional masking of
+truncated completions and of zero-variance groups -> reference log-probs with the adapters off (one jitted pass,
+skipped when beta = 0) -> old log-probs. The rollout is then trained on for `num_iterations` passes of
+N / B_global minibatches (N = prompts_per_step x num_generations, B_global = micro_batch_size x grad_accum),
+one optimizer update each.
+
+Old log-probs (the ratio's denominator): with a single update per rollout (num_iterations = 1 and N = B_global)
+the update is on-policy and the ratio is `exp(logp - stop_gradient(logp))` = 1 exactly (TRL). Otherwise the
+sampler's behaviour log-probs (same weights, decode path; equal to a teacher-forced pass to ~1e-5 in fp32), or,
+with `recompute_old_logprobs` (forced when temperature != 1: the sampler reports untempered log-probs), a
+teacher-forced pass at the sampling temperature right after sampling.
+
+Objective (`GRPOObjective`, micro-batch contract of jaxrl.train.objective): per completion token
+clipped surrogate (`epsilon_low`, `epsilon_high`, optional two-sided `delta`) + beta x KL(`kl_estimator`: k1 | k2
+| k3 (the stable expm1 form) | ...) to the precomputed reference, aggregated by `aggregation` (sequence_mean =
+TRL grpo, token_mean = dapo, dr_grpo) with normalisers of the whole global batch, so any micro-batch split gives
+the same update.
+
+Metrics per step: from the loss (global token means) `policy_loss`, `ratio`, `ratio_abs_dev` (|ratio - 1|),
+`clip_fraction/{low,high,region}`, `kl` (beta > 0), `entropy`; from the rollout the step trains on
+`reward/{mean,std,min,max,strict_rate,masked_fraction}`, `zero_variance_groups` (fraction of groups),
+`advantage/{mean,std,min,max,abs_mean}`, `completion/{length_mean,length_min,length_max,truncation_rate}`,
+`rollout/kl_ref` (token-mean KL of the behaviour policy to the reference, beta > 0), `loss_tokens_fraction`;
+on the step that made the rollout `time/{sample_s,score_s,ref_logp_s,old_logp_s,rollout_s}` (the trainer's
+`step_time_s` includes them: update time = step_time_s - time/rollout_s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from jaxrl.algorithms import grpo as grpo_lib
+from jaxrl.algorithms import kl as kl_lib
+from jaxrl.algorithms import online
+from jaxrl.train.registry import register_trainer
+
+GRPO_DEFAULTS = dict(
+    num_generations=8,  # K samples per prompt (a group)
+    prompts_per_step=20,  # prompts per rollout (= per optimizer step when N = B_global)
+    max_new_tokens=4096,  # C: the completion cap
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    num_iterations=1,  # passes over each rollout (TRL num_iterations, "mu")
+    scale_rewards="group",  # group | batch | none (Dr. GRPO)
+    advantage_estimator="grpo",  # grpo (honours scale_rewards) | rloo | dr_grpo | grpo_batch_std | a plug-in
+    epsilon_low=0.2,
+    epsilon_high=0.2,  # DAPO clip-higher: 0.28
+    delta=0.0,  # > 0: two-sided clipping, the ratio is also capped at delta (INTELLECT-2; e.g. 4.0)
+    importance_sampling_level="token",  # token | sequence (GSPO)
+    beta=0.04,  # KL coefficient; 0 skips the reference pass
+    kl_estimator="k3",  # k1 | k2 | k3 | low_var_kl | abs | k3+ | a plug-in
+    aggregation="sequence_mean",  # sequence_mean (grpo) | token_mean (dapo) | dr_grpo
+    mask_truncated=False,  # truncated completions give no gradient (still counted as sequences)
+    drop_zero_variance_groups=False,  # groups whose rewards are all equal leave the loss and its normalisers
+    overlong_buffer=0,  # > 0: DAPO soft overlong penalty over the last `overlong_buffer` tokens of the cap
+    overlong_penalty=1.0,  # its maximum
+    recompute_old_logprobs=False,  # teacher-forced old log-probs instead of the sampler's
+    entropy_coef=0.0,
+    log_entropy=True,  # the `entropy` metric (one more reduction over the vocab per chunk)
+    rollout_batch_size=0,  # sampler rows per compiled call; 0 = the whole rollout
+    logprob_batch_size=8,  # rows per reference / old-log-prob pass
+)
+
+
+def _cfg(config) -> dict:
+    return online.block_dict(config.get("grpo", None), GRPO_DEFAULTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOObjective:
+    """GRPO loss of one micro-batch. Batch keys: input_ids, attention_mask [b, P+C]; completion_mask (the loss
+    mask), advantages [b]; sequence_mask [b] (1 = counts in num_sequences); ref_logp [b, C] when beta != 0;
+    old_logp [b, C] unless on-policy."""
+
+    max_completion_length: int
+    aggregation: str = "sequence_mean"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: Optional[float] = None
+    importance_sampling_level: str = "token"
+    temperature: float = 1.0
+    entropy: bool = True
+    entropy_coef: float = 0.0
+    chunk_size: int = 512
+
+    def normalisers(self, batch):
+        return grpo_lib.global_normalizers(batch["completion_mask"], self.max_completion_length,
+                                           sequence_mask=batch["sequence_mask"])
+
+    def loss(self, model, micro_batch, normalisers, rng):
+        mask = micro_batch["completion_mask"]
+        C = mask.shape[1]
+        ids = micro_batch["input_ids"]
+        h = online.completion_hidden(model, ids, micro_batch["attention_mask"], C)
+        logp, ent = online.completion_logprobs(model, h, ids, C, chunk_size=self.chunk_size,
+                                               temperature=self.temperature,
+                                               entropy=self.entropy or bool(self.entropy_coef))
+        loss, metrics = grpo_lib.grpo_loss(
+            logp, micro_batch.get("old_logp"), micro_batch["advantages"], mask, normalisers,
+            ref_logp=micro_batch.get("ref_logp"), beta=self.beta, kl_estimator=self.kl_estimator,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta,
+            importance_sampling_level=self.importance_sampling_level, aggregation=self.aggregation,
+            entropies=ent, entropy_coef=self.entropy_coef)
+        old = jax.lax.stop_gradient(logp) if micro_batch.get("old_logp") is None else micro_batch["old_logp"]
+        dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp) - old) - 1.0)
+        metrics.update(grpo_lib.token_metric_contributions({"ratio_abs_dev": dev}, mask, normalisers))
+        return loss, metrics
+
+
+def advantages_of(rewards: np.ndarray, num_generations: int, estimator: str, scale_rewards: str) -> np.ndarray:
+    if estimator == "grpo":
+        return np.asarray(grpo_lib.group_advantages(rewards, num_generations, scale_rewards), np.float32)
+    if scale_rewards != "group":
+        raise ValueError(f"grpo.scale_rewards={scale_rewards!r} applies to advantage_estimator='grpo' only; "
+                         f"grpo.advantage_estimator={estimator!r} defines its own scaling")
+    return np.asarray(grpo_lib.compute_advantages(rewards, num_generations, estimator), np.float32)
+
+
+class GRPOTask(online.OnlineTask):
+    def __init__(self, config, model, mesh):
+        g = _cfg(config)
+        self.g = g
+        for key in ("num_generations", "prompts_per_step", "max_new_tokens", "num_iterations"):
+            if int(g[key]) < 1:
+                raise ValueError(f"grpo.{key} must be >= 1, got {g[key]}")
+        if g["scale_rewards"] not in grpo_lib.SCALE_REWARDS:
+            raise ValueError(f"grpo.scale_rewards={g['scale_rewards']!r}; choose one of {grpo_lib.SCALE_REWARDS}")
+        if g["aggregation"] not in grpo_lib.AGGREGATIONS:
+            raise ValueError(f"grpo.aggregation={g['aggregation']!r}; choose one of {grpo_lib.AGGREGATIONS}")
+        kl_lib.kl(jnp.zeros((1, 1)), jnp.zeros((1, 1)), g["kl_estimator"])  # unknown estimator: error now
+        self.K = int(g["num_generations"])
+        if self.K < 2:
+            logging.warning("grpo.num_generations=1: every group has zero variance and zero advantage")
+        global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
+        rows = int(g["prompts_per_step"]) * self.K
+        online.check_rows(rows, global_batch, "grpo.prompts_per_step x grpo.num_generations")
+        super().__init__(config, online.Schedule(rows, global_batch, int(g["num_iterations"]), int(config.seed)))
+        self.beta = float(g["beta"])
+        self.temperature = float(g["temperature"])
+        self.C = int(g["max_new_tokens"])
+        self.on_policy = self.schedule.steps_per_rollout == 1
+        self.recompute = bool(g["recompute_old_logprobs"]) or self.temperature != 1.0
+        if self.temperature != 1.0 and not g["recompute_old_logprobs"] and not self.on_policy:
+            logging.info("grpo.temperature=%s: old log-probs are recomputed at that temperature (the sampler "
+                         "reports untempered ones)", self.temperature)
+        delta = float(g["delta"])
+        if delta and delta <= 1.0 + float(g["epsilon_high"]):
+            raise ValueError(f"grpo.delta={delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
+        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.objective = GRPOObjective(
+            max_completion_length=self.C, aggregation=g["aggregation"], beta=self.beta,
+            kl_estimator=g["kl_estimator"], epsilon_low=float(g["epsilon_low"]),
+            epsilon_high=float(g["epsilon_high"]), delta=delta or None,
+            importance_sampling_level=g["importance_sampling_level"], temperature=self.temperature,
+            entropy=bool(g["log_entropy"]), entropy_coef=float(g["entropy_coef"]), chunk_size=self.chunk_size)
+        self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (
+            ("ref_logp",) if self.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",))
+        self.engine = online.RolloutEngine(config, model, mesh, max_new_tokens=self.C, num_generations=self.K,
+                                           prompts_per_rollout=int(g["prompts_per_step"]),
+                                           temperature=self.temperature, top_p=float(g["top_p"]),
+                                           top_k=int(g["top_k"]), rollout_batch_size=int(g["rollout_batch_size"]))
+        self.mesh = mesh
+
+    def make_rollout(self, rollout: int, model, trainer):
+        g = self.g
+        s = self.engine.run(model, rollout)
+        metrics = online.sample_metrics(s, self.C)
+        metrics.update({"time/" + k: v for k, v in s.times.items()})
+        rewards = s.rewards.copy()
+        if int(g["overlong_buffer"]) > 0:
+            pen = np.asarray(grpo_lib.overlong_penalty(s.lengths, self.C, int(g["overlong_buffer"]),
+                                                       float(g["overlong_penalty"])))
+            rewards = rewards + pen
+            metrics["reward/overlong_penalty"] = float(pen.mean())
+        adv = advantages_of(rewards, self.K, g["advantage_estimator"], g["scale_rewards"])
+        zero_var = np.asarray(grpo_lib.zero_variance_groups(rewards, self.K))
+        metrics["zero_variance_groups"] = float(zero_var.reshape(-1, self.K)[:, 0].mean())
+        metrics.update({"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()),
+                        "advantage/min": float(adv.min()), "advantage/max": float(adv.max()),
+                        "advantage/abs_mean": float(np.abs(adv).mean())})
+
+        mask = s.completion_mask.copy()
+        mask[np.isnan(s.rewards)] = 0.0  # masked by the reward (truncation policy "mask"): no gradient
+        if g["mask_truncated"]:
+            mask[s.truncated] = 0.0
+        seq = np.ones(len(rewards), np.float32)
+        if g["drop_zero_variance_groups"]:
+            mask[zero_var] = 0.0
+            seq[zero_var] = 0.0
+        metrics["loss_tokens_fraction"] = float(mask.sum() / max(s.completion_mask.sum(), 1.0))
+
+        arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
+        buffer = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": mask,
+                  "advantages": adv, "sequence_mask": seq}
+        common = dict(completion_len=self.C, batch_size=int(g["logprob_batch_size"]), chunk_size=self.chunk_size,
+                      mesh=self.mesh, compile_options=self.compile_options)
+        t0 = time.perf_counter()
+        if self.beta != 0.0:  # the reference at the sampling temperature, like the policy's log-probs
+            buffer["ref_logp"] = online.teacher_forced(model, arrays, adapters=False, temperature=self.temperature,
+                                                       **common)["logp"]
+        t1 = time.perf_counter()
+        metrics["time/ref_logp_s"] = t1 - t0
+        old = s.behaviour_logp if self.temperature == 1.0 else None  # the sampler's are untempered
+        if not self.on_policy and self.recompute:
+            old = online.teacher_forced(model, arrays, adapters=True, temperature=self.temperature, **common)["logp"]
+        metrics["time/old_logp_s"] = time.perf_counter() - t1
+        if not self.on_policy:
+            buffer["old_logp"] = old
+        if self.beta != 0.0 and old is not None:
+            kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], self.g["kl_estimator"]))
+            metrics["rollout/kl_ref"] = float((kl * s.completion_mask).sum() / max(s.completion_mask.sum(), 1.0))
+        return buffer, metrics
+
+
+@register_trainer("grpo")
+def build_grpo(config, model, mesh) -> GRPOTask:
+    return GRPOTask(config, model, mesh)

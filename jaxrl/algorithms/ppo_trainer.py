@@ -1,0 +1,278 @@
+"""`algorithm = "ppo"`: PPO with a value head and online rollouts on the shared training core (jaxrl.train).
+
+    python -m launchers.train --config=configs/ppo.py:model=4b,kl=0.05 --workdir=runs/ppo_4b \
+        --config.model_path=/models/Qwen3.5-4B --config.data.problems=problems.jsonl
+
+The value function is `ValueHead` (Linear H -> 1, zero-initialised) on the policy's final hidden state, attached
+as `model.value_head` and trained alongside the LoRA factors (the task's `trainable` filter); it is part of the
+training state (checkpoints, resume) but not of the adapter artifacts or the PEFT export.
+
+Each rollout (`jaxrl.algorithms.online`): `prompts_per_rollout` prompts x `num_generations` samples from the
+current policy -> scores (`config.reward`) -> one teacher-forced pass with the adapters on (old log-probs at the
+sampling temperature, old values) and one with them off (reference log-probs) -> per-token rewards
+`-kl_coef * KL_t` (`kl_estimator` k1 | k3) plus the score at the last completion token -> optional reward
+whitening (scale only) -> GAE (`gamma`, `lam`) -> advantage whitening over the rollout. The rollout is then
+trained on for `epochs` passes of `minibatches` minibatches (each one global batch, one optimizer update), so
+N = minibatches x B_global. The KL coefficient starts at `init_kl_coef` and, with `adaptive_kl`, follows the
+Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout from its mean per-token KL,
+n_steps = N); it is host state saved with every checkpoint.
+
+Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
+`vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. A NaN/inf
+loss or gradient skips the update (the training core's non-finite masking, counted in `skipped_updates`).
+
+Metrics per step: from the loss `pg_loss`, `vf_loss`, `clip_fraction`, `vf_clip_fraction`, `approx_kl` (to the
+behaviour policy), `ratio`, `entropy`; from the rollout `reward/*`, `completion/*`, `advantage/*` (before
+whitening), `value/mean`, `return/mean`, `explained_variance` (old values vs returns), `rollout/kl` (token mean
+of the KL estimate to the reference), `rollout/kl_sequence` (its per-sequence sum, averaged), `kl_coef` (the
+coefficient the rollout used), and on the rollout's first step `time/{sample_s,score_s,policy_pass_s,
+ref_logp_s,rollout_s}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from jaxrl.algorithms import grpo as grpo_lib
+from jaxrl.algorithms import kl as kl_lib
+from jaxrl.algorithms import online
+from jaxrl.algorithms import ppo as ppo_lib
+from jaxrl.models.lora import LoRAParam
+from jaxrl.train.registry import register_trainer
+
+PPO_DEFAULTS = dict(
+    prompts_per_rollout=32,
+    num_generations=1,  # samples per prompt
+    max_new_tokens=1024,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    init_kl_coef=0.05,
+    adaptive_kl=False,  # TRL: fixed; True: Ziegler et al. (verl / OpenRLHF)
+    kl_target=0.1,  # per-token KL the adaptive controller steers to
+    kl_horizon=10000.0,
+    kl_estimator="k1",  # k1 | k3 (or any registered kl)
+    gamma=1.0,
+    lam=0.95,
+    whiten_rewards=False,
+    whiten_advantages=True,
+    cliprange=0.2,
+    cliprange_value=0.2,  # 0 = unclipped value loss
+    vf_coef=0.1,
+    epochs=4,  # passes over each rollout
+    minibatches=1,  # global batches per pass: prompts_per_rollout x num_generations = minibatches x B_global
+    value_head_detach=False,  # True: the value loss trains only the head (no gradient into the LoRA factors)
+    value_learning_rate=0.0,  # the value head's (peak) learning rate; 0 = optimizer.learning_rate (ValueHead)
+    entropy_coef=0.0,
+    log_entropy=True,
+    rollout_batch_size=0,  # sampler rows per compiled call; 0 = the whole rollout
+    logprob_batch_size=8,  # rows per teacher-forced pass
+)
+
+
+def _cfg(config) -> dict:
+    return online.block_dict(config.get("ppo", None), PPO_DEFAULTS)
+
+
+def _lr_scaled(x: jax.Array, scale: float) -> jax.Array:
+    """Value `scale * x`, gradient with respect to x as if it were x itself. Under Adam (whose step per parameter is
+    about the learning rate whatever the gradient's size) the effective parameter `scale * x` then moves `scale`
+    times faster: a learning-rate multiplier for one module that leaves the gradient (and so the global-norm
+    clipping of all the others) untouched."""
+    return x + (scale - 1.0) * jax.lax.stop_gradient(x)
+
+
+class ValueHead(nnx.Module):
+    """Scalar value of each position, [..., H] -> [...], fp32:
+
+        V = lr_scale * (weight . h / sqrt(H) + bias)          (through `_lr_scaled`)
+
+    `lr_scale` = ppo.value_learning_rate / optimizer.learning_rate: the head learns at its own rate (LLM rates such
+    as 1e-6 would leave a fresh head at its initial value for a whole run). The 1/sqrt(H) makes the weight act on a
+    unit-RMS state, so Adam's noise-driven drift of H weights (each about the learning rate per step) moves V as
+    little as the drift of the one bias, instead of sqrt(H) times more. Zero-initialised: the first values are 0
+    and attaching the head changes nothing."""
+
+    def __init__(self, hidden_size: int, lr_scale: float = 1.0):
+        self.weight = nnx.Param(jnp.zeros((1, hidden_size), jnp.float32))  # [out, in] like every Linear
+        self.bias = nnx.Param(jnp.zeros((1,), jnp.float32))
+        self.lr_scale = float(lr_scale)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        w, b = _lr_scaled(self.weight[...], self.lr_scale), _lr_scaled(self.bias[...], self.lr_scale)
+        inv = 1.0 / float(np.sqrt(w.shape[-1]))
+        return (jnp.einsum("...h,oh->...o", h.astype(jnp.float32), w) * inv + b)[..., 0]
+
+
+def attach_value_head(model, lr_scale: float = 1.0) -> ValueHead:
+    """`model.value_head` (created once; an existing head keeps its weights and takes this lr_scale)."""
+    if getattr(model, "value_head", None) is None:
+        model.value_head = ValueHead(int(model.config.hidden_size), lr_scale)
+    model.value_head.lr_scale = float(lr_scale)
+    return model.value_head
+
+
+TRAINABLE = nnx.Any(LoRAParam, nnx.PathContains("value_head"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOObjective:
+    """PPO loss of one micro-batch. Batch keys: input_ids, attention_mask [b, P+C]; completion_mask, old_logp,
+    old_values, advantages (whitened), returns [b, C]."""
+
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    temperature: float = 1.0
+    value_head_detach: bool = False
+    entropy: bool = True
+    entropy_coef: float = 0.0
+    chunk_size: int = 512
+
+    def normalisers(self, batch):
+        return grpo_lib.global_normalizers(batch["completion_mask"])
+
+    def loss(self, model, micro_batch, normalisers, rng):
+        mask = micro_batch["completion_mask"]
+        C = mask.shape[1]
+        ids = micro_batch["input_ids"]
+        h = online.completion_hidden(model, ids, micro_batch["attention_mask"], C)
+        logp, ent = online.completion_logprobs(model, h, ids, C, chunk_size=self.chunk_size,
+                                               temperature=self.temperature,
+                                               entropy=self.entropy or bool(self.entropy_coef))
+        values = model.value_head(jax.lax.stop_gradient(h) if self.value_head_detach else h)
+        return ppo_lib.ppo_loss(
+            logp, micro_batch["old_logp"], micro_batch["advantages"], values, micro_batch["old_values"],
+            micro_batch["returns"], mask, normalisers, cliprange=self.cliprange,
+            cliprange_value=self.cliprange_value or None, vf_coef=self.vf_coef, entropies=ent,
+            entropy_coef=self.entropy_coef)
+
+
+@partial(jax.jit, static_argnames=("estimator", "gamma", "lam", "whiten_rewards", "whiten_advantages"))
+def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, *, estimator, gamma, lam,
+                           whiten_rewards, whiten_advantages):
+    """The rollout's [N, C] token rewards -> GAE, all on the whole rollout (whitening uses its statistics).
+    Returns (advantages (whitened if asked), raw advantages, returns, kl [N, C])."""
+    rewards, kl = ppo_lib.kl_penalty_rewards(old_logp, ref_logp, mask, scores, kl_coef, estimator)
+    if whiten_rewards:
+        rewards = ppo_lib.masked_whiten(rewards, mask, shift_mean=False)
+    adv, ret = ppo_lib.gae(rewards, values, mask, gamma, lam)
+    white = ppo_lib.masked_whiten(adv, mask) if whiten_advantages else adv
+    return white, adv, ret, kl
+
+
+class PPOTask(online.OnlineTask):
+    trainable = TRAINABLE
+
+    def __init__(self, config, model, mesh):
+        p = _cfg(config)
+        self.p = p
+        for key in ("prompts_per_rollout", "num_generations", "max_new_tokens", "epochs", "minibatches"):
+            if int(p[key]) < 1:
+                raise ValueError(f"ppo.{key} must be >= 1, got {p[key]}")
+        if p["kl_estimator"] not in ("k1", "k3"):
+            kl_lib.kl(jnp.zeros((1, 1)), jnp.zeros((1, 1)), p["kl_estimator"])  # unknown: a KeyError naming them
+        if float(p["init_kl_coef"]) < 0:
+            raise ValueError(f"ppo.init_kl_coef must be >= 0, got {p['init_kl_coef']}")
+        global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
+        rows = int(p["prompts_per_rollout"]) * int(p["num_generations"])
+        if rows != int(p["minibatches"]) * global_batch:
+            raise ValueError(f"ppo.prompts_per_rollout x ppo.num_generations = {rows} rows must equal ppo.minibatches "
+                             f"({p['minibatches']}) x the global batch batch.micro_batch_size x batch.grad_accum "
+                             f"({global_batch})")
+        super().__init__(config, online.Schedule(rows, global_batch, int(p["epochs"]), int(config.seed)))
+        lr = float(config.optimizer.learning_rate)
+        value_lr = float(p["value_learning_rate"]) or lr
+        if not (value_lr > 0 and lr > 0):
+            raise ValueError(f"ppo.value_learning_rate ({p['value_learning_rate']}) and optimizer.learning_rate "
+                             f"({lr}) must be > 0")
+        attach_value_head(model, value_lr / lr)  # follows the optimizer's schedule, scaled
+        self.C = int(p["max_new_tokens"])
+        self.temperature = float(p["temperature"])
+        self.controller = (ppo_lib.AdaptiveKLController(float(p["init_kl_coef"]), float(p["kl_target"]),
+                                                        float(p["kl_horizon"])) if p["adaptive_kl"]
+                           else ppo_lib.FixedKLController(float(p["init_kl_coef"])))
+        self.kl_coef = float(self.controller.init())
+        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.objective = PPOObjective(
+            cliprange=float(p["cliprange"]), cliprange_value=float(p["cliprange_value"]), vf_coef=float(p["vf_coef"]),
+            temperature=self.temperature, value_head_detach=bool(p["value_head_detach"]),
+            entropy=bool(p["log_entropy"]), entropy_coef=float(p["entropy_coef"]), chunk_size=self.chunk_size)
+        self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
+                           "returns")
+        self.engine = online.RolloutEngine(config, model, mesh, max_new_tokens=self.C,
+                                           num_generations=int(p["num_generations"]),
+                                           prompts_per_rollout=int(p["prompts_per_rollout"]),
+                                           temperature=self.temperature, top_p=float(p["top_p"]),
+                                           top_k=int(p["top_k"]), rollout_batch_size=int(p["rollout_batch_size"]))
+        self.mesh = mesh
+
+    # host state: the KL coefficient -------------------------------------------------------------------------
+    def host_state(self) -> dict:
+        return {"kl_coef": self.kl_coef}
+
+    def load_host_state(self, state: dict) -> None:
+        if "kl_coef" in state:
+            self.kl_coef = float(state["kl_coef"])
+
+    def make_rollout(self, rollout: int, model, trainer):
+        p = self.p
+        s = self.engine.run(model, rollout)
+        metrics = online.sample_metrics(s, self.C)
+        metrics.update({"time/" + k: v for k, v in s.times.items()})
+        arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
+        common = dict(completion_len=self.C, batch_size=int(p["logprob_batch_size"]), chunk_size=self.chunk_size,
+                      temperature=self.temperature, mesh=self.mesh, compile_options=self.compile_options)
+        t0 = time.perf_counter()
+        # Old log-probs from a teacher-forced pass (the same numerics as the loss) in the pass the values need.
+        cur = online.teacher_forced(model, arrays, adapters=True, values=True, **common)
+        t1 = time.perf_counter()
+        ref = online.teacher_forced(model, arrays, adapters=False, **common)["logp"]
+        t2 = time.perf_counter()
+        metrics.update({"time/policy_pass_s": t1 - t0, "time/ref_logp_s": t2 - t1})
+
+        masked = np.isnan(s.rewards)  # the reward masked these samples (truncation policy "mask"): no loss
+        mask = s.completion_mask * (~masked)[:, None].astype(np.float32)
+        scores = np.where(masked, 0.0, s.rewards).astype(np.float32)
+        kl_coef = self.kl_coef
+        adv, raw_adv, ret, kl = jax.device_get(returns_and_advantages(
+            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), estimator=p["kl_estimator"],
+            gamma=float(p["gamma"]), lam=float(p["lam"]), whiten_rewards=bool(p["whiten_rewards"]),
+            whiten_advantages=bool(p["whiten_advantages"])))
+        m = mask > 0
+        n_tok = max(int(m.sum()), 1)
+        token_kl = float(np.where(m, kl, 0.0).sum() / n_tok)
+        metrics.update({
+            "kl_coef": kl_coef,
+            "rollout/kl": token_kl,
+            "rollout/kl_sequence": float(np.where(m, kl, 0.0).sum(-1).mean()),
+            "advantage/mean": float(raw_adv[m].mean()) if m.any() else 0.0,
+            "advantage/std": float(raw_adv[m].std()) if m.any() else 0.0,
+            "advantage/min": float(raw_adv[m].min()) if m.any() else 0.0,
+            "advantage/max": float(raw_adv[m].max()) if m.any() else 0.0,
+            "value/mean": float(cur["values"][m].mean()) if m.any() else 0.0,
+            "return/mean": float(ret[m].mean()) if m.any() else 0.0,
+            "explained_variance": float(ppo_lib.explained_variance(cur["values"], ret, mask)),
+        })
+        # The controller sees the mean per-token KL of this rollout (verl); n_steps = samples in it.
+        self.kl_coef = float(self.controller.update(np.float32(kl_coef), np.float32(token_kl), len(scores)))
+        if not np.isfinite(self.kl_coef):
+            logging.warning("rollout %d: the KL controller produced %s; keeping %s", rollout, self.kl_coef, kl_coef)
+            self.kl_coef = kl_coef
+        buffer = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": mask,
+                  "old_logp": cur["logp"], "old_values": cur["values"], "advantages": np.asarray(adv, np.float32),
+                  "returns": np.asarray(ret, np.float32)}
+        return buffer, metrics
+
+
+@register_trainer("ppo")
+def build_ppo(config, model, mesh) -> PPOTask:
+    return PPOTask(config, model, mesh)

@@ -1,0 +1,468 @@
+"""The comparison table of a sweep: one row per point with its training summary, its evaluation results at each
+checkpoint and each difference to the baseline point with a paired interval; sortable and filterable by any
+column; written as Markdown, CSV and JSON, and as an HTML report with the metric plotted against each axis.
+
+    table = build_table(load_points("runs/sweep"), baseline="dpo.beta=0.1", sort="-eval_preference_accuracy@4")
+    write_comparison("runs/sweep")            # comparison.{md,csv,json} + report.html in the sweep folder
+
+Columns (names are what --sort / --filter take):
+
+    point, <one per axis>, state, baseline            the point's slug, its axis labels, status, its baseline
+    final_step, loss, loss_last<k>, preference_accuracy, preference_accuracy_last<k>, reward_mean,
+    reward_mean_last<k>, kl, skipped_updates, train_time_s, eval_time_s
+                                                      from metrics.jsonl (the last training step; the mean of
+                                                      the last k) and status.json (wall seconds, all attempts)
+    <metric>@<step>                                   evaluation at checkpoint <step> (0 = the base model):
+                                                      `eval_*` keys the trainer logged at its checkpoints (DPO
+                                                      held-out pairs) and eval/results.json metrics
+                                                      (partial_reward_mean, strict_rate, ...)
+    diff:<metric>@<step>, ci_low:..., ci_high:...     point - its baseline at the same step; the interval is a
+                                                      paired bootstrap over prompts (jaxrl.evaluation.stats) when
+                                                      both points have per-sample files of that checkpoint
+                                                      (eval/samples/step_<N>.jsonl) on the same prompts, else
+                                                      empty (held-out DPO metrics come without per-pair values)
+
+The baseline: a point slug, or a selector {axis: value} ("dpo.beta=0.1,dpo.loss_type=sigmoid"; short names
+such as `beta` work when unambiguous). A selector that leaves some axes open pairs each point with the baseline
+point that shares its other labels -- typically the same seed, so seed-to-seed noise cancels. Default: the
+sweep's `baseline`, else the first value of every axis except the seed.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import difflib
+import io
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from jaxrl.data.jsonl import atomic_write_json, atomic_write_text
+from jaxrl.sweep.runner import CONFIG_FILE, EVAL_DIR, STATUS_FILE, SWEEP_FILE, merged_metrics, read_json
+from jaxrl.sweep.spec import SEED, fmt, short_key
+
+LAST_K = 5
+RESULTS_METRICS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
+DEFAULT_METRICS = ("partial_reward_mean", "strict_rate", "eval_preference_accuracy", "eval_reward_margin")
+FILES = {"md": "comparison.md", "csv": "comparison.csv", "json": "comparison.json", "html": "report.html"}
+
+
+@dataclasses.dataclass
+class PointData:
+    slug: str
+    name: str
+    labels: dict
+    values: dict
+    state: str
+    status: dict
+    config: dict
+    records: list  # metrics.jsonl, one merged record per step
+    results: Optional[dict]  # eval/results.json
+    dir: Path
+
+
+def load_points(sweep_dir: str | os.PathLike) -> tuple[dict, list[PointData]]:
+    """(sweep.json, every point's files) of a sweep folder."""
+    root = Path(sweep_dir)
+    meta = read_json(root / SWEEP_FILE)
+    if meta is None:
+        raise FileNotFoundError(f"{root / SWEEP_FILE} not found: is {root} a sweep folder (launchers.sweep --out)?")
+    points = []
+    for p in meta["points"]:
+        d = root / p["slug"]
+        status = read_json(d / STATUS_FILE) or {"state": "new"}
+        results = None
+        if (d / EVAL_DIR / "results.json").is_file():
+            from jaxrl.diagnostics.formats import read_results
+            results = read_results(d / EVAL_DIR)
+        points.append(PointData(p["slug"], p["name"], p["labels"], p.get("values", {}), status.get("state", "new"),
+                                status, read_json(d / CONFIG_FILE) or {}, merged_metrics(d / "metrics.jsonl"),
+                                results, d))
+    return meta, points
+
+
+# ----------------------------------------------------------------------------------------------- summaries
+
+
+def _num(v) -> Optional[float]:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _first(rec: Mapping, keys: Sequence[str]):
+    return next((rec[k] for k in keys if _num(rec.get(k)) is not None), None)
+
+
+def training_summary(records: Sequence[Mapping], status: Mapping, last_k: int = LAST_K) -> dict:
+    """The training columns of one point (module docstring); None where the run logged no such metric."""
+    train = [r for r in records if "loss" in r or "grad_norm" in r]
+    out: dict[str, Any] = {"final_step": train[-1]["step"] if train else None}
+    aliases = {"loss": ("loss",), "preference_accuracy": ("preference_accuracy",),
+               "reward_mean": ("reward_mean", "reward/mean"), "kl": ("kl", "rollout/kl_ref")}
+    for col, keys in aliases.items():
+        out[col] = _first(train[-1], keys) if train else None
+        if col != "kl":
+            tail = [_first(r, keys) for r in train[-last_k:]]
+            tail = [v for v in tail if v is not None]
+            out[f"{col}_last{last_k}"] = sum(tail) / len(tail) if tail else None
+    out["skipped_updates"] = train[-1].get("skipped_updates") if train else None
+    out["train_time_s"] = status.get("train_seconds")
+    out["eval_time_s"] = status.get("eval_seconds")
+    return out
+
+
+def checkpoint_evals(point: PointData) -> dict[int, dict[str, float]]:
+    """{step: {metric: value}}: the trainer's `eval_*` records and eval/results.json models (base = step 0)."""
+    out: dict[int, dict[str, float]] = {}
+    for r in point.records:
+        vals = {k: float(v) for k, v in r.items() if k.startswith("eval_") and _num(v) is not None}
+        if vals:
+            out.setdefault(int(r["step"]), {}).update(vals)
+    if point.results:
+        from jaxrl.diagnostics.formats import model_step
+        for name, entry in point.results["models"].items():
+            step = model_step(name, entry)
+            if step is None:
+                continue
+            out.setdefault(step, {}).update({m: float(entry[m]) for m in RESULTS_METRICS
+                                             if _num(entry.get(m)) is not None})
+    return out
+
+
+def _samples(point: PointData, step: int):
+    from jaxrl.diagnostics.formats import BASE_MODEL, checkpoint_name, read_samples, samples_path
+    path = samples_path(point.dir / EVAL_DIR, BASE_MODEL if step == 0 else checkpoint_name(step))
+    return read_samples(path) if path.is_file() else None
+
+
+# ----------------------------------------------------------------------------------------------- baseline
+
+
+def _resolve_axis(key: str, axes: Sequence[Mapping]) -> str:
+    names = [a["name"] for a in axes]
+    if key in names:
+        return key
+    by_short = [a["name"] for a in axes if short_key(a["name"]) == key or key in a.get("keys", [])]
+    if len(by_short) == 1:
+        return by_short[0]
+    raise KeyError(f"baseline selector key {key!r} is not an axis of this sweep (axes: {', '.join(names)})"
+                   + (f"; it matches several: {by_short}" if by_short else ""))
+
+
+def parse_selector(selector: Any, axes: Sequence[Mapping]) -> dict[str, str]:
+    """{axis name: label} from a dict or 'k=v,k2=v2' (values compared as labels: fmt(value))."""
+    if isinstance(selector, str):
+        items = {}
+        for part in (s.strip() for s in selector.split(",")):
+            if part:
+                k, sep, v = part.partition("=")
+                if not sep:
+                    raise ValueError(f"baseline {selector!r}: expected a point slug or axis=value[,axis=value]")
+                items[k.strip()] = v.strip()
+        selector = items
+    out = {}
+    for k, v in selector.items():
+        axis = _resolve_axis(str(k), axes)
+        label = v if isinstance(v, str) else fmt(v)
+        labels = next(a["labels"] for a in axes if a["name"] == axis)
+        if label not in labels:
+            # the same number written differently ("1e-6" for 1e-06): compare as floats
+            match = [lab for lab in labels if _float(lab) is not None and _float(lab) == _float(label)]
+            if len(match) != 1:
+                raise KeyError(f"baseline {axis}={label!r}: the axis has values {labels}")
+            label = match[0]
+        out[axis] = label
+    return out
+
+
+def _float(s) -> Optional[float]:
+    try:
+        return float(s)
+    except (TypeError, ValueError):
+        return None
+
+
+def baseline_partners(meta: Mapping, points: Sequence[PointData], baseline: Any = None) -> dict[str, Optional[str]]:
+    """{point slug: its baseline point's slug (None: that point is not in the sweep)} (module docstring)."""
+    axes = meta["axes"]
+    if baseline is None:
+        baseline = meta.get("baseline")
+    if isinstance(baseline, str):
+        exact = [p for p in points if p.slug == baseline]
+        if not exact and "=" not in baseline:
+            exact = [p for p in points if p.slug.endswith(baseline) or p.slug.startswith(baseline)]
+            if len(exact) != 1:
+                raise KeyError(f"baseline {baseline!r} names no single point; points: "
+                               f"{', '.join(p.slug for p in points)}")
+        if exact:
+            return {p.slug: exact[0].slug for p in points}
+    if baseline is None:
+        selector = {a["name"]: a["labels"][0] for a in axes if a["name"] != SEED}
+    else:
+        selector = parse_selector(baseline, axes)
+    by_labels = {tuple(sorted(p.labels.items())): p.slug for p in points}
+    return {p.slug: by_labels.get(tuple(sorted({**p.labels, **selector}.items()))) for p in points}
+
+
+# ----------------------------------------------------------------------------------------------- the table
+
+
+@dataclasses.dataclass
+class Table:
+    columns: list[str]
+    rows: list[dict]
+    axes: list[str]
+    metrics: list[str]
+    steps: list[int]
+    notes: list[str]
+    baseline: Any
+
+    def numeric(self, col: str) -> list[Optional[float]]:
+        return [_num(r.get(col)) for r in self.rows]
+
+
+def _metric_steps(evals: Mapping[str, Mapping[int, Mapping]], metrics: Sequence[str]) -> list[int]:
+    return sorted({s for e in evals.values() for s, vals in e.items() if any(m in vals for m in metrics)})
+
+
+def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = None,
+                metrics: Optional[Sequence[str]] = None, steps: Optional[Sequence[int]] = None,
+                last_k: int = LAST_K, sort: Optional[str] = None, filters: Sequence[str] = (),
+                n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> Table:
+    from jaxrl.evaluation.metrics import per_prompt_values
+    from jaxrl.evaluation.stats import compare
+    axes = [a["name"] for a in meta["axes"]]
+    evals = {p.slug: checkpoint_evals(p) for p in points}
+    present = {m for e in evals.values() for vals in e.values() for m in vals}
+    if metrics is None:
+        metrics = [m for m in DEFAULT_METRICS if m in present]
+    else:
+        missing = [m for m in metrics if m not in present]
+        if missing and points and any(evals.values()):
+            raise KeyError(f"metric(s) {missing} are in no point's evaluation; available: {sorted(present)}")
+    all_steps = _metric_steps(evals, metrics)
+    steps = [s for s in all_steps if not steps or s in set(steps)]
+    partners = baseline_partners(meta, points, baseline)
+    by_slug = {p.slug: p for p in points}
+    notes: list[str] = []
+    rows = []
+    sample_cache: dict = {}
+
+    def samples(p, s):
+        if (p.slug, s) not in sample_cache:
+            sample_cache[(p.slug, s)] = _samples(p, s)
+        return sample_cache[(p.slug, s)]
+
+    for p in points:
+        row: dict[str, Any] = {"point": p.slug, **{a: p.labels.get(a) for a in axes}, "state": p.state,
+                               "baseline": partners.get(p.slug)}
+        row.update(training_summary(p.records, p.status, last_k))
+        partner = by_slug.get(partners.get(p.slug) or "")
+        for s in steps:
+            for m in metrics:
+                v = evals[p.slug].get(s, {}).get(m)
+                row[f"{m}@{s}"] = v
+                b = evals[partner.slug].get(s, {}).get(m) if partner else None
+                row[f"diff:{m}@{s}"] = v - b if v is not None and b is not None else None
+                row[f"ci_low:{m}@{s}"] = row[f"ci_high:{m}@{s}"] = None
+                if partner is None or partner is p or v is None or b is None or m not in RESULTS_METRICS:
+                    continue
+                mine, theirs = samples(p, s), samples(partner, s)
+                if not mine or not theirs:
+                    continue
+                try:
+                    comp = compare({"point": per_prompt_values(mine), "baseline": per_prompt_values(theirs)},
+                                   "baseline", [m], n_resamples=n_resamples, confidence=confidence, seed=seed)[0]
+                except ValueError as e:  # not the same prompts: no paired interval, say why
+                    notes.append(f"{p.slug} vs {partner.slug} at step {s}: {e}")
+                    continue
+                row[f"diff:{m}@{s}"] = comp["diff"]
+                row[f"ci_low:{m}@{s}"], row[f"ci_high:{m}@{s}"] = comp["ci_low"], comp["ci_high"]
+        rows.append(row)
+    columns = list(rows[0]) if rows else ["point", *axes, "state", "baseline"]
+    table = Table(columns, rows, axes, list(metrics), steps, notes, baseline)
+    for f in filters:
+        table.rows = [r for r in table.rows if _match(table, f, r)]
+    if sort:
+        sort_rows(table, sort)
+    return table
+
+
+_OPS = (">=", "<=", "!=", "==", ">", "<", "~")
+
+
+def column(table: Table, name: str) -> str:
+    if name in table.columns:
+        return name
+    close = difflib.get_close_matches(name, table.columns, n=4, cutoff=0.5)
+    raise KeyError(f"no column {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
+                   + f" (columns: {', '.join(table.columns)})")
+
+
+def parse_filter(table: Table, expr: str) -> tuple[str, str, str]:
+    m = re.match(r"^\s*(.+?)\s*(>=|<=|!=|==|>|<|~)\s*(.*?)\s*$", expr)
+    if not m:
+        raise ValueError(f"filter {expr!r}: expected COLUMN OP VALUE with OP one of {' '.join(_OPS)} "
+                         "(~ = contains)")
+    return column(table, m.group(1)), m.group(2), m.group(3)
+
+
+def _match(table: Table, expr: str, row: Mapping) -> bool:
+    col, op, want = parse_filter(table, expr)
+    have = row.get(col)
+    if op == "~":
+        return have is not None and want in str(have)
+    a, b = _float(have), _float(want)
+    if a is None or b is None:  # text: equality only
+        if op in ("==", "!="):
+            return (str(have) == want) == (op == "==")
+        return False
+    return {">=": a >= b, "<=": a <= b, "!=": a != b, "==": a == b, ">": a > b, "<": a < b}[op]
+
+
+def sort_rows(table: Table, key: str) -> None:
+    desc = key.startswith("-")
+    col = column(table, key.lstrip("-+"))
+
+    def k(r):
+        v = r.get(col)
+        f = _float(v)
+        missing = v is None
+        return (missing, 0, -f if desc else f, "") if f is not None else (missing, 1, 0.0, str(v))
+
+    table.rows.sort(key=k)  # numbers before text, missing values last, either direction
+
+
+# ----------------------------------------------------------------------------------------------- seeds
+
+
+def over_seeds(table: Table) -> Optional[Table]:
+    """Mean (and std, n) over the seed axis of every numeric column, one row per combination of the other axes."""
+    if SEED not in table.axes:
+        return None
+    others = [a for a in table.axes if a != SEED]
+    groups: dict[tuple, list] = {}
+    for r in table.rows:
+        groups.setdefault(tuple(r.get(a) for a in others), []).append(r)
+    skip = {"point", "state", "baseline", SEED, *others}
+    numeric = [c for c in table.columns if c not in skip and not c.startswith("ci_")
+               and any(_num(r.get(c)) is not None for r in table.rows)]
+    rows = []
+    for key, members in groups.items():
+        row: dict[str, Any] = dict(zip(others, key))
+        row["seeds"] = ",".join(str(m.get(SEED)) for m in members)
+        for c in numeric:
+            vals = [_num(m.get(c)) for m in members]
+            vals = [v for v in vals if v is not None]
+            row[c] = sum(vals) / len(vals) if vals else None
+            row[f"std:{c}"] = (math.sqrt(sum((v - row[c]) ** 2 for v in vals) / (len(vals) - 1))
+                               if len(vals) > 1 else None)
+        rows.append(row)
+    cols = others + ["seeds"] + [x for c in numeric for x in (c, f"std:{c}")]
+    return Table(cols, rows, others, table.metrics, table.steps, [], table.baseline)
+
+
+# ----------------------------------------------------------------------------------------------- writers
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return format(v, ".6g")
+    return str(v)
+
+
+def to_csv(table: Table) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(table.columns)
+    for r in table.rows:
+        w.writerow([_cell(r.get(c)) for c in table.columns])
+    return buf.getvalue()
+
+
+def display_columns(table: Table) -> list[str]:
+    """The columns shown in Markdown / HTML: diff and interval share one cell; empty columns are left out."""
+    return [c for c in table.columns if not c.startswith(("ci_low:", "ci_high:", "std:"))
+            and (c in ("point", "state", "baseline") or c in table.axes
+                 or any(r.get(c) is not None for r in table.rows))]
+
+
+def display_cell(table: Table, row: Mapping, col: str) -> str:
+    v = row.get(col)
+    if col == "baseline" and v is not None and v == row.get("point"):
+        return "(self)"
+    if col.startswith("diff:") and v is not None:
+        lo, hi = row.get("ci_low:" + col[5:]), row.get("ci_high:" + col[5:])
+        text = f"{v:+.4g}"
+        return text + (f" [{lo:+.4g}, {hi:+.4g}]" if lo is not None and hi is not None else "")
+    if f"std:{col}" in row and v is not None:
+        sd = row.get(f"std:{col}")
+        return format(v, ".4g") + (f" ± {sd:.2g}" if sd is not None else "")
+    if isinstance(v, float):
+        return format(v, ".4g")
+    return "" if v is None else str(v)
+
+
+def to_markdown(table: Table, title: str = "") -> str:
+    cols = display_columns(table)
+    lines = [f"## {title}", ""] if title else []
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in table.rows:
+        lines.append("| " + " | ".join(display_cell(table, r, c).replace("|", "/") for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def default_plot_metric(table: Table) -> Optional[str]:
+    """The metric the plots show: the first evaluation metric at the last evaluated step, else the last-k mean
+    of the preference accuracy / reward, else the final loss."""
+    cands = [f"{m}@{table.steps[-1]}" for m in table.metrics] if table.steps else []
+    cands += [c for c in table.columns if c.startswith(("preference_accuracy_last", "reward_mean_last"))]
+    cands += ["loss"]
+    return next((c for c in cands if c in table.columns and any(v is not None for v in table.numeric(c))), None)
+
+
+def write_comparison(sweep_dir: str | os.PathLike, out: Optional[str | os.PathLike] = None, *,
+                     plot_metric: Optional[str] = None, **kwargs) -> dict[str, Path]:
+    """Build the table (build_table kwargs) and write comparison.md / .csv / .json and report.html into `out`
+    (default: the sweep folder); returns their paths."""
+    meta, points = load_points(sweep_dir)
+    table = build_table(meta, points, **kwargs)
+    seeds = over_seeds(table)
+    out = Path(out) if out else Path(sweep_dir)
+    plot_metric = plot_metric or default_plot_metric(table)
+    if plot_metric is not None:
+        column(table, plot_metric)
+    head = (f"# Sweep {meta.get('name', '')}: {len(table.rows)} point(s)\n\n"
+            f"Base config `{meta.get('base')}`; axes: {', '.join(table.axes) or '(none)'}; baseline: "
+            f"{kwargs.get('baseline') or meta.get('baseline') or 'first value of each axis'} (each point's "
+            "baseline is in the `baseline` column). `diff` = point - baseline at the same step, with a 95% paired "
+            "bootstrap interval over prompts where per-sample files exist.\n\n")
+    md = head + to_markdown(table, "Points")
+    if seeds is not None:
+        md += "\n" + to_markdown(seeds, "Mean ± std over seeds")
+    if table.notes:
+        md += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in table.notes) + "\n"
+    paths = {"md": atomic_write_text(out / FILES["md"], md),
+             "csv": atomic_write_text(out / FILES["csv"], to_csv(table))}
+    if seeds is not None:
+        paths["csv_seeds"] = atomic_write_text(out / "comparison_seeds.csv", to_csv(seeds))
+    paths["json"] = atomic_write_json(out / FILES["json"], _jsonable_table(meta, table, seeds))
+    from jaxrl.sweep.report import render_sweep_html
+    paths["html"] = atomic_write_text(out / FILES["html"], render_sweep_html(meta, points, table, seeds,
+                                                                             plot_metric))
+    return paths
+
+
+def _jsonable_table(meta, table: Table, seeds: Optional[Table]) -> dict:
+    clean = lambda rows: [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)  # noqa: E731
+                           for k, v in r.items()} for r in rows]
+    return {"sweep": meta.get("sweep"), "name": meta.get("name"), "axes": table.axes, "metrics": table.metrics,
+            "steps": table.steps, "baseline": table.baseline if table.baseline is not None else meta.get("baseline"),
+            "columns": table.columns, "rows": clean(table.rows), "notes": table.notes,
+            "over_seeds": None if seeds is None else {"columns": seeds.columns, "rows": clean(seeds.rows)}}
