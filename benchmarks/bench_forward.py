@@ -79,9 +79,10 @@ def kernel_scaling(lengths=(512, 1024, 2048, 4096, 8192), heads: int = 4, dim: i
     return rows
 
 
-def run() -> dict:
-    forward = forward_ratio()
-    scaling = kernel_scaling()
+def run(batch: int = 4, seq_len: int = 512, repeats: int = 5, lengths=(512, 1024, 2048, 4096, 8192),
+        recurrent_max: int = 4096) -> dict:
+    forward = forward_ratio(batch, seq_len, repeats)
+    scaling = kernel_scaling(tuple(lengths), repeats=max(1, min(repeats, 3)), recurrent_max=recurrent_max)
     growth = [r["growth_per_doubling"] for r in scaling if "growth_per_doubling" in r]
     return {"forward": forward, "kernel_scaling": scaling,
             "kernel_mean_growth_per_doubling": float(np.mean(growth))}

@@ -32,6 +32,13 @@ def _log(message: str) -> None:
     print(f"[gpu_decode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _peak_gib():
+    """Peak device memory of this process so far (None where the backend keeps no statistics, e.g. the CPU)."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
 def step_bytes(cfg, batch: int, kv_slots: float, param_bytes: int, embed_bytes: int, dtype_bytes: int) -> dict:
     """Bytes one decode step must move, by kind."""
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
@@ -122,6 +129,7 @@ def run(tiny: bool = False, batch: int = 160, prompt_len: int = 512, new_tokens:
         "decode_s": decode_s, "decode_steps": steps, "generated_tokens": generated,
         "decode_tokens_per_s": batch * steps / decode_s, "ms_per_step": 1e3 * step_s,
         "bandwidth_bytes_per_s": bandwidth,
+        "peak_device_memory_gib": _peak_gib(),
     }
     for name, parts in (("as_implemented", implemented), ("ideal", ideal)):
         total = sum(parts.values())

@@ -21,6 +21,13 @@ import tempfile
 import time
 
 
+def _peak_gib():
+    """Peak device memory of this process (None where the backend keeps no statistics, e.g. the CPU)."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
 def make_config(tiny: bool, prompts: int, k: int, prompt_len: int, max_new_tokens: int, steps: int, mb: int):
     from configs import grpo
     c = grpo.get_config(f"run=4b_base,mb={mb if not tiny else 4},k={k},prompts={prompts},"
@@ -71,7 +78,8 @@ def run(tiny: bool = False, prompts: int = 20, k: int = 8, prompt_len: int = 512
         "timed_steps": len(timed), "loss": [r["loss"] for r in records], "kl": [r.get("kl") for r in records],
         "model": "tiny" if tiny else "qwen3.5-4b", "dtype": config.dtype, "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "mb": config.batch.micro_batch_size,
-        "grad_accum": config.batch.grad_accum, "wall_s": time.perf_counter() - t0})
+        "grad_accum": config.batch.grad_accum, "wall_s": time.perf_counter() - t0,
+        "peak_device_memory_gib": _peak_gib()})
     return out
 
 

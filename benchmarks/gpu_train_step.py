@@ -3,6 +3,7 @@
     python -m benchmarks.gpu_train_step --model=9b --seq_len=4096 --pairs_per_device=1 --remat=full
     python -m benchmarks.gpu_train_step --model=4b --peak_tflops=989      # peak per device, dense bf16
     python -m benchmarks.gpu_train_step --tiny                            # CPU smoke run (tests)
+    python -m benchmarks.gpu_train_step --dry_run    # CPU: 4B/9B parameter and FLOP arithmetic + the tiny step
 
 The step is the real training step (`jaxrl.train.step`: micro-batch scan, AdamW, clipping, non-finite masking,
 explicit shardings, donated state) with a DPO-style objective: each pair's chosen and rejected rows go through
@@ -71,6 +72,25 @@ class DPOStyle:
         return loss, {"preference_accuracy": accuracy}
 
 
+def init_model(cfg, dtype, seed: int, remat: str, mesh):
+    """Random weights in one jitted program placed onto their shards, like `jaxrl.train.loop.init_model_jit`, but
+    with the key an argument of the program: a program without inputs lets XLA constant-fold the random
+    weights at compile time (minutes for billions of parameters on a GPU, see benchmarks/gpu_decode.py)."""
+    import jax
+    from flax import nnx
+
+    from jaxrl.models import qwen35
+    from jaxrl.parallel import sharding as shd
+
+    make = lambda key: qwen35.Qwen35(cfg, dtype=dtype, rngs=nnx.Rngs(key), remat=remat)  # noqa: E731
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(seed))))
+    key = jax.random.key(seed)
+    init = jax.jit(lambda key: nnx.split(make(key))[1], out_shardings=shd.nnx_state_shardings(abstract, mesh))
+    # as in init_model_jit: on the CPU a low LLVM optimisation level compiles the random-number code faster
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    return nnx.merge(graphdef, init.lower(key).compile(compiler_options=options)(key))
+
+
 def model_flops(cfg, lora_rank: int, rows: int, seq_len: int) -> dict:
     """Model FLOPs of one DPO-style step over `rows` sequences of `seq_len` tokens (see the module docstring)."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -98,6 +118,31 @@ def model_flops(cfg, lora_rank: int, rows: int, seq_len: int) -> dict:
             "share_linear": 3 * linear / per_token, "share_attention_cores": 4 * (attn + gdn) / per_token}
 
 
+def shape_report(model: str = "9b", seq_len: int = 4096, pairs: int = 1, lora_rank: int = 16,
+                 peak_tflops: float = PEAK_BF16["H200"] / 1e12) -> dict:
+    """The arithmetic of one step at a real shape, without building the model (abstract shapes only): parameter
+    count, bf16 weight bytes, model FLOPs per step, and the step time that a given MFU would mean."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl.models import qwen35
+
+    cfg = {"4b": qwen35.qwen35_4b, "9b": qwen35.qwen35_9b}[model]()
+    abstract = nnx.eval_shape(lambda: qwen35.Qwen35(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(abstract))
+    params = sum(int(np.prod(x.shape)) for x in leaves)
+    weight_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
+    flops = model_flops(cfg, lora_rank, 2 * pairs, seq_len)
+    peak = peak_tflops * 1e12
+    return {"model": model, "params": params, "weight_gib": weight_bytes / 2**30, "seq_len": seq_len,
+            "rows_per_step": 2 * pairs, "tokens_per_step": flops["tokens"],
+            "model_tflops_per_step": flops["per_step"] / 1e12, "model_gflops_per_token": flops["per_token"] / 1e9,
+            "share_linear": flops["share_linear"], "share_attention_cores": flops["share_attention_cores"],
+            "peak_tflops_per_device": peak_tflops,
+            "step_s_at_mfu": {f"{m:.0%}": flops["per_step"] / (m * peak) for m in (1.0, 0.5, 0.4, 0.3)}}
+
+
 def peak_flops(device_kind: str, override_tflops: Optional[float]) -> Optional[float]:
     if override_tflops:
         return override_tflops * 1e12
@@ -116,7 +161,6 @@ def run(model: str = "9b", seq_len: int = 4096, pairs_per_device: int = 1, grad_
 
     from jaxrl.models import lora, qwen35
     from jaxrl.parallel.mesh import make_mesh
-    from jaxrl.train.loop import init_model_jit
     from jaxrl.train.optim import make_optimizer
     from jaxrl.train.state import ParamCodec, create_train_state
     from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
@@ -130,7 +174,7 @@ def run(model: str = "9b", seq_len: int = 4096, pairs_per_device: int = 1, grad_
     mesh = make_mesh((1, len(devices), 1), devices)
     options = {"xla_backend_optimization_level": 0} if tiny and jax.default_backend() == "cpu" else None
     t0 = time.perf_counter()
-    policy = init_model_jit(cfg, jnp.bfloat16, seed=0, remat=remat, mesh=mesh)
+    policy = init_model(cfg, jnp.bfloat16, seed=0, remat=remat, mesh=mesh)
     report = lora.apply_lora(policy, "all-linear", rank=lora_rank, alpha=2.0 * lora_rank, dropout=lora_dropout)
     init_s = time.perf_counter() - t0
     graphdef, trainable, frozen = lora.split_lora(policy)
@@ -200,7 +244,19 @@ def main(argv=None) -> None:
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of one device")
     parser.add_argument("--lora_dropout", type=float, default=0.0)
     parser.add_argument("--tiny", action="store_true", help="tiny model, short sequences: a CPU smoke run")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="no accelerator needed: the 4B and 9B shape / FLOP arithmetic at --seq_len and "
+                             "--pairs_per_device, then one step of the tiny model")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        peak = args.peak_tflops or PEAK_BF16["H200"] / 1e12
+        result = {"shapes": [shape_report(m, args.seq_len, args.pairs_per_device, args.lora_rank, peak)
+                             for m in ("4b", "9b")],
+                  "tiny_step": run(seq_len=32, steps=1, remat=args.remat, lora_rank=args.lora_rank,
+                                   peak_tflops=peak, tiny=True)}
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return
     result = run(args.model, args.seq_len, args.pairs_per_device, args.grad_accum, args.steps, args.remat,
                  args.lora_rank, args.peak_tflops, args.tiny, args.lora_dropout)
     json.dump(result, sys.stdout, indent=2)

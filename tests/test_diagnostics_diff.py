@@ -74,6 +74,7 @@ def test_a_model_with_a_different_algorithm_is_tagged_algorithm_and_not_flagged(
     (rec("p", 0.0, fenced(SOLVE), 60), rec("p", 1.0, fenced(FORMULA), 80), "algorithm"),
     (rec("p", 0.0, fenced(SOLVE), 60, "length"), rec("p", 1.0, fenced(FORMULA), 80), "termination"),
     (rec("p", 0.5, "blah " * 200 + fenced(SOLVE), 260), rec("p", 1.0, fenced(SOLVE), 60), "termination"),
+    (rec("p", 0.0, "abc", 4), rec("p", 1.0, "123", 4), "answer"),               # a non-code reward: no code
 ])
 def test_tags(a, b, tag):
     assert tag_change(a, b)[0] == tag

@@ -29,6 +29,19 @@ def test_training_metrics_resume_keeps_last_record_and_sorts(tmp_path):
     assert recs[3]["nonfinite"] is True
 
 
+def test_eval_records_merge_into_their_step_and_rl_names_are_aliased(tmp_path):
+    # The DPO trainer logs a train record and then an eval_* record for a checkpoint step: neither may be lost.
+    # GRPO / PPO log namespaced names ("reward/mean"); the report reads them under its own keys.
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 4, "loss": 0.6, "preference_accuracy": 0.75}\n{"step": 4, "eval_loss": 0.65}\n'
+                 '{"step": 5, "reward/mean": 0.5, "reward/std": 0.1, "completion/truncation_rate": 0.25, '
+                 '"clip_fraction/region": 0.0, "kl": 0.01}\n')
+    recs = formats.read_training_metrics(p)
+    assert recs[0]["loss"] == 0.6 and recs[0]["preference_accuracy"] == 0.75 and recs[0]["eval_loss"] == 0.65
+    assert (recs[1]["reward_mean"], recs[1]["reward_std"], recs[1]["truncation_rate"]) == (0.5, 0.1, 0.25)
+    assert recs[1]["clip_fraction"] == 0.0 and recs[1]["kl"] == 0.01
+
+
 def test_training_metrics_as_the_trainer_writes_them(tmp_path):
     # jaxrl.train: non-finite values as null, update_skipped 0/1, a reason string and a list of groups.
     p = tmp_path / "metrics.jsonl"

@@ -176,6 +176,11 @@ def test_sft_jsonl_rows_masks_and_epoch_order(tmp_path):
     row = first_epoch["input_ids"][:, 0].tolist().index(5)
     assert first_epoch["attention_mask"][row].tolist() == [1, 1, 1, 0]  # right padding is masked
     np.testing.assert_array_equal(data.rows(1, 2)["input_ids"], first_epoch["input_ids"][1:])  # by position
+    assert data.rows_cut == 1
+    lost = tmp_path / "lost.jsonl"  # a row whose targets are all cut away would train on nothing: an error
+    lost.write_text('{"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 0, 0, 0, 1, 1]}\n')
+    with pytest.raises(ValueError, match=r"lost.jsonl:1: every target token lies beyond data.seq_len=4"):
+        JsonlTokens(str(lost), seq_len=4, seed=0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1]}\n{"tokens": [2]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected"):

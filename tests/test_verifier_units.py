@@ -178,6 +178,19 @@ def test_pattern():
         PatternReward().score(["x"], [{}])
 
 
+def test_charset_partial_credit_from_metadata_argument_or_first_test():
+    from jaxrl.rewards import CharsetReward, get_reward
+    digits = {"metadata": {"charset": "0123456789"}}
+    r = get_reward("charset").score(["123", "1a2b", "", "  ", "<think>x</think>77", "12"],
+                                    [digits] * 6, truncated=[False] * 5 + [True])
+    assert [x.partial for x in r] == [1.0, 0.5, 0.0, 0.0, 1.0, 0.0]
+    assert [x.strict for x in r] == [True, False, False, False, True, False]
+    assert r[5].reason == "truncated"
+    assert CharsetReward(charset="ab").score(["abc"], [{}])[0].partial == pytest.approx(2 / 3)
+    from_test = {"tests": [{"input": "", "output": "xyz"}]}
+    assert CharsetReward().score(["xx q"], [from_test])[0].partial == pytest.approx(2 / 3)  # spaces ignored
+
+
 def test_arithmetic():
     reward = ArithmeticReward()
     results = reward.score(["The answer is 84.", "84.0000001", "I think 12*7 = 85", "1,000"],

@@ -99,6 +99,10 @@ DPO_KEYS = ("preference_accuracy", "reward_margin", "chosen_rewards", "rejected_
 RL_KEYS = ("reward_mean", "reward_std", "kl", "clip_fraction", "entropy", "truncation_rate",
            "zero_variance_groups", "value_loss", "explained_variance")
 TRAIN_KEYS = ("step",) + COMMON_KEYS + DPO_KEYS + RL_KEYS
+# (report key, name the GRPO / PPO trainers log it under), the first present one is used
+RL_ALIASES = (("reward_mean", "reward/mean"), ("reward_std", "reward/std"),
+              ("truncation_rate", "completion/truncation_rate"), ("clip_fraction", "clip_fraction/region"),
+              ("kl", "rollout/kl"))
 
 MODEL_KEYS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens", "pass_at_k",
               "n_prompts", "n_samples")
@@ -158,7 +162,7 @@ def _check_train_record(rec: dict) -> None:
 
 
 def read_training_metrics(path: str | os.PathLike) -> list[dict]:
-    """Records of a ``metrics.jsonl``, validated, one per step (the last one logged wins), sorted by step.
+    """Records of a ``metrics.jsonl``, validated, one per step (records of one step merged, later values win),
 
     Raises ``JsonlError("path:LINE: reason")`` for a malformed line, FileNotFoundError when absent.
     """
@@ -168,7 +172,12 @@ def read_training_metrics(path: str | os.PathLike) -> list[dict]:
         rec["step"] = int(rec["step"])
         if rec.get("nonfinite") is None and rec.get("update_skipped") is not None:
             rec["nonfinite"] = bool(rec["update_skipped"])  # the trainer's name for the same fact
-        by_step[rec["step"]] = rec  # a resumed run re-logs steps: the later record is the one that counts
+        for key, alias in RL_ALIASES:  # the online trainers' namespaced names for the report's keys
+            if rec.get(key) is None and rec.get(alias) is not None:
+                rec[key] = rec[alias]
+        # Several records can share a step (the train record, then the periodic eval_* record): merge them. A
+        # resumed run re-logs steps: the later values win.
+        by_step[rec["step"]] = {**by_step.get(rec["step"], {}), **rec}
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -6,6 +6,7 @@ prompt; with several samples it pairs draw i with draw i). Each changed sample g
 * ``termination``: the finish reason changed (one hit the cap, the other stopped), or the extracted code is the
   same but the completion length changed more than ``length_ratio`` (2x) -- the model changed when it stops;
 * ``format``: one side has runnable code and the other has none (no closed code block, an open think block);
+* ``answer``: neither side has code (a non-code reward such as the toy ones): the answers themselves differ;
 * ``same_code``: the same program (after normalising identifiers) scored differently: a flaky test or timeout;
 * ``algorithm``: the programs differ substantially (normalised-token similarity < ``similarity_threshold``);
 * ``code_edit``: the programs are similar but not equal (a small fix or a small bug: same approach).
@@ -44,7 +45,7 @@ from jaxrl.rewards.extract import extract_code
 
 __all__ = ["TAGS", "normalized_tokens", "code_similarity", "tag_change", "diff_generations", "trim_text"]
 
-TAGS = ("termination", "format", "algorithm", "code_edit", "same_code")
+TAGS = ("termination", "format", "answer", "algorithm", "code_edit", "same_code")
 _KEEP_NAMES = frozenset(keyword.kwlist) | frozenset(dir(builtins))
 _SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER}
 
@@ -86,7 +87,9 @@ def tag_change(a: Mapping, b: Mapping, *, similarity_threshold: float = 0.6,
     if a["finish_reason"] != b["finish_reason"]:
         sim = code_similarity(code_a, code_b) if code_a is not None and code_b is not None else None
         return "termination", sim, code_a, code_b
-    if (code_a is None) != (code_b is None) or (code_a is None and code_b is None):
+    if code_a is None and code_b is None:
+        return "answer", None, code_a, code_b
+    if (code_a is None) != (code_b is None):
         return "format", None, code_a, code_b
     sim = code_similarity(code_a, code_b)
     if sim == 1.0:

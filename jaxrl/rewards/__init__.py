@@ -12,16 +12,18 @@ from typing import Any, Callable
 
 from jaxrl.rewards.base import TEST_STATUSES, Reward, RewardResult
 from jaxrl.rewards.code import CodeVerifier
-from jaxrl.rewards.toy import ArithmeticReward, ExactMatchReward, FunctionReward, PatternReward
+from jaxrl.rewards.toy import (ArithmeticReward, CharsetReward, ExactMatchReward, FunctionReward,
+                               PatternReward)
 
 __all__ = ["Reward", "RewardResult", "TEST_STATUSES", "CodeVerifier", "ExactMatchReward", "PatternReward",
-           "ArithmeticReward", "FunctionReward", "get_reward", "register_reward", "available_rewards"]
+           "ArithmeticReward", "CharsetReward", "FunctionReward", "get_reward", "register_reward", "available_rewards"]
 
 _REGISTRY: dict[str, Callable[..., Reward]] = {
     "code": CodeVerifier,
     "exact_match": ExactMatchReward,
     "pattern": PatternReward,
     "arithmetic": ArithmeticReward,
+    "charset": CharsetReward,
 }
 
 

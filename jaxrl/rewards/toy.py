@@ -135,6 +135,50 @@ class ArithmeticReward(_PerSampleReward):
         return math.isclose(float(got), float(want), rel_tol=0.0, abs_tol=self.tolerance) or got == want
 
 
+class CharsetReward(_PerSampleReward):
+    """Partial credit: the fraction of the answer's non-space characters that lie in the allowed set.
+
+    The set is ``charset=`` here, or the problem's ``metadata["charset"]``, or its first test's output. An empty
+    answer scores 0; strict = every character allowed. The demo's task (a tiny model learns to answer in the
+    requested alphabet): random answers spread over [0, 1], so best-vs-worst pairs have real margins.
+    """
+
+    def __init__(self, charset: str | None = None, truncation: TruncationPolicy = "zero"):
+        super().__init__(truncation)
+        self.charset = charset
+
+    def allowed(self, problem: Any) -> str:
+        if self.charset is not None:
+            return self.charset
+        metadata = problem_field(problem, "metadata") or {}
+        if isinstance(metadata, dict) and metadata.get("charset"):
+            return str(metadata["charset"])
+        return expected_answer(problem)
+
+    def fraction(self, answer: str, problem: Any) -> float:
+        chars = [c for c in answer if not c.isspace()]
+        if not chars:
+            return 0.0
+        allowed = set(self.allowed(problem))
+        return sum(c in allowed for c in chars) / len(chars)
+
+    def score(self, completions, problems, truncated=None):  # noqa: D102 - see _PerSampleReward.score
+        check_batch(completions, problems)
+        results = []
+        for completion, problem, cut in zip(completions, problems,
+                                            normalize_truncated(truncated, len(completions))):
+            if cut:
+                results.append(truncated_result(self.truncation))
+                continue
+            answer = strip_reasoning(completion)
+            if answer is None:
+                results.append(RewardResult.nothing_ran("unclosed_think", n_tests=1, status="wrong"))
+                continue
+            partial = self.fraction(answer, problem)
+            results.append(RewardResult(partial=partial, strict=partial >= 1.0, tests=[]))
+        return results
+
+
 class FunctionReward(_PerSampleReward):
     """Wraps a user function ``fn(answer, problem, **kwargs) -> bool | float | RewardResult``."""
 

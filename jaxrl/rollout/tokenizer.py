@@ -55,10 +55,10 @@ def _pretokenize_regex() -> str:
     return PRETOKENIZE_REGEX
 
 
-def _byte_alphabet(corpus: Sequence[str]) -> list[str]:
-    """The byte-level symbols of printable ASCII, \\t, \\n, \\r and every byte of the corpus."""
+def _byte_alphabet(corpus: Sequence[str], printable_ascii: bool = True) -> list[str]:
+    """The byte-level symbols of every byte of the corpus, and (by default) of printable ASCII, \\t, \\n, \\r."""
     byte_to_symbol = _bytes_to_unicode()
-    wanted = set(range(0x20, 0x7F)) | {0x09, 0x0A, 0x0D}
+    wanted = (set(range(0x20, 0x7F)) | {0x09, 0x0A, 0x0D}) if printable_ascii else set()
     for text in corpus:
         wanted.update(text.encode("utf-8"))
     return [byte_to_symbol[b] for b in sorted(wanted)]
@@ -77,13 +77,23 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+def minimal_vocab_size(corpus_texts: Iterable[str], printable_ascii: bool = True) -> int:
+    """The vocab_size at which `build_tiny_tokenizer` learns no merges: one token per byte symbol (plus the
+    specials), so every character is its own token."""
+    return len(SPECIAL_TOKENS) + len(_byte_alphabet([str(t) for t in corpus_texts], printable_ascii))
+
+
 def build_tiny_tokenizer(out_dir: str, corpus_texts: Iterable[str], vocab_size: int = 256,
-                         model_max_length: int = 4096) -> str:
-    """Trains the tokenizer on `corpus_texts` and writes an HF tokenizer folder; returns out_dir."""
+                         model_max_length: int = 4096, printable_ascii: bool = True) -> str:
+    """Trains the tokenizer on `corpus_texts` and writes an HF tokenizer folder; returns out_dir.
+
+    printable_ascii=False: only the corpus's own bytes are symbols (a text outside it cannot be encoded); the
+    demo uses it so a tiny model's vocabulary holds nothing but the characters its task is about.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     corpus = [str(t) for t in corpus_texts]
-    alphabet = _byte_alphabet(corpus)
+    alphabet = _byte_alphabet(corpus, printable_ascii)
     needed = len(SPECIAL_TOKENS) + len(alphabet)
     if needed > vocab_size:
         raise ValueError(f"vocab_size={vocab_size} cannot hold the {len(SPECIAL_TOKENS)} special tokens and the "

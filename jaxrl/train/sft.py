@@ -12,6 +12,7 @@ Both are indexed by the step, so the data position is the number of rows consume
 from __future__ import annotations
 
 import json
+import logging
 from typing import Optional
 
 import numpy as np
@@ -45,6 +46,7 @@ class JsonlTokens:
     def __init__(self, path: str, seq_len: int, seed: int, pad_id: int = 0):
         self.seq_len, self.seed = seq_len, seed
         ids, loss, lengths = [], [], []
+        cut = 0
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -54,14 +56,25 @@ class JsonlTokens:
                     row = [int(t) for t in record["input_ids"]][:seq_len]
                 except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                     raise ValueError(f"{path}:{lineno}: expected {{\"input_ids\": [int, ...]}}: {e}") from e
-                lm = [int(t) for t in record.get("loss_mask", [1] * len(row))][:seq_len]
+                full_mask = [int(t) for t in record.get("loss_mask", [1] * len(record["input_ids"]))]
+                lm = full_mask[:seq_len]
                 if len(lm) != len(row):
                     raise ValueError(f"{path}:{lineno}: loss_mask has {len(lm)} entries, input_ids {len(row)}")
+                if len(record["input_ids"]) > seq_len:
+                    cut += 1
+                    if any(full_mask) and not any(lm):
+                        # a row that would train on nothing: say so instead of a silent zero loss
+                        raise ValueError(f"{path}:{lineno}: every target token lies beyond data.seq_len={seq_len} "
+                                         f"(the row has {len(full_mask)} tokens); raise data.seq_len")
                 lengths.append(len(row))
                 ids.append(row + [pad_id] * (seq_len - len(row)))
                 loss.append(lm + [0] * (seq_len - len(lm)))
         if not ids:
             raise ValueError(f"{path}: no rows")
+        if cut:
+            logging.warning("%s: %d of %d rows are longer than data.seq_len=%d and are cut", path, cut, len(ids),
+                            seq_len)
+        self.rows_cut = cut
         self.ids = np.asarray(ids, np.int32)
         self.loss_mask = np.asarray(loss, np.int32)
         self.attention_mask = (np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)

@@ -70,11 +70,14 @@ def perturb_for_realism(model: Qwen35, seed: int) -> None:
 
 
 def write_tiny_checkpoint(out_dir: str, cfg: Optional[Qwen35Config] = None, seed: int = 0,
-                          layout: str = "container", with_mtp: bool = True, weight_scale: float = 1.0) -> str:
+                          layout: str = "container", with_mtp: bool = True, weight_scale: float = 1.0,
+                          head_scale: float = 1.0) -> str:
     """Write a random tiny Qwen3.5 HF folder (container with vision + mtp tensors, or text-only) to `out_dir`.
 
     weight_scale multiplies every matrix (random init at std 0.02 gives nearly input-independent logits; demos
     that must learn a task in a few hundred steps start better from larger weights).
+    head_scale multiplies the (untied) output head only: at std 0.02 the frozen head caps every logit near 1, so
+    LoRA on the tower cannot make any token likely; a larger head lets adapters reach peaked distributions.
     """
     cfg = cfg or tiny()
     model = Qwen35(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
@@ -83,6 +86,10 @@ def write_tiny_checkpoint(out_dir: str, cfg: Optional[Qwen35Config] = None, seed
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             if var[...].ndim == 2:
                 var[...] = var[...] * weight_scale
+    if head_scale != 1.0:
+        if cfg.tie_word_embeddings:
+            raise ValueError("head_scale needs an untied head (tie_word_embeddings=False)")
+        model.lm_head.weight[...] = model.lm_head.weight[...] * head_scale
     rng = np.random.default_rng(seed + 1)
     extra_tensors: dict = {}
     extra_config: dict = {}

@@ -1,0 +1,374 @@
+"""The embedded demo (`make demo`): the whole product on a tiny Qwen3.5 in a few minutes on two CPU cores.
+
+Stages (each resumes or is skipped when its output exists, so an interrupted demo continues where it stopped):
+
+  1. pretrained/  a random tiny Qwen3.5 container (vision + MTP tensors, as official checkpoints have) and a
+                  character-level tokenizer with Qwen's chat template;
+  2. m0/          a short supervised warm-up (LoRA SFT) teaching the answer format: two to four characters of one
+                  alphabet, then <|im_end|>, the alphabet drawn at random (so M0 answers as asked only by chance),
+                  merged into base_model/ (the users' "M0" start; also a merged-export round trip);
+  3. rollouts.jsonl  K=8 samples per training prompt from base_model, scored by the `charset` reward;
+  4. pairs/       every admissible pair per prompt, with the users' filters (margin, truncation buffer, length
+                  difference);
+  5. dpo/         DPO (RPO: sigmoid + NLL on the chosen) with LoRA on those pairs, a checkpoint every 8 steps;
+  6. grpo/        a short GRPO run from the same base on the same task (online rollouts);
+  7. dpo/eval/    held-out evaluation of base, every DPO checkpoint and the GRPO adapter, with paired intervals;
+  8. export/      PEFT and merged exports of the last DPO checkpoint (+ PEFT of every step, for drift);
+  9. dpo/diagnostics/ drift, pair audit, termination, checkpoint curves; report.html.
+
+The task: each prompt asks for an answer "in digits" or "in letters"; the reward is the fraction of answer
+characters in that alphabet (`jaxrl.rewards.toy.CharsetReward`). The tiny model must read the request from the
+prompt, which LoRA can teach it in tens of steps, so the report shows a real gain with an interval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+DIGITS = "0123456789"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+ALPHABETS = {"digits": DIGITS, "letters": LETTERS}
+# The random head at std 0.02 caps every logit near 1, so no adapter could make an answer likely (see
+# write_tiny_checkpoint); 10x gives the frozen head the range of a trained one.
+HEAD_SCALE = 10.0
+WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "lemon", "piano", "zebra", "north",
+         "candle", "forest", "silver", "rocket", "garden")
+
+
+@dataclasses.dataclass
+class DemoSettings:
+    """Sizes of the demo; `quick` (tests) shrinks every stage."""
+
+    train_problems: int = 192
+    eval_problems: int = 64
+    samples: int = 8  # K rollouts per training prompt
+    max_new_tokens: int = 8
+    sft_steps: int = 200
+    dpo_steps: int = 48
+    dpo_checkpoint_every: int = 8
+    grpo_steps: int = 12
+    grpo_learning_rate: float = 3e-3
+    eval_samples: int = 4
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "DemoSettings":
+        return cls(train_problems=96, eval_problems=32, sft_steps=120, dpo_steps=16, dpo_checkpoint_every=8, grpo_steps=4, eval_samples=2)
+
+
+# ------------------------------------------------------------------------------------------------------ data
+
+
+def make_problems(n: int, seed: int, split: str) -> list[dict]:
+    """`n` canonical problem records (docs/interfaces.md schema), half asking for digits, half for letters."""
+    rng = np.random.default_rng([seed, {"train": 1, "eval": 2}[split]])
+    out = []
+    for i in range(n):
+        kind = ("digits", "letters")[i % 2]
+        words = " ".join(rng.choice(WORDS, size=2, replace=False))
+        out.append({
+            "id": f"demo/{split}/{i:03d}", "messages": [{"role": "user", "content": f"{words}: reply in {kind}"}],
+            "test_type": "stdin", "fn_name": None, "starter_code": "",
+            # the toy reward reads metadata.charset; the test documents the same for the canonical schema
+            "tests": [{"input": "", "output": ALPHABETS[kind]}], "time_limit_s": None, "source": "jaxrl-demo",
+            "metadata": {"charset": ALPHABETS[kind], "kind": kind}})
+    return out
+
+
+def sft_rows(tokenizer, problems: list[dict], seed: int, copies: int = 4) -> list[dict]:
+    """Warm-up rows: chat prompt + a 2-4 character answer + <|im_end|>, loss on the answer. The answer's alphabet
+    is drawn at random, NOT from the prompt: M0 learns the format and answers in the requested alphabet only by
+    chance; reading the request is what DPO and GRPO must teach it."""
+    from jaxrl.rollout.chat import encode_prompts
+    enc = encode_prompts(tokenizer, [p["messages"] for p in problems], False, 256, on_overlong="error")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rng = np.random.default_rng([seed, 3])
+    rows = []
+    for _ in range(copies):
+        for ids in enc.ids:
+            alphabet = (DIGITS, LETTERS)[int(rng.integers(0, 2))]
+            answer = "".join(rng.choice(list(alphabet), size=int(rng.integers(2, 5))))
+            target = tokenizer.encode(answer, add_special_tokens=False) + [end]
+            rows.append({"input_ids": list(map(int, ids)) + target,
+                         "loss_mask": [0] * len(ids) + [1] * len(target)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ stages
+
+
+class Demo:
+    def __init__(self, workdir: str, settings: DemoSettings = DemoSettings(), log: Callable[[str], None] = print):
+        self.dir = Path(workdir).resolve()
+        self.s = settings
+        self.log = log
+        self.timings: dict[str, float] = {}
+        self.p = {name: self.dir / rel for name, rel in {
+            "pretrained": "pretrained", "m0": "m0", "base": "base_model", "tasks": "tasks",
+            "train": "tasks/train.jsonl", "eval": "tasks/eval.jsonl", "sft_data": "tasks/sft.jsonl",
+            "rollouts": "rollouts.jsonl", "pairs": "pairs", "dpo": "dpo", "grpo": "grpo",
+            "export": "export", "report": "report.html"}.items()}
+
+    # -- helpers
+    def _stage(self, name: str, fn: Callable[[], Optional[str]]) -> None:
+        t0 = time.perf_counter()
+        self.log(f"[demo] {name} ...")
+        summary = fn()
+        self.timings[name] = time.perf_counter() - t0
+        self.log(f"[demo] {name}: done in {self.timings[name]:.0f} s" + (f" - {summary}" if summary else ""))
+
+    def _train(self, config, workdir: Path):
+        from jaxrl.train.loop import run_training
+        return run_training(config, os.fspath(workdir))
+
+    def run(self) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name, fn in (("model and tokenizer", self.make_model), ("tasks", self.make_tasks),
+                         ("M0 warm-up (SFT) and merge", self.warm_up), ("rollouts", self.rollouts),
+                         ("pairs", self.pairs), ("DPO", self.dpo), ("GRPO", self.grpo),
+                         ("exports", self.exports), ("evaluation", self.evaluate),
+                         ("diagnostics", self.diagnostics), ("report", self.report)):
+            self._stage(name, fn)
+        with open(self.dir / "demo_timings.json", "w") as f:
+            json.dump(self.timings, f, indent=2)
+        return self.p["report"]
+
+    # -- 1
+    def make_model(self) -> str:
+        from jaxrl.models.qwen35.config import tiny
+        from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
+        from jaxrl.rollout.tokenizer import build_tiny_tokenizer, minimal_vocab_size
+        out = self.p["pretrained"]
+        if (out / "tokenizer.json").exists():
+            return "exists"
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        corpus = [p["messages"][0]["content"] for p in make_problems(64, self.s.seed, "train")]
+        corpus += [DIGITS, LETTERS, "system user assistant\n"]
+        # one token per character (answers are scored per character), and no characters outside the task's
+        vocab = minimal_vocab_size(corpus, printable_ascii=False)
+        build_tiny_tokenizer(os.fspath(tmp), corpus, vocab_size=vocab, printable_ascii=False)
+        # 4 spare ids at the top: the container's image/video/vision-start/end tokens (vocab - 4 ... vocab - 1)
+        cfg = tiny(vocab_size=vocab + 4, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                   eos_token_id=1)
+        write_tiny_checkpoint(os.fspath(tmp), cfg, seed=self.s.seed, layout="container", head_scale=HEAD_SCALE)
+        os.replace(tmp, out)
+        return f"vocab {vocab + 4}, hidden {cfg.hidden_size}, 2 layers (Gated DeltaNet + full attention)"
+
+    # -- 2
+    def make_tasks(self) -> str:
+        from jaxrl.data.problems import load_problems
+        from jaxrl.data.jsonl import write_jsonl
+        for split, n in (("train", self.s.train_problems), ("eval", self.s.eval_problems)):
+            if not self.p[split].exists():
+                write_jsonl(self.p[split], make_problems(n, self.s.seed, split))
+            load_problems(self.p[split])  # the canonical schema check every launcher applies
+        return f"{self.s.train_problems} training and {self.s.eval_problems} held-out prompts"
+
+    def warm_up(self) -> str:
+        from jaxrl.data.jsonl import write_jsonl
+        from jaxrl.export import export_checkpoint
+        from jaxrl.rollout.chat import load_tokenizer
+        from configs import base as base_config
+        if (self.p["base"] / "config.json").exists():
+            return "exists"
+        if not self.p["sft_data"].exists():
+            problems = make_problems(self.s.train_problems, self.s.seed + 100, "train")
+            write_jsonl(self.p["sft_data"], sft_rows(load_tokenizer(os.fspath(self.p["pretrained"])), problems,
+                                                     self.s.seed))
+        c = base_config.get_config()
+        c.algorithm = "sft"
+        c.model_path = os.fspath(self.p["pretrained"])
+        c.dtype = "float32"
+        c.steps = self.s.sft_steps
+        c.checkpoint_every = self.s.sft_steps
+        c.optimizer.learning_rate = 3e-3
+        c.optimizer.schedule = "cosine"
+        c.optimizer.warmup_steps = 5
+        c.optimizer.weight_decay = 0.0
+        c.lora.rank, c.lora.alpha = 16, 32.0
+        c.batch.micro_batch_size, c.batch.grad_accum = 32, 1
+        c.mesh.shape = (1, 1, 1)
+        c.data.source = "jsonl"
+        c.data.path = os.fspath(self.p["sft_data"])
+        longest = max(len(json.loads(line)["input_ids"]) for line in open(self.p["sft_data"]) if line.strip())
+        c.data.seq_len = -(-longest // 16) * 16
+        c.logprob_chunk_size = 64
+        result = self._train(c, self.p["m0"])
+        loss = [r["nll"] for r in result.records if "nll" in r]
+        export_checkpoint(os.fspath(self.p["m0"]), os.fspath(self.p["pretrained"]), os.fspath(self.p["base"]),
+                          merge=True, overwrite=True)
+        return (f"loss {loss[0]:.2f} -> {loss[-1]:.2f}; merged into {self.p['base'].name}/" if loss else
+                f"merged into {self.p['base'].name}/")
+
+    # -- 3
+    def rollouts(self) -> str:
+        from jaxrl.rollout.runner import RolloutConfig, run_rollouts
+        cfg = RolloutConfig(problems=os.fspath(self.p["train"]), model=os.fspath(self.p["base"]),
+                            out=os.fspath(self.p["rollouts"]), num_samples=self.s.samples, temperature=1.0,
+                            max_new_tokens=self.s.max_new_tokens, max_prompt_len=64, reward="charset",
+                            dtype="float32", batch_size=128, seed=self.s.seed, progress=False)
+        summary = run_rollouts(cfg)
+        return ", ".join(f"{k} {v}" for k, v in summary.items() if isinstance(v, (int, float)))[:200]
+
+    # -- 4
+    def pair_config(self):
+        from jaxrl.data import pairs as pairs_lib
+        # The users' filters, scaled to an 8-token cap (the default 24-token buffer would exceed the cap itself);
+        # every admissible pair of a prompt, not just best-vs-worst: the tiny model needs the data.
+        return pairs_lib.PairConfig(min_margin=0.5, truncation_buffer=1, max_length_diff=6,
+                                    max_new_tokens=self.s.max_new_tokens, pairing="all")
+
+    def pairs(self) -> str:
+        from jaxrl.data import pairs as pairs_lib
+        out = self.p["pairs"]
+        if (out / "pairs.jsonl").exists():
+            return "exists"
+        # the users' filters, scaled to an 8-token cap: the default 24-token buffer would exceed the cap itself
+        config = self.pair_config()
+        samples = pairs_lib.read_rollouts(self.p["rollouts"])
+        pairs, audit = pairs_lib.build_pairs(samples, config, pairs_lib.read_problem_messages(self.p["train"]))
+        pairs_lib.write_pairs(out, pairs, audit)
+        if len(pairs) < 8:
+            raise RuntimeError(f"only {len(pairs)} pairs survived the filters ({out / 'audit.json'})")
+        return f"{len(pairs)} pairs from {len(samples)} samples (counts per filter: pairs/audit.json)"
+
+    # -- 5
+    def dpo(self) -> str:
+        from configs import dpo as dpo_config
+        c = dpo_config.get_config("model=tiny")
+        c.model_preset = ""
+        c.model_path = os.fspath(self.p["base"])
+        c.dtype = "float32"
+        c.steps = self.s.dpo_steps
+        c.checkpoint_every = self.s.dpo_checkpoint_every
+        c.keep_checkpoints = 2
+        c.optimizer.learning_rate = 3e-3
+        c.optimizer.schedule = "constant_with_warmup"
+        c.optimizer.warmup_steps = 2
+        c.optimizer.warmup_ratio = 0.0
+        c.lora.rank, c.lora.alpha = 8, 16.0
+        c.batch.micro_batch_size, c.batch.grad_accum = 32, 1
+        c.mesh.shape = (1, 1, 1)
+        c.logprob_chunk_size = 64
+        c.dpo.beta = 0.1
+        # RPO (sigmoid DPO + NLL on the chosen): plain sigmoid lets both log-probs fall on this tiny model and its
+        # reward swings (0.48 -> 0.30 -> 0.71 over 48 steps); the NLL term keeps the chosen answers likely
+        c.dpo.loss_type = "sigmoid,sft"
+        c.data.source = "pairs"
+        c.data.pairs = os.fspath(self.p["pairs"] / "pairs.jsonl")
+        c.data.max_length = 64
+        c.data.pad_multiple = 16
+        c.data.eval_fraction = 0.125
+        result = self._train(c, self.p["dpo"])
+        return _summary(result.records, ("loss", "accuracy", "margin"))
+
+    # -- 6
+    def grpo(self) -> str:
+        from configs import grpo as grpo_config
+        c = grpo_config.get_config("model=tiny")
+        c.model_preset = ""
+        c.model_path = os.fspath(self.p["base"])
+        c.dtype = "float32"
+        c.remat = "none"
+        c.steps = self.s.grpo_steps
+        c.checkpoint_every = 4
+        c.keep_checkpoints = 2
+        c.optimizer.learning_rate = self.s.grpo_learning_rate
+        c.optimizer.schedule = "constant_with_warmup"
+        c.optimizer.warmup_steps = 1
+        c.optimizer.warmup_ratio = 0.0
+        c.lora.rank, c.lora.alpha = 8, 16.0
+        c.batch.micro_batch_size, c.batch.grad_accum = 64, 1
+        c.mesh.shape = (1, 1, 1)
+        c.logprob_chunk_size = 64
+        c.grpo.num_generations = 8
+        c.grpo.prompts_per_step = 8
+        c.grpo.max_new_tokens = self.s.max_new_tokens
+        c.grpo.temperature = 1.0
+        c.grpo.beta = 0.04
+        c.grpo.logprob_batch_size = 64
+        c.data.source = "problems"
+        c.data.problems = os.fspath(self.p["train"])
+        c.data.max_prompt_len = 64
+        c.reward.name = "charset"
+        result = self._train(c, self.p["grpo"])
+        return _summary(result.records, ("reward_mean", "kl", "loss"))
+
+    # -- 7
+    def exports(self) -> str:
+        from jaxrl.export import export_checkpoint
+        from jaxrl.export.adapters import adapter_steps
+        steps = adapter_steps(os.fspath(self.p["dpo"]))
+        base, ckpt = os.fspath(self.p["base"]), os.fspath(self.p["dpo"])
+        export_checkpoint(ckpt, base, os.fspath(self.p["export"] / "peft"), overwrite=True)
+        export_checkpoint(ckpt, base, os.fspath(self.p["export"] / "merged"), merge=True, overwrite=True)
+        for step in steps:  # the drift diagnostic reads PEFT folders named step_N
+            export_checkpoint(ckpt, base, os.fspath(self.p["export"] / "steps" / f"step_{step}"), step=step,
+                              overwrite=True)
+        return f"export/peft, export/merged (step {steps[-1]}), export/steps/step_{{{','.join(map(str, steps))}}}"
+
+    # -- 8
+    def evaluate(self) -> str:
+        from jaxrl.evaluation.runner import EvalConfig, ModelSpec, checkpoint_specs, run_evaluation
+        from jaxrl.export.adapters import adapter_steps
+        grpo_steps = adapter_steps(os.fspath(self.p["grpo"]))
+        models = [ModelSpec("base", "base")] + checkpoint_specs(os.fspath(self.p["dpo"]))
+        models.append(ModelSpec("grpo", "adapter", os.fspath(self.p["grpo"] / "checkpoints" / "adapters" /
+                                                           str(grpo_steps[-1]))))
+        models.append(ModelSpec("merged", "hf", os.fspath(self.p["export"] / "merged")))
+        cfg = EvalConfig(problems=os.fspath(self.p["eval"]), base=os.fspath(self.p["base"]),
+                         out=os.fspath(self.p["dpo"] / "eval"), models=models, num_samples=self.s.eval_samples,
+                         temperature=1.0, max_new_tokens=self.s.max_new_tokens, max_prompt_len=64,
+                         reward="charset", dtype="float32", batch_size=128, seed=self.s.seed, n_resamples=2000,
+                         progress=False)
+        results = run_evaluation(cfg)
+        lines = []
+        for name, m in results["models"].items():
+            lines.append(f"{name} {m['partial_reward_mean']:.3f}")
+        return "partial reward: " + ", ".join(lines)
+
+    # -- 9
+    def diagnostics(self) -> str:
+        from jaxrl.diagnostics import drift, formats
+        from jaxrl.diagnostics.pair_audit import audit_pairs
+        from jaxrl.data import pairs as pairs_lib
+        from jaxrl.rewards import get_reward
+        from jaxrl.models import qwen35
+        import jax.numpy as jnp
+        wd = self.p["dpo"]
+        found = drift.find_peft_checkpoints(self.p["export"] / "steps")
+        model = qwen35.from_pretrained(os.fspath(self.p["base"]), dtype=jnp.float32)
+        seqs = drift.fixed_sequences(model, os.fspath(self.p["base"]), os.fspath(self.p["eval"]), n_prompts=16,
+                                     max_new_tokens=self.s.max_new_tokens)
+        res = drift.model_checkpoint_drift(os.fspath(self.p["base"]),
+                                           {s: drift.load_peft_adapter(found[s]) for s in sorted(found)}, seqs,
+                                           steps=sorted(found), batch_size=16, model=model)
+        formats.write_diagnostic(formats.diagnostics_path(wd, "drift"), res)
+        audit = audit_pairs(self.p["pairs"] / "pairs.jsonl", problems=os.fspath(self.p["train"]),
+                            verifier=get_reward("charset"), config=self.pair_config())
+        formats.write_diagnostic(formats.diagnostics_path(wd, "pairs"), audit)
+        kl = ", ".join(f"step {r['step']} {r['kl_to_base']:.4f}" for r in res["per_step"])
+        return f"KL to base per token: {kl}"
+
+    def report(self) -> str:
+        from jaxrl.diagnostics.report import build_report
+        path = build_report(self.p["dpo"], out=self.p["report"])
+        return os.fspath(path)
+
+
+def _summary(records: list, keys) -> str:
+    rows = [r for r in records if any(k in r for k in keys)]
+    if not rows:
+        return ""
+    first, last = rows[0], rows[-1]
+    return ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys if k in first and k in last)

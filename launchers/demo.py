@@ -1,0 +1,40 @@
+r"""`make demo`: the whole pipeline on an embedded tiny Qwen3.5, no network, minutes on two CPU cores.
+
+    python -m launchers.demo --workdir=demo_workdir            # resumes an interrupted demo
+    python -m launchers.demo --workdir=demo_workdir --fresh    # starts over
+    python -m launchers.demo --workdir=/tmp/d --quick          # smaller stages (the tests use this)
+
+Stages and outputs: `jaxrl/demo.py`. Ends by printing where report.html is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from absl import app, flags, logging
+
+_WORKDIR = flags.DEFINE_string("workdir", "demo_workdir", "Output folder (resumed when it exists).")
+_FRESH = flags.DEFINE_bool("fresh", False, "Delete --workdir first.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smaller stages (fewer prompts and steps): for tests.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the tiny model, the tasks and every sampler.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.set_verbosity(logging.WARNING)  # the demo prints its own one-line-per-stage progress
+    from jaxrl.demo import Demo, DemoSettings
+    if _FRESH.value:
+        shutil.rmtree(_WORKDIR.value, ignore_errors=True)
+    settings = DemoSettings.quick() if _QUICK.value else DemoSettings()
+    settings.seed = _SEED.value
+    report = Demo(_WORKDIR.value, settings, log=lambda m: print(m, flush=True)).run()
+    print(f"\nreport: {report}\nopen it in a browser (file://{os.path.abspath(report)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
