@@ -240,3 +240,20 @@ def test_stored_diagnostics_replace_the_computed_ones(report, tmp_path):
     assert diffs.count("<h3>") == 1 and "step_12 vs base:" in diffs  # the stored diff, not the two defaults
     assert text.count("<img ") == 5  # no pairs file this time: no pair-audit plot
     assert "No pair audit" in text
+
+
+def test_report_reads_the_evaluators_resampled_termination_analysis(report, tmp_path):
+    # `launchers.evaluate --resample_max_new_tokens` writes eval/termination.json; the report must show it
+    # (with its re-sampled numbers) rather than recompute a view without them.
+    wd = tmp_path / "run"
+    shutil.copytree(report.parent, wd)
+    from jaxrl.diagnostics.report import collect
+    from jaxrl.diagnostics.termination import termination_analysis
+    samples = {n: formats.read_samples(formats.samples_path(wd / "eval", n)) for n in ("base", "step_4")}
+    stored = termination_analysis(samples)
+    stored["marker"] = "from the evaluator"
+    (wd / "eval" / "termination.json").write_text(json.dumps(stored))
+    assert collect(wd)["termination"]["marker"] == "from the evaluator"
+    (wd / "diagnostics").mkdir(exist_ok=True)
+    (wd / "diagnostics" / "termination.json").write_text(json.dumps({**stored, "marker": "diagnose"}))
+    assert collect(wd)["termination"]["marker"] == "diagnose"  # an explicit diagnostic wins

@@ -101,6 +101,9 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
     if data["curves"] is None and results and len(results["models"]) > 1 and BASE_MODEL in results["models"]:
         data["curves"] = checkpoint_curves(results, samples=samples, seed=seed)
     data["termination"] = read_diagnostic(diagnostics_path(workdir, "termination"))
+    if data["termination"] is None:
+        # `launchers.evaluate --resample_max_new_tokens` writes the re-sampled analysis next to the results
+        data["termination"] = read_diagnostic(eval_dir / "termination.json")
     if data["termination"] is None and samples:
         data["termination"] = termination_analysis(samples)
     data["diffs"] = []
