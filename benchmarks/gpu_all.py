@@ -92,6 +92,7 @@ def main(argv=None) -> dict:
     # benchmarks (children, with the original environment) need in full.
     os.environ["JAX_PLATFORMS"] = "cpu"
     from benchmarks.gpu_train_step import shape_report
+    from benchmarks.run_all import run_group
     names = [n for n in args.only.split(",") if n] or list(GPU_BENCHES)
     unknown = [n for n in names if n not in GPU_BENCHES]
     if unknown:
@@ -123,11 +124,7 @@ def main(argv=None) -> dict:
         print(f"[gpu_all] {name}: {module} {kwargs} (limit {limit:.0f} s)", flush=True)
         t0 = time.perf_counter()
         with open(log_out, "w") as log:
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=limit).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            rc = run_group(cmd, child_env, log, limit)
         entry["wall_s"] = round(time.perf_counter() - t0, 1)
         if rc == 0 and os.path.exists(json_out):
             with open(json_out) as f:

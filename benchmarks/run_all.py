@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -207,6 +208,28 @@ def _child_env() -> dict:
     return env
 
 
+def run_group(cmd: list[str], env: dict, log, timeout_s: float):
+    """Run `cmd` in its own process group, output to `log`; on timeout kill the whole group (benchmarks start
+    workers of their own). Returns the exit code, or "timeout"."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_group():
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_group()
+        return "timeout"
+    except BaseException:  # Ctrl-C: the group is in its own session and would not get the signal
+        kill_group()
+        raise
+
+
 def run_one(name: str, kwargs: dict, out_dir: str, timeout_s: float) -> dict:
     """One benchmark in a child process; never raises."""
     log_path = os.path.join(out_dir, "logs", f"{name}.log")
@@ -219,12 +242,7 @@ def run_one(name: str, kwargs: dict, out_dir: str, timeout_s: float) -> dict:
              "started": datetime.datetime.now().isoformat(timespec="seconds")}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_group(cmd, _child_env(), log, timeout_s)
     entry.update(wall_s=round(time.perf_counter() - t0, 1), load_after=_loadavg())
     if rc == 0 and os.path.exists(json_path):
         with open(json_path) as f:
