@@ -60,6 +60,18 @@ def test_matmul_inverse_solve_equals_triangular_solve():
     np.testing.assert_allclose(np.asarray(b), ref, atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("size", [1, 7, 16, 24, 64, 128])
+def test_block_inverse_is_the_exact_unit_lower_inverse(size):
+    """(I + N)^-1 from block recursion over 16 x 16 nilpotent series, against float64 numpy, batched."""
+    from jaxrl.ops.gated_delta import _unit_lower_inverse
+    rng = np.random.default_rng(size)
+    strict = np.tril(rng.standard_normal((3, size, size)) * 0.3, -1)
+    got = np.asarray(_unit_lower_inverse(jnp.asarray(strict, jnp.float32)))
+    want = np.linalg.inv(np.eye(size) + strict)
+    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()), rtol=1e-4)
+    assert np.all(np.triu(got, 1) == 0) and np.allclose(np.diagonal(got, axis1=-2, axis2=-1), 1.0)
+
+
 def test_chunk_sizes_agree():
     inputs = random_inputs(3, seq_len=100)
     a, sa = chunk_gated_delta_rule(*inputs, chunk_size=64)

@@ -123,3 +123,27 @@ def test_distributed_settings_from_flags_and_environment():
         distributed.settings_from(num_processes=2, environ={})
     with pytest.raises(distributed.DistributedConfigError, match="must be in"):
         distributed.settings_from("h:1", 2, 2, environ={})
+
+
+def test_users_micro_batch_of_one_is_refit_to_the_mesh_keeping_the_global_batch(tmp_path):
+    # The users' DPO runs: micro-batch 1 x accumulation 8. On 8 data-parallel devices that split cannot shard;
+    # the trainer takes 8 x 1 instead (the update does not depend on the split) and config.json records it.
+    import json
+    from configs import sft_tiny
+    from jaxrl.train.loop import fit_micro_batch_to_mesh, run_training
+    mesh = make_mesh((1, 8, 1))
+    c = sft_tiny.get_config()
+    c.batch.micro_batch_size, c.batch.grad_accum, c.steps, c.checkpoint_every = 1, 8, 2, 2
+    c.mesh.shape = (1, 8, 1)
+    result = run_training(c, str(tmp_path / "run"))
+    assert result.final_step == 2 and all(r["update_skipped"] == 0 for r in result.records if "loss" in r)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["batch"]
+    assert (saved["micro_batch_size"], saved["grad_accum"]) == (8, 1)
+    c2 = sft_tiny.get_config()
+    c2.batch.micro_batch_size, c2.batch.grad_accum = 2, 6  # 12 rows over 8 devices: no split exists
+    with pytest.raises(ValueError, match=r"12 rows per step cannot be split over data x fsdp = 8 devices"):
+        fit_micro_batch_to_mesh(c2, mesh)
+    c3 = sft_tiny.get_config()
+    c3.batch.micro_batch_size, c3.batch.grad_accum = 4, 4  # 4 -> 8 x 2
+    assert fit_micro_batch_to_mesh(c3, mesh) and (c3.batch.micro_batch_size, c3.batch.grad_accum) == (8, 2)
+    assert not fit_micro_batch_to_mesh(c3, mesh)

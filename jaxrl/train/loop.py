@@ -373,12 +373,39 @@ def build_model(config, mesh=None):
     return model
 
 
+def fit_micro_batch_to_mesh(config, mesh) -> bool:
+    """Make batch.micro_batch_size a multiple of the data-parallel size (data x fsdp), keeping the global batch.
+
+    The users' runs use micro-batch 1 with accumulation 8 (a memory setting on their machine); on 8 devices a
+    micro-batch of 1 cannot be split. The update does not depend on the split (token-weighted accumulation,
+    tested), so the smallest micro-batch that divides over the mesh and the global batch is taken instead, with
+    a warning; the resolved config.json records it. Returns whether it changed anything; raises when no split
+    fits (the global batch is not a multiple of data x fsdp).
+    """
+    dp = int(mesh.shape.get("data", 1)) * int(mesh.shape.get("fsdp", 1))
+    mb, accum = int(config.batch.micro_batch_size), int(config.batch.grad_accum)
+    if mb <= 0 or accum <= 0 or mb % dp == 0:
+        return False
+    total = mb * accum
+    fitted = math.lcm(mb, dp)
+    if total % fitted:
+        raise ValueError(f"batch.micro_batch_size={mb} x batch.grad_accum={accum} = {total} rows per step cannot be "
+                         f"split over data x fsdp = {dp} devices (mesh {dict(mesh.shape)}); make the global batch a "
+                         f"multiple of {dp}, or change mesh.shape")
+    logging.warning("batch.micro_batch_size=%d does not divide over data x fsdp = %d devices: using micro-batch %d x "
+                    "accumulation %d (the same %d rows per update; the update does not depend on the split)", mb, dp,
+                    fitted, total // fitted, total)
+    config.batch.micro_batch_size, config.batch.grad_accum = fitted, total // fitted
+    return True
+
+
 def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunResult:
     """Build the model and the algorithm's task from the config and run (resuming from the workdir)."""
     from jaxrl.train.plugins import load_config_plugins
     from jaxrl.train.registry import get_trainer
     load_config_plugins(config)  # `plugins`: user objectives checked before any model or data work (fail fast)
     mesh = mesh if mesh is not None else mesh_from_config(config)
+    fit_micro_batch_to_mesh(config, mesh)
     model = build_model(config, mesh)
     task = get_trainer(config.algorithm)(config, model, mesh)
     return Trainer(config, model, task, workdir, mesh=mesh, **trainer_kwargs).run()
