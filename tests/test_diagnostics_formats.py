@@ -35,11 +35,11 @@ def test_eval_records_merge_into_their_step_and_rl_names_are_aliased(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 4, "loss": 0.6, "preference_accuracy": 0.75}\n{"step": 4, "eval_loss": 0.65}\n'
                  '{"step": 5, "reward/mean": 0.5, "reward/std": 0.1, "completion/truncation_rate": 0.25, '
-                 '"clip_fraction/region": 0.0, "kl": 0.01}\n')
+                 '"clip_fraction/region": 0.0, "kl": 0.01, "vf_loss": 0.3}\n')
     recs = formats.read_training_metrics(p)
     assert recs[0]["loss"] == 0.6 and recs[0]["preference_accuracy"] == 0.75 and recs[0]["eval_loss"] == 0.65
     assert (recs[1]["reward_mean"], recs[1]["reward_std"], recs[1]["truncation_rate"]) == (0.5, 0.1, 0.25)
-    assert recs[1]["clip_fraction"] == 0.0 and recs[1]["kl"] == 0.01
+    assert recs[1]["clip_fraction"] == 0.0 and recs[1]["kl"] == 0.01 and recs[1]["value_loss"] == 0.3
 
 
 def test_training_metrics_as_the_trainer_writes_them(tmp_path):

@@ -102,7 +102,7 @@ TRAIN_KEYS = ("step",) + COMMON_KEYS + DPO_KEYS + RL_KEYS
 # (report key, name the GRPO / PPO trainers log it under), the first present one is used
 RL_ALIASES = (("reward_mean", "reward/mean"), ("reward_std", "reward/std"),
               ("truncation_rate", "completion/truncation_rate"), ("clip_fraction", "clip_fraction/region"),
-              ("kl", "rollout/kl"))
+              ("kl", "rollout/kl"), ("value_loss", "vf_loss"))
 
 MODEL_KEYS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens", "pass_at_k",
               "n_prompts", "n_samples")

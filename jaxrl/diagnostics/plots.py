@@ -106,8 +106,11 @@ def training_curves(records: Sequence[Mapping]) -> Optional[bytes]:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(f"Training curves ({len(steps)} logged steps; red lines: non-finite updates)", fontsize=11)
-    fig.tight_layout()
+    # the title sits in the top 0.6 inch, which the panels leave free (a tall grid otherwise runs into it)
+    height = fig.get_figheight()
+    fig.suptitle(f"Training curves ({len(steps)} logged steps; red lines: non-finite updates)", fontsize=11,
+                 y=1 - 0.12 / height, va="top")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / height))
     return to_png(fig)
 
 
