@@ -57,6 +57,8 @@ class DemoSettings:
     dpo_checkpoint_every: int = 8
     grpo_steps: int = 12
     grpo_learning_rate: float = 3e-3
+    grpo_prompts_per_step: int = 8
+    grpo_beta: float = 0.04
     eval_samples: int = 4
     seed: int = 0
 
@@ -288,14 +290,14 @@ class Demo:
         c.optimizer.warmup_steps = 1
         c.optimizer.warmup_ratio = 0.0
         c.lora.rank, c.lora.alpha = 8, 16.0
-        c.batch.micro_batch_size, c.batch.grad_accum = 64, 1
+        c.batch.micro_batch_size, c.batch.grad_accum = 64, self.s.grpo_prompts_per_step // 8
         c.mesh.shape = (1, 1, 1)
         c.logprob_chunk_size = 64
         c.grpo.num_generations = 8
-        c.grpo.prompts_per_step = 8
+        c.grpo.prompts_per_step = self.s.grpo_prompts_per_step
         c.grpo.max_new_tokens = self.s.max_new_tokens
         c.grpo.temperature = 1.0
-        c.grpo.beta = 0.04
+        c.grpo.beta = self.s.grpo_beta
         c.grpo.logprob_batch_size = 64
         c.data.source = "problems"
         c.data.problems = os.fspath(self.p["train"])
