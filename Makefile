@@ -33,8 +33,11 @@ install-test: $(VENV)/.test-installed
 demo: $(VENV)/.core-installed
 	$(PY) -m launchers.demo --workdir=demo_workdir
 
+# One XLA compilation cache per test run, shared by both workers and every subprocess: tests that restart a run
+# (resume, sweeps, launchers) or build the same tiny model compile each program once (a fresh folder each run).
 test: $(VENV)/.test-installed
-	$(PY) -m pytest $(PYTEST_ARGS) tests
+	cache=$$(mktemp -d -t jaxrl-test-xla-cache.XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
+	JAX_COMPILATION_CACHE_DIR=$$cache $(PY) -m pytest $(PYTEST_ARGS) tests
 
 bench: $(VENV)/.test-installed
 	$(PY) -m benchmarks.run_all

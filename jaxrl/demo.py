@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import time
@@ -132,6 +131,22 @@ class Demo:
         from jaxrl.train.loop import run_training
         return run_training(config, os.fspath(workdir))
 
+    @staticmethod
+    def _settings(c, *, model_path: Path, steps: int, checkpoint_every: int, learning_rate: float, schedule: str,
+                  warmup_steps: int, rank: int, micro_batch: int, accum: int = 1):
+        """What every demo run shares: a loaded fp32 tiny model on one device, LoRA alpha = 2 x rank."""
+        c.model_preset = ""
+        c.model_path = os.fspath(model_path)
+        c.dtype = "float32"
+        c.steps, c.checkpoint_every, c.keep_checkpoints = steps, checkpoint_every, 2
+        c.optimizer.learning_rate, c.optimizer.schedule = learning_rate, schedule
+        c.optimizer.warmup_steps, c.optimizer.warmup_ratio, c.optimizer.weight_decay = warmup_steps, 0.0, 0.0
+        c.lora.rank, c.lora.alpha = rank, 2.0 * rank
+        c.batch.micro_batch_size, c.batch.grad_accum = micro_batch, accum
+        c.mesh.shape = (1, 1, 1)  # one device: the tiny model gains nothing from more
+        c.logprob_chunk_size = 64
+        return c
+
     def run(self) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         for name, fn in (("model and tokenizer", self.make_model), ("tasks", self.make_tasks),
@@ -189,22 +204,12 @@ class Demo:
                                                      self.s.seed))
         c = base_config.get_config()
         c.algorithm = "sft"
-        c.model_path = os.fspath(self.p["pretrained"])
-        c.dtype = "float32"
-        c.steps = self.s.sft_steps
-        c.checkpoint_every = self.s.sft_steps
-        c.optimizer.learning_rate = 3e-3
-        c.optimizer.schedule = "cosine"
-        c.optimizer.warmup_steps = 5
-        c.optimizer.weight_decay = 0.0
-        c.lora.rank, c.lora.alpha = 16, 32.0
-        c.batch.micro_batch_size, c.batch.grad_accum = 32, 1
-        c.mesh.shape = (1, 1, 1)
+        self._settings(c, model_path=self.p["pretrained"], steps=self.s.sft_steps, checkpoint_every=self.s.sft_steps,
+                       learning_rate=3e-3, schedule="cosine", warmup_steps=5, rank=16, micro_batch=32)
         c.data.source = "jsonl"
         c.data.path = os.fspath(self.p["sft_data"])
         longest = max(len(json.loads(line)["input_ids"]) for line in open(self.p["sft_data"]) if line.strip())
         c.data.seq_len = -(-longest // 16) * 16
-        c.logprob_chunk_size = 64
         result = self._train(c, self.p["m0"])
         loss = [r["nll"] for r in result.records if "nll" in r]
         export_checkpoint(os.fspath(self.p["m0"]), os.fspath(self.p["pretrained"]), os.fspath(self.p["base"]),
@@ -248,20 +253,9 @@ class Demo:
     def dpo(self) -> str:
         from configs import dpo as dpo_config
         c = dpo_config.get_config("model=tiny")
-        c.model_preset = ""
-        c.model_path = os.fspath(self.p["base"])
-        c.dtype = "float32"
-        c.steps = self.s.dpo_steps
-        c.checkpoint_every = self.s.dpo_checkpoint_every
-        c.keep_checkpoints = 2
-        c.optimizer.learning_rate = 3e-3
-        c.optimizer.schedule = "constant_with_warmup"
-        c.optimizer.warmup_steps = 2
-        c.optimizer.warmup_ratio = 0.0
-        c.lora.rank, c.lora.alpha = 8, 16.0
-        c.batch.micro_batch_size, c.batch.grad_accum = 32, 1
-        c.mesh.shape = (1, 1, 1)
-        c.logprob_chunk_size = 64
+        self._settings(c, model_path=self.p["base"], steps=self.s.dpo_steps,
+                       checkpoint_every=self.s.dpo_checkpoint_every, learning_rate=3e-3,
+                       schedule="constant_with_warmup", warmup_steps=2, rank=8, micro_batch=32)
         c.dpo.beta = 0.1
         # RPO (sigmoid DPO + NLL on the chosen): plain sigmoid lets both log-probs fall on this tiny model and its
         # reward swings (0.48 -> 0.30 -> 0.71 over 48 steps); the NLL term keeps the chosen answers likely
@@ -272,27 +266,16 @@ class Demo:
         c.data.pad_multiple = 16
         c.data.eval_fraction = 0.125
         result = self._train(c, self.p["dpo"])
-        return _summary(result.records, ("loss", "accuracy", "margin"))
+        return _summary(result.records, ("loss", "preference_accuracy", "reward_margin"))
 
     # -- 6
     def grpo(self) -> str:
         from configs import grpo as grpo_config
         c = grpo_config.get_config("model=tiny")
-        c.model_preset = ""
-        c.model_path = os.fspath(self.p["base"])
-        c.dtype = "float32"
+        self._settings(c, model_path=self.p["base"], steps=self.s.grpo_steps, checkpoint_every=4,
+                       learning_rate=self.s.grpo_learning_rate, schedule="constant_with_warmup", warmup_steps=1,
+                       rank=8, micro_batch=64, accum=self.s.grpo_prompts_per_step // 8)
         c.remat = "none"
-        c.steps = self.s.grpo_steps
-        c.checkpoint_every = 4
-        c.keep_checkpoints = 2
-        c.optimizer.learning_rate = self.s.grpo_learning_rate
-        c.optimizer.schedule = "constant_with_warmup"
-        c.optimizer.warmup_steps = 1
-        c.optimizer.warmup_ratio = 0.0
-        c.lora.rank, c.lora.alpha = 8, 16.0
-        c.batch.micro_batch_size, c.batch.grad_accum = 64, self.s.grpo_prompts_per_step // 8
-        c.mesh.shape = (1, 1, 1)
-        c.logprob_chunk_size = 64
         c.grpo.num_generations = 8
         c.grpo.prompts_per_step = self.s.grpo_prompts_per_step
         c.grpo.max_new_tokens = self.s.max_new_tokens
@@ -304,7 +287,7 @@ class Demo:
         c.data.max_prompt_len = 64
         c.reward.name = "charset"
         result = self._train(c, self.p["grpo"])
-        return _summary(result.records, ("reward_mean", "kl", "loss"))
+        return _summary(result.records, ("reward/mean", "kl"))
 
     # -- 7
     def exports(self) -> str:

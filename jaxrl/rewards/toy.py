@@ -38,6 +38,10 @@ class _PerSampleReward:
     def check(self, answer: str, problem: Any) -> bool:
         raise NotImplementedError
 
+    def result(self, answer: str, problem: Any) -> RewardResult:
+        """The score of one answer (reasoning stripped): pass/fail from `check`; partial-credit rewards override."""
+        return RewardResult.from_tests(["pass" if self.check(answer, problem) else "wrong"])
+
     def score(self, completions: Sequence[str], problems: Sequence[Any],
               truncated: Sequence[bool | str] | None = None) -> list[RewardResult]:
         check_batch(completions, problems)
@@ -51,8 +55,7 @@ class _PerSampleReward:
             if answer is None:
                 results.append(RewardResult.nothing_ran("unclosed_think", n_tests=1, status="wrong"))
                 continue
-            status = "pass" if self.check(answer, problem) else "wrong"
-            results.append(RewardResult.from_tests([status]))
+            results.append(self.result(answer, problem))
         return results
 
 
@@ -162,21 +165,9 @@ class CharsetReward(_PerSampleReward):
         allowed = set(self.allowed(problem))
         return sum(c in allowed for c in chars) / len(chars)
 
-    def score(self, completions, problems, truncated=None):  # noqa: D102 - see _PerSampleReward.score
-        check_batch(completions, problems)
-        results = []
-        for completion, problem, cut in zip(completions, problems,
-                                            normalize_truncated(truncated, len(completions))):
-            if cut:
-                results.append(truncated_result(self.truncation))
-                continue
-            answer = strip_reasoning(completion)
-            if answer is None:
-                results.append(RewardResult.nothing_ran("unclosed_think", n_tests=1, status="wrong"))
-                continue
-            partial = self.fraction(answer, problem)
-            results.append(RewardResult(partial=partial, strict=partial >= 1.0, tests=[]))
-        return results
+    def result(self, answer: str, problem: Any) -> RewardResult:
+        partial = self.fraction(answer, problem)
+        return RewardResult(partial=partial, strict=partial >= 1.0, tests=[])
 
 
 class FunctionReward(_PerSampleReward):
