@@ -24,3 +24,14 @@ def hf_text(tmp_path_factory):
     """(folder, torch model) of a tiny text-only checkpoint whose GDN value heads are 3x the key heads."""
     import hf_tiny
     return hf_tiny.build_text(str(tmp_path_factory.mktemp("hf_text")), seed=1, linear_num_value_heads=6)
+
+
+# The longest files (minutes each, mostly end-to-end runs) start first, so that `-n 2 --dist loadfile` does not
+# end with one worker running the demo alone while the other idles. Order inside a file is kept.
+_LONGEST_FIRST = ("test_demo.py", "test_sweep.py", "test_ppo_trainer.py", "test_grpo_trainer.py",
+                  "test_dpo_train.py", "test_resume.py", "test_qwen35_cache.py", "test_qwen35_parity.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
