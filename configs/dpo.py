@@ -57,7 +57,7 @@ import os
 
 import ml_collections
 
-from configs import base
+from configs import base, overrides
 from jaxrl.algorithms.dpo_trainer import DATA_DEFAULTS, DPO_DEFAULTS
 
 MODELS = {"4b": "qwen3.5-4b", "9b": "qwen3.5-9b", "tiny": "tiny"}
@@ -82,29 +82,16 @@ KEYS = ("run", "model", "start", "lr", "beta", "lora", "max_length", "steps", "m
         "expected_pairs")
 
 
+WHERE = "configs/dpo.py"
+
+
 def parse_overrides(arg: str) -> dict:
     """"a=1,b=2" -> {"a": "1", "b": "2"}; `run=` expands first, later keys win; unknown keys are an error."""
-    out: dict = {}
-    for item in (s.strip() for s in (arg or "").split(",")):
-        if not item:
-            continue
-        if "=" not in item:
-            raise ValueError(f"configs/dpo.py: override {item!r} is not key=value (keys: {', '.join(KEYS)})")
-        key, value = (s.strip() for s in item.split("=", 1))
-        if key not in KEYS:
-            raise ValueError(f"configs/dpo.py: unknown override key {key!r}; keys: {', '.join(KEYS)}")
-        if key == "run":
-            if value not in RUNS:
-                raise ValueError(f"configs/dpo.py: run={value!r}; runs: {', '.join(sorted(RUNS))}")
-            out.update(RUNS[value])
-        out[key] = value
-    return out
+    return overrides.parse_overrides(arg, KEYS, RUNS, {}, WHERE)
 
 
 def _choice(key: str, value: str, allowed) -> str:
-    if value not in allowed:
-        raise ValueError(f"configs/dpo.py: {key}={value!r}; choose one of {sorted(allowed)}")
-    return value
+    return overrides.choice(key, value, allowed, WHERE)
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:

@@ -47,7 +47,8 @@ import os
 
 import ml_collections
 
-from configs import base
+from configs import base, overrides
+from configs.overrides import choice
 from jaxrl.algorithms.grpo_trainer import GRPO_DEFAULTS
 from jaxrl.algorithms.online import DATA_DEFAULTS, REWARD_DEFAULTS
 
@@ -70,36 +71,11 @@ KEYS = ("run", "model", "start", "probe", "lr", "beta", "lora", "k", "prompts", 
         "steps", "mb", "aggregation", "problems")
 
 
-def parse_overrides(arg: str, keys=KEYS, runs=RUNS, probes=PROBES, where="configs/grpo.py") -> dict:
-    """"a=1,b=2" -> {"a": "1", "b": "2"}; `run=` and `probe=` expand where they stand, later keys win."""
-    out: dict = {}
-    for item in (s.strip() for s in (arg or "").split(",")):
-        if not item:
-            continue
-        if "=" not in item:
-            raise ValueError(f"{where}: override {item!r} is not key=value (keys: {', '.join(keys)})")
-        key, value = (s.strip() for s in item.split("=", 1))
-        if key not in keys:
-            raise ValueError(f"{where}: unknown override key {key!r}; keys: {', '.join(keys)}")
-        if key == "run":
-            if value not in runs:
-                raise ValueError(f"{where}: run={value!r}; runs: {', '.join(sorted(runs))}")
-            for k, v in runs[value].items():
-                if k == "probe":
-                    out.update(probes[v])
-                out[k] = v
-        if key == "probe":
-            if value not in probes:
-                raise ValueError(f"{where}: probe={value!r}; probes: {', '.join(sorted(probes))}")
-            out.update(probes[value])
-        out[key] = value
-    return out
+WHERE = "configs/grpo.py"
 
 
-def choice(key: str, value: str, allowed, where="configs/grpo.py") -> str:
-    if value not in allowed:
-        raise ValueError(f"{where}: {key}={value!r}; choose one of {sorted(allowed)}")
-    return value
+def parse_overrides(arg: str) -> dict:
+    return overrides.parse_overrides(arg, KEYS, RUNS, PROBES, WHERE)
 
 
 def model_block(c, o: dict, where: str) -> str:
@@ -135,7 +111,7 @@ def rollout_batch(c, rows: int, o: dict, where: str) -> None:
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    where = "configs/grpo.py"
+    where = WHERE
     o = parse_overrides(arg)
     c = base.get_config()
     c.algorithm = "grpo"

@@ -42,7 +42,8 @@ checkpoint), checkpoints every 4 steps, AdamW with linear decay, clipping 1.0, b
 import ml_collections
 
 from configs import base
-from configs.grpo import choice, model_block, parse_overrides
+from configs.grpo import model_block
+from configs.overrides import choice, parse_overrides
 from jaxrl.algorithms.online import DATA_DEFAULTS, REWARD_DEFAULTS
 from jaxrl.algorithms.ppo_trainer import PPO_DEFAULTS
 
