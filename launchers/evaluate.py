@@ -24,7 +24,7 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxrl.evaluation.backends import BACKENDS
+from jaxrl.rollout.backends import BACKENDS
 from jaxrl.rollout.chat import OVERLONG_POLICIES
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema, docs/interfaces.md).")

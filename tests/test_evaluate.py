@@ -219,7 +219,7 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
     import dataclasses
 
     from jaxrl.diagnostics import formats
-    from jaxrl.evaluation.backends import Generation
+    from jaxrl.rollout.backends import Generation
     from jaxrl.evaluation.runner import summarize
     ev = env["ev"]
     tok, stop = env["tokenizer"], ev.stop_ids[0]
@@ -234,9 +234,10 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
         gens, pids = [], []
         for i, (pid, text, done) in enumerate(rows):
             ids = tok(text, add_special_tokens=False)["input_ids"] + ([stop] if done else [])
-            gens.append(Generation(ids, "stop" if done else "length", 0, i % 2))
+            gens.append(Generation(ids, "stop" if done else "length", i, i % 2))
             pids.append(pid)
-        records[name] = ev._score(gens, pids, CAP)
+        scored = ev.collector.score(gens, [ev.by_id[pid] for pid in pids])  # the decoding + reward every run uses
+        records[name] = [ev.record(sample, pids[sample.prompt_index], CAP) for sample in scored]
         tokens[name] = [len(g.tokens) for g in gens]
         assert [r["completion"] for r in records[name]] == [t for _, t, _ in rows]
     metrics, comps = summarize(records, "base", n_resamples=2000, seed=0)
@@ -343,7 +344,7 @@ def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_pat
 def test_vllm_backend_is_import_safe_and_says_how_to_install(env, tmp_path):
     """The optional backend cannot run here (no GPU, no vllm): constructing it and rendering its command must
     work without vllm, and using it must fail with the install hint, not an obscure error."""
-    from jaxrl.evaluation.backends import make_backend
+    from jaxrl.rollout.backends import make_backend
     from jaxrl.evaluation.runner import ModelSpec
     try:
         import vllm  # noqa: F401

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import time
-import zlib
 from typing import Any, Optional, Sequence
 
 import jax
@@ -48,6 +47,9 @@ from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.rewards import RewardResult, get_reward, register_reward
 from jaxrl.rewards.base import check_batch, problem_field
+from jaxrl.rollout.backends import JaxBackend, SamplingParams
+from jaxrl.rollout.collect import Collector
+from jaxrl.rollout.keys import problem_key
 
 ROLLOUT_DIR = "rollouts"
 
@@ -128,11 +130,6 @@ class TokenTask:
         return ids, problems
 
 
-def token_text(tokens: Sequence[int]) -> str:
-    """Completion token ids as text ("17 42 1"): what the Reward protocol scores for tokenizer-less tasks."""
-    return " ".join(str(int(t)) for t in tokens)
-
-
 class TokenBlockReward:
     """Reward of `TokenTask` behind the Reward protocol: completions are `token_text` strings, problems carry
     `lo`, `hi`, `score_tokens`. Truncation is ignored: the task asks for exactly the generation cap."""
@@ -158,13 +155,12 @@ register_reward("token_block", TokenBlockReward)
 
 
 class PromptSource:
-    """Prompts of rollout r: `prompts(r, count) -> (ids, problems, group_ids)` (a function of (seed, r)), and
-    `texts(tokens, finish_reasons)` for the reward."""
+    """Prompts of rollout r: `prompts(r, count) -> (ids, problems, group_ids)` (a function of (seed, r)).
+    `tokenizer` decodes completions for the reward (None: token-id text, `jaxrl.rollout.collect.token_text`)."""
+
+    tokenizer = None
 
     def prompts(self, rollout: int, count: int):
-        raise NotImplementedError
-
-    def texts(self, tokens, finish_reasons) -> list[str]:
         raise NotImplementedError
 
 
@@ -174,10 +170,7 @@ class TokenTaskPrompts(PromptSource):
 
     def prompts(self, rollout: int, count: int):
         ids, problems = self.task.prompts(self.seed, rollout, count)
-        return ids, problems, [zlib.crc32(p["id"].encode()) for p in problems]
-
-    def texts(self, tokens, finish_reasons) -> list[str]:
-        return [token_text(t) for t in tokens]
+        return ids, problems, [problem_key(p["id"]) for p in problems]
 
 
 class ProblemPrompts(PromptSource):
@@ -216,14 +209,9 @@ class ProblemPrompts(PromptSource):
         return out
 
     def prompts(self, rollout: int, count: int):
-        from jaxrl.rollout.runner import problem_key
         idx = self.indices(rollout, count)
         problems = [self.problems[i] for i in idx]
         return [self.ids[i] for i in idx], problems, [problem_key(p.id) for p in problems]
-
-    def texts(self, tokens, finish_reasons) -> list[str]:
-        from jaxrl.rollout.generate import decode_texts
-        return decode_texts(self.tokenizer, tokens, finish_reasons)
 
 
 def make_prompt_source(config, model) -> tuple[PromptSource, tuple[int, ...], int]:
@@ -316,8 +304,9 @@ def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]],
 
 
 class RolloutEngine:
-    """Prompts -> samples from the current policy -> rewards, as `Sampled` arrays. Holds one Sampler (compiled
-    once per bucket; the policy's weights are an argument of every call)."""
+    """Prompts -> samples from the current policy -> rewards, as `Sampled` arrays, through the one generation path
+    (`jaxrl.rollout.collect.Collector` over a `JaxBackend` holding the policy; its programs compile once per bucket
+    and the policy's current weights are an argument of every call)."""
 
     def __init__(self, config, model, mesh, *, max_new_tokens: int, num_generations: int, prompts_per_rollout: int,
                  temperature: float, top_p: float, top_k: int = 0, rollout_batch_size: int = 0):
@@ -326,43 +315,41 @@ class RolloutEngine:
         self.prompt_len = int(block_get(config.get("data", None), "max_prompt_len", DATA_DEFAULTS))
         self.max_new_tokens, self.n = int(max_new_tokens), int(num_generations)
         self.count = int(prompts_per_rollout)
-        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
         self.rows = self.count * self.n
-        self.batch_size = int(rollout_batch_size) or self.rows
-        self.mesh = mesh
         self.seed = int(config.seed)
-        self._sampler = None
+        self.sampling = SamplingParams(n=self.n, max_new_tokens=self.max_new_tokens, temperature=float(temperature),
+                                       top_p=float(top_p), top_k=int(top_k), seed=0)
+        self.mesh = mesh
+        self.batch_size = int(rollout_batch_size) or self.rows
+        self.collector: Optional[Collector] = None
 
-    def sampler(self, model):
-        from jaxrl.rollout.sampler import Sampler
-        if self._sampler is None:
-            self._sampler = Sampler(model, max_new_tokens=self.max_new_tokens, max_prompt_len=self.prompt_len,
-                                    batch_size=self.batch_size, eos_token_ids=self.stop_ids, pad_token_id=self.pad_id,
-                                    mesh=self.mesh)
-        return self._sampler
+    def collector_for(self, model) -> Collector:
+        """Built at the first rollout from the live policy (`trainer.current_model()`), not from the model the
+        task factory saw: the backend keeps its model, and the trainer's copy of the frozen base (resharded) is
+        the one that must stay alive. Later rollouts pass the current weights; nothing recompiles."""
+        if self.collector is None:
+            backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size, max_prompt_len=self.prompt_len,
+                                 stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh)
+            self.collector = Collector(backend, self.reward, tokenizer=self.source.tokenizer, stop_ids=self.stop_ids)
+        return self.collector
 
     def sample_seed(self, rollout: int) -> int:
         return (self.seed * 1_000_003 + rollout * 7919 + 17) % 2 ** 32
 
     def run(self, model, rollout: int) -> Sampled:
         prompts, problems, group_ids = self.source.prompts(rollout, self.count)
-        sampler = self.sampler(model)
-        t0 = time.perf_counter()
-        out = sampler.sample(prompts, params=nnx.state(model), n=self.n, temperature=self.temperature,
-                             top_p=self.top_p, top_k=self.top_k, seed=self.sample_seed(rollout), group_ids=group_ids)
-        t1 = time.perf_counter()
-        texts = self.source.texts(out.tokens, out.finish_reasons)
-        results = self.reward.score(texts, [problems[j] for j in out.prompt_indices], truncated=out.finish_reasons)
-        t2 = time.perf_counter()
-        arrays = to_arrays(prompts, out.tokens, out.logprobs, out.prompt_indices, self.prompt_len,
-                           self.max_new_tokens, self.pad_id)
-        rewards = np.asarray([np.nan if r.masked else float(getattr(r, self.reward_field)) for r in results],
-                             np.float32)
-        return Sampled(**arrays, lengths=np.asarray(out.num_tokens, np.int32),
-                       truncated=np.asarray(out.truncated, bool), rewards=rewards,
-                       strict=np.asarray([float(r.strict) for r in results], np.float32),
-                       prompt_lengths=np.asarray(out.prompt_lengths, np.int32),
-                       times={"sample_s": t1 - t0, "score_s": t2 - t1})
+        collector = self.collector_for(model)
+        samples = collector.collect(prompts, group_ids, problems, self.sampling.replace(seed=self.sample_seed(rollout)),
+                                    params=nnx.state(model))
+        arrays = to_arrays(prompts, [s.tokens for s in samples], [s.logprobs for s in samples],
+                           [s.prompt_index for s in samples], self.prompt_len, self.max_new_tokens, self.pad_id)
+        rewards = np.asarray([np.nan if s.result.masked else float(getattr(s.result, self.reward_field))
+                              for s in samples], np.float32)
+        return Sampled(**arrays, lengths=np.asarray([len(s.tokens) for s in samples], np.int32),
+                       truncated=np.asarray([s.truncated for s in samples], bool), rewards=rewards,
+                       strict=np.asarray([float(s.result.strict) for s in samples], np.float32),
+                       prompt_lengths=np.asarray([len(prompts[s.prompt_index]) for s in samples], np.int32),
+                       times=dict(collector.last_times))
 
 
 def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:

@@ -32,6 +32,7 @@ Honesty rules this module enforces:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -39,10 +40,25 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text, iter_jsonl
+from jaxrl.data.jsonl import atomic_write_json, atomic_write_text, sha256_file
+from jaxrl.data.problems import load_problems
 from jaxrl.diagnostics import formats
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
+from jaxrl.export.adapters import adapter_steps, is_peft_folder, read_adapter
+from jaxrl.export.audit import FolderSource, MergedSource, audit
+from jaxrl.export.peft import LayoutError, mismatch_message, read_peft_adapter
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.rewards import get_reward
+from jaxrl.rollout.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
+from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.rollout.collect import Collector, Sample
+from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.writer import ResumableJsonl, ResumeError
+from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
+
+__all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_KINDS", "ModelSpec", "ResumeError",
+           "checkpoint_specs", "default_reward_kwargs", "run_evaluation", "summarize"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,34 +67,6 @@ COMPARED = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_compl
 # Settings a model's cached samples depend on; resuming with any other value is refused.
 CACHE_KEYS = ("fingerprint", "adapter_digest", "temperature", "top_p", "top_k", "max_new_tokens", "enable_thinking",
               "reward", "reward_kwargs", "seed", "backend", "dtype", "tokenizer")
-MODEL_KINDS = ("base", "adapter", "hf")
-
-
-class ResumeError(ValueError):
-    """A cache that cannot be continued with these settings (names the file and the differing keys)."""
-
-
-@dataclasses.dataclass
-class ModelSpec:
-    """One model to evaluate.
-
-    kind: "base" (the base folder), "adapter" (base + a trainer adapter checkpoint or a PEFT folder at `path`),
-      "hf" (a full HF folder at `path`, e.g. a merged export).
-    step: optimizer step of a checkpoint (results.json "step"; the name is usually `step_<step>`).
-    """
-
-    name: str
-    kind: str
-    path: Optional[str] = None
-    step: Optional[int] = None
-
-    def __post_init__(self):
-        if self.kind not in MODEL_KINDS:
-            raise ValueError(f"model {self.name!r}: kind must be one of {MODEL_KINDS}, got {self.kind!r}")
-        if self.kind != "base" and not self.path:
-            raise ValueError(f"model {self.name!r}: kind {self.kind!r} needs a path")
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise ValueError(f"model name {self.name!r} is not usable as a file name")
 
 
 @dataclasses.dataclass
@@ -119,8 +107,6 @@ def default_reward_kwargs(name: str) -> dict:
 
 def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> list[ModelSpec]:
     """`step_<N>` specs for every adapter checkpoint of a run (or the listed steps, which must exist)."""
-    from jaxrl.export.adapters import adapter_steps
-    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
     available = adapter_steps(workdir)
     chosen = available if not steps else [int(s) for s in steps]
     missing = sorted(set(chosen) - set(available))
@@ -133,18 +119,6 @@ def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> lis
             for s in sorted(chosen)]
 
 
-def _problem_key(problem_id: str) -> int:
-    from jaxrl.rollout.runner import problem_key
-    return problem_key(problem_id)
-
-
-def _decode(tokenizer, tokens: Sequence[int], reason: str, stop_ids) -> str:
-    # The final stop token (when it is one) is not part of the answer; special tokens are skipped, the
-    # <think> tags are ordinary tokens and stay (the rewards strip reasoning themselves).
-    body = list(tokens[:-1]) if reason == "stop" and tokens and tokens[-1] in stop_ids else list(tokens)
-    return tokenizer.decode(body, skip_special_tokens=True)
-
-
 class Evaluator:
     """One evaluation (module docstring). `run()` does everything; the pieces are public for tools and tests.
 
@@ -153,11 +127,9 @@ class Evaluator:
     """
 
     def __init__(self, cfg: EvalConfig, *, model=None, tokenizer=None, reward=None, backend=None):
-        from jaxrl.data.problems import load_problems
-        from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
-
-        if cfg.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {cfg.num_samples}")
+        # bad sampling values fail here, before anything is loaded or written
+        self.sampling = SamplingParams(n=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,
+                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
         if not 0.0 <= cfg.truncation_threshold < 1.0:
             raise ValueError(f"truncation_threshold must be in [0, 1), got {cfg.truncation_threshold}")
         self.cfg = cfg
@@ -180,7 +152,6 @@ class Evaluator:
         if len(set(ids)) != len(ids):
             raise ValueError(f"{cfg.problems}: problem ids repeat")
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.base)
-        from jaxrl.models.qwen35.config import load_hf_config
         base_cfg, self.base_layout, _ = load_hf_config(cfg.base)
         self.stop_ids = chat_stop_ids(self.tokenizer, base_cfg.eos_token_id)
         enc = encode_prompts(self.tokenizer, [p.messages for p in problems], cfg.enable_thinking,
@@ -194,12 +165,10 @@ class Evaluator:
         self.by_id = {p.id: p for p in self.problems}
 
         if reward is None:
-            from jaxrl.rewards import get_reward
             reward = get_reward(cfg.reward, **{**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs})
         self.reward = reward
         self.reward_kwargs = {**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs}
         if backend is None:
-            from jaxrl.evaluation.backends import make_backend
             pad = self.tokenizer.pad_token_id
             backend = make_backend(cfg.backend, base_dir=cfg.base, out_dir=str(self.out), dtype=cfg.dtype,
                                    batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
@@ -207,11 +176,11 @@ class Evaluator:
                                    pad_id=pad, model=model, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
                                    **cfg.backend_kwargs)
         self.backend = backend
+        self.collector = Collector(backend, reward, tokenizer=self.tokenizer, stop_ids=self.stop_ids)
         self._adapters: dict = {}
         self.audit_report: Optional[dict] = None
         self._loaded: Optional[str] = None
-        from jaxrl.data.jsonl import sha256_file
-        self.tokenizer_digest = _tokenizer_digest(cfg.base, sha256_file)
+        self.tokenizer_digest = _tokenizer_digest(cfg.base)
 
     # --------------------------------------------------------------------------------------------------- weights
     def adapter(self, name: str):
@@ -220,9 +189,7 @@ class Evaluator:
         if spec.kind != "adapter":
             return None
         if name not in self._adapters:
-            from jaxrl.export.adapters import is_peft_folder, read_adapter
             if is_peft_folder(spec.path):
-                from jaxrl.export.peft import LayoutError, mismatch_message, read_peft_adapter
                 adapter, layout = read_peft_adapter(spec.path)
                 if layout != self.base_layout.kind:
                     raise LayoutError(mismatch_message(layout, self.base_layout.kind, spec.path))
@@ -233,7 +200,6 @@ class Evaluator:
 
     def source(self, name: str):
         """The audit source of model `name` (what its fingerprint is computed from)."""
-        from jaxrl.export.audit import FolderSource, MergedSource
         spec = self.specs[name]
         if spec.kind == "base":
             return FolderSource(self.cfg.base)
@@ -243,7 +209,6 @@ class Evaluator:
 
     def run_audit(self) -> dict:
         """Fingerprints every model and compares it with the base; writes `out/audit.json`."""
-        from jaxrl.export.audit import audit
         if self.audit_report is None:
             t0 = time.perf_counter()
             self.audit_report = audit({n: self.source(n) for n in self.specs}, reference=BASE)
@@ -285,98 +250,82 @@ class Evaluator:
     def cache_path(self, name: str) -> Path:
         return self.out / "cache" / f"{name}.jsonl"
 
-    def _open_cache(self, name: str) -> dict[tuple[str, int], dict]:
-        """Checks the cache's settings, repairs a torn last line, returns the usable cached records."""
-        from jaxrl.rollout.runner import repair_tail
-        path = self.cache_path(name)
-        meta_path = path.with_name(path.name + ".meta.json")
-        settings = self.settings(name)
-        if meta_path.exists():
-            old = json.loads(meta_path.read_text()).get("settings", {})
-            diffs = [k for k in CACHE_KEYS if old.get(k) != settings.get(k)]
-            if diffs:
-                detail = "; ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diffs)
-                raise ResumeError(f"{path} holds samples drawn with other weights or settings ({detail}). Mixing "
-                                  "them would corrupt the statistics: evaluate into another --out, or delete "
-                                  "this model's cache to start it over")
-        elif path.exists() and path.stat().st_size:
-            raise ResumeError(f"{path} exists without {meta_path.name}, so its settings are unknown; delete it")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(meta_path, {"settings": settings})
-        removed = repair_tail(path)
-        if removed:
-            logger.warning("%s: removed a partially written last line (%d bytes)", path, removed)
+    def cache(self, name: str) -> ResumableJsonl:
+        """Model `name`'s resume cache (its settings are the ones its samples depend on, CACHE_KEYS)."""
+        return ResumableJsonl(self.cache_path(name), self.settings(name), compare=CACHE_KEYS, what="samples",
+                              hint="evaluate into another --out, or delete this model's cache to start it over")
+
+    def cached_records(self, log: ResumableJsonl) -> dict[tuple[str, int], dict]:
+        """The usable records of a model's cache: of this evaluation's problems, drawn for their current version."""
         cached: dict[tuple[str, int], dict] = {}
         stale = 0
-        if path.exists():
-            for _, rec in iter_jsonl(path):
-                problem = self.by_id.get(rec.get("problem_id"))
-                if problem is None:
-                    continue  # another --limit / problems subset: kept in the file, unused here
-                if rec.get("problem_fingerprint") != problem.fingerprint:
-                    stale += 1  # the problem (e.g. its tests) changed: the score is void, draw again
-                    continue
-                cached[(rec["problem_id"], int(rec["sample_index"]))] = rec  # a later line wins
+        for _, rec in log.read():
+            problem = self.by_id.get(rec.get("problem_id"))
+            if problem is None:
+                continue  # another --limit / problems subset: kept in the file, unused here
+            if rec.get("problem_fingerprint") != problem.fingerprint:
+                stale += 1  # the problem (e.g. its tests) changed: the score is void, draw again
+                continue
+            cached[(rec["problem_id"], int(rec["sample_index"]))] = rec  # a later line wins
         if stale:
             logger.warning("%s: %d cached samples belong to problems that changed since; drawing them again",
-                           path, stale)
+                           log.path, stale)
         return cached
 
     # ---------------------------------------------------------------------------------------------- generation
-    def _score(self, gens, problem_ids: Sequence[str], max_new_tokens: int) -> list[dict]:
-        """Decodes and scores generations (gens[i] answers problem_ids[i]); returns SAMPLES records (+ extras)."""
-        texts = [_decode(self.tokenizer, g.tokens, g.finish_reason, self.stop_ids) for g in gens]
-        problems = [self.by_id[pid] for pid in problem_ids]
-        scores = self.reward.score(texts, problems, truncated=[g.finish_reason for g in gens])
-        records = []
-        for g, pid, text, s in zip(gens, problem_ids, texts, scores):
-            records.append({
-                "problem_id": pid, "sample_index": int(g.sample_index), "completion": text,
-                "completion_tokens": len(g.tokens), "finish_reason": g.finish_reason,
-                "partial": float(s.partial), "strict": bool(s.strict), "tests": list(s.tests), "reason": s.reason,
-                "max_new_tokens": int(max_new_tokens), "prompt_tokens": len(self.prompts[pid]),
-                "problem_fingerprint": self.by_id[pid].fingerprint})
-        return records
+    def record(self, sample: Sample, problem_id: str, max_new_tokens: int) -> dict:
+        """One SAMPLES record (jaxrl.diagnostics.formats) of a scored sample."""
+        r = sample.result
+        return {"problem_id": problem_id, "sample_index": sample.sample_index, "completion": sample.text,
+                "completion_tokens": len(sample.tokens), "finish_reason": sample.finish_reason,
+                "partial": float(r.partial), "strict": bool(r.strict), "tests": list(r.tests), "reason": r.reason,
+                "max_new_tokens": int(max_new_tokens), "prompt_tokens": len(self.prompts[problem_id]),
+                "problem_fingerprint": self.by_id[problem_id].fingerprint}
+
+    def collect(self, problem_ids: Sequence[str], sampling: SamplingParams,
+                wanted=None) -> list[dict]:
+        """Samples, decodes and scores `sampling.n` completions of each problem with the loaded model."""
+        samples = self.collector.collect([self.prompts[pid] for pid in problem_ids],
+                                         [problem_key(pid) for pid in problem_ids],
+                                         [self.by_id[pid] for pid in problem_ids], sampling, wanted=wanted)
+        return [self.record(s, problem_ids[s.prompt_index], sampling.max_new_tokens) for s in samples]
 
     def sample_model(self, name: str, on_batch: Optional[Callable[[dict], None]] = None) -> list[dict]:
         """Draws (or resumes) model `name`'s samples; returns its records in problem order, then sample index."""
         cfg = self.cfg
-        cached = self._open_cache(name)
+        log = self.cache(name)
+        cached = self.cached_records(log)
         n = cfg.num_samples
         todo = [p.id for p in self.problems if any((p.id, i) not in cached for i in range(n))]
-        if todo:
-            self.load(name)
-            per_batch = max(1, cfg.batch_size // n)
-            path = self.cache_path(name)
-            bar = None
-            if cfg.progress:
-                from tqdm import tqdm
-                bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
-                           desc=name, dynamic_ncols=True)
-            with open(path, "a", encoding="utf-8") as f:
+        log.start()
+        try:
+            if todo:
+                self.load(name)
+                per_batch = max(1, cfg.batch_size // n)
+                bar = None
+                if cfg.progress:
+                    from tqdm import tqdm
+                    bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
+                               desc=name, dynamic_ncols=True)
                 for b in range(0, len(todo), per_batch):
                     chunk = todo[b: b + per_batch]
-                    gens = self.backend.generate([self.prompts[pid] for pid in chunk],
-                                                 [_problem_key(pid) for pid in chunk], n=n,
-                                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
-                    gens = [g for g in gens if (chunk[g.prompt_index], g.sample_index) not in cached]
-                    records = self._score(gens, [chunk[g.prompt_index] for g in gens], cfg.max_new_tokens)
-                    # One problem's samples at a time, flushed and fsync'ed: a kill loses at most the problems
-                    # of the batch in flight, never a half-written record (a torn line is cut on resume).
+                    records = self.collect(chunk, self.sampling,
+                                           wanted=lambda j, i: (chunk[j], i) not in cached)
+                    # One problem's samples at a time, fsync'ed: a kill loses at most the problems of the batch in
+                    # flight, never a half-written record (a torn line is cut on resume).
                     for pid in chunk:
                         lines = [r for r in records if r["problem_id"] == pid]
-                        f.write("".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in lines))
-                        f.flush()
-                        os.fsync(f.fileno())
+                        log.append(lines)
                         for r in lines:
                             cached[(pid, r["sample_index"])] = r
                     if bar is not None:
                         bar.update(len(chunk))
                     if on_batch is not None:
                         on_batch({"model": name, "problems_done": len(chunk)})
-            if bar is not None:
-                bar.close()
+                if bar is not None:
+                    bar.close()
+        finally:
+            log.close()
         return [cached[(p.id, i)] for p in self.problems for i in range(n)]
 
     # ------------------------------------------------------------------------------------------------- results
@@ -479,7 +428,6 @@ class Evaluator:
         (greedy: the very same completion, only longer). Ids beyond the known truncated samples take indices
         0, 1, ... Nothing is cached: re-sampling is an analysis, not part of the evaluation.
         """
-        cfg = self.cfg
         truncated: dict[str, list[int]] = {}
         path = formats.samples_path(self.out, name)
         if path.exists():
@@ -499,23 +447,19 @@ class Evaluator:
                 wanted.append((pid, known[k] if k < len(known) else k))
             if not wanted:
                 return []
+            wanted_set = set(wanted)
             self.load(name)
             unique = list(dict.fromkeys(pid for pid, _ in wanted))
             n = max(i for _, i in wanted) + 1
-            gens = self.backend.generate([self.prompts[pid] for pid in unique], [_problem_key(p) for p in unique],
-                                         n=n, max_new_tokens=int(max_new_tokens), temperature=cfg.temperature,
-                                         top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
-            by_key = {(unique[g.prompt_index], g.sample_index): g for g in gens}
-            chosen = [by_key[key] for key in wanted]
-            return self._score(chosen, [pid for pid, _ in wanted], int(max_new_tokens))
+            sampling = self.sampling.replace(n=n, max_new_tokens=int(max_new_tokens))
+            by_key = {(r["problem_id"], r["sample_index"]): r for r in self.collect(
+                unique, sampling, wanted=lambda j, i: (unique[j], i) in wanted_set)}
+            return [by_key[key] for key in wanted]
 
         return resample
 
     def close(self) -> None:
-        close = getattr(self.reward, "close", None)
-        if close is not None:
-            close()
-        self.backend.close()
+        self.collector.close()
 
 
 def summarize(records: Mapping[str, Sequence[Mapping]], baseline: str = BASE, *, metrics: Sequence[str] = COMPARED,
@@ -530,9 +474,8 @@ def summarize(records: Mapping[str, Sequence[Mapping]], baseline: str = BASE, *,
     return out, comps
 
 
-def _tokenizer_digest(folder: str, sha256_file) -> str:
+def _tokenizer_digest(folder: str) -> str:
     """sha256 over the tokenizer / chat-template files of the base (they define the prompts)."""
-    import hashlib
     h = hashlib.sha256()
     for fname in sorted(os.listdir(folder)):
         if fname.startswith("tokenizer") or fname.startswith("chat_template") or fname in (

@@ -40,7 +40,8 @@ import os
 import shlex
 from typing import Optional, Sequence
 
-from jaxrl.evaluation.backends import Generation
+from jaxrl.export.merge import export_merged, read_provenance
+from jaxrl.rollout.backends.base import Generation, SamplingParams
 
 INSTALL_HINT = ("the vllm backend needs vLLM on a CUDA machine: pip install 'jaxrl[vllm]' (or pip install vllm); "
                 "use --backend=jax otherwise")
@@ -79,7 +80,6 @@ class VLLMBackend:
             return os.path.abspath(spec.path)
         if adapter is None:
             return self.base_dir
-        from jaxrl.export.merge import export_merged, read_provenance
         target = os.path.join(self.out_dir, "merged", spec.name)
         info = read_provenance(target) if os.path.isdir(target) else None
         if not (info and info.get("adapter_digest") == adapter.digest() and info.get("base") == self.base_dir):
@@ -124,7 +124,6 @@ class VLLMBackend:
     def served_fingerprint(self) -> Optional[str]:
         """The language-tower fingerprint recorded in the served merged folder's jaxrl_export.json (None for a
         folder that is not a merged export); the evaluator checks it against the audit's."""
-        from jaxrl.export.merge import read_provenance
         info = read_provenance(self._dir) if self._dir else None
         return (info or {}).get("fingerprint") if self._digest is not None else None
 
@@ -132,20 +131,22 @@ class VLLMBackend:
         """Digest of the adapter merged into the served folder (from its provenance; vLLM has no adapter)."""
         return self._digest
 
-    def generate(self, prompts, group_ids, *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int) -> list[Generation]:
+    def generate(self, prompts, group_ids, sampling: SamplingParams, *, params=None) -> list[Generation]:
+        if params is not None:
+            raise ValueError("the vllm backend serves folders; it cannot sample with in-memory weights (params=)")
         if self._dir is None:
             raise RuntimeError("VLLMBackend.generate before load()")
-        _, SamplingParams = _import_vllm()
-        need = max(len(p) for p in prompts) + int(max_new_tokens)
+        _, VLLMSamplingParams = _import_vllm()
+        n, max_new_tokens, seed = sampling.n, int(sampling.max_new_tokens), int(sampling.seed)
+        need = max(len(p) for p in prompts) + max_new_tokens
         if need > self._model_len:  # a larger cap (termination re-sampling): restart with room for it
             self._start(need)
-        params = [SamplingParams(n=n, temperature=float(temperature), top_p=float(top_p),
-                                 top_k=int(top_k) if top_k > 0 else -1, max_tokens=int(max_new_tokens),
-                                 seed=(int(seed) * 1_000_003 + int(g)) % (2 ** 63),
-                                 stop_token_ids=list(self.stop_ids), detokenize=False)
-                  for g in group_ids]
-        outs = self._llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params,
+        requests = [VLLMSamplingParams(n=n, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                                       top_k=int(sampling.top_k) if sampling.top_k > 0 else -1,
+                                       max_tokens=max_new_tokens, seed=(seed * 1_000_003 + int(g)) % (2 ** 63),
+                                       stop_token_ids=list(self.stop_ids), detokenize=False)
+                    for g in group_ids]
+        outs = self._llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], requests,
                                   use_tqdm=False)
         rows = []
         for j, out in enumerate(outs):
