@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora.targets = "all-linear"  # "all-linear" | "q_proj,v_proj,..." | a regex over module paths
     c.lora.use_rslora = False
     c.lora.dropout = 0.0
+    c.lora.allow_vllm_unpackable = False  # True: allow targets vLLM 0.33 cannot serve (in_proj_z without in_proj_qkv)
 
     c.batch = ml_collections.ConfigDict()
     c.batch.micro_batch_size = 1  # rows per forward/backward (per optimizer step: micro_batch_size x grad_accum)

@@ -3,9 +3,11 @@ r"""Evaluate the base model and checkpoints on a problems file: metrics, paired 
     # every adapter checkpoint of a run (or --steps=4,8,28,125), greedy, 8192-token cap, code verifier (LCB mode)
     python -m launchers.evaluate --problems=heldout.jsonl --checkpoints=RUN_DIR --steps=28,125 \
         --num_samples=1 --temperature=0 --max_new_tokens=8192
-    # adapters trained elsewhere (PEFT folders), merged containers, the vLLM backend (GPU, merged containers)
+    # adapters trained elsewhere (PEFT folders), merged containers; on vLLM 0.33 (GPU, its own environment,
+    # docs/vllm.md: adapters served unmerged as LoRA) or on a running server (--backend=server --server_url=URL)
     python -m launchers.evaluate --problems=lcb.jsonl --base=/models/Qwen3.5-4B --out=eval_lcb \
-        --adapters=dpo28=/adapters/dpo_step28 --models=merged125=/export/merged_125 --backend=vllm
+        --adapters=dpo28=/adapters/dpo_step28 --models=merged125=/export/merged_125 --backend=vllm \
+        --batch_size=512 --backend_kwargs='{"python": "~/.venvs/vllm", "tensor_parallel_size": 1}'
 
 Writes to --out (default RUN_DIR/eval): results.json, results.md, samples/<model>.jsonl, audit.json, and the
 resume cache cache/<model>.jsonl. Rerun the same command after an interruption: finished samples are kept.
@@ -48,13 +50,18 @@ _REWARD = flags.DEFINE_string("reward", "code", "code (the verifier, LiveCodeBen
 _REWARD_KWARGS = flags.DEFINE_string("reward_kwargs", "{}", "JSON keyword arguments of the reward, e.g. "
                                      "'{\"timeout_s\": 10, \"workers\": 8}'.")
 _BASELINE = flags.DEFINE_string("baseline", "base", "The model every other one is compared with.")
-_BACKEND = flags.DEFINE_enum("backend", "jax", list(BACKENDS), "jax (in-process sampler) or vllm (GPU, merged).")
-_BACKEND_KWARGS = flags.DEFINE_string("backend_kwargs", "{}", "JSON options of the backend (vllm: "
-                                      "tensor_parallel_size, gpu_memory_utilization, engine_args).")
+_BACKEND = flags.DEFINE_enum("backend", "jax", list(BACKENDS), "jax (in-process sampler), vllm (vllm serve from "
+                             "its own environment, adapters as LoRA) or server (an OpenAI-compatible server at "
+                             "--server_url, e.g. launchers.serve).")
+_SERVER_URL = flags.DEFINE_string("server_url", None, "URL of a running server (--backend=server, or vllm).")
+_BACKEND_KWARGS = flags.DEFINE_string("backend_kwargs", "{}", "JSON options of the backend (vllm: python, "
+                                      "tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
+                                      "max_lora_rank, extra_args; server: concurrency).")
 _TRUNCATION = flags.DEFINE_float("truncation_threshold", 0.10, "Warn when more completions than this hit the cap.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling and bootstrap seed.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Samples per compiled batch (jax backend).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Samples per compiled batch (jax backend); samples in flight "
+                                   "at once (server backends: vLLM wants hundreds).")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N problems (0 = all).")
 _N_RESAMPLES = flags.DEFINE_integer("n_resamples", 10000, "Bootstrap resamples.")
 _CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Interval confidence level.")
@@ -101,13 +108,18 @@ def build_config():
     models = checkpoint_specs(workdir, [int(s) for s in _STEPS.value]) if workdir else []
     models += [ModelSpec(n, "adapter", p) for n, p in _named(_ADAPTERS.value, "adapters")]
     models += [ModelSpec(n, "hf", p) for n, p in _named(_MODELS.value, "models")]
+    backend_kwargs = json.loads(_BACKEND_KWARGS.value)
+    if _SERVER_URL.value:
+        backend_kwargs["url"] = _SERVER_URL.value
+    if _BACKEND.value == "server" and "url" not in backend_kwargs:
+        raise app.UsageError("--backend=server needs --server_url")
     return EvalConfig(problems=_PROBLEMS.value, base=base, out=out, models=models, num_samples=_NUM_SAMPLES.value,
                       temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
                       max_new_tokens=_MAX_NEW_TOKENS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
                       prompt_buckets=tuple(int(b) for b in _PROMPT_BUCKETS.value),
                       enable_thinking=_ENABLE_THINKING.value, reward=_REWARD.value,
                       reward_kwargs=json.loads(_REWARD_KWARGS.value), baseline=_BASELINE.value,
-                      backend=_BACKEND.value, backend_kwargs=json.loads(_BACKEND_KWARGS.value),
+                      backend=_BACKEND.value, backend_kwargs=backend_kwargs,
                       truncation_threshold=_TRUNCATION.value, seed=_SEED.value, dtype=_DTYPE.value,
                       batch_size=_BATCH_SIZE.value, limit=_LIMIT.value, on_overlong=_ON_OVERLONG.value,
                       n_resamples=_N_RESAMPLES.value, confidence=_CONFIDENCE.value, progress=_PROGRESS.value)
@@ -131,19 +143,21 @@ def main(argv):
     from jaxrl.evaluation.runner import Evaluator
     from jaxrl.evaluation.runner import ResumeError
     from jaxrl.export.adapters import AdapterError
+    from jaxrl.rollout.backends import ServerError
     from jaxrl.train.checkpoints import CheckpointNotFound
     cfg = build_config()
     try:
         ev = Evaluator(cfg)
-    except (AdapterError, CheckpointNotFound) as e:
+    except (AdapterError, CheckpointNotFound, ServerError) as e:
         sys.exit(f"evaluate: {e}")
     try:
         results = ev.run()
         if _RESAMPLE.value:
             path = termination(ev, results, _RESAMPLE.value)
             logging.info("termination analysis: %s", path)
-    except (ResumeError, AdapterError) as e:
-        # refused: samples of other weights / settings in --out, an adapter in the wrong layout, ...
+    except (ResumeError, AdapterError, ServerError) as e:
+        # refused: samples of other weights / settings in --out, an adapter in the wrong layout, a server that is
+        # missing, too old or rejects the adapter, ...
         sys.exit(f"evaluate: {e}")
     finally:
         ev.close()

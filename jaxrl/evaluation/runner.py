@@ -366,6 +366,15 @@ class Evaluator:
         for name, m in metrics.items():
             spec = self.specs[name]
             entry = report["models"][name]
+            lossy = self._merge_fidelity(name)
+            if lossy is not None:
+                m["merge_fidelity"] = lossy
+                if lossy["lossy"]:
+                    warnings.append(
+                        f"model {name} is a merged export that kept its adapter's update only approximately "
+                        f"(update_rel_error {lossy['update_rel_error']:.3g}, merged in "
+                        f"{lossy['merge_dtype']}; {spec.path}/jaxrl_export.json): its scores are those of the "
+                        f"rounded model, not of the checkpoint it was merged from")
             m["step"] = spec.step
             m["fingerprint"] = entry["fingerprint"]
             m["adapter_digest"] = self.adapter(name).digest() if spec.kind == "adapter" else None
@@ -393,11 +402,23 @@ class Evaluator:
         atomic_write_text(md_path, md_path.read_text(encoding="utf-8") + self._md_details(results))
         return results
 
+    def _merge_fidelity(self, name: str) -> Optional[dict]:
+        """What a merged export (a model of kind "hf" with jaxrl_export.json) kept of its adapter, else None."""
+        from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
+        spec = self.specs[name]
+        info = read_provenance(spec.path) if spec.kind == "hf" else None
+        fidelity = (info or {}).get("merge_fidelity")
+        if not fidelity:
+            return None
+        return {"update_rel_error": fidelity["update_rel_error"], "zeroed_fraction": fidelity.get("zeroed_fraction"),
+                "merge_dtype": info.get("merge_dtype", "stored"), "threshold": FIDELITY_WARN,
+                "lossy": is_lossy(info), "logits_rel_error": (fidelity.get("logits") or {}).get("rel_error")}
+
     def _md_details(self, results: Mapping) -> str:
         ev = results["evaluation"]
         lines = ["", "## Weights (audit.json)", "",
-                 "Fingerprint: sha256 of the language tower as served (base + merged adapter). Equal fingerprints "
-                 "mean the same weights.", "",
+                 "Fingerprint: sha256 of the language tower of base + adapter merged in the stored dtype (a label "
+                 "of the weights; adapters are sampled unmerged). Equal fingerprints mean the same weights.", "",
                  "| model | step | fingerprint | adapter digest | tensors changed vs base | max abs diff | "
                  "rel. delta norm |", "|---|---|---|---|---|---|---|"]
         for name, m in results["models"].items():

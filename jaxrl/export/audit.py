@@ -10,9 +10,11 @@ The users' evaluation once scored the wrong weights (the loader dropped the adap
 catches it. A *source* is anything that yields tensors by canonical name:
 
 * `FolderSource(hf_dir)`: an HF folder (container or text-only, one file or shards);
-* `MergedSource(base_dir, adapter)`: base + adapter merged exactly as `export_merged` writes it, computed on the
-  fly, so `fingerprint(MergedSource(b, a)) == fingerprint(FolderSource(export_merged(a, b, out)))`: the weights
-  the JAX backend evaluates with the adapter attached are provably the ones a vLLM run of the merged folder serves.
+* `MergedSource(base_dir, adapter)`: base + adapter merged exactly as `export_merged` writes it (in the stored
+  dtype), computed on the fly, so `fingerprint(MergedSource(b, a)) == fingerprint(FolderSource(export_merged(a, b,
+  out)))`: the fingerprint names base + adapter. It is a label, not the weights every backend computes with: the
+  jax backend and vLLM LoRA apply the adapter unmerged, while a bf16 merged folder holds bf16(W + s*B*A), which
+  loses most of a small update (`jaxrl.export.merge`, merge_fidelity).
 
 Canonical names drop the tower prefix (`layers.3.mlp.up_proj.weight`, `embed_tokens.weight`, `norm.weight`,
 `lm_head.weight`), so container and text-only folders of the same weights compare equal; other tensors keep their

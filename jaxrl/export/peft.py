@@ -11,9 +11,13 @@ Layouts (docs/qwen35-architecture.md §6-7). PEFT saves the *module path* of the
     text       base_model.model.model.layers.N....lora_A.weight                   (Qwen3_5ForCausalLM, including
                                                                                    AutoModelForCausalLM on a container)
 
-Neither PEFT nor vLLM remaps them: an adapter in the wrong layout loads "successfully" and changes nothing
-(PEFT warns about missing keys, vLLM activates zero modules). So both directions here check the layout and
-refuse a mismatch with an error that names it, instead of producing a silent no-op.
+PEFT does not remap them: an adapter in the wrong layout loads "successfully" and changes nothing (PEFT only warns
+about missing keys). vLLM 0.33 remaps both ways (container-layout adapters on a text-only model,
+vllm/model_executor/models/qwen3_5.py:327-329; text-layout adapters on the container,
+vllm/lora/model_manager.py:1269-1287); vLLM 0.30 has no text-layout remap and serves such an adapter as the base.
+So both directions here check the layout and refuse a mismatch with an error that names it, instead of producing
+a silent no-op in PEFT. vLLM 0.33 packs every target list of ours but one (`jaxrl.models.lora.vllm_unpackable`:
+in_proj_z without in_proj_qkv); `export_peft` warns about that one.
 
 Export is a rename: our `A [r, in]` / `B [out, r]` are PEFT's tensors (fp32), no numeric rewrite.
 """
@@ -63,9 +67,9 @@ def _check_layout_name(layout: str) -> str:
 def mismatch_message(adapter_layout: str, model_layout: str, what: str) -> str:
     return (f"{what}: the adapter's keys are in the {adapter_layout} layout ({LAYOUT_PREFIXES[adapter_layout]}"
             f"layers...) but the model is a {model_layout} checkpoint ({LAYOUT_PREFIXES[model_layout]}layers...). "
-            "PEFT and vLLM do not remap these: the adapter would load without error and change nothing "
-            "(docs/qwen35-architecture.md §6-7). Export with the model's layout (launchers.export "
-            f"--layout={model_layout}) instead.")
+            "PEFT does not remap these: the adapter would load without error and change nothing (vLLM 0.33 "
+            "remaps them, vLLM 0.30 does not; docs/vllm.md). Export with the model's layout "
+            f"(launchers.export --layout={model_layout}) instead.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,6 +119,21 @@ def adapter_config(adapter: Adapter, targets: list[str], base_model_name_or_path
     }
 
 
+def readable_by_others(folder: str) -> None:
+    """Gives `folder` and everything in it the modes a plain open() / mkdir would (0644 / 0755 under the usual umask
+    022). mkdtemp, mkstemp and safetensors create 0700 / 0600 entries, which a server running as another user (a
+    shared `vllm serve`) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    file_mode, dir_mode = 0o666 & ~umask, 0o777 & ~umask
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, dir_mode)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode)
+
+
 @contextlib.contextmanager
 def atomic_folder(out_dir: str, overwrite: bool = False):
     """Yields a temp sibling folder of `out_dir`, renamed onto `out_dir` when the block succeeds (removed when it
@@ -127,7 +146,7 @@ def atomic_folder(out_dir: str, overwrite: bool = False):
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
     try:
         yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        readable_by_others(tmp)
         if os.path.exists(out):
             old = tmp.replace(".tmp-", ".old-")
             os.replace(out, old)  # two renames: the old export disappears only once the new one is complete
@@ -164,6 +183,12 @@ def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[
                            "are model.layers..., pass allow_layout_mismatch / --allow_layout_mismatch.)"
                            if layout == "text" else ""))
     check_against_model(adapter, nnx.eval_shape(lambda: Qwen35(cfg, rngs=nnx.Rngs(0))))
+    from jaxrl.models.lora import vllm_unpackable
+    unpackable = vllm_unpackable(adapter.modules)
+    if unpackable:  # still a valid PEFT adapter (PEFT and jaxrl load it), so a warning, not a refusal
+        logger.warning("%s: vLLM 0.33 cannot serve this adapter (it raises when the adapter is activated): %d "
+                       "module(s), e.g. %s; it packs in_proj_z only together with in_proj_qkv", out_dir,
+                       len(unpackable), unpackable[0])
     tensors = peft_state_dict(adapter, layout)
     targets = target_modules(adapter, cfg, layout)
     config = adapter_config(adapter, targets, base_model_name_or_path or os.path.abspath(base_dir))

@@ -206,11 +206,41 @@ def apply_lora(model: nnx.Module, targets="all-linear", rank: int = 16, alpha: f
     return lora_targets_report(model)
 
 
+# vLLM 0.33 fuses a GDN layer's in_proj_qkv and in_proj_z into one in_proj_qkvz layer; an adapter of that layer is
+# split by `expand_packed_lora` (vllm/lora/layers/column_parallel_linear.py:265-318), which gives a missing leading
+# in_proj_qkv all four output slices (:290) and then raises "Cannot determine how to split lora_b" on the in_proj_z
+# factor (:303-308) when the adapter is activated. Every other partial group (q/k/v, gate/up, b/a, qkv without z)
+# packs. {module: the module of the same layer it needs}.
+VLLM_REQUIRES = {"in_proj_z": "in_proj_qkv"}
+
+
+def vllm_unpackable(paths) -> list[str]:
+    """Messages for the targeted module paths vLLM 0.33 cannot pack (see VLLM_REQUIRES); [] when it can."""
+    chosen = set(paths)
+    out = []
+    for path in paths:
+        prefix, _, name = path.rpartition(".")
+        need = VLLM_REQUIRES.get(name)
+        if need and f"{prefix}.{need}" not in chosen:
+            out.append(f"{path} without {prefix}.{need}")
+    return out
+
+
 def apply_lora_from_config(model: nnx.Module, lora_cfg, seed: int = 0) -> dict:
-    """`apply_lora` from a config block with keys rank, alpha, targets, use_rslora, dropout (configs/base.py)."""
+    """`apply_lora` from a config block with keys rank, alpha, targets, use_rslora, dropout (configs/base.py).
+
+    Refuses (LoRAError) targets whose adapter vLLM 0.33 could not serve (`vllm_unpackable`), before any training,
+    unless `lora.allow_vllm_unpackable` is true (the adapter still works in jaxrl and PEFT).
+    """
     targets = lora_cfg.targets
     if isinstance(targets, (list, tuple)):
         targets = tuple(targets)
+    unpackable = vllm_unpackable(resolve_targets(model, targets))
+    if unpackable and not bool(lora_cfg.get("allow_vllm_unpackable", False)):
+        raise LoRAError(f"lora.targets={lora_cfg.targets!r}: vLLM 0.33 cannot serve this adapter ({len(unpackable)} "
+                        f"module(s), e.g. {unpackable[0]}: it packs in_proj_z only together with in_proj_qkv). "
+                        "Add in_proj_qkv to lora.targets, drop in_proj_z, or set lora.allow_vllm_unpackable=True "
+                        "if the adapter will never be served by vLLM")
     return apply_lora(model, targets=targets, rank=int(lora_cfg.rank), alpha=float(lora_cfg.alpha),
                       use_rslora=bool(lora_cfg.get("use_rslora", False)),
                       dropout=float(lora_cfg.get("dropout", 0.0)), seed=seed)

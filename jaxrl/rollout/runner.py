@@ -32,7 +32,7 @@ from jaxrl.data.problems import load_problems
 from jaxrl.export.adapters import read_adapter
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.rewards import get_reward
-from jaxrl.rollout.backends import JaxBackend, ModelSpec, SamplingParams
+from jaxrl.rollout.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
 from jaxrl.rollout.backends.jax_backend import DTYPES
 from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.rollout.collect import Collector, Sample
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 # Settings that must match for a resumed run to continue an existing rollouts file.
 _RESUME_KEYS = ("problems", "model", "adapter", "num_samples", "temperature", "top_p", "top_k", "max_new_tokens",
-                "max_prompt_len", "enable_thinking", "reward", "seed", "dtype", "model_name")
+                "max_prompt_len", "enable_thinking", "reward", "seed", "dtype", "model_name", "backend")
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ class RolloutConfig:
     prompt_buckets: tuple = ()  # prompt lengths with their own compiled program; () = 32, 64, ... max_prompt_len
     enable_thinking: bool = False
     reward: str = "code"
-    batch_size: int = 64  # rows (samples) per compiled call
+    batch_size: int = 64  # rows (samples) per compiled call; server backends: samples in flight at once
     seed: int = 0
     on_overlong: str = "skip"
     dtype: str = "bfloat16"
@@ -71,6 +71,8 @@ class RolloutConfig:
     model_name: str = ""  # the "model" field; default: the model folder's name (+ adapter)
     save_logprobs: bool = False
     progress: bool = True
+    backend: str = "jax"  # jax | vllm | server (jaxrl.rollout.backends)
+    backend_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {"url": ...}, vLLM's parallel sizes
 
 
 def _validate_record(rec: dict) -> None:
@@ -99,6 +101,9 @@ def _settings(cfg: RolloutConfig) -> dict:
     for k in ("problems", "model", "adapter"):  # the same files named another way are the same settings
         if settings[k]:
             settings[k] = os.path.abspath(settings[k])
+    # Other backends draw other streams: their samples must not mix with the jax backend's. The jax backend is
+    # recorded as None, the value meta files written before this key existed hold.
+    settings["backend"] = None if cfg.backend == "jax" else cfg.backend
     return settings
 
 
@@ -134,6 +139,8 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
     out = Path(cfg.out)
     log = ResumableJsonl(out, _settings(cfg), compare=_RESUME_KEYS, what="rollouts",
                          hint="write to another --out")
@@ -161,22 +168,29 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
             if len(done.get(problems[i].id, ())) < cfg.num_samples]
     already = sum(len(v) for v in done.values())
 
-    adapter = read_adapter(cfg.adapter) if cfg.adapter and model is None else None
+    adapter = read_adapter(cfg.adapter) if cfg.adapter and (model is None or cfg.backend != "jax") else None
     if reward is None:
         reward = get_reward(cfg.reward)
     model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name + (f"+{cfg.adapter}" if cfg.adapter else "")
     eos = model.config.eos_token_id if model is not None else load_hf_config(cfg.model)[0].eos_token_id
     stop_ids = chat_stop_ids(tokenizer, eos)
-    backend = JaxBackend(cfg.model, model=model, dtype=None if model is not None else cfg.dtype,
-                         batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
-                         prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=stop_ids,
-                         pad_id=tokenizer.pad_token_id)
-    if model is None:
+    if cfg.backend == "jax":
+        backend = JaxBackend(cfg.model, model=model, dtype=None if model is not None else cfg.dtype,
+                             batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
+                             prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=stop_ids,
+                             pad_id=tokenizer.pad_token_id)
+    else:  # a server: the adapter is served as LoRA from a PEFT folder exported next to the output
+        backend = make_backend(cfg.backend, base_dir=cfg.model, out_dir=str(out.parent / f"{out.name}.backend"),
+                               stop_ids=stop_ids, max_prompt_len=cfg.max_prompt_len,
+                               max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, dtype=cfg.dtype,
+                               **cfg.backend_kwargs)
+    if model is None or cfg.backend != "jax":
         backend.load(ModelSpec("rollout", "adapter" if adapter is not None else "base", cfg.adapter), adapter)
     collector = Collector(backend, reward, tokenizer=tokenizer, stop_ids=stop_ids)
 
     log.start()
-    per_batch = max(1, backend.batch_size // cfg.num_samples)
+    # samples per collect call: the jax backend's compiled batch, a server's requests in flight (its own batching)
+    per_batch = max(1, getattr(backend, "batch_size", cfg.batch_size) // cfg.num_samples)
     total = len(encoded.kept) * cfg.num_samples
     bar = None
     if cfg.progress:
@@ -209,6 +223,8 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         log.close()
         if bar is not None:
             bar.close()
+        if cfg.backend != "jax":
+            backend.close()  # stops a server this run started (a given jax model stays the caller's)
     elapsed = time.perf_counter() - start
     summary = {"problems": len(problems), "skipped_overlong": skipped, "samples_total": total,
                "samples_resumed": already, "samples_written": written, "truncated_written": truncated,

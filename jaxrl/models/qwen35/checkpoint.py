@@ -182,7 +182,7 @@ def _atomic_save_safetensors(tensors: dict, path: str, metadata: Optional[dict])
 def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
                     tensor_transform: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
                     layout: str = "container", extra_tensors: Optional[dict] = None,
-                    extra_config: Optional[dict] = None) -> str:
+                    extra_config: Optional[dict] = None, keep_transform_dtype: bool = False) -> str:
     """Write `model`'s language tower as an HF folder.
 
     With `base_dir` (the usual case): same layout, same shard files and index, same dtype per tensor as the base;
@@ -190,7 +190,8 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
     Without `base_dir`: a fresh folder (`layout` "container" or "text") with a generated config.json, plus
     `extra_tensors` (e.g. a vision tower) and `extra_config` keys merged into config.json; used to create test and
     demo checkpoints without torch (see `jaxrl.models.qwen35.tiny_checkpoint`).
-    `tensor_transform(hf_key, array)` may replace a tower tensor just before it is written (merged LoRA export).
+    `tensor_transform(hf_key, array)` may replace a tower tensor just before it is written (merged LoRA export);
+    its result is cast to the base tensor's dtype unless `keep_transform_dtype` (an fp32 merge into a bf16 base).
     """
     os.makedirs(out_dir, exist_ok=True)
     if base_dir is None:
@@ -225,7 +226,8 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
                         raise CheckpointError(f"{src}: tensor {key!r} has unsupported dtype {original.get_dtype()}")
                     value = _to_numpy(ours[key][...], np.dtype(np_dtype))
                     if tensor_transform is not None:
-                        value = np.asarray(tensor_transform(key, value)).astype(np_dtype)
+                        value = np.asarray(tensor_transform(key, value))
+                        value = value if keep_transform_dtype else value.astype(np_dtype)
                     if tuple(value.shape) != tuple(original.get_shape()):
                         raise CheckpointError(f"{src}: tensor {key!r} is {tuple(original.get_shape())} in the base "
                                               f"but {tuple(value.shape)} in the model")
