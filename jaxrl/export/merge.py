@@ -21,9 +21,10 @@ every merged export measures it and records it as `merge_fidelity` in `jaxrl_exp
     modules            the same two per module, plus update_rel_norm = ||s*B*A|| / ||W||
     logits             a probe batch (PROBE_SHAPE random token ids, PROBE_SEED) through the base, the base with
                        the adapter attached unmerged (what the jax backend and vLLM LoRA serve) and the merged
-                       weights, in the dtype the merged weights are held in: rel_error = ||effect_merged -
-                       effect_adapter|| / ||effect_adapter|| (effect = logits - base logits), cosine of the two
-                       effects, max |logits_merged - logits_adapter|
+                       folder as written, computed in fp32 (exact on the stored values, so only the merge's
+                       rounding differs): rel_error = ||effect_merged - effect_adapter|| / ||effect_adapter||
+                       (effect = logits - base logits), cosine of the two effects, max |logits_merged -
+                       logits_adapter|
 
 A warning is logged when update_rel_error exceeds FIDELITY_WARN. `merge_dtype="float32"` keeps the update (the
 adapted tensors are stored in fp32, the rest as in the base); a server must then compute in fp32 (`vllm serve
@@ -139,34 +140,32 @@ def exact_load_dtype(base_dir: str, tower_prefix: str) -> str:
     return "float32"  # mixed (or fp32) tensors: fp32 holds bf16, fp16 and fp32 values exactly
 
 
-def probe_logits(model, adapter: Adapter, merge_dtype: Optional[str]) -> dict:
-    """The `logits` entry of merge_fidelity (module docstring). Leaves `model` holding the MERGED weights (the
-    export is written before this runs; the model is not used afterwards)."""
+def probe_logits(base_dir: str, merged_dir: str, adapter: Adapter) -> dict:
+    """The `logits` entry of merge_fidelity (module docstring): the probe batch through the base, the base with the
+    adapter attached unmerged, and the merged folder as written, all computed in fp32 (which holds every stored
+    value exactly), so the differences are the merge's rounding alone. One fp32 model in memory at a time."""
+    import gc
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxrl.export.adapters import _linears, attach, detach
+    from jaxrl.export.adapters import attach
+    from jaxrl.models import qwen35
 
-    @jax.jit
-    def logits(state, ids):
-        return nnx.merge(graphdef, state)(ids).astype(jnp.float32)
+    def run(model):
+        graphdef, state = nnx.split(model)
+        return np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(ids).astype(jnp.float32))(state), np.float64)
 
+    model = qwen35.from_pretrained(base_dir, dtype=jnp.float32)
     ids = jnp.asarray(np.random.default_rng(PROBE_SEED).integers(0, model.config.vocab_size, PROBE_SHAPE),
                       jnp.int32)
-    graphdef, state = nnx.split(model)
-    base = np.asarray(logits(state, ids), np.float64)
+    base = run(model)
     attach(model, adapter)
-    graphdef, state = nnx.split(model)
-    unmerged = np.asarray(logits(state, ids), np.float64)
-    detach(model)
-    linears = _linears(model)
-    for module in adapter.modules:
-        weight = linears[module].weight
-        stored = np.asarray(jax.device_get(weight[...])).astype(np.float32)
-        weight[...] = jnp.asarray(merged_weight(stored, adapter, module, merge_dtype), weight[...].dtype)
-    graphdef, state = nnx.split(model)
-    merged = np.asarray(logits(state, ids), np.float64)
+    unmerged = run(model)
+    del model
+    gc.collect()
+    merged = run(qwen35.from_pretrained(merged_dir, dtype=jnp.float32))
     effect_adapter, effect_merged = unmerged - base, merged - base
     norm = float(np.linalg.norm(effect_adapter))
     cos_den = norm * float(np.linalg.norm(effect_merged))
@@ -174,7 +173,7 @@ def probe_logits(model, adapter: Adapter, merge_dtype: Optional[str]) -> dict:
             "cosine": float(np.sum(effect_merged * effect_adapter)) / cos_den if cos_den > 0 else None,
             "max_abs_diff": float(np.max(np.abs(merged - unmerged))),
             "adapter_effect_max_abs": float(np.max(np.abs(effect_adapter))),
-            "probe": {"shape": list(PROBE_SHAPE), "seed": PROBE_SEED, "compute_dtype": jnp.dtype(model.dtype).name}}
+            "probe": {"shape": list(PROBE_SHAPE), "seed": PROBE_SEED, "compute_dtype": "float32"}}
 
 
 def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: bool = False,
@@ -184,7 +183,8 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
     (also written to `out_dir/jaxrl_export.json`), with `merge_fidelity` (module docstring).
 
     merge_dtype: None (the adapted tensors keep the base's stored dtype) or "float32".
-    probe: also run the probe batch (three forward passes of the model; off = no `logits` entry).
+    probe: also run the probe batch (three fp32 forward passes; needs 4 bytes per parameter of memory, one model at a
+      time; off = no `logits` entry).
     """
     import jax.numpy as jnp
 
@@ -196,8 +196,7 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
         raise ValueError(f"merge_dtype must be one of {MERGE_DTYPES} (None: the base's stored dtype), got "
                          f"{merge_dtype!r}")
     _, layout, _ = load_hf_config(base_dir)
-    # fp32 merges need the model in fp32 for the probe (the stored dtype cannot hold the merged weights)
-    dtype = "float32" if merge_dtype == "float32" else exact_load_dtype(base_dir, layout.tower_prefix)
+    dtype = exact_load_dtype(base_dir, layout.tower_prefix)
     model = qwen35.from_pretrained(base_dir, dtype=getattr(jnp, dtype))
     check_against_model(adapter, model)
     fidelity = UpdateFidelity()
@@ -215,7 +214,8 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
                                f"{missing[0]!r}; nothing was exported")
         info["merge_fidelity"] = fidelity.summary()
         if probe:
-            info["merge_fidelity"]["logits"] = probe_logits(model, adapter, merge_dtype)
+            del model  # the probe holds one fp32 model at a time
+            info["merge_fidelity"]["logits"] = probe_logits(base_dir, tmp, adapter)
         if fingerprint:
             from jaxrl.export.audit import FolderSource, fingerprint as fp
             info["fingerprint"] = fp(FolderSource(tmp))
