@@ -26,8 +26,8 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxrl.rollout.backends import BACKENDS
 from jaxrl.rollout.chat import OVERLONG_POLICIES
+from launchers.backend_flags import backend_options
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema, docs/interfaces.md).")
 _BASE = flags.DEFINE_string("base", None, "Base HF folder (default: model_path of the run's config.json).")
@@ -50,13 +50,6 @@ _REWARD = flags.DEFINE_string("reward", "code", "code (the verifier, LiveCodeBen
 _REWARD_KWARGS = flags.DEFINE_string("reward_kwargs", "{}", "JSON keyword arguments of the reward, e.g. "
                                      "'{\"timeout_s\": 10, \"workers\": 8}'.")
 _BASELINE = flags.DEFINE_string("baseline", "base", "The model every other one is compared with.")
-_BACKEND = flags.DEFINE_enum("backend", "jax", list(BACKENDS), "jax (in-process sampler), vllm (vllm serve from "
-                             "its own environment, adapters as LoRA) or server (an OpenAI-compatible server at "
-                             "--server_url, e.g. launchers.serve).")
-_SERVER_URL = flags.DEFINE_string("server_url", None, "URL of a running server (--backend=server, or vllm).")
-_BACKEND_KWARGS = flags.DEFINE_string("backend_kwargs", "{}", "JSON options of the backend (vllm: python, "
-                                      "tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
-                                      "max_lora_rank, extra_args; server: concurrency).")
 _TRUNCATION = flags.DEFINE_float("truncation_threshold", 0.10, "Warn when more completions than this hit the cap.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling and bootstrap seed.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
@@ -108,18 +101,14 @@ def build_config():
     models = checkpoint_specs(workdir, [int(s) for s in _STEPS.value]) if workdir else []
     models += [ModelSpec(n, "adapter", p) for n, p in _named(_ADAPTERS.value, "adapters")]
     models += [ModelSpec(n, "hf", p) for n, p in _named(_MODELS.value, "models")]
-    backend_kwargs = json.loads(_BACKEND_KWARGS.value)
-    if _SERVER_URL.value:
-        backend_kwargs["url"] = _SERVER_URL.value
-    if _BACKEND.value == "server" and "url" not in backend_kwargs:
-        raise app.UsageError("--backend=server needs --server_url")
+    backend, backend_kwargs = backend_options()
     return EvalConfig(problems=_PROBLEMS.value, base=base, out=out, models=models, num_samples=_NUM_SAMPLES.value,
                       temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
                       max_new_tokens=_MAX_NEW_TOKENS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
                       prompt_buckets=tuple(int(b) for b in _PROMPT_BUCKETS.value),
                       enable_thinking=_ENABLE_THINKING.value, reward=_REWARD.value,
                       reward_kwargs=json.loads(_REWARD_KWARGS.value), baseline=_BASELINE.value,
-                      backend=_BACKEND.value, backend_kwargs=backend_kwargs,
+                      backend=backend, backend_kwargs=backend_kwargs,
                       truncation_threshold=_TRUNCATION.value, seed=_SEED.value, dtype=_DTYPE.value,
                       batch_size=_BATCH_SIZE.value, limit=_LIMIT.value, on_overlong=_ON_OVERLONG.value,
                       n_resamples=_N_RESAMPLES.value, confidence=_CONFIDENCE.value, progress=_PROGRESS.value)

@@ -23,6 +23,7 @@ import sys
 from absl import app, flags, logging
 
 from jaxrl.rollout.chat import OVERLONG_POLICIES
+from launchers.backend_flags import backend_options
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema of docs/interfaces.md).")
@@ -49,13 +50,6 @@ _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N problems (0 = al
 _MODEL_NAME = flags.DEFINE_string("model_name", "", "Value of the records' 'model' field (default: folder name).")
 _SAVE_LOGPROBS = flags.DEFINE_bool("save_logprobs", False, "Also write token_ids and per-token logprobs.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
-_BACKEND = flags.DEFINE_enum("backend", "jax", ["jax", "vllm", "server"], "jax (in-process sampler), vllm (starts "
-                             "vllm serve from its own environment, or --server_url of a running vLLM) or server "
-                             "(any OpenAI-compatible server at --server_url, e.g. launchers.serve).")
-_SERVER_URL = flags.DEFINE_string("server_url", None, "URL of a running server (--backend=server, or vllm).")
-_BACKEND_KWARGS = flags.DEFINE_string("backend_kwargs", "{}", "JSON options of the backend (vllm: python, "
-                                      "tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
-                                      "max_lora_rank, extra_args; server: concurrency).")
 
 
 def main(argv):
@@ -64,11 +58,7 @@ def main(argv):
     for flag in (_PROBLEMS, _MODEL, _OUT):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
-    backend_kwargs = json.loads(_BACKEND_KWARGS.value)
-    if _SERVER_URL.value:
-        backend_kwargs["url"] = _SERVER_URL.value
-    if _BACKEND.value == "server" and "url" not in backend_kwargs:
-        raise app.UsageError("--backend=server needs --server_url")
+    backend, backend_kwargs = backend_options()
     cfg = RolloutConfig(problems=_PROBLEMS.value, model=_MODEL.value, out=_OUT.value, adapter=_ADAPTER.value,
                         num_samples=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                         top_k=_TOP_K.value, max_new_tokens=_MAX_NEW_TOKENS.value,
@@ -78,7 +68,7 @@ def main(argv):
                         reward=_REWARD.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value,
                         on_overlong=_ON_OVERLONG.value, dtype=_DTYPE.value, limit=_LIMIT.value,
                         model_name=_MODEL_NAME.value, save_logprobs=_SAVE_LOGPROBS.value,
-                        progress=_PROGRESS.value, backend=_BACKEND.value, backend_kwargs=backend_kwargs)
+                        progress=_PROGRESS.value, backend=backend, backend_kwargs=backend_kwargs)
     from jaxrl.rollout.backends import ServerError
     from jaxrl.rollout.writer import ResumeError
     try:

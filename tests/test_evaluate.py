@@ -341,19 +341,13 @@ def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_pat
     assert results["models"] == env["results"]["models"]
 
 
-def test_vllm_backend_is_import_safe_and_says_how_to_install(env, tmp_path):
-    """The optional backend cannot run here (no GPU, no vllm): constructing it and rendering its command must
-    work without vllm, and using it must fail with the install hint, not an obscure error."""
-    from jaxrl.rollout.backends import make_backend
-    from jaxrl.evaluation.runner import ModelSpec
-    try:
-        import vllm  # noqa: F401
-        pytest.skip("vllm is installed; this checks the message a machine without it gets")
-    except ImportError:
-        pass
-    backend = make_backend("vllm", base_dir=env["model_dir"], out_dir=str(tmp_path), max_prompt_len=192,
-                           max_new_tokens=CAP, stop_ids=(0, 1), seed=3)
-    cmd = backend.command(env["merged"])
-    assert cmd.startswith("vllm serve ") and f"--max-model-len {192 + CAP}" in cmd and "--seed 3" in cmd
-    with pytest.raises(ImportError, match="pip install"):
-        backend.load(ModelSpec("base", "base"))
+def test_vllm_backend_without_its_environment_fails_before_any_work(env, tmp_path):
+    """vLLM runs from its own environment (docs/vllm.md); without one, the evaluator refuses to start with the two
+    lines that make it, and nothing is written."""
+    from jaxrl.rollout.backends import ServerError
+    from jaxrl.rollout.backends.vllm_backend import ENV_RECIPE
+    out = tmp_path / "eval_vllm"
+    with pytest.raises(ServerError, match="no vLLM environment at") as e:
+        evaluator(env, out, backend="vllm", backend_kwargs={"python": str(tmp_path / "no_venv")})
+    assert all(line in str(e.value) for line in ENV_RECIPE)
+    assert not (out / "cache").exists()

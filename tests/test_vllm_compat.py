@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 
-import numpy as np
 import pytest
 from safetensors import safe_open
 

@@ -19,9 +19,11 @@ Honesty rules this module enforces:
 
 * Every model is scored on the same prompts, tokenised once with the base's tokenizer and chat template, with the
   same sample keys (seed, problem id, sample index): differences are paired, and random streams are shared.
-* Every model's weights are fingerprinted (sha256 of its language tower as served; `jaxrl.export.audit`) and the
+* Every model's weights are fingerprinted (sha256 of its language tower, an adapter merged in the stored dtype:
+  a label of base + adapter, which every backend serves unmerged; `jaxrl.export.audit`) and the
   fingerprint is stored in results.json; the digest of the adapter the backend REALLY carries is read back from
-  the loaded model and must equal the file's. Two models with identical language weights raise a warning.
+  the loaded model and must equal the file's. Two models with identical language weights raise a warning, and so
+  does a merged export whose merge rounded its adapter's update away (`merge_fidelity`, jaxrl.export.merge).
 * Resumable: a killed evaluation continues where it stopped. The cache of a model is bound to its fingerprint,
   the sampling settings, the reward and the backend (`CACHE_KEYS`); resuming with other values is refused, so
   samples of different weights or settings are never mixed. A cached sample whose problem changed (tests
