@@ -102,6 +102,7 @@ def test_bf16_merge_records_the_lost_update_and_warns(small_update, tmp_path, ca
     assert on_disk["merge_dtype"] == "stored" and is_lossy(on_disk)
 
 
+@pytest.mark.slow
 def test_float32_merge_keeps_the_update(small_update, tmp_path, caplog):
     """--merge_dtype=float32 through the launcher: adapted tensors stored in fp32 (the rest as in the base), the
     merged model's logits equal the base + unmerged adapter's within 1e-5."""

@@ -200,8 +200,11 @@ def test_stop_ids_and_logprobs(env):
 
     from jaxrl.export.adapters import detach
     detach(env["model"])  # the base (jax_backend() attaches adapters to the shared model object)
+    from flax import nnx
+    graphdef, state = nnx.split(env["model"])
     ids = jnp.asarray([env["prompts"][0] + full], jnp.int32)
-    logp = jax.nn.log_softmax(env["model"](ids).astype(jnp.float32), axis=-1)[0]
+    logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)  # one compile, not one per eager op
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)[0]
     p = len(env["prompts"][0])
     teacher = [float(logp[p - 1 + k, t]) for k, t in enumerate(full)]
     got = max(free, key=lambda c: len(c["token_ids"]))["logprobs"]["token_logprobs"]
@@ -346,3 +349,28 @@ def test_missing_old_or_foreign_servers_and_vllm_environments_fail_clearly(env, 
                        startup_timeout_s=60)
     with pytest.raises(ServerError, match="(?s)exited with code 1 before it was ready.*No module named 'vllm'"):
         dying.start(env["base"], 100)
+
+
+def test_rollout_launcher_on_the_server_backend(env, tmp_path):
+    """`launchers.rollout --backend=server --server_url=...` writes what the in-process jax backend writes."""
+    from jaxrl.rollout.runner import RolloutConfig, run_rollouts
+    flags = dict(problems=env["problems"], model=env["base"], num_samples=N, temperature=1.0, max_new_tokens=CAP,
+                 max_prompt_len=PROMPT_LEN, reward=REWARD, batch_size=BATCH, seed=2, dtype="float32")
+    out = tmp_path / "cli.jsonl"
+    argv = [f"--{k}={v}" for k, v in flags.items()] + [f"--prompt_buckets={PROMPT_LEN}", f"--out={out}",
+                                                       "--backend=server", f"--server_url={env['url']}",
+                                                       "--noprogress"]
+    run = lambda args: subprocess.run([sys.executable, "-m", "launchers.rollout", *args], cwd=ROOT,  # noqa: E731
+                                      capture_output=True, text=True, timeout=600,
+                                      env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    proc = run(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = tmp_path / "jax.jsonl"
+    run_rollouts(RolloutConfig(out=str(ref), prompt_buckets=(PROMPT_LEN,), progress=False, **flags),
+                 tokenizer=env["tok"])
+    assert out.read_text() == ref.read_text()
+    proc = run([a for a in argv if not a.startswith("--server_url")] + [f"--out={tmp_path / 'x.jsonl'}"])
+    assert proc.returncode != 0 and "--backend=server needs --server_url" in proc.stderr
+    # resuming the file with the jax backend is refused: the two backends' samples are never mixed
+    proc = run([a for a in argv if not a.startswith(("--backend", "--server_url"))])
+    assert proc.returncode == 1 and "backend: 'server' -> None" in proc.stderr, proc.stderr[-2000:]
