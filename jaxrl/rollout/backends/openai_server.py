@@ -43,7 +43,9 @@ from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
 logger = logging.getLogger(__name__)
 
 TARGET_VLLM = (0, 33)  # the vLLM version this module's requests, seeds and LoRA handling are written against
-SEED_BITS, SAMPLE_BITS = 20, 12  # packed seed: group id (32 bits) | seed (SEED_BITS) | sample index (SAMPLE_BITS)
+# packed seed: group id (32 bits) | seed (SEED_BITS) | sample index (SAMPLE_BITS), 63 bits: always a non-negative
+# int64 (vLLM reads seed -1 as "no seed", vllm/sampling_params.py:570-571)
+SEED_BITS, SAMPLE_BITS = 19, 12
 JAXRL_SERVER = "jaxrl"  # the "server" field of the JAX server's /version (vLLM's has only "version")
 
 
@@ -56,7 +58,7 @@ class ServerError(RuntimeError):
 
 def request_seed(seed: int, group_id: int, sample_index: int = 0) -> int:
     """The int64 `seed` of a request whose sample 0 is sample `sample_index` of (seed, group id): bits
-    group id (32) | seed (SEED_BITS) | sample index (SAMPLE_BITS), as a signed int64 (vLLM's accepted range)."""
+    group id (32) | seed (SEED_BITS) | sample index (SAMPLE_BITS), in [0, 2**63)."""
     seed, group_id, sample_index = int(seed), int(group_id) % 2 ** 32, int(sample_index)
     if not 0 <= seed < 2 ** SEED_BITS:
         raise ValueError(f"seed {seed}: server backends pack the seed into {SEED_BITS} bits of the request seed "
@@ -64,14 +66,14 @@ def request_seed(seed: int, group_id: int, sample_index: int = 0) -> int:
     if not 0 <= sample_index < 2 ** SAMPLE_BITS:
         raise ValueError(f"sample index {sample_index}: server backends draw at most {2 ** SAMPLE_BITS} samples "
                          "per prompt (SAMPLE_BITS of the request seed)")
-    value = (group_id << 32) | (seed << SAMPLE_BITS) | sample_index
-    return value - 2 ** 64 if value >= 2 ** 63 else value
+    return (group_id << (SEED_BITS + SAMPLE_BITS)) | (seed << SAMPLE_BITS) | sample_index
 
 
 def split_request_seed(value: int) -> tuple[int, int, int]:
-    """(seed, group id, sample index) of a request seed (`request_seed` inverted; any int64 maps to one)."""
-    value = int(value) % 2 ** 64
-    return (value >> SAMPLE_BITS) & (2 ** SEED_BITS - 1), value >> 32, value & (2 ** SAMPLE_BITS - 1)
+    """(seed, group id, sample index) of a request seed (`request_seed` inverted; any integer maps to one)."""
+    value = int(value) % 2 ** 63
+    return ((value >> SAMPLE_BITS) & (2 ** SEED_BITS - 1), value >> (SEED_BITS + SAMPLE_BITS),
+            value & (2 ** SAMPLE_BITS - 1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,8 +308,10 @@ class ServerBackend:
 
     # --------------------------------------------------------------------------------------------- generation
     def request(self, prompt: Sequence[int], group_id: int, sampling: SamplingParams) -> dict:
-        """The /v1/completions body of one prompt (module docstring)."""
-        return {"model": self._model, "prompt": [int(t) for t in prompt], "n": int(sampling.n),
+        """The /v1/completions body of one prompt (module docstring). Greedy asks for one completion: vLLM refuses
+        n > 1 at temperature 0 (vllm/sampling_params.py:769-773), and greedy samples are all the same one."""
+        n = 1 if float(sampling.temperature) == 0.0 else int(sampling.n)
+        return {"model": self._model, "prompt": [int(t) for t in prompt], "n": n,
                 "max_tokens": int(sampling.max_new_tokens), "temperature": float(sampling.temperature),
                 "top_p": float(sampling.top_p), "top_k": int(sampling.top_k),
                 "seed": request_seed(sampling.seed, group_id), "stop_token_ids": list(self.stop_ids),
@@ -342,6 +346,8 @@ class ServerBackend:
             results = list(pool.map(self._post_completion, bodies, range(len(bodies))))
         rows = []
         for j, choices in enumerate(results):
+            if len(choices) < sampling.n:  # greedy: the one completion is every sample
+                choices = choices * int(sampling.n)
             for i, choice in enumerate(choices):
                 rows.append(self._generation(choice, j, i))
         return rows
