@@ -4,7 +4,8 @@
   ``section 2.1``, ``docs/algorithms.md 2.2``) is a numbered heading of that document.
 * A ``§`` citation in a source file is unambiguous: the file names the document it cites.
 * Every relative link in README.md and docs/*.md resolves, anchors included (GitHub's heading slugs).
-* Every repository path and every ``python -m`` module that README.md and docs/ name exists.
+* Every repository path, every ``python -m`` module and every dotted ``jaxrl.`` name that README.md and docs/
+  name exists (dotted names are imported).
 * The config tables of docs/config.md list every key of the config files with its value there.
 
 After changing a config, refresh the default column of docs/config.md (meanings are kept; a new key gets an
@@ -40,6 +41,7 @@ _LINK = re.compile(r"(?<!!)\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*
 _REPO_PATH = re.compile(r"(?<![\w/.$-])((?:jaxrl|launchers|configs|benchmarks|tests|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_])")
 _MODULE = re.compile(r"python3?\s+-m\s+([A-Za-z_][\w.]*)")
 _OUR_PACKAGES = ("jaxrl", "launchers", "configs", "benchmarks", "tests")
+_DOTTED = re.compile(r"(?<![\w/.-])(jaxrl(?:\.[A-Za-z_]\w*)+)(?![\w/])")
 
 # Source files that cite "docs §N" without naming the document. Empty this set as the files are fixed; the test
 # fails both on a new such file and on a listed file that no longer needs to be listed.
@@ -204,6 +206,35 @@ def mention_problems(md_files: Sequence[Path], root: Path) -> list[str]:
     return problems
 
 
+def resolve_dotted(name: str) -> str | None:
+    """None when `name` (jaxrl.pkg.module.attr...) imports and its attributes exist, else what is missing."""
+    import importlib
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module)
+            break
+        except ModuleNotFoundError as e:
+            if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+                raise  # a dependency of the module is missing, not the module
+    for j, attr in enumerate(parts[i:], i):
+        if not hasattr(obj, attr):
+            return f"{'.'.join(parts[:j])} has no {attr}"
+        obj = getattr(obj, attr)
+    return None
+
+
+def dotted_name_problems(md_files: Sequence[Path], root: Path) -> list[str]:
+    problems = []
+    for f in md_files:
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            for name in _DOTTED.findall(line):
+                if (why := resolve_dotted(name)) is not None:
+                    problems.append(f"{_rel(f, root)}:{i}: {name}: {why}")
+    return problems
+
+
 # --------------------------------------------------------------------------------------- config tables
 
 # docs/config.md holds one table after each marker `<!-- config-table: NAME -->`. NAME -> (config module, the keys
@@ -356,6 +387,11 @@ def test_named_paths_and_modules_exist():
     assert not problems, "\n".join(problems)
 
 
+def test_named_python_objects_exist():
+    problems = dotted_name_problems(doc_files(), ROOT)
+    assert not problems, "\n".join(problems)
+
+
 def test_config_tables_match_the_configs():
     problems = table_problems(parse_tables(CONFIG_DOC.read_text(encoding="utf-8")), expected_tables())
     assert not problems, "\n".join(problems) + "\n(refresh the values with: python tests/test_docs.py --write)"
@@ -427,6 +463,16 @@ def test_mention_checker(tree):
                   "python -m pip install x; jaxrl/fake_*.py, jaxrl/NAME.py, python -m jaxrl.NAME\n", encoding="utf-8")
     assert mention_problems([md], tree) == ["docs/page.md:1: jaxrl/fake.py does not exist",
                                             "docs/page.md:1: python -m jaxrl.fake: no such module"]
+
+
+def test_dotted_name_checker(tree):
+    md = tree / "docs" / "api.md"
+    md.write_text("`jaxrl.train.checkpoints.load_adapter`, jaxrl.train.run_training, format jaxrl.splits/1;\n"
+                  "jaxrl.train.checkpoints.no_such_function and jaxrl.train.no_such_module.\n", encoding="utf-8")
+    assert dotted_name_problems([md], tree) == [
+        "docs/api.md:2: jaxrl.train.checkpoints.no_such_function: jaxrl.train.checkpoints has no no_such_function",
+        "docs/api.md:2: jaxrl.train.no_such_module: jaxrl.train has no no_such_module",
+    ]
 
 
 def test_config_table_checker_and_writer():
