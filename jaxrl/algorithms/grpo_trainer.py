@@ -224,7 +224,7 @@ class GRPOTask(online.OnlineTask):
         if not self.on_policy:
             buffer["old_logp"] = old
         if self.beta != 0.0 and old is not None:
-            kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], self.g["kl_estimator"]))
+            kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], self.g["kl_estimator"], mask=s.completion_mask))
             metrics["rollout/kl_ref"] = float((kl * s.completion_mask).sum() / max(s.completion_mask.sum(), 1.0))
         return buffer, metrics
 
