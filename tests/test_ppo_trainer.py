@@ -150,6 +150,7 @@ def test_resume_inside_a_rollout_gives_identical_adapters(tmp_path):
 # ------------------------------------------------------------------------------------------------- KL controller
 
 
+@pytest.mark.slow  # ~30-50 s on two cores: a rollout and its teacher-forced passes compile
 def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
     """verl and OpenRLHF feed the controller the mean over sequences of each sequence's token-mean KL (so a few
     long completions do not dominate it). A real rollout with ragged completions (temperature 1 reaches the stop
