@@ -27,7 +27,9 @@ normalisers of the whole accumulated batch):
 
 Summed over micro-batches this is exactly TRL's full-batch ``sum_k w_k * mean_i loss_k[i]`` with the SFT term a
 token mean over the whole batch. ``aot`` / ``aot_unpaired`` sort across the pairs they are given, so they see
-only their micro-batch (as in TRL, where they sort within a device batch).
+only their micro-batch (as in TRL, where they sort within a device batch): their update depends on the
+micro-batch size, and at one pair per micro-batch they are plain smoothed sigmoid DPO (the DPO trainer refuses
+that).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class LossSpec(NamedTuple):
     f_divergence: bool = False  # valid with a non-reverse_kl score transform
     reference_free: bool = False  # ignores the reference log-probs
     needs_lengths: bool = False  # needs chosen_lengths / rejected_lengths
+    across_pairs: bool = False  # couples the pairs it is given (sorts them): depends on the micro-batch size
 
 
 # Plug-ins get the permissive spec: they may read anything in PairInputs.
@@ -259,14 +262,14 @@ def sppo_hard_loss(p: PairInputs) -> jax.Array:
     return (p.chosen_logratios - half) ** 2 + (p.rejected_logratios + half) ** 2
 
 
-@register_loss("aot", label_smoothing=True)
+@register_loss("aot", label_smoothing=True, across_pairs=True)
 def aot_loss(p: PairInputs) -> jax.Array:
     """AOT paired (Melnyk et al. 2024): delta = sort_B(pi_w - pi_l) - sort_B(ref_w - ref_l); smoothed sigmoid."""
     d = jnp.sort(p.chosen_logps - p.rejected_logps) - jnp.sort(p.ref_chosen_logps - p.ref_rejected_logps)
     return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
 
 
-@register_loss("aot_unpaired", label_smoothing=True)
+@register_loss("aot_unpaired", label_smoothing=True, across_pairs=True)
 def aot_unpaired_loss(p: PairInputs) -> jax.Array:
     """AOT unpaired: delta = sort_B(r_w) - sort_B(r_l); smoothed sigmoid."""
     d = jnp.sort(p.chosen_logratios) - jnp.sort(p.rejected_logratios)

@@ -33,6 +33,7 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -276,6 +277,28 @@ def preference_summary(chosen, rejected, ref_chosen, ref_rejected, objective: DP
     return {prefix + k: float(v) for k, v in out.items()}
 
 
+def check_pair_coupled_losses(loss_types: Sequence[str], micro_batch_size: int, grad_accum: int) -> None:
+    """Losses that sort the pairs of a micro-batch (aot, aot_unpaired) see only that micro-batch.
+
+    With one pair there is nothing to sort and they silently become smoothed sigmoid DPO, which is never what a
+    user asked for: refused. From two pairs on they are what TRL computes (it sorts within a device batch), but
+    the update then depends on the split of the global batch, not only on the batch itself: a warning.
+    """
+    coupled = [n for n in loss_types if n != "sft" and dpo_lib.loss_spec(n).across_pairs]
+    if not coupled:
+        return
+    if micro_batch_size < 2:
+        total = micro_batch_size * grad_accum
+        raise ValueError(
+            f"dpo.loss_type={','.join(loss_types)!r}: {' and '.join(coupled)} sorts the pairs of each micro-batch, "
+            f"and batch.micro_batch_size={micro_batch_size} leaves one pair to sort, so it would be plain smoothed "
+            f"sigmoid DPO. Use batch.micro_batch_size >= 2 (batch.micro_batch_size={total} batch.grad_accum=1 keeps "
+            f"the global batch of {total} pairs), or loss_type 'sigmoid' / 'robust' with dpo.label_smoothing")
+    warnings.warn(f"dpo.loss_type {' and '.join(coupled)} sorts the {micro_batch_size} pairs of each micro-batch: the "
+                  f"update depends on batch.micro_batch_size, not only on the global batch (as in TRL, which sorts "
+                  f"within a device batch)", UserWarning, stacklevel=3)
+
+
 # ------------------------------------------------------------------------------------------------- data
 
 
@@ -361,6 +384,8 @@ class DPOTask:
         self.compile_options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
 
         self.objective = self._build_objective(dcfg)  # first: a broken plug-in or loss fails before data work
+        check_pair_coupled_losses(self.objective.loss_types, int(config.batch.micro_batch_size),
+                                  int(config.batch.grad_accum))
         self.precompute = self.objective.reference == "batch"
 
         self.train, self.eval = self._build_data(model)

@@ -418,7 +418,7 @@ def grpo_loss(
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")
-        kl = kl_lib.kl(logp, ref_logp, kl_estimator)
+        kl = kl_lib.kl(logp, ref_logp, kl_estimator, mask=mask)
         per_token = per_token + beta * kl
         per_token_metrics["kl"] = sg(kl)
     w = token_weights(mask, aggregation, normalizers)

@@ -106,7 +106,19 @@ def kl_k3_plus(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "k3+")
 
 
-def kl(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
-    """Per-token KL estimate by registry name (built-ins above, or a loaded ``kl`` plug-in)  -> [B, T] float32."""
+def kl(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3", mask: jax.Array | None = None) -> jax.Array:
+    """Per-token KL estimate by registry name (built-ins above, or a loaded ``kl`` plug-in)  -> [B, T] float32.
+
+    ``mask`` (same shape, 0 = padding): the estimator sees ``logp == ref_logp == 0`` at padded positions, so the
+    result is 0 there and so is its gradient. Masking only the result is not enough: padding may hold any
+    log-prob (k3's ``exp(ref_logp - logp)`` overflows once ``logp`` < ~-88), and an inf there turns the zero
+    cotangent of the masked loss into a NaN gradient.
+    """
+    if mask is not None:
+        keep = jnp.asarray(mask) != 0
+        logp = jnp.where(keep, jnp.asarray(logp, jnp.float32), 0.0)
+        ref_logp = jnp.where(keep, jnp.asarray(ref_logp, jnp.float32), 0.0)
     out = registry.get("kl", estimator)(logp, ref_logp)
+    if mask is not None:
+        out = jnp.where(keep, out, 0.0)
     return jnp.asarray(out, jnp.float32)

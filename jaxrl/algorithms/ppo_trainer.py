@@ -14,8 +14,9 @@ sampling temperature, old values) and one with them off (reference log-probs) ->
 whitening (scale only) -> GAE (`gamma`, `lam`) -> advantage whitening over the rollout. The rollout is then
 trained on for `epochs` passes of `minibatches` minibatches (each one global batch, one optimizer update), so
 N = minibatches x B_global. The KL coefficient starts at `init_kl_coef` and, with `adaptive_kl`, follows the
-Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout from its mean per-token KL,
-n_steps = N); it is host state saved with every checkpoint.
+Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout from the mean over sequences
+of each sequence's token-mean KL, as verl and OpenRLHF; n_steps = N); it is host state saved with every
+checkpoint.
 
 Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
 `vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. A NaN/inf
@@ -24,7 +25,8 @@ loss or gradient skips the update (the training core's non-finite masking, count
 Metrics per step: from the loss `pg_loss`, `vf_loss`, `clip_fraction`, `vf_clip_fraction`, `approx_kl` (to the
 behaviour policy), `ratio`, `entropy`; from the rollout `reward/*`, `completion/*`, `advantage/*` (before
 whitening), `value/mean`, `return/mean`, `explained_variance` (old values vs returns), `rollout/kl` (token mean
-of the KL estimate to the reference), `rollout/kl_sequence` (its per-sequence sum, averaged), `kl_coef` (the
+of the KL estimate to the reference), `rollout/kl_sequence` (its per-sequence sum, averaged),
+`rollout/kl_sequence_mean` (its per-sequence mean, averaged: what the adaptive controller steers), `kl_coef` (the
 coefficient the rollout used), and on the rollout's first step `time/{sample_s,score_s,policy_pass_s,
 ref_logp_s,rollout_s}`.
 """
@@ -57,7 +59,7 @@ PPO_DEFAULTS = dict(
     top_k=0,
     init_kl_coef=0.05,
     adaptive_kl=False,  # TRL: fixed; True: Ziegler et al. (verl / OpenRLHF)
-    kl_target=0.1,  # per-token KL the adaptive controller steers to
+    kl_target=0.1,  # KL the adaptive controller steers to: mean over sequences of their token-mean KL (verl)
     kl_horizon=10000.0,
     kl_estimator="k1",  # k1 | k3 (or any registered kl)
     gamma=1.0,
@@ -250,10 +252,16 @@ class PPOTask(online.OnlineTask):
         m = mask > 0
         n_tok = max(int(m.sum()), 1)
         token_kl = float(np.where(m, kl, 0.0).sum() / n_tok)
+        lengths = m.sum(-1)
+        has_tokens = lengths > 0
+        # verl and OpenRLHF: each sequence's token mean, averaged over the sequences (with a token under the loss)
+        sequence_kl = float((np.where(m, kl, 0.0).sum(-1)[has_tokens] / lengths[has_tokens]).mean()
+                            if has_tokens.any() else 0.0)
         metrics.update({
             "kl_coef": kl_coef,
             "rollout/kl": token_kl,
             "rollout/kl_sequence": float(np.where(m, kl, 0.0).sum(-1).mean()),
+            "rollout/kl_sequence_mean": sequence_kl,
             "advantage/mean": float(raw_adv[m].mean()) if m.any() else 0.0,
             "advantage/std": float(raw_adv[m].std()) if m.any() else 0.0,
             "advantage/min": float(raw_adv[m].min()) if m.any() else 0.0,
@@ -262,8 +270,9 @@ class PPOTask(online.OnlineTask):
             "return/mean": float(ret[m].mean()) if m.any() else 0.0,
             "explained_variance": float(ppo_lib.explained_variance(cur["values"], ret, mask)),
         })
-        # The controller sees the mean per-token KL of this rollout (verl); n_steps = samples in it.
-        self.kl_coef = float(self.controller.update(np.float32(kl_coef), np.float32(token_kl), len(scores)))
+        # The controller sees the mean over sequences of each one's token-mean KL (verl, OpenRLHF), so a few long
+        # completions do not dominate it; n_steps = samples in the rollout.
+        self.kl_coef = float(self.controller.update(np.float32(kl_coef), np.float32(sequence_kl), len(scores)))
         if not np.isfinite(self.kl_coef):
             logging.warning("rollout %d: the KL controller produced %s; keeping %s", rollout, self.kl_coef, kl_coef)
             self.kl_coef = kl_coef
