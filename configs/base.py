@@ -7,7 +7,7 @@ Run (any config file, any key overridable on the command line):
         --config.model_path=/models/Qwen3.5-4B --config.algorithm=sft --config.data.path=tokens.jsonl \
         --config.data.source=jsonl
 
-Defaults follow the users' earlier stack (seed/000 report): LoRA r16/alpha32 on all linear projections,
+Defaults follow the users' earlier stack (the users' report): LoRA r16/alpha32 on all linear projections,
 checkpoints every 4 optimizer steps, AdamW with a linear decay, micro-batch 1 x grad_accum 8.
 """
 

@@ -19,7 +19,7 @@ environment (JAXRL_QWEN35_4B_BASE, JAXRL_QWEN35_4B_M0, JAXRL_QWEN35_9B_BASE, JAX
 from `pairs=` or `--config.data.pairs=` (a frozen cohort folder is sha256-verified at start). Left empty, the
 run stops before training with an error naming the key.
 
-The users' runs (seed/000 report). The report omits the configuration blocks of two runs; values marked
+The users' runs (the users' report). The report omits the configuration blocks of two runs; values marked
 "inferred" are reconstructed from what it says changed between runs:
 
     # 1. initial M0-v4 formal comparison (inferred: lr 1e-6, beta 0.05, length 2048; the 9B "tuned" run lowered

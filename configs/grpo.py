@@ -19,7 +19,7 @@ model_path and data.problems must be set: model_path from `--config.model_path=`
 (JAXRL_QWEN35_4B_BASE, JAXRL_QWEN35_4B_M0, JAXRL_QWEN35_9B_BASE, JAXRL_QWEN35_9B_M0), data.problems from
 `problems=` or `--config.data.problems=` (a problems.jsonl; `python -m launchers.import_problems` writes one).
 
-The users' runs (seed/000 report). Values the report does not state are marked "inferred":
+The users' runs (the users' report). Values the report does not state are marked "inferred":
 
     # 4B Base GRPO: lr 5e-6, beta 0.01, K = 8, 20 prompts per step, 4,096-token completions, 1,000 random
     # prompts (steps 50 = one pass; the users stopped at step 39)

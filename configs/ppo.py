@@ -17,7 +17,7 @@ over all of them:
 model_path and data.problems must be set (as in configs/grpo.py: `--config.model_path=` or JAXRL_QWEN35_<4B|9B>_
 <BASE|M0>, and `problems=` / `--config.data.problems=`).
 
-The users' runs (seed/000 report: PPO at initial KL coefficient 0.05 and 0.1; the 4B M0 run completed 125 steps
+The users' runs (the users' report: PPO at initial KL coefficient 0.05 and 0.1; the 4B M0 run completed 125 steps
 after skipping eight non-finite updates). Values the report does not state are "inferred": lr 1e-6, TRL's PPO
 defaults (fixed KL controller, k1 estimator, clip 0.2, value clip 0.2, vf_coef 0.1, gamma 1, lambda 0.95,
 4 epochs), 32 prompts per rollout x 1 sample (125 steps / 4 epochs x 32 = the 1,000-prompt cohort once),

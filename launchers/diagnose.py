@@ -5,7 +5,7 @@
     python -m launchers.diagnose --what=diff --workdir=runs/dpo --model_a=base --model_b=step_28
     python -m launchers.diagnose --what=pairs --pairs=pairs/pairs.jsonl --problems=problems.jsonl --workdir=runs/dpo
     python -m launchers.diagnose --what=drift --base_model=HF_DIR --adapters=runs/dpo/export/steps \
-        --prompts=problems.jsonl --workdir=runs/dpo
+        --problems=problems.jsonl --workdir=runs/dpo
 
 Output: ``--out``, default ``WORKDIR/diagnostics/<what>.json`` (the report picks it up from there). Formats:
 ``jaxrl/diagnostics/formats.py`` and the docstring of each diagnostic module.

@@ -277,7 +277,7 @@ def qwen35_4b() -> Qwen35Config:
 
 
 def tiny(**overrides) -> Qwen35Config:
-    """The tiny shape of docs §5 (4 layers: linear, full, linear, full)."""
+    """The tiny shape of docs/qwen35-architecture.md §5 (4 layers: linear, full, linear, full)."""
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
