@@ -184,7 +184,7 @@ class Demo:
     # -- 2
     def make_tasks(self) -> str:
         from jaxrl.data.problems import load_problems
-        from jaxrl.data.jsonl import write_jsonl
+        from jaxrl.utils.io import write_jsonl
         for split, n in (("train", self.s.train_problems), ("eval", self.s.eval_problems)):
             if not self.p[split].exists():
                 write_jsonl(self.p[split], make_problems(n, self.s.seed, split))
@@ -192,7 +192,7 @@ class Demo:
         return f"{self.s.train_problems} training and {self.s.eval_problems} held-out prompts"
 
     def warm_up(self) -> str:
-        from jaxrl.data.jsonl import write_jsonl
+        from jaxrl.utils.io import write_jsonl
         from jaxrl.export import export_checkpoint
         from jaxrl.rollout.chat import load_tokenizer
         from configs import base as base_config

@@ -42,7 +42,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not _SWEEP_DIR.value:
         raise app.UsageError("--sweep_dir is required")
-    from jaxrl.data.jsonl import JsonlError
+    from jaxrl.utils.io import JsonlError
     from jaxrl.diagnostics.formats import FormatError
     from jaxrl.sweep.compare import write_comparison
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxrl.data.jsonl import JsonlError, read_jsonl, write_jsonl
+from jaxrl.utils.io import JsonlError, read_jsonl, write_jsonl
 from jaxrl.diagnostics import formats
 
 _WHAT = flags.DEFINE_enum("what", None, ["drift", "pairs", "diff", "termination", "curves"], "Which diagnostic.")

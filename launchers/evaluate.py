@@ -115,7 +115,7 @@ def build_config():
 
 def termination(ev, results, cap: int) -> str:
     """Re-samples the truncated completions of every model at `cap`; writes <out>/termination.json."""
-    from jaxrl.data.jsonl import atomic_write_json
+    from jaxrl.utils.io import atomic_write_json
     from jaxrl.diagnostics import formats
     from jaxrl.diagnostics.termination import resample_truncated, termination_analysis
     samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in results["models"]}

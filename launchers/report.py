@@ -13,7 +13,7 @@ import sys
 
 from absl import app, flags
 
-from jaxrl.data.jsonl import JsonlError
+from jaxrl.utils.io import JsonlError
 from jaxrl.diagnostics.formats import FormatError
 from jaxrl.diagnostics.report import build_report
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jaxrl.data.jsonl import JsonlError, write_jsonl
+from jaxrl.utils.io import JsonlError, write_jsonl
 from jaxrl.diagnostics import formats
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results

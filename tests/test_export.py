@@ -22,9 +22,10 @@ from flax import nnx
 from jaxrl.export import export_checkpoint
 from jaxrl.export.adapters import Adapter, AdapterError, read_adapter, write_adapter_checkpoint
 from jaxrl.export.audit import FolderSource, MergedSource, fingerprint
-from jaxrl.export.peft import LAYOUT_PREFIXES, LayoutError, atomic_folder, export_peft, load_peft_adapter
+from jaxrl.export.peft import LAYOUT_PREFIXES, LayoutError, export_peft, load_peft_adapter
 from jaxrl.models import qwen35
 from jaxrl.models.lora import ALL_LINEAR, _linears
+from jaxrl.utils.io import atomic_folder
 
 TOL = 1e-4  # fp32 logits, absolute (logits are O(1) here; observed ~2e-5)
 

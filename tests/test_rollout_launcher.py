@@ -10,7 +10,7 @@ import pytest
 
 import jax.numpy as jnp
 
-from jaxrl.data.jsonl import read_jsonl
+from jaxrl.utils.io import read_jsonl
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny
 from jaxrl.rollout.chat import PromptTooLongError, load_tokenizer

@@ -313,7 +313,7 @@ def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
 
 def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[list, Optional[dict]]:
     """Encoded pairs of a pairs file / cohort (text or pre-tokenised) and the cohort manifest, if any."""
-    from jaxrl.data.jsonl import read_jsonl
+    from jaxrl.utils.io import read_jsonl
     from jaxrl.data.pairs import read_pairs, read_problem_messages
     file, manifest = resolve_pairs_path(path)
     records = read_jsonl(file)
@@ -482,7 +482,7 @@ class DPOTask:
     def _reference(self, trainer, seqs: dpo_data.PairSequences, name: str) -> dict[str, np.ndarray]:
         """Reference log-probs of `seqs` from `<workdir>/<name>` when its fingerprint matches, else computed
         with the adapters off and written there (atomically)."""
-        from jaxrl.data.jsonl import atomic_write_bytes
+        from jaxrl.utils.io import atomic_write_bytes
         path = os.path.join(trainer.workdir, name)
         want = json.loads(json.dumps(self.fingerprint(seqs), sort_keys=True))  # as read back (tuples -> lists)
         if os.path.exists(path):
@@ -521,7 +521,7 @@ class DPOTask:
             if self.eval is not None:
                 self.eval_ref = self._reference(trainer, self.eval, "eval_" + REF_CACHE)
         if is_main_process():
-            from jaxrl.data.jsonl import atomic_write_json
+            from jaxrl.utils.io import atomic_write_json
             info = {**self.stats, "train_pairs": len(self.train), "eval_pairs": 0 if self.eval is None else
                     len(self.eval), "global_batch": self.global_batch,
                     "steps_per_epoch": len(self.train) / self.global_batch,

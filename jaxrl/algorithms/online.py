@@ -529,7 +529,7 @@ class RolloutStore:
 
     def save(self, rollout: int, arrays: dict, meta: dict) -> str:
         if is_main_process():
-            from jaxrl.data.jsonl import atomic_write_bytes
+            from jaxrl.utils.io import atomic_write_bytes
             atomic_write_bytes(self.path(rollout), _npz_bytes(arrays, meta))
         return os.path.basename(self.path(rollout))
 

@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from jaxrl.data.problems import Problem, atomic_write_bytes, load_problems, problems_jsonl_bytes
+from jaxrl.data.problems import Problem, load_problems, problems_jsonl_bytes
+from jaxrl.utils.io import atomic_write_bytes
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxrl.splits/1"

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_text
+from jaxrl.utils.io import atomic_write_text
 from jaxrl.diagnostics import flags as F
 from jaxrl.diagnostics import plots
 from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text, iter_jsonl
+from jaxrl.utils.io import atomic_write_json, atomic_write_text, iter_jsonl, repair_tail
 from jaxrl.diagnostics import formats
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
@@ -210,7 +210,7 @@ class Evaluator:
         self._adapters: dict = {}
         self.audit_report: Optional[dict] = None
         self._loaded: Optional[str] = None
-        from jaxrl.data.jsonl import sha256_file
+        from jaxrl.utils.io import sha256_file
         self.tokenizer_digest = _tokenizer_digest(cfg.base, sha256_file)
 
     # --------------------------------------------------------------------------------------------------- weights
@@ -287,7 +287,6 @@ class Evaluator:
 
     def _open_cache(self, name: str) -> dict[tuple[str, int], dict]:
         """Checks the cache's settings, repairs a torn last line, returns the usable cached records."""
-        from jaxrl.rollout.runner import repair_tail
         path = self.cache_path(name)
         meta_path = path.with_name(path.name + ".meta.json")
         settings = self.settings(name)

@@ -324,7 +324,7 @@ def main(argv=None) -> int:
         sources[name] = source_for(path, args.base)
     report = audit(sources, "base", pairwise=args.pairwise)
     if args.out:
-        from jaxrl.data.jsonl import atomic_write_json
+        from jaxrl.utils.io import atomic_write_json
         atomic_write_json(args.out, report)
     print(format_audit(report))
     return 0

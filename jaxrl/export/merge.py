@@ -21,7 +21,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxrl.export.adapters import Adapter, AdapterError
-from jaxrl.export.peft import PROVENANCE, atomic_folder
+from jaxrl.export.peft import PROVENANCE
+from jaxrl.utils.io import atomic_folder
 
 # safetensors dtype -> the jnp dtype that holds it exactly (for loading the base before writing it back).
 _EXACT_LOAD = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}

@@ -20,17 +20,15 @@ Export is a rename: our `A [r, in]` / `B [out, r]` are PEFT's tensors (fp32), no
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from typing import Optional
 
 import numpy as np
 
 from jaxrl.export.adapters import A_SUFFIX, B_SUFFIX, Adapter, AdapterError, attach, module_names
+from jaxrl.utils.io import atomic_folder
 
 logger = logging.getLogger(__name__)
 
@@ -113,31 +111,6 @@ def adapter_config(adapter: Adapter, targets: list[str], base_model_name_or_path
         "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {}, "use_dora": False, "lora_bias": False, "target_parameters": None,
     }
-
-
-@contextlib.contextmanager
-def atomic_folder(out_dir: str, overwrite: bool = False):
-    """Yields a temp sibling folder of `out_dir`, renamed onto `out_dir` when the block succeeds (removed when it
-    fails), so `out_dir` is always absent, the old complete export or the new complete one."""
-    out = os.path.abspath(out_dir)
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if os.path.exists(out):
-            old = tmp.replace(".tmp-", ".old-")
-            os.replace(out, old)  # two renames: the old export disappears only once the new one is complete
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[str] = None, *,

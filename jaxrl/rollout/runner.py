@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import jax.numpy as jnp
 
-from jaxrl.data.jsonl import atomic_write_json, iter_jsonl
+from jaxrl.utils.io import atomic_write_json, iter_jsonl, repair_tail
 
 logger = logging.getLogger(__name__)
 
@@ -106,35 +106,6 @@ def load_adapter(model, path: str):
                              f"{tuple(var[...].shape)}")
         var[...] = jnp.asarray(value, var[...].dtype)
     return model
-
-
-def repair_tail(path: Path) -> int:
-    """Cuts a partially written last line (no trailing newline) off `path`; returns the bytes removed."""
-    if not path.exists():
-        return 0
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    with open(path, "rb+") as f:
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return 0
-        # Walk back to the last newline (files are appended whole lines at a time, so this is the torn record).
-        pos, block = size, 1 << 16
-        keep = 0
-        while pos > 0:
-            start = max(0, pos - block)
-            f.seek(start)
-            chunk = f.read(pos - start)
-            idx = chunk.rfind(b"\n")
-            if idx >= 0:
-                keep = start + idx + 1
-                break
-            pos = start
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    return size - keep
 
 
 def _validate_record(rec: dict) -> None:

@@ -40,7 +40,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text
+from jaxrl.utils.io import atomic_write_json, atomic_write_text
 from jaxrl.sweep.runner import CONFIG_FILE, EVAL_DIR, STATUS_FILE, SWEEP_FILE, merged_metrics, read_json
 from jaxrl.sweep.spec import SEED, fmt, short_key
 

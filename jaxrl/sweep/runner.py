@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -47,8 +46,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, iter_jsonl
 from jaxrl.sweep.spec import Point, SweepError, SweepSpec
+from jaxrl.utils.io import atomic_copy, atomic_write_json, iter_jsonl
 
 SWEEP_FILE = "sweep.json"
 CONFIG_FILE = "config.json"
@@ -365,9 +364,7 @@ class SweepRunner:
                 continue
             dst.parent.mkdir(parents=True, exist_ok=True)
             for s, d in ((src, dst), (meta, dst.with_name(meta.name))):
-                tmp = d.with_name(f".{d.name}.tmp")
-                shutil.copyfile(s, tmp)
-                os.replace(tmp, d)
+                atomic_copy(s, d)
             self.echo(f"      {pp.point.slug}: base-model samples reused from {other.point.slug}")
             return
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import Callable, Iterator, Optional
 
 import jax
@@ -31,6 +30,7 @@ from safetensors.numpy import save_file
 
 from jaxrl.models.qwen35.config import CONTAINER, TEXT_ONLY, HFLayout, Qwen35Config, load_hf_config
 from jaxrl.models.qwen35.model import Qwen35
+from jaxrl.utils.io import atomic_copy, atomic_path, atomic_write_text, is_temp_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -165,18 +165,9 @@ def _to_numpy(x, np_dtype) -> np.ndarray:
     return host.astype(np_dtype) if host.dtype != np_dtype else host
 
 
-def _atomic_copy(src: str, dst: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dst), prefix=".tmp-")
-    os.close(fd)
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 def _atomic_save_safetensors(tensors: dict, path: str, metadata: Optional[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
 
 
 def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
@@ -212,7 +203,7 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
         src = os.path.join(base_dir, fname)
         keys_here = [k for k, f in weight_map.items() if f == fname]
         if not any(k in ours for k in keys_here):  # nothing of the tower: byte-identical copy
-            _atomic_copy(src, os.path.join(out_dir, fname))
+            atomic_copy(src, os.path.join(out_dir, fname))
             continue
         tensors = {}
         with safe_open(src, framework="numpy") as f:
@@ -238,14 +229,14 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
     for entry in sorted(os.listdir(base_dir)):
         src = os.path.join(base_dir, entry)
         dst = os.path.join(out_dir, entry)
-        if entry in shard_files or entry.startswith(".tmp-"):
+        if entry in shard_files or is_temp_name(entry):
             continue
         if os.path.isdir(src):
             if os.path.exists(dst):
                 shutil.rmtree(dst)
             shutil.copytree(src, dst)
         else:
-            _atomic_copy(src, dst)
+            atomic_copy(src, dst)
     return out_dir
 
 
@@ -300,8 +291,5 @@ def _save_fresh(model: Qwen35, out_dir: str, layout_kind: str, tensor_transform,
         config = {"model_type": "qwen3_5", "architectures": list(CONTAINER.architectures),
                   "tie_word_embeddings": model.config.tie_word_embeddings, "text_config": text}
     config.update(extra_config)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, "config.json"))
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2))
     return out_dir
