@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.qwen35.layers import Linear
+from jaxrl.utils.tree import dotted
 
 # The 12 projections of the Qwen3.5 language tower (PEFT's `all-linear` minus the vision tower and lm_head).
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -112,13 +113,9 @@ def kaiming_uniform(key: jax.Array, rank: int, in_features: int) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Targeting
 
-def _module_path(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
-
 def _linears(model: nnx.Module) -> list[tuple[str, Linear]]:
     """Every `Linear` of the model with its dotted path, in graph order."""
-    return [(_module_path(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, Linear)]
+    return [(dotted(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, Linear)]
 
 
 def _parse_targets(targets) -> tuple[str, Union[tuple[str, ...], re.Pattern]]:
@@ -220,7 +217,7 @@ def iter_lora(model: nnx.Module) -> Iterator[tuple[str, LoRA]]:
     """(path of the owning Linear, adapter) for every attached adapter, in graph order."""
     for path, m in nnx.iter_modules(model):
         if isinstance(m, LoRA):
-            yield _module_path(path[:-1]), m
+            yield dotted(path[:-1]), m
 
 
 def lora_targets_report(model: nnx.Module) -> dict:
@@ -289,13 +286,9 @@ def split_lora(model: nnx.Module, trainable=LoRAParam):
     return nnx.split(model, trainable, ...)
 
 
-def param_name(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
-
 def lora_state(model: nnx.Module) -> dict[str, jax.Array]:
     """Flat {name: array} of every LoRA factor, names like `layers.0.linear_attn.in_proj_qkv.lora.lora_A`."""
-    return {param_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
+    return {dotted(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
 
 
 def peft_key(name: str, layout_prefix: str = "base_model.model.model.language_model.") -> str:

@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrl.utils.tree import dotted
+
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
 
@@ -106,16 +108,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _dotted(keypath) -> str:
-    from jaxrl.train.state import path_name  # local: parallel must not import train at module load
-    return path_name(keypath)
-
-
 def nnx_state_shardings(state, mesh: Mesh):
     """The same pytree as `state` (an nnx.State or a {name: array} dict), every leaf a NamedSharding from the
     rules, by the leaf's dotted name."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: named_sharding(_dotted(path), getattr(x, "shape", ()), mesh), state)
+        lambda path, x: named_sharding(dotted(path), getattr(x, "shape", ()), mesh), state)
 
 
 def train_state_shardings(state, mesh: Mesh):

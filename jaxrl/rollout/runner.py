@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import jax.numpy as jnp
 
 from jaxrl.utils.io import atomic_write_json, iter_jsonl, repair_tail
+from jaxrl.utils.tree import dotted
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def load_adapter(model, path: str):
             raise ValueError(f"{path}: adapter meta has no lora.{key}; cannot rebuild the adapters")
     lora.apply_lora(model, targets=tuple(spec["modules"]), rank=int(spec["rank"]), alpha=float(spec["alpha"]),
                     use_rslora=bool(spec.get("use_rslora", False)))
-    slots = {lora.param_name(p): v for p, v in nnx.to_flat_state(nnx.state(model, lora.LoRAParam))}
+    slots = {dotted(p): v for p, v in nnx.to_flat_state(nnx.state(model, lora.LoRAParam))}
     missing, unexpected = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
     if missing or unexpected:
         raise ValueError(f"{path}: adapter factors do not match the model: missing {missing[:3]}, "

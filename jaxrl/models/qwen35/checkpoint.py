@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 from jaxrl.models.qwen35.config import CONTAINER, TEXT_ONLY, HFLayout, Qwen35Config, load_hf_config
 from jaxrl.models.qwen35.model import Qwen35
 from jaxrl.utils.io import atomic_copy, atomic_path, atomic_write_text, is_temp_name
+from jaxrl.utils.tree import dotted
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,10 +45,6 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Names
-
-def param_name(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
 
 def hf_key(name: str, layout: HFLayout) -> str:
     """Our parameter name -> the full HF state-dict key in `layout`."""
@@ -66,7 +63,7 @@ def is_base_param(path: tuple) -> bool:
 def base_params(model: nnx.Module) -> Iterator[tuple[str, nnx.Variable]]:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if is_base_param(path):
-            yield param_name(path), var
+            yield dotted(path), var
 
 
 # ----------------------------------------------------------------------------------------------------------------
