@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl.models import lora, qwen35
 from jaxrl.models.qwen35.config import tiny  # not qwen35.tiny: the tiny.py submodule shadows it once imported
-from jaxrl.parallel.sharding import make_mesh
+from jaxrl.parallel.mesh import make_mesh
 from jaxrl.rollout import TRACE_COUNTS, Sampler
 from jaxrl.rollout.sampling import sampling_mode
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.parallel.sharding import MESH_AXES, make_mesh as _make_mesh_exact
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
 
 
 class MeshConfigError(ValueError):
@@ -50,7 +52,7 @@ def make_mesh(shape: Sequence[int], devices: Optional[Sequence[jax.Device]] = No
             raise MeshConfigError(f"mesh.shape={tuple(shape)} uses {total} of {len(devices)} devices; with "
                                   f"{jax.process_count()} processes the mesh must span every device")
         devices = devices[:total]
-    return _make_mesh_exact(resolved, devices)
+    return Mesh(np.array(devices).reshape(resolved), MESH_AXES)
 
 
 def mesh_from_config(config) -> Mesh:

@@ -47,7 +47,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.models.qwen35.model import Cache
-from jaxrl.parallel.sharding import DATA, FSDP, partition_spec
+from jaxrl.parallel.mesh import DATA, FSDP
+from jaxrl.parallel.sharding import partition_spec
 from jaxrl.utils.tree import dotted
 from jaxrl.rollout.sampling import SamplingMode, row_keys, sample_tokens, sampling_mode, step_keys
 
