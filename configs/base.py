@@ -33,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.tensorboard = True
     c.logprob_chunk_size = 512  # rows per chunk of the chunked log-prob over the vocab
     c.compile_options = ml_collections.ConfigDict()  # XLA options for the train step's compile (normally none)
-    # user objectives loaded and checked before the model is built (jaxrl/train/plugins.py): entries
+    # user objectives loaded and checked before the model is built (jaxrl/algorithms/plugins.py): entries
     # {"kind": dpo_loss|advantage|kl|reward, "name": ..., "path": "file.py:fn"} or "kind:name=file.py:fn"
     c.plugins = ()
 

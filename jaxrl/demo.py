@@ -128,7 +128,7 @@ class Demo:
         self.log(f"[demo] {name}: done in {self.timings[name]:.0f} s" + (f" - {summary}" if summary else ""))
 
     def _train(self, config, workdir: Path):
-        from jaxrl.train.loop import run_training
+        from jaxrl.algorithms.run import run_training
         return run_training(config, os.fspath(workdir))
 
     @staticmethod

@@ -14,8 +14,8 @@ from jaxrl.parallel import distributed
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.mesh import MeshConfigError, make_mesh, mesh_from_config
 from jaxrl.train.objective import NextToken
-from jaxrl.train.sft import synthetic_batch
-from jaxrl.train.loop import init_model_jit
+from jaxrl.algorithms.sft import synthetic_batch
+from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.train.state import ParamCodec, create_train_state
 from jaxrl.utils.tree import dotted
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
@@ -131,7 +131,7 @@ def test_users_micro_batch_of_one_is_refit_to_the_mesh_keeping_the_global_batch(
     # the trainer takes 8 x 1 instead (the update does not depend on the split) and config.json records it.
     import json
     from configs import sft_tiny
-    from jaxrl.train.loop import fit_micro_batch_to_mesh, run_training
+    from jaxrl.algorithms.run import fit_micro_batch_to_mesh, run_training
     mesh = make_mesh((1, 8, 1))
     c = sft_tiny.get_config()
     c.batch.micro_batch_size, c.batch.grad_accum, c.steps, c.checkpoint_every = 1, 8, 2, 2

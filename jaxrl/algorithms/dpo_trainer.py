@@ -43,14 +43,13 @@ from absl import logging
 from flax import nnx
 
 from jaxrl.algorithms import dpo as dpo_lib
-from jaxrl.algorithms import registry as loss_registry
+from jaxrl.algorithms import plugins
 from jaxrl.data import dpo_data
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.train.objective import target_mask
-from jaxrl.train.registry import register_trainer
 
 REF_CACHE = "ref_logps.npz"
 DATA_STATS = "data_stats.json"
@@ -375,10 +374,8 @@ class DPOTask:
     def _build_objective(self, dcfg: dict) -> DPOObjective:
         """The objective from the `dpo` block: plug-ins registered, loss names and weights checked, the
         reference source chosen (batch / adapters_off / none for reference-free losses)."""
-        for spec in (s.strip() for s in str(dcfg["plugin"] or "").split(",")):
-            if spec:
-                fn = loss_registry.load_plugin(spec, kind="dpo_loss")
-                logging.info("dpo.plugin %s registered as loss_type %r", spec, fn.__name__)
+        for p in plugins.load_plugins(plugins.dpo_plugin_entries(dcfg["plugin"])):
+            logging.info("dpo.plugin %s registered as loss_type %r", p["path"], p["name"])
         loss_types = parse_loss_types(dcfg["loss_type"])
         for name in loss_types:
             if name != "sft":
@@ -599,6 +596,5 @@ class DPOTask:
         return out
 
 
-@register_trainer("dpo")
 def build_dpo(config, model, mesh) -> DPOTask:
     return DPOTask(config, model, mesh)

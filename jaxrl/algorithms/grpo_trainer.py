@@ -46,7 +46,6 @@ from absl import logging
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import online
-from jaxrl.train.registry import register_trainer
 
 GRPO_DEFAULTS = dict(
     num_generations=8,  # K samples per prompt (a group)
@@ -229,6 +228,5 @@ class GRPOTask(online.OnlineTask):
         return buffer, metrics
 
 
-@register_trainer("grpo")
 def build_grpo(config, model, mesh) -> GRPOTask:
     return GRPOTask(config, model, mesh)

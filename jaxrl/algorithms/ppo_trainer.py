@@ -46,7 +46,6 @@ from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import online
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.models.lora import LoRAParam
-from jaxrl.train.registry import register_trainer
 
 PPO_DEFAULTS = dict(
     prompts_per_rollout=32,
@@ -273,6 +272,5 @@ class PPOTask(online.OnlineTask):
         return buffer, metrics
 
 
-@register_trainer("ppo")
 def build_ppo(config, model, mesh) -> PPOTask:
     return PPOTask(config, model, mesh)

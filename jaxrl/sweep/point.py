@@ -71,7 +71,8 @@ def train(point_dir: str) -> int:
         from absl import logging
 
         from jaxrl.algorithms.registry import PluginError
-        from jaxrl.train.loop import NonFiniteError, run_training
+        from jaxrl.algorithms.run import run_training
+        from jaxrl.train.loop import NonFiniteError
         logging.get_absl_handler().addFilter(_QuietOrbax())
         with open(os.path.join(point_dir, "config.json"), encoding="utf-8") as f:
             config = ml_collections.ConfigDict(json.load(f))

@@ -254,10 +254,10 @@ class SweepRunner:
 
     def check_plugins(self, planned: Sequence[PlannedPoint]) -> None:
         """Check the points' plug-ins and the objective names they use (`dpo.loss_type`, `grpo.kl_estimator`,
-        `reward.name`, ...; jaxrl.train.plugins) on the CPU in a subprocess: this process never touches the
+        `reward.name`, ...; jaxrl.algorithms.plugins) on the CPU in a subprocess: this process never touches the
         accelerator, so the points get the whole device. A malformed plug-in or an unknown name stops the sweep
         before any point trains."""
-        from jaxrl.train.plugins import REFERENCES
+        from jaxrl.algorithms.plugins import REFERENCES
         seen: dict[str, tuple] = {}
         for pp in planned:
             c = pp.config
@@ -278,7 +278,7 @@ class SweepRunner:
                 with open(os.path.join(tmp, f"point{i}.json"), "w") as f:
                     json.dump(part, f)
             # one process for all of them: its start (jax import) is most of the cost
-            proc = subprocess.run([self.python, "-m", "jaxrl.train.plugins", *paths], capture_output=True,
+            proc = subprocess.run([self.python, "-m", "jaxrl.algorithms.plugins", *paths], capture_output=True,
                                   text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         if proc.returncode != 0:
             msg = proc.stderr.strip().splitlines()

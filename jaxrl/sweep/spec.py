@@ -189,7 +189,7 @@ class SweepSpec:
                 set_key(config, key, value, where=f"{self.where} ({point.name})")
         resolved = json.loads(config.to_json_best_effort())  # what the trainer writes as config.json
         if resolved.get("plugins"):
-            from jaxrl.train.plugins import absolute_paths
+            from jaxrl.algorithms.plugins import absolute_paths
             resolved["plugins"] = absolute_paths(resolved["plugins"], os.getcwd())
         return resolved
 

@@ -18,7 +18,6 @@ from typing import Optional
 import numpy as np
 
 from jaxrl.train.objective import NextToken
-from jaxrl.train.registry import register_trainer
 
 
 def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab_size: int, seed: int,
@@ -126,7 +125,6 @@ class SFTTask:
         self.position = int(state.get("position", 0))
 
 
-@register_trainer("sft")
 def build_sft(config, model, mesh) -> SFTTask:
     pad = model.config.pad_token_id
     return SFTTask(config, vocab_size=model.config.vocab_size, pad_id=0 if pad is None else int(pad))
