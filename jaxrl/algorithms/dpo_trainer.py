@@ -34,7 +34,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,11 @@ from flax import nnx
 from jaxrl.algorithms import dpo as dpo_lib
 from jaxrl.algorithms import plugins
 from jaxrl.data import dpo_data
+from jaxrl.data.stream import epoch_stream
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
-from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
+from jaxrl.train import inference
 from jaxrl.train.objective import target_mask
 
 REF_CACHE = "ref_logps.npz"
@@ -211,44 +212,17 @@ def _logps(graphdef, state, batch, *, adapters: bool, chunk_size: int):
         return pair_sequence_logps(model, batch, chunk_size)
 
 
-_PROGRAMS: dict = {}
-
-
-def _logps_program(compile_options: Optional[dict], mesh=None):
-    """One jitted function per (XLA options, mesh); jax caches its compilations by (graphdef, shapes, flags).
-    With a mesh the [b] results come back replicated, so every process can read them (multi-host)."""
-    key = (tuple(sorted((compile_options or {}).items())), mesh)
-    if key not in _PROGRAMS:
-        out = None if mesh is None else (shd.replicated(mesh), shd.replicated(mesh))
-        _PROGRAMS[key] = jax.jit(_logps, static_argnames=("graphdef", "adapters", "chunk_size"),
-                                 out_shardings=out, compiler_options=dict(key[0]) or None)
-    return _PROGRAMS[key]
-
-
 def sequence_logps_all(model, arrays: dict, *, adapters: bool, batch_size: int, chunk_size: int = 512,
                        mesh=None, compile_options: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
     """(chosen_logps [N], rejected_logps [N]) of every pair in `arrays` (dpo_data.ARRAY_KEYS, [N, T]) under
-    `model` with its adapters on or off; one jitted program, `batch_size` pairs a call (the last batch is
-    padded with copies of row 0, whose results are discarded)."""
-    program = _logps_program(compile_options, mesh)
+    `model` with its adapters on or off; one jitted program, `batch_size` pairs a call
+    (jaxrl.train.inference.map_batches)."""
+    program = inference.jit_program(_logps, ("graphdef", "adapters", "chunk_size"), compile_options, mesh)
     graphdef, state = nnx.split(model)
-    n = arrays["chosen_input_ids"].shape[0]
-    if mesh is not None:
-        batch_size = -(-batch_size // shd.batch_shards(mesh)) * shd.batch_shards(mesh)
-    out_c, out_r = [], []
-    for start in range(0, n, batch_size):
-        rows = np.arange(start, start + batch_size)
-        rows = np.where(rows < n, rows, 0)
-        batch = {k: np.asarray(arrays[k][rows]) for k in dpo_data.ARRAY_KEYS}
-        if mesh is not None:
-            batch = {k: jax.make_array_from_callback(v.shape, shd.batch_sharding(mesh, v.ndim),
-                                                     lambda idx, v=v: v[idx]) for k, v in batch.items()}
-        c, r = program(graphdef, state, batch, adapters=adapters, chunk_size=chunk_size)
-        c, r = jax.device_get((c, r))
-        keep = min(batch_size, n - start)
-        out_c.append(np.asarray(c[:keep], np.float32))
-        out_r.append(np.asarray(r[:keep], np.float32))
-    return np.concatenate(out_c), np.concatenate(out_r)
+    chosen, rejected = inference.map_batches(
+        lambda batch: program(graphdef, state, batch, adapters=adapters, chunk_size=chunk_size), arrays,
+        dpo_data.ARRAY_KEYS, batch_size=batch_size, mesh=mesh)
+    return chosen, rejected
 
 
 def preference_summary(chosen, rejected, ref_chosen, ref_rejected, objective: DPOObjective,
@@ -356,8 +330,7 @@ class DPOTask:
         self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
         self.chunk_size = int(config.get("logprob_chunk_size", 512))
         self.ref_batch_size = int(dcfg["ref_batch_size"]) or int(config.batch.micro_batch_size)
-        options = config.get("compile_options", None) or {}
-        self.compile_options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+        self.compile_options = inference.compile_options(config)
 
         self.objective = self._build_objective(dcfg)  # first: a broken plug-in or loss fails before data work
         self.precompute = self.objective.reference == "batch"
@@ -532,15 +505,7 @@ class DPOTask:
     def rows(self, step: int) -> np.ndarray:
         """Training pair indices of `step`: positions step*B ... step*B+B-1 of the stream of epoch-wise seeded
         permutations (epoch e: permutation(seed, e))."""
-        n = len(self.train)
-        out = np.empty(self.global_batch, np.int64)
-        perms: dict[int, np.ndarray] = {}
-        for j, i in enumerate(range(step * self.global_batch, (step + 1) * self.global_batch)):
-            epoch, offset = divmod(i, n)
-            if epoch not in perms:
-                perms[epoch] = np.random.default_rng([self.seed, epoch, 6121]).permutation(n)
-            out[j] = perms[epoch][offset]
-        return out
+        return epoch_stream(len(self.train), step * self.global_batch, self.global_batch, seed=self.seed, salt=6121)
 
     def batch(self, step: int, trainer=None):
         if not self._prepared:

@@ -36,18 +36,17 @@ import time
 import zlib
 from typing import Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
 
+from jaxrl.data.stream import epoch_stream
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
-from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.rewards import get_reward
 from jaxrl.rewards.toy import TokenTask, token_text
+from jaxrl.train import inference
 
 ROLLOUT_DIR = "rollouts"
 
@@ -132,15 +131,7 @@ class ProblemPrompts(PromptSource):
         logging.info("%s: %d problems (%d skipped as over-long)", path, len(self.problems), self.skipped)
 
     def indices(self, rollout: int, count: int) -> np.ndarray:
-        n = len(self.problems)
-        out = np.empty(count, np.int64)
-        perms: dict[int, np.ndarray] = {}
-        for j, i in enumerate(range(rollout * count, (rollout + 1) * count)):
-            epoch, offset = divmod(i, n)
-            if epoch not in perms:
-                perms[epoch] = np.random.default_rng([self.seed, epoch, 7817]).permutation(n)
-            out[j] = perms[epoch][offset]
-        return out
+        return epoch_stream(len(self.problems), rollout * count, count, seed=self.seed, salt=7817)
 
     def prompts(self, rollout: int, count: int):
         from jaxrl.rollout.runner import problem_key
@@ -347,48 +338,21 @@ def _pass(graphdef, state, input_ids, attention_mask, *, completion_len, adapter
     return out
 
 
-_PROGRAMS: dict = {}
-
-
-def _program(compile_options: Optional[dict]):
-    key = tuple(sorted((compile_options or {}).items()))
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = jax.jit(_pass, static_argnames=("graphdef", "completion_len", "adapters", "temperature",
-                                                         "chunk_size", "values"),
-                                 compiler_options=dict(key) or None)
-    return _PROGRAMS[key]
-
-
 def teacher_forced(model, arrays: dict, *, completion_len: int, adapters: bool, batch_size: int,
                    temperature: float = 1.0, chunk_size: int = 512, values: bool = False, mesh=None,
                    compile_options: Optional[dict] = None) -> dict[str, np.ndarray]:
     """{"logp": [N, C] (+ "values": [N, C])} of every row of `arrays` (input_ids, attention_mask) under `model`
-    with its adapters on or off: one jitted program, `batch_size` rows per call (the last call is padded with
-    copies of row 0, discarded)."""
-    program = _program(compile_options)
+    with its adapters on or off: one jitted program, `batch_size` rows per call (jaxrl.train.inference)."""
+    program = inference.jit_program(_pass, ("graphdef", "completion_len", "adapters", "temperature", "chunk_size",
+                                            "values"), compile_options, mesh)
     graphdef, state = nnx.split(model)
-    n = arrays["input_ids"].shape[0]
-    if mesh is not None:
-        shards = shd.batch_shards(mesh)
-        batch_size = -(-batch_size // shards) * shards
-    batch_size = max(1, min(batch_size, n)) if mesh is None else batch_size
-    outs: dict[str, list] = {}
-    for start in range(0, n, batch_size):
-        rows = np.arange(start, start + batch_size)
-        rows = np.where(rows < n, rows, 0)
-        batch = {k: np.asarray(arrays[k][rows]) for k in ("input_ids", "attention_mask")}
-        if mesh is not None:
-            batch = {k: jax.make_array_from_callback(v.shape, shd.batch_sharding(mesh, v.ndim),
-                                                     lambda idx, v=v: v[idx]) for k, v in batch.items()}
-        res = jax.device_get(program(graphdef, state, batch["input_ids"], batch["attention_mask"],
-                                     completion_len=completion_len, adapters=adapters, temperature=float(temperature),
-                                     chunk_size=chunk_size, values=values))
-        keep = min(batch_size, n - start)
-        for k, v in res.items():
-            outs.setdefault(k, []).append(np.asarray(v[:keep], np.float32))
+    out = inference.map_batches(
+        lambda b: program(graphdef, state, b["input_ids"], b["attention_mask"], completion_len=completion_len,
+                          adapters=adapters, temperature=float(temperature), chunk_size=chunk_size, values=values),
+        arrays, ("input_ids", "attention_mask"), batch_size=batch_size, mesh=mesh)
     mask = np.asarray(arrays["completion_mask"]) > 0
     # Padding positions hold whatever the model computed there; zero them so buffers are clean.
-    return {k: np.where(mask, np.concatenate(v), 0.0).astype(np.float32) for k, v in outs.items()}
+    return {k: np.where(mask, v, 0.0).astype(np.float32) for k, v in out.items()}
 
 
 # ------------------------------------------------------------------------------------------------- schedule
@@ -495,19 +459,13 @@ class OnlineTask:
 
     def __init__(self, config, schedule: Schedule):
         self.config, self.schedule = config, schedule
-        self.compile_options = self._compile_options(config)
+        self.compile_options = inference.compile_options(config) or None
         self.buffer: Optional[dict] = None
         self.buffer_rollout = -1
         self.rollout_metrics: dict = {}
         self.loaded_state: dict = {}
         self.store: Optional[RolloutStore] = None
         self.position = 0
-
-    @staticmethod
-    def _compile_options(config) -> Optional[dict]:
-        options = config.get("compile_options", None) or {}
-        options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
-        return options or None
 
     # subclasses -------------------------------------------------------------------------------------------
     def make_rollout(self, rollout: int, model, trainer) -> tuple[dict, dict]:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from jaxrl.data.stream import epoch_stream
 from jaxrl.train.objective import NextToken
 
 
@@ -79,13 +80,7 @@ class JsonlTokens:
         self.attention_mask = (np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
 
     def rows(self, start: int, count: int) -> dict[str, np.ndarray]:
-        n = len(self.ids)
-        index = []
-        for i in range(start, start + count):
-            epoch, offset = divmod(i, n)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n)
-            index.append(order[offset])
-        index = np.asarray(index)
+        index = epoch_stream(len(self.ids), start, count, seed=self.seed)
         return {"input_ids": self.ids[index], "attention_mask": self.attention_mask[index],
                 "loss_mask": self.loss_mask[index]}
 

@@ -47,6 +47,7 @@ from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.train import checkpoints as ckpt_lib
+from jaxrl.train.inference import compile_options
 from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
@@ -113,8 +114,7 @@ class Trainer:
         if self.checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
         self.max_nonfinite = int(config.get("max_consecutive_nonfinite", 0))
-        options = config.get("compile_options", None) or {}
-        self.compile_options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+        self.compile_options = compile_options(config)
 
         trainable = getattr(task, "trainable", LoRAParam)
         self.graphdef, trainable_state, frozen = nnx.split(model, trainable, ...)
