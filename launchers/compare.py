@@ -43,8 +43,8 @@ def main(argv):
     if not _SWEEP_DIR.value:
         raise app.UsageError("--sweep_dir is required")
     from jaxrl.utils.io import JsonlError
-    from jaxrl.diagnostics.formats import FormatError
-    from jaxrl.sweep.compare import write_comparison
+    from jaxrl.data.formats import FormatError
+    from jaxrl.sweep.report import write_comparison
     try:
         paths = write_comparison(
             _SWEEP_DIR.value, _OUT.value, plot_metric=_PLOT.value, baseline=_BASELINE.value,

@@ -8,7 +8,7 @@
         --prompts=problems.jsonl --workdir=runs/dpo
 
 Output: ``--out``, default ``WORKDIR/diagnostics/<what>.json`` (the report picks it up from there). Formats:
-``jaxrl/diagnostics/formats.py`` and the docstring of each diagnostic module.
+``jaxrl/data/formats.py`` and the docstring of each diagnostic module.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from absl import app, flags
 
 from jaxrl.utils.io import JsonlError, read_jsonl, write_jsonl
-from jaxrl.diagnostics import formats
+from jaxrl.data import formats
 
 _WHAT = flags.DEFINE_enum("what", None, ["drift", "pairs", "diff", "termination", "curves"], "Which diagnostic.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: eval/ is read from it, diagnostics/ written to it.")

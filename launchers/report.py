@@ -14,7 +14,7 @@ import sys
 from absl import app, flags
 
 from jaxrl.utils.io import JsonlError
-from jaxrl.diagnostics.formats import FormatError
+from jaxrl.data.formats import FormatError
 from jaxrl.diagnostics.report import build_report
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder.")

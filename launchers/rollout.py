@@ -14,7 +14,7 @@ import json
 
 from absl import app, flags, logging
 
-from jaxrl.rollout.chat import OVERLONG_POLICIES
+from jaxrl.data.chat import OVERLONG_POLICIES
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema of docs/interfaces.md).")

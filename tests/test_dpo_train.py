@@ -22,7 +22,8 @@ from jaxrl.data.pairs import CohortError, freeze_cohort
 from jaxrl.models.lora import LoRAParam, adapters_disabled, iter_lora
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rollout import generate
-from jaxrl.train.checkpoints import RunCheckpoints, load_adapter
+from jaxrl.models.adapters import load_adapter
+from jaxrl.train.checkpoints import RunCheckpoints
 from jaxrl.algorithms.run import build_model, run_training
 from jaxrl.train.loop import Trainer
 from jaxrl.train.metrics import read_metrics

@@ -568,7 +568,7 @@ def test_plugin_loss_trains_is_evaluated_and_compared_under_its_own_name(tmp_pat
     assert "t_margin_dpo" in (out / "report.html").read_text()
 
     # evaluation at every checkpoint (0 = base), and the paired interval against the sigmoid point by hand
-    from jaxrl.diagnostics.formats import read_results, read_samples
+    from jaxrl.data.formats import read_results, read_samples
     from jaxrl.evaluation.stats import paired_bootstrap
     assert data["steps"] == [0, 2, 4] and data["metrics"][:2] == ["partial_reward_mean", "strict_rate"]
     base_dir = out / rows["sigmoid"]["point"]

@@ -10,7 +10,8 @@ import jax
 
 from configs import sft_tiny
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.train.checkpoints import RunCheckpoints, load_adapter
+from jaxrl.models.adapters import load_adapter
+from jaxrl.train.checkpoints import RunCheckpoints
 from jaxrl.algorithms.run import build_model
 from jaxrl.train.loop import NonFiniteError, Trainer
 from jaxrl.train.metrics import read_metrics

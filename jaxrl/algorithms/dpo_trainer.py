@@ -45,12 +45,15 @@ from flax import nnx
 from jaxrl.algorithms import dpo as dpo_lib
 from jaxrl.algorithms import plugins
 from jaxrl.data import dpo_data
+from jaxrl.data.chat import load_tokenizer
+from jaxrl.data.pairs import read_pairs, read_problem_messages, verify_cohort
 from jaxrl.data.stream import epoch_stream
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.train import inference
 from jaxrl.train.objective import target_mask
+from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
 
 REF_CACHE = "ref_logps.npz"
 DATA_STATS = "data_stats.json"
@@ -261,7 +264,6 @@ def _as_dict(block) -> dict:
 def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
     """(the pairs file, the cohort manifest or None). A folder with `manifest.json` (or `cohort/manifest.json`)
     is a frozen cohort and is verified; so is a pairs file that a manifest beside it names."""
-    from jaxrl.data.pairs import verify_cohort
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"data.pairs={path!r}: no such file or folder")
@@ -286,8 +288,6 @@ def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
 
 def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[list, Optional[dict]]:
     """Encoded pairs of a pairs file / cohort (text or pre-tokenised) and the cohort manifest, if any."""
-    from jaxrl.utils.io import read_jsonl
-    from jaxrl.data.pairs import read_pairs, read_problem_messages
     file, manifest = resolve_pairs_path(path)
     records = read_jsonl(file)
     if not records:
@@ -298,7 +298,6 @@ def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[
     if not tokenizer_path:
         raise ValueError(f"{file} holds text pairs: set data.tokenizer or model_path to a folder with a tokenizer "
                          "and chat template")
-    from jaxrl.rollout.chat import load_tokenizer
     tokenizer = load_tokenizer(tokenizer_path)
     problems = data_cfg.get("problems") or ""
     messages = read_problem_messages(problems) if problems else None
@@ -452,7 +451,6 @@ class DPOTask:
     def _reference(self, trainer, seqs: dpo_data.PairSequences, name: str) -> dict[str, np.ndarray]:
         """Reference log-probs of `seqs` from `<workdir>/<name>` when its fingerprint matches, else computed
         with the adapters off and written there (atomically)."""
-        from jaxrl.utils.io import atomic_write_bytes
         path = os.path.join(trainer.workdir, name)
         want = json.loads(json.dumps(self.fingerprint(seqs), sort_keys=True))  # as read back (tuples -> lists)
         if os.path.exists(path):
@@ -491,7 +489,6 @@ class DPOTask:
             if self.eval is not None:
                 self.eval_ref = self._reference(trainer, self.eval, "eval_" + REF_CACHE)
         if is_main_process():
-            from jaxrl.utils.io import atomic_write_json
             info = {**self.stats, "train_pairs": len(self.train), "eval_pairs": 0 if self.eval is None else
                     len(self.eval), "global_batch": self.global_batch,
                     "steps_per_epoch": len(self.train) / self.global_batch,

@@ -40,13 +40,19 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
 from jaxrl.data.stream import epoch_stream
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.rewards import get_reward
 from jaxrl.rewards.toy import TokenTask, token_text
+from jaxrl.rollout.generate import decode_texts
+from jaxrl.rollout.runner import problem_key
+from jaxrl.rollout.sampler import Sampler
 from jaxrl.train import inference
+from jaxrl.utils.io import atomic_write_bytes
 
 ROLLOUT_DIR = "rollouts"
 
@@ -112,8 +118,6 @@ class ProblemPrompts(PromptSource):
 
     def __init__(self, path: str, tokenizer, *, enable_thinking: bool, max_prompt_len: int, on_overlong: str,
                  seed: int):
-        from jaxrl.data.problems import load_problems
-        from jaxrl.rollout.chat import encode_prompts
         if not path:
             raise ValueError("data.problems is empty: set it to a problems.jsonl (or data.source='token_task')")
         problems = load_problems(path)
@@ -134,13 +138,11 @@ class ProblemPrompts(PromptSource):
         return epoch_stream(len(self.problems), rollout * count, count, seed=self.seed, salt=7817)
 
     def prompts(self, rollout: int, count: int):
-        from jaxrl.rollout.runner import problem_key
         idx = self.indices(rollout, count)
         problems = [self.problems[i] for i in idx]
         return [self.ids[i] for i in idx], problems, [problem_key(p.id) for p in problems]
 
     def texts(self, tokens, finish_reasons) -> list[str]:
-        from jaxrl.rollout.generate import decode_texts
         return decode_texts(self.tokenizer, tokens, finish_reasons)
 
 
@@ -163,7 +165,6 @@ def make_prompt_source(config, model) -> tuple[PromptSource, tuple[int, ...], in
                          num_classes=int(block_get(data, "num_classes", DATA_DEFAULTS)), score_tokens=score_tokens)
         return TokenTaskPrompts(task, seed), eos, pad
     if source == "problems":
-        from jaxrl.rollout.chat import chat_stop_ids, load_tokenizer
         tok_dir = block_get(data, "tokenizer", DATA_DEFAULTS) or config.get("model_path", "")
         if not tok_dir:
             raise ValueError("data.source='problems' needs a tokenizer: set data.tokenizer or model_path")
@@ -252,7 +253,6 @@ class RolloutEngine:
         self._sampler = None
 
     def sampler(self, model):
-        from jaxrl.rollout.sampler import Sampler
         if self._sampler is None:
             self._sampler = Sampler(model, max_new_tokens=self.max_new_tokens, max_prompt_len=self.prompt_len,
                                     batch_size=self.batch_size, eos_token_ids=self.stop_ids, pad_token_id=self.pad_id,
@@ -420,7 +420,6 @@ class RolloutStore:
 
     def save(self, rollout: int, arrays: dict, meta: dict) -> str:
         if is_main_process():
-            from jaxrl.utils.io import atomic_write_bytes
             atomic_write_bytes(self.path(rollout), _npz_bytes(arrays, meta))
         return os.path.basename(self.path(rollout))
 

@@ -6,7 +6,7 @@
                      num_samples=1, temperature=0.0, max_new_tokens=8192)
     results = Evaluator(cfg).run()
 
-Outputs under `out/` (formats: jaxrl/diagnostics/formats.py):
+Outputs under `out/` (formats: jaxrl/data/formats.py):
 
     results.json, results.md     metrics per model (+ "untruncated"), comparisons with the baseline (paired
                                  bootstrap interval over prompts; McNemar / sign test on strict passes), warnings
@@ -32,6 +32,7 @@ Honesty rules this module enforces:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -39,10 +40,21 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from jaxrl.utils.io import atomic_write_json, atomic_write_text, iter_jsonl, repair_tail
-from jaxrl.diagnostics import formats
+from tqdm import tqdm
+
+from jaxrl.data import formats
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
+from jaxrl.evaluation.backends import make_backend
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
+from jaxrl.export.audit import FolderSource, MergedSource, audit
+from jaxrl.export.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
+from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS, CheckpointNotFound, adapter_steps
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.rewards import get_reward
+from jaxrl.rollout.runner import problem_key
+from jaxrl.utils.io import atomic_write_json, atomic_write_text, iter_jsonl, repair_tail, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +131,6 @@ def default_reward_kwargs(name: str) -> dict:
 
 def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> list[ModelSpec]:
     """`step_<N>` specs for every adapter checkpoint of a run (or the listed steps, which must exist)."""
-    from jaxrl.export.adapters import adapter_steps
-    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
     available = adapter_steps(workdir)
     chosen = available if not steps else [int(s) for s in steps]
     missing = sorted(set(chosen) - set(available))
@@ -134,7 +144,6 @@ def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> lis
 
 
 def _problem_key(problem_id: str) -> int:
-    from jaxrl.rollout.runner import problem_key
     return problem_key(problem_id)
 
 
@@ -153,9 +162,6 @@ class Evaluator:
     """
 
     def __init__(self, cfg: EvalConfig, *, model=None, tokenizer=None, reward=None, backend=None):
-        from jaxrl.data.problems import load_problems
-        from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
-
         if cfg.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {cfg.num_samples}")
         if not 0.0 <= cfg.truncation_threshold < 1.0:
@@ -180,7 +186,6 @@ class Evaluator:
         if len(set(ids)) != len(ids):
             raise ValueError(f"{cfg.problems}: problem ids repeat")
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.base)
-        from jaxrl.models.qwen35.config import load_hf_config
         base_cfg, self.base_layout, _ = load_hf_config(cfg.base)
         self.stop_ids = chat_stop_ids(self.tokenizer, base_cfg.eos_token_id)
         enc = encode_prompts(self.tokenizer, [p.messages for p in problems], cfg.enable_thinking,
@@ -194,12 +199,10 @@ class Evaluator:
         self.by_id = {p.id: p for p in self.problems}
 
         if reward is None:
-            from jaxrl.rewards import get_reward
             reward = get_reward(cfg.reward, **{**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs})
         self.reward = reward
         self.reward_kwargs = {**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs}
         if backend is None:
-            from jaxrl.evaluation.backends import make_backend
             pad = self.tokenizer.pad_token_id
             backend = make_backend(cfg.backend, base_dir=cfg.base, out_dir=str(self.out), dtype=cfg.dtype,
                                    batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
@@ -210,7 +213,6 @@ class Evaluator:
         self._adapters: dict = {}
         self.audit_report: Optional[dict] = None
         self._loaded: Optional[str] = None
-        from jaxrl.utils.io import sha256_file
         self.tokenizer_digest = _tokenizer_digest(cfg.base, sha256_file)
 
     # --------------------------------------------------------------------------------------------------- weights
@@ -220,9 +222,7 @@ class Evaluator:
         if spec.kind != "adapter":
             return None
         if name not in self._adapters:
-            from jaxrl.export.adapters import is_peft_folder, read_adapter
             if is_peft_folder(spec.path):
-                from jaxrl.export.peft import LayoutError, mismatch_message, read_peft_adapter
                 adapter, layout = read_peft_adapter(spec.path)
                 if layout != self.base_layout.kind:
                     raise LayoutError(mismatch_message(layout, self.base_layout.kind, spec.path))
@@ -233,7 +233,6 @@ class Evaluator:
 
     def source(self, name: str):
         """The audit source of model `name` (what its fingerprint is computed from)."""
-        from jaxrl.export.audit import FolderSource, MergedSource
         spec = self.specs[name]
         if spec.kind == "base":
             return FolderSource(self.cfg.base)
@@ -243,7 +242,6 @@ class Evaluator:
 
     def run_audit(self) -> dict:
         """Fingerprints every model and compares it with the base; writes `out/audit.json`."""
-        from jaxrl.export.audit import audit
         if self.audit_report is None:
             t0 = time.perf_counter()
             self.audit_report = audit({n: self.source(n) for n in self.specs}, reference=BASE)
@@ -349,7 +347,6 @@ class Evaluator:
             path = self.cache_path(name)
             bar = None
             if cfg.progress:
-                from tqdm import tqdm
                 bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
                            desc=name, dynamic_ncols=True)
             with open(path, "a", encoding="utf-8") as f:
@@ -531,7 +528,6 @@ def summarize(records: Mapping[str, Sequence[Mapping]], baseline: str = BASE, *,
 
 def _tokenizer_digest(folder: str, sha256_file) -> str:
     """sha256 over the tokenizer / chat-template files of the base (they define the prompts)."""
-    import hashlib
     h = hashlib.sha256()
     for fname in sorted(os.listdir(folder)):
         if fname.startswith("tokenizer") or fname.startswith("chat_template") or fname in (

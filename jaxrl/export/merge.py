@@ -18,23 +18,20 @@ import json
 import os
 from typing import Callable, Optional
 
+import jax.numpy as jnp
 import numpy as np
+from safetensors import safe_open
 
-from jaxrl.export.adapters import Adapter, AdapterError
+from jaxrl.export.audit import FolderSource, fingerprint as fingerprint_of
 from jaxrl.export.peft import PROVENANCE
+from jaxrl.models import qwen35
+from jaxrl.models.adapters import Adapter, AdapterError, check_against_model, merged_weight
+from jaxrl.models.qwen35.checkpoint import read_weight_map
+from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.utils.io import atomic_folder
 
 # safetensors dtype -> the jnp dtype that holds it exactly (for loading the base before writing it back).
 _EXACT_LOAD = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def merged_weight(base_value: np.ndarray, adapter: Adapter, module: str) -> np.ndarray:
-    """`W + scale * B @ A` in fp32, cast to `base_value`'s dtype."""
-    delta = adapter.delta(module)
-    if delta.shape != base_value.shape:
-        raise AdapterError(f"{adapter.source}: {module}: delta {delta.shape} does not fit the weight "
-                           f"{base_value.shape}")
-    return (base_value.astype(np.float32) + delta).astype(base_value.dtype)
 
 
 def merge_transform(adapter: Adapter, tower_prefix: str) -> tuple[Callable[[str, np.ndarray], np.ndarray], dict]:
@@ -60,10 +57,7 @@ def merge_transform(adapter: Adapter, tower_prefix: str) -> tuple[Callable[[str,
 def exact_load_dtype(base_dir: str, tower_prefix: str) -> str:
     """The narrowest jnp dtype that holds every language-tower tensor of `base_dir` exactly (bf16 for an all-bf16
     checkpoint: half the memory of fp32, and still a bit-exact round trip)."""
-    from safetensors import safe_open
-
-    from jaxrl.models.qwen35.checkpoint import _weight_map
-    weight_map = _weight_map(base_dir)
+    weight_map = read_weight_map(base_dir)
     dtypes = set()
     for fname in sorted(set(weight_map.values())):
         with safe_open(os.path.join(base_dir, fname), framework="numpy") as f:
@@ -79,12 +73,6 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
                   fingerprint: bool = True) -> dict:
     """Writes base + merged adapter as a full HF folder at `out_dir` (atomically); returns the provenance record
     (also written to `out_dir/jaxrl_export.json`)."""
-    import jax.numpy as jnp
-
-    from jaxrl.export.adapters import check_against_model
-    from jaxrl.models import qwen35
-    from jaxrl.models.qwen35.config import load_hf_config
-
     _, layout, _ = load_hf_config(base_dir)
     dtype = exact_load_dtype(base_dir, layout.tower_prefix)
     model = qwen35.from_pretrained(base_dir, dtype=getattr(jnp, dtype))
@@ -101,8 +89,7 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
             raise AdapterError(f"{base_dir}: the merge never wrote {len(missing)} adapted weight(s), first "
                                f"{missing[0]!r}; nothing was exported")
         if fingerprint:
-            from jaxrl.export.audit import FolderSource, fingerprint as fp
-            info["fingerprint"] = fp(FolderSource(tmp))
+            info["fingerprint"] = fingerprint_of(FolderSource(tmp))
         with open(os.path.join(tmp, PROVENANCE), "w") as f:
             json.dump(info, f, indent=2)
     return info

@@ -3,6 +3,7 @@
     export_peft(adapter, out_dir, base_dir, layout=None)      # adapter_model.safetensors + adapter_config.json
     adapter, layout = read_peft_adapter(folder)                # -> our Adapter (+ the layout its keys use)
     load_peft_adapter(folder, model, layout="container")       # read + check the layout + attach to the model
+    adapter = read_adapter(path, step=None)                    # a PEFT folder or a trainer adapter checkpoint
 
 Layouts (docs/qwen35-architecture.md §6-7). PEFT saves the *module path* of the class the adapter was built on:
 
@@ -26,8 +27,14 @@ import os
 from typing import Optional
 
 import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
 
-from jaxrl.export.adapters import A_SUFFIX, B_SUFFIX, Adapter, AdapterError, attach, module_names
+from jaxrl.models.adapters import (A_SUFFIX, B_SUFFIX, Adapter, AdapterError, attach, check_against_model,
+                                   module_names, read_trainer_adapter)
+from jaxrl.models.lora import linears
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.models.qwen35.model import Qwen35
 from jaxrl.utils.io import atomic_folder
 
 logger = logging.getLogger(__name__)
@@ -48,7 +55,6 @@ class LayoutError(AdapterError):
 
 def layout_of(base_dir: str) -> str:
     """"container" or "text": the layout of an HF folder, from its config.json."""
-    from jaxrl.models.qwen35.config import load_hf_config
     return load_hf_config(base_dir)[1].kind
 
 
@@ -82,12 +88,8 @@ def peft_state_dict(adapter: Adapter, layout: str) -> dict[str, np.ndarray]:
 
 def _all_modules_with_names(model_config, names) -> list[str]:
     """Every projection path of a model with `model_config` whose last component is in `names`."""
-    from flax import nnx
-
-    from jaxrl.models.lora import _linears
-    from jaxrl.models.qwen35.model import Qwen35
     abstract = nnx.eval_shape(lambda: Qwen35(model_config, rngs=nnx.Rngs(0)))
-    return [p for p, _ in _linears(abstract) if p != "lm_head" and p.rsplit(".", 1)[-1] in names]
+    return [p for p, _ in linears(abstract) if p != "lm_head" and p.rsplit(".", 1)[-1] in names]
 
 
 def target_modules(adapter: Adapter, model_config, layout: str) -> list[str]:
@@ -123,12 +125,6 @@ def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[
       AutoModelForCausalLM, which builds Qwen3_5ForCausalLM and its `model.layers` paths).
     The factors are checked against the base's projection shapes first (an adapter of another model is refused).
     """
-    from flax import nnx
-
-    from jaxrl.export.adapters import check_against_model
-    from jaxrl.models.qwen35.config import load_hf_config
-    from jaxrl.models.qwen35.model import Qwen35
-
     cfg, base_layout, _ = load_hf_config(base_dir)
     layout = base_layout.kind if layout is None else _check_layout_name(layout)
     if layout != base_layout.kind and not allow_layout_mismatch:
@@ -144,7 +140,6 @@ def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[
                   "source": adapter.source, "step": adapter.step, "adapter_digest": adapter.digest(),
                   "modules": len(adapter.modules), "rank": adapter.rank, "alpha": adapter.alpha,
                   "use_rslora": adapter.use_rslora, "scale": adapter.scale}
-    from safetensors.numpy import save_file
     with atomic_folder(out_dir, overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
@@ -185,8 +180,6 @@ def read_peft_adapter(folder: str) -> tuple[Adapter, str]:
     Vision-tower factors (`...model.visual.`) are dropped with a warning (they cannot change text generation);
     any other key that is not a language-tower LoRA factor is an error naming it.
     """
-    from safetensors.numpy import load_file
-
     cfg_path = os.path.join(folder, ADAPTER_CONFIG)
     try:
         with open(cfg_path) as f:
@@ -246,3 +239,16 @@ def load_peft_adapter(folder: str, model, layout: str) -> Adapter:
         raise LayoutError(mismatch_message(found, layout, folder))
     attach(model, adapter)
     return adapter
+
+
+def is_peft_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def read_adapter(path: str, step: Optional[int] = None) -> Adapter:
+    """A trainer adapter checkpoint or a PEFT adapter folder (detected by its adapter_config.json)."""
+    if is_peft_folder(path):
+        if step is not None:
+            raise AdapterError(f"{path}: a PEFT folder holds one adapter; --step does not apply")
+        return read_peft_adapter(path)[0]
+    return read_trainer_adapter(path, step)

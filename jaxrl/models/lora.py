@@ -113,7 +113,7 @@ def kaiming_uniform(key: jax.Array, rank: int, in_features: int) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Targeting
 
-def _linears(model: nnx.Module) -> list[tuple[str, Linear]]:
+def linears(model: nnx.Module) -> list[tuple[str, Linear]]:
     """Every `Linear` of the model with its dotted path, in graph order."""
     return [(dotted(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, Linear)]
 
@@ -147,10 +147,10 @@ def resolve_targets(model: nnx.Module, targets) -> list[str]:
     """Module paths of the `Linear`s that `targets` selects (see the module docstring); raises LoRAError when a
     name or the regex matches nothing, or when `lm_head` is selected."""
     kind, spec = _parse_targets(targets)
-    linears = [p for p, _ in _linears(model)]
-    valid = sorted({p.rsplit(".", 1)[-1] for p in linears if p != "lm_head"})
+    paths = [p for p, _ in linears(model)]
+    valid = sorted({p.rsplit(".", 1)[-1] for p in paths if p != "lm_head"})
     if kind == "all-linear":  # a preset: whichever of the 12 projections this model has
-        chosen = [p for p in linears if p.rsplit(".", 1)[-1] in spec]
+        chosen = [p for p in paths if p.rsplit(".", 1)[-1] in spec]
         if not chosen:
             raise LoRAError("lora.targets='all-linear' matches no module of this model")
     elif kind == "names":
@@ -159,17 +159,17 @@ def resolve_targets(model: nnx.Module, targets) -> list[str]:
                             "head weight directly); valid names: " + ", ".join(valid))
         chosen = []
         for name in spec:
-            hits = [p for p in linears if _name_matches(p, name)]
+            hits = [p for p in paths if _name_matches(p, name)]
             if not hits:
                 raise LoRAError(f"lora.targets: {name!r} matches no module of this model; valid names: "
                                 + ", ".join(valid))
             chosen.extend(hits)
-        chosen = [p for p in linears if p in set(chosen)]  # graph order, no duplicates
+        chosen = [p for p in paths if p in set(chosen)]  # graph order, no duplicates
     else:
-        chosen = [p for p in linears if _regex_matches(p, spec)]
+        chosen = [p for p in paths if _regex_matches(p, spec)]
         if not chosen:
             raise LoRAError(f"lora.targets: the regex {spec.pattern!r} matches no module path (paths look like "
-                            f"{linears[0]!r}, also tried with the prefixes {list(_HF_TOWER_PREFIXES)}); valid "
+                            f"{paths[0]!r}, also tried with the prefixes {list(_HF_TOWER_PREFIXES)}); valid "
                             f"names: " + ", ".join(valid))
         if "lm_head" in chosen:
             raise LoRAError(f"lora.targets: the regex {spec.pattern!r} selects lm_head, which cannot carry an "
@@ -185,7 +185,7 @@ def apply_lora(model: nnx.Module, targets="all-linear", rank: int = 16, alpha: f
     and targets give the same adapters.
     """
     chosen = set(resolve_targets(model, targets))
-    selected = [(path, linear) for path, linear in _linears(model) if path in chosen]
+    selected = [(path, linear) for path, linear in linears(model) if path in chosen]
     for path, linear in selected:
         if linear.lora is not None:
             raise LoRAError(f"{path} already carries an adapter; apply_lora was called twice")

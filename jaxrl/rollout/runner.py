@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import jax.numpy as jnp
+from flax import nnx
+from tqdm import tqdm
 
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
+from jaxrl.models import lora, qwen35
+from jaxrl.models.adapters import load_adapter as read_adapter
+from jaxrl.rewards import get_reward
+from jaxrl.rollout.generate import decode_texts
+from jaxrl.rollout.sampler import Sampler
 from jaxrl.utils.io import atomic_write_json, iter_jsonl, repair_tail
 from jaxrl.utils.tree import dotted
 
@@ -83,11 +92,6 @@ def load_adapter(model, path: str):
     The checkpoint's meta names the adapted modules, rank, alpha and rsLoRA flag; the factors must match the
     attached adapters name for name and shape (an error names the first that does not).
     """
-    from flax import nnx
-
-    from jaxrl.models import lora
-    from jaxrl.train.checkpoints import load_adapter as read_adapter
-
     params, meta = read_adapter(path)
     spec = meta.get("lora") or {}
     for key in ("modules", "rank", "alpha"):
@@ -168,12 +172,6 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
     model / tokenizer / reward: already loaded objects, to skip loading them from cfg (tests, trainers).
     on_batch: called after each written batch with running counts (progress reporting, fault injection).
     """
-    from jaxrl.data.problems import load_problems
-    from jaxrl.models import qwen35
-    from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
-    from jaxrl.rollout.generate import decode_texts
-    from jaxrl.rollout.sampler import Sampler
-
     if cfg.num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {cfg.num_samples}")
     out = Path(cfg.out)
@@ -194,7 +192,6 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         if cfg.adapter:
             model = load_adapter(model, cfg.adapter)
     if reward is None:
-        from jaxrl.rewards import get_reward
         reward = get_reward(cfg.reward)
     model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name + (f"+{cfg.adapter}" if cfg.adapter else "")
 
@@ -228,7 +225,6 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
     total = len(encoded.kept) * cfg.num_samples
     bar = None
     if cfg.progress:
-        from tqdm import tqdm
         bar = tqdm(total=total, initial=already, unit="sample", desc="rollouts", dynamic_ncols=True)
     written, truncated, generated_tokens, start = 0, 0, 0, time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,10 @@ import os
 import re
 from typing import Any, Optional, Sequence
 
+import ml_collections
+
+from jaxrl.algorithms.plugins import absolute_paths
+
 SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "name", "description")
 OPEN_BLOCKS = ("model_overrides", "compile_options", "reward")  # blocks whose keys are free-form
 ADDABLE = ("plugins",)  # top-level keys a sweep may add to configs that predate them
@@ -189,7 +193,6 @@ class SweepSpec:
                 set_key(config, key, value, where=f"{self.where} ({point.name})")
         resolved = json.loads(config.to_json_best_effort())  # what the trainer writes as config.json
         if resolved.get("plugins"):
-            from jaxrl.algorithms.plugins import absolute_paths
             resolved["plugins"] = absolute_paths(resolved["plugins"], os.getcwd())
         return resolved
 
@@ -368,7 +371,6 @@ def load_config(base: str, extra_args: Sequence[tuple] = (), where: str = "sweep
 
 def set_key(config, key: str, value: Any, where: str = "sweep") -> None:
     """`config[key] = value` for a dotted key, refusing unknown keys (with suggestions) and wrong types."""
-    import ml_collections
     parts = key.split(".")
     node = config
     for i, part in enumerate(parts[:-1]):

@@ -42,6 +42,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from jaxrl.data.formats import CONFIG_FILE
 from jaxrl.models.lora import LoRAParam, lora_targets_report
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
@@ -53,7 +54,6 @@ from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
 
-CONFIG_FILE = "config.json"
 
 
 class NonFiniteError(RuntimeError):

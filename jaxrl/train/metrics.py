@@ -19,10 +19,11 @@ import sys
 import time
 
 from absl import logging
+from tqdm import tqdm
 
+from jaxrl.data.formats import METRICS_FILE
 from jaxrl.utils.io import atomic_write_text, iter_json_lines, read_jsonl
 
-METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tensorboard"
 
 
@@ -106,7 +107,6 @@ class Progress:
         self._start_time = time.time()
         self._start_step = initial
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, record: dict) -> None:

@@ -2,7 +2,7 @@
 
 A backend turns token-id prompts into completions for the model it currently holds:
 
-    backend.load(spec, adapter)      # spec: runner.ModelSpec; adapter: jaxrl.export.adapters.Adapter or None
+    backend.load(spec, adapter)      # spec: runner.ModelSpec; adapter: jaxrl.models.adapters.Adapter or None
     rows = backend.generate(prompts, group_ids, n=..., max_new_tokens=..., temperature=..., top_p=..., top_k=...,
                             seed=...)                # [Generation], prompt-major: prompt j -> rows j*n ... j*n+n-1
     backend.loaded_digest()          # digest of the adapter the backend really runs with (None: none)

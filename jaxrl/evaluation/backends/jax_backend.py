@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import jax.numpy as jnp
+
 from jaxrl.evaluation.backends import Generation
+from jaxrl.models import qwen35
+from jaxrl.models.adapters import attach, attached_digest, detach
+from jaxrl.rollout.sampler import Sampler
 
 DTYPES = ("bfloat16", "float32")
 
@@ -26,7 +31,6 @@ class JaxBackend:
         self.prompt_buckets = tuple(prompt_buckets) if prompt_buckets else None
         self.stop_ids, self.pad_id, self.mesh = tuple(stop_ids), pad_id, mesh
         if model is not None:
-            import jax.numpy as jnp
             if jnp.dtype(model.dtype) != jnp.dtype(dtype):
                 # the cache settings record `dtype`: a model of another dtype would be misdescribed
                 raise ValueError(f"the given base model computes in {jnp.dtype(model.dtype).name}, not {dtype}")
@@ -35,14 +39,10 @@ class JaxBackend:
         self._samplers: dict[int, object] = {}
 
     def _load_folder(self, folder: str):
-        import jax.numpy as jnp
-
-        from jaxrl.models import qwen35
         return qwen35.from_pretrained(folder, dtype=getattr(jnp, self.dtype), mesh=self.mesh)
 
     def load(self, spec, adapter=None) -> None:
         """Make `spec` (base, base + adapter, or an HF folder) the model that `generate` samples from."""
-        from jaxrl.export.adapters import attach, detach
         if spec.kind == "hf":
             if adapter is not None:
                 raise ValueError(f"model {spec.name!r}: an HF folder takes no adapter")
@@ -58,7 +58,6 @@ class JaxBackend:
 
     def loaded_digest(self) -> Optional[str]:
         """Digest of the LoRA factors the loaded model really carries (read back from its parameters)."""
-        from jaxrl.export.adapters import attached_digest
         return attached_digest(self._model)
 
     def served_fingerprint(self) -> None:
@@ -67,7 +66,6 @@ class JaxBackend:
         return None
 
     def _sampler(self, max_new_tokens: int):
-        from jaxrl.rollout.sampler import Sampler
         if max_new_tokens not in self._samplers:
             self._samplers[max_new_tokens] = Sampler(
                 self._model, max_new_tokens=max_new_tokens, max_prompt_len=self.max_prompt_len,

@@ -41,6 +41,7 @@ import shlex
 from typing import Optional, Sequence
 
 from jaxrl.evaluation.backends import Generation
+from jaxrl.export.merge import export_merged, read_provenance
 
 INSTALL_HINT = ("the vllm backend needs vLLM on a CUDA machine: pip install 'jaxrl[vllm]' (or pip install vllm); "
                 "use --backend=jax otherwise")
@@ -79,7 +80,6 @@ class VLLMBackend:
             return os.path.abspath(spec.path)
         if adapter is None:
             return self.base_dir
-        from jaxrl.export.merge import export_merged, read_provenance
         target = os.path.join(self.out_dir, "merged", spec.name)
         info = read_provenance(target) if os.path.isdir(target) else None
         if not (info and info.get("adapter_digest") == adapter.digest() and info.get("base") == self.base_dir):
@@ -124,7 +124,6 @@ class VLLMBackend:
     def served_fingerprint(self) -> Optional[str]:
         """The language-tower fingerprint recorded in the served merged folder's jaxrl_export.json (None for a
         folder that is not a merged export); the evaluator checks it against the audit's."""
-        from jaxrl.export.merge import read_provenance
         info = read_provenance(self._dir) if self._dir else None
         return (info or {}).get("fingerprint") if self._digest is not None else None
 

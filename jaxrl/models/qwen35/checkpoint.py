@@ -30,6 +30,7 @@ from safetensors.numpy import save_file
 
 from jaxrl.models.qwen35.config import CONTAINER, TEXT_ONLY, HFLayout, Qwen35Config, load_hf_config
 from jaxrl.models.qwen35.model import Qwen35
+from jaxrl.parallel.sharding import named_sharding
 from jaxrl.utils.io import atomic_copy, atomic_path, atomic_write_text, is_temp_name
 from jaxrl.utils.tree import dotted
 
@@ -69,7 +70,7 @@ def base_params(model: nnx.Module) -> Iterator[tuple[str, nnx.Variable]]:
 # ----------------------------------------------------------------------------------------------------------------
 # Reading
 
-def _weight_map(model_dir: str) -> dict[str, str]:
+def read_weight_map(model_dir: str) -> dict[str, str]:
     """key -> file name, from the index json or the single file."""
     index_path = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index_path):
@@ -102,7 +103,7 @@ def from_pretrained(model_dir: str, dtype=jnp.float32, mesh: Optional[jax.shardi
     cfg, layout, _ = load_hf_config(model_dir)
     abstract = nnx.eval_shape(lambda: Qwen35(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=remat))
     graphdef, state = nnx.split(abstract)
-    weight_map = _weight_map(model_dir)
+    weight_map = read_weight_map(model_dir)
 
     expected = {}  # hf key -> (our name, variable)
     for name, var in base_params(abstract):
@@ -146,7 +147,6 @@ def from_pretrained(model_dir: str, dtype=jnp.float32, mesh: Optional[jax.shardi
 def _load_tensor(tensor, name: str, shape: tuple, dtype, mesh) -> jax.Array:
     if mesh is None:
         return jnp.asarray(np.asarray(tensor[:]), dtype=dtype)
-    from jaxrl.parallel.sharding import named_sharding
     sharding = named_sharding(name, shape, mesh)
     np_dtype = jnp.dtype(dtype)
     # Each device asks only for its own slice, which safetensors reads lazily from the file.
@@ -188,7 +188,7 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
                               "to overwrite the base checkpoint")
     cfg, base_layout, _ = load_hf_config(base_dir)
     _check_same_shape(model.config, cfg, base_dir)
-    weight_map = _weight_map(base_dir)
+    weight_map = read_weight_map(base_dir)
     ours = {hf_key(name, base_layout): var for name, var in base_params(model)}
     missing = [k for k in ours if k not in weight_map]
     if missing:

@@ -20,6 +20,7 @@ from flax import nnx
 from jaxrl.models.qwen35.checkpoint import CheckpointError, base_params
 from jaxrl.models.qwen35.config import Qwen35Config
 from jaxrl.models.qwen35.model import Qwen35
+from jaxrl.parallel.sharding import named_sharding
 from jaxrl.utils.io import atomic_write_text
 
 META_FILE = "jaxrl_model.json"
@@ -55,7 +56,6 @@ def load_orbax_params(folder: str, dtype=None, mesh: Optional[jax.sharding.Mesh]
     for name, var in base_params(abstract_model):
         sharding = None
         if mesh is not None:
-            from jaxrl.parallel.sharding import named_sharding
             sharding = named_sharding(name, var.shape, mesh)
         targets[name] = jax.ShapeDtypeStruct(var.shape, dtype, sharding=sharding)
     restored = ocp.StandardCheckpointer().restore(os.path.join(folder, "params"), targets)
