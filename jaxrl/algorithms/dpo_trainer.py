@@ -53,50 +53,12 @@ from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.train import inference
 from jaxrl.train.objective import target_mask
+from jaxrl.utils.config import to_plain
 from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
+from jaxrl.utils.schema import DPO, DPO_DATA
 
 REF_CACHE = "ref_logps.npz"
 DATA_STATS = "data_stats.json"
-
-# Defaults of the `dpo` and `data` blocks (configs/dpo.py starts from these; a config without them gets them).
-DPO_DEFAULTS = dict(
-    loss_type="sigmoid",  # a registered loss, or several comma-separated ("sigmoid,sft" = RPO)
-    loss_weights=(),  # one weight per loss_type; () = all 1
-    beta=0.1,
-    label_smoothing=0.0,  # robust, exo_pair, aot, aot_unpaired, simpo
-    simpo_gamma=0.5,  # SimPO target margin
-    discopop_tau=0.05,
-    f_divergence="reverse_kl",  # reverse_kl | forward_kl | js_divergence | alpha_divergence
-    f_alpha=0.5,
-    plugin="",  # "my_losses.py:fn[,other.py:fn2]": checked and registered (by function name) before training
-    precompute_ref_logps=True,  # False: a second forward with the adapters off in every step
-    ref_batch_size=0,  # rows per reference / evaluation pass; 0 = batch.micro_batch_size
-)
-DATA_DEFAULTS = dict(
-    source="pairs",  # pairs | synthetic
-    pairs="",  # pairs.jsonl, a frozen cohort folder, or a build folder holding cohort/
-    problems="",  # problems.jsonl supplying `messages` of pairs that have none
-    tokenizer="",  # HF tokenizer folder; "" = model_path
-    max_length=2048,  # prompt + completion tokens of one sequence
-    max_prompt_length=0,  # 0 = bounded by max_length only
-    overlong="truncate_prompt",  # truncate_prompt (cut the prompt from the left) | drop
-    min_prompt_tokens=64,  # truncate_prompt keeps at least this many prompt tokens, else the pair is dropped
-    enable_thinking=False,  # the chat template's generation prompt (must match how the pairs were sampled)
-    pad_multiple=64,  # sequence-length bucket
-    eval_fraction=0.0,  # held-out share of the pairs (seeded by pair id), scored at every checkpoint
-    eval_pairs="",  # or a separate held-out pairs file
-    expected_pairs=0,  # > 0: refuse a pair set of any other size (e.g. 1000 for the frozen cohort)
-    # source = "synthetic": arithmetic-progression pairs (dpo_data.synthetic_pairs)
-    synthetic_pairs=256,
-    synthetic_prompt_len=6,
-    synthetic_completion_len=4,
-    synthetic_num_tokens=0,  # tokens [2, 2 + n) (0 = the whole vocabulary)
-)
-
-
-def _get(block, key: str, defaults: dict):
-    return block.get(key, defaults[key]) if block is not None else defaults[key]
-
 
 def parse_loss_types(value) -> tuple[str, ...]:
     if isinstance(value, str):
@@ -255,12 +217,6 @@ def preference_summary(chosen, rejected, ref_chosen, ref_rejected, objective: DP
 # ------------------------------------------------------------------------------------------------- data
 
 
-def _as_dict(block) -> dict:
-    if block is None:
-        return {}
-    return block.to_dict() if hasattr(block, "to_dict") else dict(block)
-
-
 def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
     """(the pairs file, the cohort manifest or None). A folder with `manifest.json` (or `cohort/manifest.json`)
     is a frozen cohort and is verified; so is a pairs file that a manifest beside it names."""
@@ -306,13 +262,13 @@ def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[
 
 def _model_identity(config) -> dict:
     """What identifies the base weights, for the reference cache's fingerprint."""
-    path = config.get("model_path", "")
+    path = config.model_path
     if path:
         files = sorted(Path(path).glob("*.safetensors")) + sorted(Path(path).glob("config.json"))
         return {"model_path": os.path.abspath(path),
                 "files": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
-    return {"model_preset": config.get("model_preset", ""), "model_seed": int(config.get("model_seed", 0)),
-            "model_overrides": _as_dict(config.get("model_overrides", None))}
+    return {"model_preset": config.model_preset, "model_seed": int(config.model_seed),
+            "model_overrides": to_plain(config.model_overrides) or {}}
 
 
 # ------------------------------------------------------------------------------------------------- task
@@ -323,11 +279,11 @@ class DPOTask:
 
     def __init__(self, config, model, mesh):
         self.config, self.mesh = config, mesh
-        dcfg = {k: _get(config.get("dpo", None), k, DPO_DEFAULTS) for k in DPO_DEFAULTS}
-        self.data_cfg = {k: _get(config.get("data", None), k, DATA_DEFAULTS) for k in DATA_DEFAULTS}
+        dcfg = DPO.resolve(config.get("dpo", None), "dpo")
+        self.data_cfg = DPO_DATA.resolve(config.get("data", None), "data")
         self.seed = int(config.seed)
         self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.chunk_size = int(config.logprob_chunk_size)
         self.ref_batch_size = int(dcfg["ref_batch_size"]) or int(config.batch.micro_batch_size)
         self.compile_options = inference.compile_options(config)
 
@@ -418,7 +374,7 @@ class DPOTask:
 
     # ---------------------------------------------------------------------------------------------- loading
     def _tokenizer_path(self) -> str:
-        return self.data_cfg["tokenizer"] or self.config.get("model_path", "")
+        return self.data_cfg["tokenizer"] or self.config.model_path
 
     def _load(self, model):
         source = self.data_cfg["source"]
@@ -445,7 +401,7 @@ class DPOTask:
         return {"data_sha256": seqs.digest(), "num_pairs": len(seqs),
                 "pair_ids_sha256": hashlib.sha256("\n".join(seqs.pair_ids).encode()).hexdigest(),
                 "max_length": self.seq_cfg.max_length, "seq_len": int(seqs.arrays["chosen_input_ids"].shape[1]),
-                "dtype": str(self.config.get("dtype", "float32")), "logprob_chunk_size": self.chunk_size,
+                "dtype": str(self.config.dtype), "logprob_chunk_size": self.chunk_size,
                 "model": _model_identity(self.config)}
 
     def _reference(self, trainer, seqs: dpo_data.PairSequences, name: str) -> dict[str, np.ndarray]:

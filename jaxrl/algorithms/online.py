@@ -53,38 +53,9 @@ from jaxrl.rollout.runner import problem_key
 from jaxrl.rollout.sampler import Sampler
 from jaxrl.train import inference
 from jaxrl.utils.io import atomic_write_bytes
+from jaxrl.utils.schema import ONLINE_DATA, REWARD
 
 ROLLOUT_DIR = "rollouts"
-
-# `data` block of the online algorithms (configs start from these; a config without them gets them).
-DATA_DEFAULTS = dict(
-    source="problems",  # problems (problems.jsonl + tokenizer + chat template) | token_task (synthetic ids)
-    problems="",  # problems.jsonl (jaxrl.data.problems schema)
-    tokenizer="",  # HF tokenizer folder; "" = model_path
-    enable_thinking=False,  # the chat template's generation prompt
-    max_prompt_len=2048,  # P: prompts are left-padded to it; longer prompts follow on_overlong
-    on_overlong="skip",  # skip (logged and counted) | error; prompts are never cut
-    # source = token_task (the CPU learning task, `TokenTask`)
-    prompt_len=6,
-    num_classes=2,
-    score_tokens=0,  # completion tokens scored; 0 = all max_new_tokens
-)
-# `reward` block: `name` for jaxrl.rewards.get_reward, `score` which RewardResult field is the scalar reward;
-# every other key is passed to the reward's constructor.
-REWARD_DEFAULTS = dict(name="code", score="partial")
-
-
-def block_get(block, key: str, defaults: dict):
-    return block.get(key, defaults[key]) if block is not None else defaults[key]
-
-
-def block_dict(block, defaults: dict) -> dict:
-    """defaults overlaid with the keys present in a ConfigDict block."""
-    out = dict(defaults)
-    if block is not None:
-        out.update(block.to_dict() if hasattr(block, "to_dict") else dict(block))
-    return out
-
 
 # ------------------------------------------------------------------------------------------------- prompts
 
@@ -148,31 +119,31 @@ class ProblemPrompts(PromptSource):
 
 def make_prompt_source(config, model) -> tuple[PromptSource, tuple[int, ...], int]:
     """(prompt source, stop ids, pad id) from `config.data` (and the tokenizer of data.tokenizer / model_path)."""
-    data = config.get("data", None)
-    source = block_get(data, "source", DATA_DEFAULTS)
+    data = ONLINE_DATA.resolve(config.get("data", None), "data")
+    source = data["source"]
     seed = int(config.seed)
-    max_prompt_len = int(block_get(data, "max_prompt_len", DATA_DEFAULTS))
+    max_prompt_len = int(data["max_prompt_len"])
     eos = model.config.eos_token_id
     eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
     pad = model.config.pad_token_id
     pad = 0 if pad is None else int(pad)
     if source == "token_task":
-        prompt_len = int(block_get(data, "prompt_len", DATA_DEFAULTS))
+        prompt_len = int(data["prompt_len"])
         if prompt_len > max_prompt_len:
             raise ValueError(f"data.prompt_len={prompt_len} exceeds data.max_prompt_len={max_prompt_len}")
-        score_tokens = int(block_get(data, "score_tokens", DATA_DEFAULTS)) or int(max_new_tokens_of(config))
+        score_tokens = int(data["score_tokens"]) or int(max_new_tokens_of(config))
         task = TokenTask(vocab_size=int(model.config.vocab_size), prompt_len=prompt_len,
-                         num_classes=int(block_get(data, "num_classes", DATA_DEFAULTS)), score_tokens=score_tokens)
+                         num_classes=int(data["num_classes"]), score_tokens=score_tokens)
         return TokenTaskPrompts(task, seed), eos, pad
     if source == "problems":
-        tok_dir = block_get(data, "tokenizer", DATA_DEFAULTS) or config.get("model_path", "")
+        tok_dir = data["tokenizer"] or config.model_path
         if not tok_dir:
             raise ValueError("data.source='problems' needs a tokenizer: set data.tokenizer or model_path")
         tokenizer = load_tokenizer(tok_dir)
-        prompts = ProblemPrompts(block_get(data, "problems", DATA_DEFAULTS), tokenizer,
-                                 enable_thinking=bool(block_get(data, "enable_thinking", DATA_DEFAULTS)),
+        prompts = ProblemPrompts(data["problems"], tokenizer,
+                                 enable_thinking=bool(data["enable_thinking"]),
                                  max_prompt_len=max_prompt_len,
-                                 on_overlong=block_get(data, "on_overlong", DATA_DEFAULTS), seed=seed)
+                                 on_overlong=data["on_overlong"], seed=seed)
         if tokenizer.pad_token_id is not None:
             pad = int(tokenizer.pad_token_id)
         return prompts, chat_stop_ids(tokenizer, model.config.eos_token_id), pad
@@ -186,7 +157,7 @@ def max_new_tokens_of(config) -> int:
 
 def make_reward(config):
     """(Reward, field) from `config.reward`: `name`, `score` (partial | strict), the rest constructor kwargs."""
-    spec = block_dict(config.get("reward", None), REWARD_DEFAULTS)
+    spec = REWARD.resolve(config.get("reward", None), "reward")
     name, field = spec.pop("name"), spec.pop("score")
     if field not in ("partial", "strict"):
         raise ValueError(f"reward.score={field!r}; choose 'partial' or 'strict'")
@@ -242,7 +213,7 @@ class RolloutEngine:
                  temperature: float, top_p: float, top_k: int = 0, rollout_batch_size: int = 0):
         self.source, self.stop_ids, self.pad_id = make_prompt_source(config, model)
         self.reward, self.reward_field = make_reward(config)
-        self.prompt_len = int(block_get(config.get("data", None), "max_prompt_len", DATA_DEFAULTS))
+        self.prompt_len = int(ONLINE_DATA.resolve(config.get("data", None), "data")["max_prompt_len"])
         self.max_new_tokens, self.n = int(max_new_tokens), int(num_generations)
         self.count = int(prompts_per_rollout)
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
@@ -532,7 +503,7 @@ class OnlineTask:
         when s is inside it)."""
         if self.store is None or self.schedule.steps_per_rollout == 1:
             return None
-        keep = trainer.config.get("keep_checkpoints", 2)
+        keep = trainer.config.keep_checkpoints
         steps = sorted(self._state_steps(trainer))
         if keep is None or not steps:
             return None
@@ -542,7 +513,7 @@ class OnlineTask:
 
     @staticmethod
     def _state_steps(trainer) -> list[int]:
-        state_dir = os.path.join(trainer.workdir, "checkpoints", "state")
+        state_dir = trainer.ckpt.state_dir
         if not os.path.isdir(state_dir):
             return []
         return [int(d) for d in os.listdir(state_dir) if d.isdigit()]

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxrl.data.stream import epoch_stream
 from jaxrl.train.objective import NextToken
+from jaxrl.utils.schema import SFT_DATA
 
 
 def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab_size: int, seed: int,
@@ -89,20 +90,20 @@ class SFTTask:
     """Next-token objective over synthetic or JSON Lines token data."""
 
     def __init__(self, config, vocab_size: int, pad_id: int = 0):
-        data = config.data
-        self.objective = NextToken(chunk_size=int(config.get("logprob_chunk_size", 512)))
+        data = SFT_DATA.resolve(config.get("data", None), "data")
+        self.objective = NextToken(chunk_size=int(config.logprob_chunk_size))
         self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        self.seq_len = int(data.seq_len)
+        self.seq_len = int(data["seq_len"])
         self.seed = int(config.seed)
         self.vocab_size, self.pad_id = vocab_size, pad_id
         self.position = 0
-        source = data.get("source", "synthetic")
+        source = data["source"]
         if source == "synthetic":
             self.source: Optional[JsonlTokens] = None
         elif source == "jsonl":
-            if not data.get("path"):
+            if not data["path"]:
                 raise ValueError("data.source='jsonl' needs data.path")
-            self.source = JsonlTokens(data.path, self.seq_len, self.seed, pad_id)
+            self.source = JsonlTokens(data["path"], self.seq_len, self.seed, pad_id)
         else:
             raise ValueError(f"data.source={source!r}; choose 'synthetic' or 'jsonl'")
 

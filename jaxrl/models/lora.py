@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.qwen35.layers import Linear
+from jaxrl.utils.schema import LORA
 from jaxrl.utils.tree import dotted
 
 # The 12 projections of the Qwen3.5 language tower (PEFT's `all-linear` minus the vision tower and lm_head).
@@ -204,13 +205,13 @@ def apply_lora(model: nnx.Module, targets="all-linear", rank: int = 16, alpha: f
 
 
 def apply_lora_from_config(model: nnx.Module, lora_cfg, seed: int = 0) -> dict:
-    """`apply_lora` from a config block with keys rank, alpha, targets, use_rslora, dropout (configs/base.py)."""
-    targets = lora_cfg.targets
+    """`apply_lora` from a `lora` config block (keys and defaults: jaxrl.utils.schema.LORA)."""
+    cfg = LORA.resolve(lora_cfg, "lora")
+    targets = cfg["targets"]
     if isinstance(targets, (list, tuple)):
         targets = tuple(targets)
-    return apply_lora(model, targets=targets, rank=int(lora_cfg.rank), alpha=float(lora_cfg.alpha),
-                      use_rslora=bool(lora_cfg.get("use_rslora", False)),
-                      dropout=float(lora_cfg.get("dropout", 0.0)), seed=seed)
+    return apply_lora(model, targets=targets, rank=int(cfg["rank"]), alpha=float(cfg["alpha"]),
+                      use_rslora=bool(cfg["use_rslora"]), dropout=float(cfg["dropout"]), seed=seed)
 
 
 def iter_lora(model: nnx.Module) -> Iterator[tuple[str, LoRA]]:

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl.utils.schema import MESH
+
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
 
@@ -56,7 +58,5 @@ def make_mesh(shape: Sequence[int], devices: Optional[Sequence[jax.Device]] = No
 
 
 def mesh_from_config(config) -> Mesh:
-    """`config.mesh.shape` (default (1, -1, 1)) -> Mesh."""
-    mesh_cfg = config.get("mesh", None)
-    shape = (1, -1, 1) if mesh_cfg is None else tuple(mesh_cfg.get("shape", (1, -1, 1)))
-    return make_mesh(shape)
+    """`config.mesh.shape` (jaxrl.utils.schema.MESH) -> Mesh."""
+    return make_mesh(tuple(MESH.resolve(config.get("mesh", None), "mesh")["shape"]))

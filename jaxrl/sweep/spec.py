@@ -45,6 +45,8 @@ from typing import Any, Optional, Sequence
 import ml_collections
 
 from jaxrl.algorithms.plugins import absolute_paths
+from jaxrl.utils import schema
+from jaxrl.utils.config import ConfigKeyError
 
 SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "name", "description")
 OPEN_BLOCKS = ("model_overrides", "compile_options", "reward")  # blocks whose keys are free-form
@@ -191,6 +193,10 @@ class SweepSpec:
         for key, value in {**self.fixed, **point.settings}.items():
             if not key.startswith(ARG_PREFIX):
                 set_key(config, key, value, where=f"{self.where} ({point.name})")
+        try:  # every key at its default where the base config has none, as the trainer will write it
+            schema.resolve(config, strict=config.get("algorithm", None) in schema.ALGORITHMS)
+        except ConfigKeyError as e:
+            raise SweepError(f"{self.where} ({point.name}): {e}") from None
         resolved = json.loads(config.to_json_best_effort())  # what the trainer writes as config.json
         if resolved.get("plugins"):
             resolved["plugins"] = absolute_paths(resolved["plugins"], os.getcwd())

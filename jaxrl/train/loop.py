@@ -53,6 +53,7 @@ from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
+from jaxrl.utils import schema
 
 
 
@@ -101,6 +102,7 @@ class Trainer:
     def __init__(self, config, model: nnx.Module, task, workdir: str, *, mesh=None,
                  fault_fn: Optional[Callable] = None, fault_group: Optional[str] = None,
                  on_step_end: Optional[Callable] = None):
+        schema.CORE.resolve(config, strict=False)  # the core's keys at their one default when missing
         self.config, self.task, self.workdir = config, task, workdir
         self.mesh = mesh if mesh is not None else mesh_from_config(config)
         self.fault_fn, self.on_step_end = fault_fn, on_step_end
@@ -110,10 +112,10 @@ class Trainer:
         if self.steps <= 0 or self.micro_batch_size <= 0 or self.grad_accum <= 0:
             raise ValueError(f"steps ({self.steps}), batch.micro_batch_size ({self.micro_batch_size}) and "
                              f"batch.grad_accum ({self.grad_accum}) must be positive")
-        self.checkpoint_every = int(config.get("checkpoint_every", 4))
+        self.checkpoint_every = int(config.checkpoint_every)
         if self.checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
-        self.max_nonfinite = int(config.get("max_consecutive_nonfinite", 0))
+        self.max_nonfinite = int(config.max_consecutive_nonfinite)
         self.compile_options = compile_options(config)
 
         trainable = getattr(task, "trainable", LoRAParam)
@@ -139,8 +141,8 @@ class Trainer:
         model_cfg = getattr(model, "config", None)
         self.model_config = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else None
         self.main = is_main_process()
-        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.get("keep_checkpoints", 2),
-                                            async_save=bool(config.get("checkpoint_async", True)))
+        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.keep_checkpoints,
+                                            async_save=bool(config.checkpoint_async))
 
     # ------------------------------------------------------------------------------------------------------------
     def current_model(self) -> nnx.Module:
@@ -176,7 +178,7 @@ class Trainer:
     def _adapter_meta(self, step: int) -> dict:
         cfg = self.config
         return {"step": step, "lora": self.lora_report, "model": self.model_config,
-                "model_path": cfg.get("model_path", ""), "algorithm": cfg.get("algorithm", "")}
+                "model_path": cfg.model_path, "algorithm": cfg.algorithm}
 
     def save(self, step: int) -> None:
         """Checkpoint after `step` train steps (asynchronous when checkpoint_async)."""
@@ -245,10 +247,10 @@ class Trainer:
         os.makedirs(self.workdir, exist_ok=True)
         start = self.restore_latest()
         self._write_config()
-        writer = MetricsWriter(self.workdir, tensorboard=bool(self.config.get("tensorboard", True)),
+        writer = MetricsWriter(self.workdir, tensorboard=bool(self.config.tensorboard),
                                enabled=self.main)
         writer.truncate_after(start)
-        progress = Progress(self.steps, initial=start, log_every=int(self.config.get("log_every", 1)),
+        progress = Progress(self.steps, initial=start, log_every=int(self.config.log_every),
                             enabled=self.main)
         records = []
         try:
