@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import importlib.util
 import inspect
 import itertools
 import json
@@ -47,6 +46,7 @@ import ml_collections
 from jaxrl.algorithms.plugins import absolute_paths
 from jaxrl.utils import schema
 from jaxrl.utils.config import ConfigKeyError
+from jaxrl.utils.registry import import_file
 
 SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "name", "description")
 OPEN_BLOCKS = ("model_overrides", "compile_options", "reward")  # blocks whose keys are free-form
@@ -304,14 +304,10 @@ def _find(path: str, rel_to: Sequence[str]) -> str:
 
 
 def _import_file(path: str, prefix: str):
-    digest = hashlib.sha1(path.encode()).hexdigest()[:10]
-    modname = f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', os.path.splitext(os.path.basename(path))[0])}_{digest}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    if spec is None or spec.loader is None:
-        raise SweepError(f"{path}: cannot import")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    try:
+        return import_file(path, prefix)
+    except ImportError as e:
+        raise SweepError(str(e)) from None
 
 
 def _call(fn, arg: str, where: str):

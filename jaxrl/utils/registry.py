@@ -23,10 +23,11 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-__all__ = ["PluginError", "Registry", "nearest", "resolve"]
+__all__ = ["PluginError", "Registry", "import_file", "nearest", "resolve"]
 
 
 class PluginError(ValueError):
@@ -43,17 +44,17 @@ def _is_file(target: str) -> bool:
     return target.endswith(".py") or os.sep in target or "/" in target
 
 
-def _import_file(spec: str, target: str):
-    path = os.path.abspath(os.path.expanduser(target))
-    if not os.path.isfile(path):
-        raise PluginError(f"plug-in {spec!r}: file {path} does not exist")
-    # A stable, unique module name per file, kept in sys.modules so the plug-in's own dataclasses, pickling and
-    # relative look-ups work, and a re-load (resume) replaces rather than duplicates it.
+def import_file(path: str, prefix: str = "jaxrl_plugin"):
+    """The module of a Python file (a plug-in, a config or sweep file) under a stable name unique to the file,
+    kept in sys.modules so its own dataclasses, pickling and relative look-ups work, and a re-load (resume)
+    replaces rather than duplicates it. ImportError when the file cannot be loaded as a module."""
+    path = os.path.abspath(os.path.expanduser(path))
     digest = hashlib.sha1(path.encode()).hexdigest()[:10]
-    modname = f"jaxrl_plugin_{os.path.splitext(os.path.basename(path))[0]}_{digest}"
+    stem = re.sub(r"[^A-Za-z0-9_]", "_", os.path.splitext(os.path.basename(path))[0])
+    modname = f"{prefix}_{stem}_{digest}"
     mspec = importlib.util.spec_from_file_location(modname, path)
     if mspec is None or mspec.loader is None:
-        raise PluginError(f"plug-in {spec!r}: cannot import {path}")
+        raise ImportError(f"{path}: cannot import")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[modname] = module
     try:
@@ -74,7 +75,13 @@ def resolve(spec: str, *, callable_only: bool = True) -> Any:
     if not attr.isidentifier():
         raise PluginError(f"plug-in {spec!r}: {attr!r} is not a function name")
     try:
-        module = _import_file(spec, target) if _is_file(target) else importlib.import_module(target)
+        if _is_file(target):
+            path = os.path.abspath(os.path.expanduser(target))
+            if not os.path.isfile(path):
+                raise PluginError(f"plug-in {spec!r}: file {path} does not exist")
+            module = import_file(path)
+        else:
+            module = importlib.import_module(target)
     except PluginError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the plug-in named
