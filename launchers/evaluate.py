@@ -82,9 +82,9 @@ def build_config():
 
 def termination(ev, results, cap: int) -> str:
     """Re-samples the truncated completions of every model at `cap`; writes <out>/termination.json."""
-    from jaxrl.utils.io import atomic_write_json
     from jaxrl.data import formats
     from jaxrl.diagnostics.termination import resample_truncated, termination_analysis
+    from jaxrl.utils.io import atomic_write_json
     samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in results["models"]}
     resampled = {name: resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed)
                  for name, recs in samples.items()}
@@ -95,10 +95,8 @@ def termination(ev, results, cap: int) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from jaxrl.evaluation.runner import Evaluator
-    from jaxrl.evaluation.runner import ResumeError
-    from jaxrl.models.adapters import AdapterError
-    from jaxrl.models.adapters import CheckpointNotFound
+    from jaxrl.evaluation.runner import Evaluator, ResumeError
+    from jaxrl.models.adapters import AdapterError, CheckpointNotFound
     cfg = build_config()
     try:
         ev = Evaluator(cfg)

@@ -44,8 +44,7 @@ def main(argv):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
     from jaxrl.export import export_checkpoint
-    from jaxrl.models.adapters import AdapterError
-    from jaxrl.models.adapters import CheckpointNotFound
+    from jaxrl.models.adapters import AdapterError, CheckpointNotFound
     try:
         info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value,
                                  merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,

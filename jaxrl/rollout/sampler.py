@@ -49,8 +49,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl.models.qwen35.model import Cache
 from jaxrl.parallel.mesh import DATA, FSDP
 from jaxrl.parallel.sharding import partition_spec
-from jaxrl.utils.tree import dotted
 from jaxrl.rollout.sampling import SamplingMode, row_keys, sample_tokens, sampling_mode, step_keys
+from jaxrl.utils.tree import dotted
 
 # (program, static key) -> number of times it was traced. A trace is what precedes a compilation, so tests use
 # this to prove that a bucket compiles once (Python side effects run only while tracing).
