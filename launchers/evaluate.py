@@ -22,11 +22,12 @@ import json
 import os
 import sys
 
-from absl import app, logging
+from absl import app, flags, logging
 
 from jaxrl.evaluation import cli
 
 _F = cli.define_flags()
+flags.adopt_module_key_flags(cli)  # --helpshort lists them as this launcher's own
 
 
 def _named(values, flag):
