@@ -63,13 +63,13 @@ def problems(path, n):
 def random_adapter(base: str, update_rel: float, rank: int = 16, seed: int = 0):
     import jax.numpy as jnp
 
-    from jaxrl.export.adapters import Adapter
+    from jaxrl.models.adapters import Adapter
     from jaxrl.models import qwen35
-    from jaxrl.models.lora import _linears
+    from jaxrl.models.lora import linears
     model = qwen35.from_pretrained(base, dtype=jnp.float32)
     rng = np.random.default_rng(seed)
     params = {}
-    for path, lin in _linears(model):
+    for path, lin in linears(model):
         if path == "lm_head":
             continue
         a = rng.standard_normal((rank, lin.in_features)).astype(np.float32)
@@ -96,7 +96,7 @@ def run(args) -> dict:
     from jaxrl.export.peft import export_peft
     from jaxrl.models.qwen35.config import load_hf_config
     from jaxrl.rollout.backends import JaxBackend, ModelSpec, SamplingParams, make_backend
-    from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
+    from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
     from jaxrl.rollout.keys import problem_key
 
     os.makedirs(args.out, exist_ok=True)

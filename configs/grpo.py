@@ -49,8 +49,6 @@ import ml_collections
 
 from configs import base, overrides
 from configs.overrides import choice
-from jaxrl.algorithms.grpo_trainer import GRPO_DEFAULTS
-from jaxrl.algorithms.online import DATA_DEFAULTS, REWARD_DEFAULTS
 
 MODELS = {"4b": "qwen3.5-4b", "9b": "qwen3.5-9b", "tiny": "tiny"}
 LORA = {"r16": (16, 32.0), "r32": (32, 64.0)}
@@ -113,14 +111,12 @@ def rollout_batch(c, rows: int, o: dict, where: str) -> None:
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     where = WHERE
     o = parse_overrides(arg)
-    c = base.get_config()
-    c.algorithm = "grpo"
+    c = base.get_config("grpo")
     c.run = o.get("run", "")
     c.probe = o.get("probe", "")
     model_block(c, o, where)
     c.steps = int(o.get("steps", 125))
 
-    c.grpo = ml_collections.ConfigDict(dict(GRPO_DEFAULTS))
     c.grpo.beta = float(o.get("beta", "0.05"))
     c.grpo.num_generations = int(o.get("k", 8))
     c.grpo.prompts_per_step = int(o.get("prompts", 20))
@@ -132,11 +128,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.grpo.logprob_batch_size = 8
     rollout_batch(c, c.grpo.num_generations * c.grpo.prompts_per_step, o, where)
 
-    c.data = ml_collections.ConfigDict(dict(DATA_DEFAULTS))
     c.data.source = "problems"
     c.data.problems = o.get("problems", "")
     c.data.max_prompt_len = int(o.get("prompt_len", 2048))
-    c.reward = ml_collections.ConfigDict(dict(REWARD_DEFAULTS))
     c.reward.name = "code"
     c.reward.score = "partial"
     # Long sequences: recompute activations in the backward pass instead of storing them all.

@@ -31,7 +31,30 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import jax.numpy as jnp
 import numpy as np
+
+from configs import base as base_config
+from configs import dpo as dpo_config
+from configs import grpo as grpo_config
+from jaxrl.algorithms.run import run_training
+from jaxrl.data import formats
+from jaxrl.data import pairs as pairs_lib
+from jaxrl.data.chat import encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
+from jaxrl.diagnostics import drift
+from jaxrl.diagnostics.pair_audit import audit_pairs
+from jaxrl.diagnostics.report import build_report
+from jaxrl.evaluation.runner import EvalConfig, ModelSpec, checkpoint_specs, run_evaluation
+from jaxrl.export import export_checkpoint
+from jaxrl.models import qwen35
+from jaxrl.models.adapters import adapter_steps
+from jaxrl.models.qwen35.config import tiny
+from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
+from jaxrl.rewards import get_reward
+from jaxrl.rollout.runner import RolloutConfig, run_rollouts
+from jaxrl.rollout.tokenizer import build_tiny_tokenizer, minimal_vocab_size
+from jaxrl.utils.io import write_jsonl
 
 DIGITS = "0123456789"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -94,7 +117,6 @@ def sft_rows(tokenizer, problems: list[dict], seed: int, copies: int = 4) -> lis
     """Warm-up rows: chat prompt + a 2-4 character answer + <|im_end|>, loss on the answer. The answer's alphabet
     is drawn at random, NOT from the prompt: M0 learns the format and answers in the requested alphabet only by
     chance; reading the request is what DPO and GRPO must teach it."""
-    from jaxrl.rollout.chat import encode_prompts
     enc = encode_prompts(tokenizer, [p["messages"] for p in problems], False, 256, on_overlong="error")
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rng = np.random.default_rng([seed, 3])
@@ -133,7 +155,6 @@ class Demo:
         self.log(f"[demo] {name}: done in {self.timings[name]:.0f} s" + (f" - {summary}" if summary else ""))
 
     def _train(self, config, workdir: Path):
-        from jaxrl.train.loop import run_training
         return run_training(config, os.fspath(workdir))
 
     @staticmethod
@@ -166,9 +187,6 @@ class Demo:
 
     # -- 1
     def make_model(self) -> str:
-        from jaxrl.models.qwen35.config import tiny
-        from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
-        from jaxrl.rollout.tokenizer import build_tiny_tokenizer, minimal_vocab_size
         out = self.p["pretrained"]
         if (out / "tokenizer.json").exists():
             return "exists"
@@ -188,8 +206,6 @@ class Demo:
 
     # -- 2
     def make_tasks(self) -> str:
-        from jaxrl.data.problems import load_problems
-        from jaxrl.data.jsonl import write_jsonl
         for split, n in (("train", self.s.train_problems), ("eval", self.s.eval_problems)):
             if not self.p[split].exists():
                 write_jsonl(self.p[split], make_problems(n, self.s.seed, split))
@@ -197,10 +213,6 @@ class Demo:
         return f"{self.s.train_problems} training and {self.s.eval_problems} held-out prompts"
 
     def warm_up(self) -> str:
-        from jaxrl.data.jsonl import write_jsonl
-        from jaxrl.export import export_checkpoint
-        from jaxrl.rollout.chat import load_tokenizer
-        from configs import base as base_config
         if (self.p["base"] / "config.json").exists():
             return "exists"
         if not self.p["sft_data"].exists():
@@ -224,7 +236,6 @@ class Demo:
 
     # -- 3
     def rollouts(self) -> str:
-        from jaxrl.rollout.runner import RolloutConfig, run_rollouts
         cfg = RolloutConfig(problems=os.fspath(self.p["train"]), model=os.fspath(self.p["base"]),
                             out=os.fspath(self.p["rollouts"]), num_samples=self.s.samples, temperature=1.0,
                             max_new_tokens=self.s.max_new_tokens, max_prompt_len=64, reward="charset",
@@ -234,14 +245,12 @@ class Demo:
 
     # -- 4
     def pair_config(self):
-        from jaxrl.data import pairs as pairs_lib
         # The users' filters, scaled to an 8-token cap (the default 24-token buffer would exceed the cap itself);
         # every admissible pair of a prompt, not just best-vs-worst: the tiny model needs the data.
         return pairs_lib.PairConfig(min_margin=0.5, truncation_buffer=1, max_length_diff=6,
                                     max_new_tokens=self.s.max_new_tokens, pairing="all")
 
     def pairs(self) -> str:
-        from jaxrl.data import pairs as pairs_lib
         out = self.p["pairs"]
         if (out / "pairs.jsonl").exists():
             return "exists"
@@ -256,7 +265,6 @@ class Demo:
 
     # -- 5
     def dpo(self) -> str:
-        from configs import dpo as dpo_config
         c = dpo_config.get_config("model=tiny")
         self._settings(c, model_path=self.p["base"], steps=self.s.dpo_steps,
                        checkpoint_every=self.s.dpo_checkpoint_every, learning_rate=3e-3,
@@ -275,7 +283,6 @@ class Demo:
 
     # -- 6
     def grpo(self) -> str:
-        from configs import grpo as grpo_config
         c = grpo_config.get_config("model=tiny")
         self._settings(c, model_path=self.p["base"], steps=self.s.grpo_steps,
                        checkpoint_every=self.s.grpo_checkpoint_every,
@@ -297,8 +304,6 @@ class Demo:
 
     # -- 7
     def exports(self) -> str:
-        from jaxrl.export import export_checkpoint
-        from jaxrl.export.adapters import adapter_steps
         steps = adapter_steps(os.fspath(self.p["dpo"]))
         base, ckpt = os.fspath(self.p["base"]), os.fspath(self.p["dpo"])
         export_checkpoint(ckpt, base, os.fspath(self.p["export"] / "peft"), overwrite=True)
@@ -310,8 +315,6 @@ class Demo:
 
     # -- 8
     def evaluate(self) -> str:
-        from jaxrl.evaluation.runner import EvalConfig, ModelSpec, checkpoint_specs, run_evaluation
-        from jaxrl.export.adapters import adapter_steps
         grpo_steps = adapter_steps(os.fspath(self.p["grpo"]))
         models = [ModelSpec("base", "base")] + checkpoint_specs(os.fspath(self.p["dpo"]))
         models.append(ModelSpec("grpo", "adapter", os.fspath(self.p["grpo"] / "checkpoints" / "adapters" /
@@ -330,12 +333,6 @@ class Demo:
 
     # -- 9
     def diagnostics(self) -> str:
-        from jaxrl.diagnostics import drift, formats
-        from jaxrl.diagnostics.pair_audit import audit_pairs
-        from jaxrl.data import pairs as pairs_lib
-        from jaxrl.rewards import get_reward
-        from jaxrl.models import qwen35
-        import jax.numpy as jnp
         wd = self.p["dpo"]
         found = drift.find_peft_checkpoints(self.p["export"] / "steps")
         model = qwen35.from_pretrained(os.fspath(self.p["base"]), dtype=jnp.float32)
@@ -352,7 +349,6 @@ class Demo:
         return f"KL to base per token: {kl}"
 
     def report(self) -> str:
-        from jaxrl.diagnostics.report import build_report
         path = build_report(self.p["dpo"], out=self.p["report"])
         return os.fspath(path)
 

@@ -26,41 +26,11 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxrl.rollout.chat import OVERLONG_POLICIES
-from launchers.backend_flags import backend_options
+from jaxrl.evaluation import cli
+from jaxrl.rollout.backends.flags import backend_options
 
-_PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema, docs/interfaces.md).")
-_BASE = flags.DEFINE_string("base", None, "Base HF folder (default: model_path of the run's config.json).")
-_CHECKPOINTS = flags.DEFINE_string("checkpoints", None, "A run workdir: evaluate its adapter checkpoints.")
-_STEPS = flags.DEFINE_list("steps", [], "Only these checkpoint steps (default: every one in --checkpoints).")
-_ADAPTERS = flags.DEFINE_list("adapters", [], "NAME=PATH,...: PEFT folders or adapter checkpoints (on --base).")
-_MODELS = flags.DEFINE_list("models", [], "NAME=HF_DIR,...: full HF folders (e.g. merged exports).")
-_OUT = flags.DEFINE_string("out", None, "Output folder (default: <--checkpoints>/eval).")
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per problem (n; pass@k for k <= n).")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus mass in (0, 1].")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k; 0 = off.")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 8192, "Completion cap (a sample hitting it is truncated).")
-_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 4096, "Prompt budget after the chat template.")
-_PROMPT_BUCKETS = flags.DEFINE_list("prompt_buckets", [], "Prompt lengths with their own compiled program.")
-_ON_OVERLONG = flags.DEFINE_enum("on_overlong", "skip", list(OVERLONG_POLICIES), "Over-long prompts.")
-_ENABLE_THINKING = flags.DEFINE_bool("enable_thinking", False, "Qwen3.5 thinking mode in the generation prompt.")
-_REWARD = flags.DEFINE_string("reward", "code", "code (the verifier, LiveCodeBench-compatible) or a toy reward "
-                              "name (exact_match, pattern, arithmetic) or module:function.")
-_REWARD_KWARGS = flags.DEFINE_string("reward_kwargs", "{}", "JSON keyword arguments of the reward, e.g. "
-                                     "'{\"timeout_s\": 10, \"workers\": 8}'.")
-_BASELINE = flags.DEFINE_string("baseline", "base", "The model every other one is compared with.")
-_TRUNCATION = flags.DEFINE_float("truncation_threshold", 0.10, "Warn when more completions than this hit the cap.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling and bootstrap seed.")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Samples per compiled batch (jax backend); samples in flight "
-                                   "at once (server backends: vLLM wants hundreds).")
-_LIMIT = flags.DEFINE_integer("limit", 0, "Only the first N problems (0 = all).")
-_N_RESAMPLES = flags.DEFINE_integer("n_resamples", 10000, "Bootstrap resamples.")
-_CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Interval confidence level.")
-_RESAMPLE = flags.DEFINE_integer("resample_max_new_tokens", 0, "Re-run truncated samples at this larger cap "
-                                 "and write termination.json (0 = off).")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars.")
+_F = cli.define_flags()
+flags.adopt_module_key_flags(cli)  # --helpshort lists them as this launcher's own
 
 
 def _named(values, flag):
@@ -87,38 +57,39 @@ def _default_base(workdir):
 
 def build_config():
     from jaxrl.evaluation.runner import EvalConfig, ModelSpec, checkpoint_specs
-    if not _PROBLEMS.value:
+    if not _F["problems"].value:
         raise app.UsageError("--problems is required")
-    workdir = _CHECKPOINTS.value
-    base = _BASE.value or (_default_base(workdir) if workdir else None)
+    workdir = _F["checkpoints"].value
+    base = _F["base"].value or (_default_base(workdir) if workdir else None)
     if not base:
         raise app.UsageError("--base is required without --checkpoints")
-    out = _OUT.value or (os.path.join(workdir, "eval") if workdir else None)
+    out = _F["out"].value or (os.path.join(workdir, "eval") if workdir else None)
     if not out:
         raise app.UsageError("--out is required without --checkpoints")
-    if _STEPS.value and not workdir:
+    if _F["steps"].value and not workdir:
         raise app.UsageError("--steps needs --checkpoints")
-    models = checkpoint_specs(workdir, [int(s) for s in _STEPS.value]) if workdir else []
-    models += [ModelSpec(n, "adapter", p) for n, p in _named(_ADAPTERS.value, "adapters")]
-    models += [ModelSpec(n, "hf", p) for n, p in _named(_MODELS.value, "models")]
-    backend, backend_kwargs = backend_options()
-    return EvalConfig(problems=_PROBLEMS.value, base=base, out=out, models=models, num_samples=_NUM_SAMPLES.value,
-                      temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
-                      max_new_tokens=_MAX_NEW_TOKENS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
-                      prompt_buckets=tuple(int(b) for b in _PROMPT_BUCKETS.value),
-                      enable_thinking=_ENABLE_THINKING.value, reward=_REWARD.value,
-                      reward_kwargs=json.loads(_REWARD_KWARGS.value), baseline=_BASELINE.value,
+    models = checkpoint_specs(workdir, [int(s) for s in _F["steps"].value]) if workdir else []
+    models += [ModelSpec(n, "adapter", p) for n, p in _named(_F["adapters"].value, "adapters")]
+    models += [ModelSpec(n, "hf", p) for n, p in _named(_F["models"].value, "models")]
+    v = {name: holder.value for name, holder in _F.items()}
+    backend, backend_kwargs = backend_options(_F)
+    return EvalConfig(problems=v["problems"], base=base, out=out, models=models, num_samples=v["num_samples"],
+                      temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
+                      max_new_tokens=v["max_new_tokens"], max_prompt_len=v["max_prompt_len"],
+                      prompt_buckets=tuple(int(b) for b in v["prompt_buckets"]),
+                      enable_thinking=v["enable_thinking"], reward=v["reward"],
+                      reward_kwargs=json.loads(v["reward_kwargs"]), baseline=v["baseline"],
                       backend=backend, backend_kwargs=backend_kwargs,
-                      truncation_threshold=_TRUNCATION.value, seed=_SEED.value, dtype=_DTYPE.value,
-                      batch_size=_BATCH_SIZE.value, limit=_LIMIT.value, on_overlong=_ON_OVERLONG.value,
-                      n_resamples=_N_RESAMPLES.value, confidence=_CONFIDENCE.value, progress=_PROGRESS.value)
+                      truncation_threshold=v["truncation_threshold"], seed=v["seed"], dtype=v["dtype"],
+                      batch_size=v["batch_size"], limit=v["limit"], on_overlong=v["on_overlong"],
+                      n_resamples=v["n_resamples"], confidence=v["confidence"], progress=v["progress"])
 
 
 def termination(ev, results, cap: int) -> str:
     """Re-samples the truncated completions of every model at `cap`; writes <out>/termination.json."""
-    from jaxrl.data.jsonl import atomic_write_json
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     from jaxrl.diagnostics.termination import resample_truncated, termination_analysis
+    from jaxrl.utils.io import atomic_write_json
     samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in results["models"]}
     resampled = {name: resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed)
                  for name, recs in samples.items()}
@@ -129,11 +100,9 @@ def termination(ev, results, cap: int) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from jaxrl.evaluation.runner import Evaluator
-    from jaxrl.evaluation.runner import ResumeError
-    from jaxrl.export.adapters import AdapterError
+    from jaxrl.evaluation.runner import Evaluator, ResumeError
+    from jaxrl.models.adapters import AdapterError, CheckpointNotFound
     from jaxrl.rollout.backends import ServerError
-    from jaxrl.train.checkpoints import CheckpointNotFound
     cfg = build_config()
     try:
         ev = Evaluator(cfg)
@@ -141,8 +110,8 @@ def main(argv):
         sys.exit(f"evaluate: {e}")
     try:
         results = ev.run()
-        if _RESAMPLE.value:
-            path = termination(ev, results, _RESAMPLE.value)
+        if _F["resample_max_new_tokens"].value:
+            path = termination(ev, results, _F["resample_max_new_tokens"].value)
             logging.info("termination analysis: %s", path)
     except (ResumeError, AdapterError, ServerError) as e:
         # refused: samples of other weights / settings in --out, an adapter in the wrong layout, a server that is

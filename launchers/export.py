@@ -51,8 +51,7 @@ def main(argv):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
     from jaxrl.export import export_checkpoint
-    from jaxrl.export.adapters import AdapterError
-    from jaxrl.train.checkpoints import CheckpointNotFound
+    from jaxrl.models.adapters import AdapterError, CheckpointNotFound
     try:
         info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value,
                                  merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,

@@ -22,8 +22,8 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxrl.rollout.chat import OVERLONG_POLICIES
-from launchers.backend_flags import backend_options
+from jaxrl.data.chat import OVERLONG_POLICIES
+from jaxrl.rollout.backends.flags import backend_options, define_backend_flags
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema of docs/interfaces.md).")
@@ -50,6 +50,7 @@ _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N problems (0 = al
 _MODEL_NAME = flags.DEFINE_string("model_name", "", "Value of the records' 'model' field (default: folder name).")
 _SAVE_LOGPROBS = flags.DEFINE_bool("save_logprobs", False, "Also write token_ids and per-token logprobs.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_BACKEND_FLAGS = define_backend_flags()  # --backend, --server_url, --backend_kwargs
 
 
 def main(argv):
@@ -58,7 +59,7 @@ def main(argv):
     for flag in (_PROBLEMS, _MODEL, _OUT):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
-    backend, backend_kwargs = backend_options()
+    backend, backend_kwargs = backend_options(_BACKEND_FLAGS)
     cfg = RolloutConfig(problems=_PROBLEMS.value, model=_MODEL.value, out=_OUT.value, adapter=_ADAPTER.value,
                         num_samples=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                         top_k=_TOP_K.value, max_new_tokens=_MAX_NEW_TOKENS.value,

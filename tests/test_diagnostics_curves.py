@@ -10,7 +10,7 @@ import pytest
 
 from jaxrl.diagnostics import flags as F
 from jaxrl.diagnostics.curves import checkpoint_curves
-from jaxrl.diagnostics.formats import write_samples, samples_path
+from jaxrl.data.formats import write_samples, samples_path
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
 

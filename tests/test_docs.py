@@ -460,7 +460,7 @@ def test_mention_checker(tree):
 
 def test_dotted_name_checker(tree):
     md = tree / "docs" / "api.md"
-    md.write_text("`jaxrl.train.checkpoints.load_adapter`, jaxrl.train.run_training, format jaxrl.splits/1;\n"
+    md.write_text("`jaxrl.models.adapters.load_adapter`, jaxrl.algorithms.run.run_training, format jaxrl.splits/1;\n"
                   "jaxrl.train.checkpoints.no_such_function and jaxrl.train.no_such_module.\n", encoding="utf-8")
     assert dotted_name_problems([md], tree) == [
         "docs/api.md:2: jaxrl.train.checkpoints.no_such_function: jaxrl.train.checkpoints has no no_such_function",

@@ -23,8 +23,10 @@ from jaxrl.data.pairs import CohortError, freeze_cohort
 from jaxrl.models.lora import LoRAParam, adapters_disabled, iter_lora
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rollout import generate
-from jaxrl.train.checkpoints import RunCheckpoints, load_adapter
-from jaxrl.train.loop import Trainer, build_model, run_training
+from jaxrl.models.adapters import load_adapter
+from jaxrl.train.checkpoints import RunCheckpoints
+from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.train.loop import Trainer
 from jaxrl.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -365,7 +367,7 @@ def test_tampered_cohort_fails_at_start_naming_the_file(tmp_path, cohort, untrai
 
 def test_family_config_reproduces_the_users_runs():
     from configs import dpo as family
-    from jaxrl.train.loop import build_model as build
+    from jaxrl.algorithms.run import build_model as build
     expect = {  # run: (model preset, start, lr, beta, lora rank/alpha, max length, pairs)
         "9b_tuned": ("9b", "m0", 5e-7, 0.1, (16, 32.0), 2560, 1000),
         "4b_high_lr": ("4b", "m0", 1e-5, 0.01, (16, 32.0), 2048, 1000),

@@ -32,13 +32,13 @@ def env(tmp_path_factory):
     import numpy as np
 
     from jaxrl.evaluation.runner import ModelSpec, checkpoint_specs
-    from jaxrl.export.adapters import Adapter, write_adapter_checkpoint
+    from jaxrl.models.adapters import Adapter, write_adapter_checkpoint
     from jaxrl.export.merge import export_merged
     from jaxrl.export.peft import export_peft
     from jaxrl.models import qwen35
-    from jaxrl.models.lora import _linears
+    from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
-    from jaxrl.rollout.chat import load_tokenizer
+    from jaxrl.data.chat import load_tokenizer
     from jaxrl.rollout.tokenizer import build_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("evaluate")
@@ -57,7 +57,7 @@ def env(tmp_path_factory):
 
     workdir = str(root / "run")
     targets = ("layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj", "layers.0.mlp.down_proj")
-    lin = dict(_linears(model))
+    lin = dict(linears(model))
     adapters = {}
     for step in (2, 5):
         rng = np.random.default_rng(step)
@@ -159,7 +159,7 @@ def assert_close(got, want, where):
 
 
 def test_metrics_reproduced_by_hand_from_the_written_samples(env):
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     results = formats.read_results(env["root"] / "eval")
     assert list(results["models"]) == ["base", "step_2", "step_5", "peft5", "merged5"]
     assert results["max_new_tokens"] == CAP
@@ -218,7 +218,7 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
     """Known texts through the same path (decode -> reward -> records -> metrics -> comparisons -> files)."""
     import dataclasses
 
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     from jaxrl.rollout.backends import Generation
     from jaxrl.evaluation.runner import summarize
     ev = env["ev"]
@@ -274,7 +274,7 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
 
 
 def test_resample_truncated_continues_the_same_samples(env):
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     from jaxrl.diagnostics.termination import resample_truncated
     ev = env["ev"]
     records = formats.read_samples(formats.samples_path(ev.out, "step_2"))
@@ -291,7 +291,7 @@ def test_resample_truncated_continues_the_same_samples(env):
 
 
 def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_path):
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     from jaxrl.evaluation.runner import ResumeError
     out = tmp_path / "eval"
     log = tmp_path / "evaluate.log"

@@ -12,7 +12,7 @@ from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rollout.backends import Generation, ModelSpec, SamplingParams
-from jaxrl.rollout.chat import load_tokenizer
+from jaxrl.data.chat import load_tokenizer
 from jaxrl.rollout.collect import Collector, decode_completion
 from jaxrl.rollout.tokenizer import build_tiny_tokenizer
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError

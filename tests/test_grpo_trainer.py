@@ -12,8 +12,9 @@ from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import online
 from jaxrl.algorithms.grpo_trainer import GRPOObjective, GRPOTask
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.train.loop import Trainer, build_model, run_training
-from jaxrl.train.registry import get_trainer
+from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.algorithms.trainers import get_trainer
+from jaxrl.train.loop import Trainer
 from jaxrl.train.step import accumulate_gradients, make_micro_loss, split_batch
 
 MESH = (1, 1, 1)

@@ -111,7 +111,7 @@ def test_shapes_scale_init_and_split(bf16_models):
 @pytest.fixture(scope="module")
 def bf16_models():
     """(base, the same weights with all-linear LoRA r4/alpha8 attached): a bf16 2-layer tiny model."""
-    from jaxrl.train.loop import init_model_jit
+    from jaxrl.models.qwen35.init import init_model_jit
     base = init_model_jit(tiny2(), jnp.bfloat16, seed=0)
     model = nnx.clone(base)
     lora.apply_lora(model, "all-linear", rank=4, alpha=8, seed=3)

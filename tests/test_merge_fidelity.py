@@ -15,7 +15,7 @@ import torch
 
 import jax.numpy as jnp
 
-from jaxrl.export.adapters import attach, write_adapter_checkpoint
+from jaxrl.models.adapters import attach, write_adapter_checkpoint
 from jaxrl.export.merge import FIDELITY_WARN, export_merged, is_lossy, read_provenance
 from jaxrl.models import qwen35
 from test_export import IDS, forward, random_adapter, read_tensors, sharded_copy
@@ -148,7 +148,7 @@ def test_evaluator_shows_a_lossy_merged_model_as_lossy(small_update, tmp_path):
     """A merged export whose merge lost the update is named in results.json's warnings and carries its fidelity."""
     from jaxrl.evaluation.runner import EvalConfig, Evaluator, ModelSpec
     from jaxrl.rewards.base import RewardResult
-    from jaxrl.rollout.chat import load_tokenizer
+    from jaxrl.data.chat import load_tokenizer
     from jaxrl.rollout.tokenizer import build_tiny_tokenizer
     base, adapter = small_update
     out = str(tmp_path / "merged")

@@ -14,8 +14,9 @@ from configs import ppo_tiny
 from jaxrl.algorithms.ppo_trainer import PPOTask, ValueHead
 from jaxrl.models.qwen35.checkpoint import is_base_param
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.train.checkpoints import load_adapter
-from jaxrl.train.loop import Trainer, build_model, run_training
+from jaxrl.models.adapters import load_adapter
+from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.train.loop import Trainer
 from jaxrl.train.metrics import read_metrics
 
 MESH = (1, 1, 1)

@@ -107,7 +107,7 @@ def test_changed_weights_are_written_and_others_kept(hf_container, tmp_path):
 
 def test_mesh_load_matches_single_device(hf_container):
     folder, _ = hf_container
-    from jaxrl.parallel.sharding import make_mesh
+    from jaxrl.parallel.mesh import make_mesh
     mesh = make_mesh((2, 2, 2))
     sharded = qwen35.from_pretrained(folder, mesh=mesh)
     w = sharded.layers[0].mlp.gate_proj.weight[...]

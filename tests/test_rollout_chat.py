@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from jaxrl.rollout.chat import PromptTooLongError, chat_stop_ids, encode_prompts, format_chat, load_tokenizer, \
+from jaxrl.data.chat import PromptTooLongError, chat_stop_ids, encode_prompts, format_chat, load_tokenizer, \
     render_chat
 from jaxrl.rollout.generate import decode_texts
 from jaxrl.rollout.tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, check_encodable

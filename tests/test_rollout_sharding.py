@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl.models import lora, qwen35
 from jaxrl.models.qwen35.config import tiny  # not qwen35.tiny: the tiny.py submodule shadows it once imported
-from jaxrl.parallel.sharding import make_mesh
+from jaxrl.parallel.mesh import make_mesh
 from jaxrl.rollout import TRACE_COUNTS, Sampler
 from jaxrl.rollout.sampling import sampling_mode
 
@@ -121,7 +121,8 @@ def test_held_sampler_uses_new_weights_without_recompiling(adapted):
 def test_adapter_checkpoint_loads_for_rollouts(adapted, tmp_path):
     """`launchers.rollout --adapter`: a trainer adapter checkpoint attached to a fresh base model samples exactly
     what the trained model samples."""
-    from jaxrl.export.adapters import attach, read_adapter
+    from jaxrl.export.peft import read_adapter
+    from jaxrl.models.adapters import attach
     from jaxrl.train.checkpoints import RunCheckpoints
 
     ckpt = RunCheckpoints(str(tmp_path), async_save=False)

@@ -30,12 +30,12 @@ def post(url, path, body):
 def env(tmp_path_factory):
     import jax.numpy as jnp
 
-    from jaxrl.export.adapters import Adapter, write_adapter_checkpoint
+    from jaxrl.models.adapters import Adapter, write_adapter_checkpoint
     from jaxrl.export.peft import export_peft
     from jaxrl.models import qwen35
-    from jaxrl.models.lora import _linears
+    from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
-    from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
+    from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
     from jaxrl.rollout.tokenizer import build_tiny_tokenizer
     from test_evaluate import numpy_init
 
@@ -48,7 +48,7 @@ def env(tmp_path_factory):
     build_tiny_tokenizer(base, [m["content"] for p in problems for m in p["messages"]])
     model = qwen35.from_pretrained(base, dtype=jnp.float32)
     tok = load_tokenizer(base)
-    lin = dict(_linears(model))
+    lin = dict(linears(model))
     targets = ["layers.0.linear_attn.in_proj_qkv", "layers.0.linear_attn.in_proj_z", "layers.1.self_attn.q_proj",
                "layers.1.mlp.down_proj"]
     adapters = {}
@@ -126,7 +126,7 @@ def assert_same(got, want):
 def test_server_samples_equal_the_jax_backend_for_the_same_keys(env):
     """Base, an adapter served at start-up (--lora_modules) and one loaded at run time from a trainer checkpoint:
     the server's samples are the in-process jax backend's, token for token, and each adapter changes them."""
-    from jaxrl.export.adapters import read_adapter
+    from jaxrl.export.peft import read_adapter
     from jaxrl.rollout.backends import ModelSpec
     backend = server_backend(env)
     assert backend.description.startswith("jaxrl")
@@ -201,7 +201,7 @@ def test_stop_ids_and_logprobs(env):
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == CAP for c in free)
 
-    from jaxrl.export.adapters import detach
+    from jaxrl.models.adapters import detach
     detach(env["model"])  # the base (jax_backend() attaches adapters to the shared model object)
     from flax import nnx
     graphdef, state = nnx.split(env["model"])

@@ -197,7 +197,8 @@ def t_scalar_loss(p):
 
 def test_plugins_section_forms_and_reward_plugins(tmp_path):
     from jaxrl.rewards import get_reward
-    from jaxrl.train.plugins import _example_problem, load_plugins, parse_plugins
+    from jaxrl.algorithms.plugins import load_plugins, parse_plugins
+    from jaxrl.rewards.registry import example_problem
     path = tmp_path / "t_plug.py"
     path.write_text(textwrap.dedent("""
         def t_len_reward(completion, problem):
@@ -220,7 +221,7 @@ def test_plugins_section_forms_and_reward_plugins(tmp_path):
         parse_plugins([{"kind": "kl", "path": "a.py:f", "fn": "g"}])
 
     assert load_plugins(entries[:1]) == [{"kind": "reward", "name": "t_len", "path": f"{path}:t_len_reward"}]
-    problem = _example_problem()
+    problem = example_problem()
     scores = get_reward("t_len").score(["abc", "a" * 30], [problem, problem])
     assert [s.partial for s in scores] == [0.3, 1.0]
     load_plugins(entries[:1])  # the same plug-in again (a resumed run): fine
@@ -237,7 +238,7 @@ def test_malformed_plugin_fails_before_training(tmp_path):
     bad.write_text(BAD_LOSS)
     # run_training: the PluginError comes before the model, the data or the workdir
     from configs import dpo_tiny
-    from jaxrl.train.loop import run_training
+    from jaxrl.algorithms.run import run_training
     c = dpo_tiny.get_config()
     c.plugins = ({"kind": "dpo_loss", "name": "t_scalar", "path": f"{bad}:t_scalar_loss"},)
     c.dpo.loss_type = "t_scalar"
@@ -567,7 +568,7 @@ def test_plugin_loss_trains_is_evaluated_and_compared_under_its_own_name(tmp_pat
     assert "t_margin_dpo" in (out / "report.html").read_text()
 
     # evaluation at every checkpoint (0 = base), and the paired interval against the sigmoid point by hand
-    from jaxrl.diagnostics.formats import read_results, read_samples
+    from jaxrl.data.formats import read_results, read_samples
     from jaxrl.evaluation.stats import paired_bootstrap
     assert data["steps"] == [0, 2, 4] and data["metrics"][:2] == ["partial_reward_mean", "strict_rate"]
     base_dir = out / rows["sigmoid"]["point"]

@@ -198,10 +198,10 @@ def base(hf_container):
 
 def modules_of(folder, names, layers=None):
     from jaxrl.models import qwen35
-    from jaxrl.models.lora import _linears
+    from jaxrl.models.lora import linears
     import jax.numpy as jnp
     model = qwen35.from_pretrained(folder, dtype=jnp.float32)
-    return {p for p, _ in _linears(model) if p != "lm_head" and p.rsplit(".", 1)[-1] in names
+    return {p for p, _ in linears(model) if p != "lm_head" and p.rsplit(".", 1)[-1] in names
             and (layers is None or int(p.split(".")[1]) in layers)}
 
 

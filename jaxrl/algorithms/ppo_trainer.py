@@ -48,40 +48,11 @@ from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import online
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.models.lora import LoRAParam
-from jaxrl.train.registry import register_trainer
-
-PPO_DEFAULTS = dict(
-    prompts_per_rollout=32,
-    num_generations=1,  # samples per prompt
-    max_new_tokens=1024,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    init_kl_coef=0.05,
-    adaptive_kl=False,  # TRL: fixed; True: Ziegler et al. (verl / OpenRLHF)
-    kl_target=0.1,  # KL the adaptive controller steers to: mean over sequences of their token-mean KL (verl)
-    kl_horizon=10000.0,
-    kl_estimator="k1",  # k1 | k3 (or any registered kl)
-    gamma=1.0,
-    lam=0.95,
-    whiten_rewards=False,
-    whiten_advantages=True,
-    cliprange=0.2,
-    cliprange_value=0.2,  # 0 = unclipped value loss
-    vf_coef=0.1,
-    epochs=4,  # passes over each rollout
-    minibatches=1,  # global batches per pass: prompts_per_rollout x num_generations = minibatches x B_global
-    value_head_detach=False,  # True: the value loss trains only the head (no gradient into the LoRA factors)
-    value_learning_rate=0.0,  # the value head's (peak) learning rate; 0 = optimizer.learning_rate (ValueHead)
-    entropy_coef=0.0,
-    log_entropy=True,
-    rollout_batch_size=0,  # sampler rows per compiled call; 0 = the whole rollout
-    logprob_batch_size=8,  # rows per teacher-forced pass
-)
+from jaxrl.utils.schema import PPO
 
 
 def _cfg(config) -> dict:
-    return online.block_dict(config.get("ppo", None), PPO_DEFAULTS)
+    return PPO.resolve(config.get("ppo", None), "ppo")
 
 
 def _lr_scaled(x: jax.Array, scale: float) -> jax.Array:
@@ -203,7 +174,7 @@ class PPOTask(online.OnlineTask):
                                                         float(p["kl_horizon"])) if p["adaptive_kl"]
                            else ppo_lib.FixedKLController(float(p["init_kl_coef"])))
         self.kl_coef = float(self.controller.init())
-        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.chunk_size = int(config.logprob_chunk_size)
         self.objective = PPOObjective(
             cliprange=float(p["cliprange"]), cliprange_value=float(p["cliprange_value"]), vf_coef=float(p["vf_coef"]),
             temperature=self.temperature, value_head_detach=bool(p["value_head_detach"]),
@@ -282,6 +253,5 @@ class PPOTask(online.OnlineTask):
         return buffer, metrics
 
 
-@register_trainer("ppo")
 def build_ppo(config, model, mesh) -> PPOTask:
     return PPOTask(config, model, mesh)

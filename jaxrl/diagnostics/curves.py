@@ -26,8 +26,8 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from jaxrl.data.formats import BASE_MODEL, available_samples, model_step, read_results, read_samples
 from jaxrl.diagnostics import flags as F
-from jaxrl.diagnostics.formats import BASE_MODEL, available_samples, model_step, read_results, read_samples
 from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.stats import compare
 

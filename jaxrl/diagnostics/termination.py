@@ -28,8 +28,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxrl.data.formats import validate_sample
 from jaxrl.diagnostics import flags as F
-from jaxrl.diagnostics.formats import validate_sample
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare
 

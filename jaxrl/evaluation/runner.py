@@ -6,7 +6,7 @@
                      num_samples=1, temperature=0.0, max_new_tokens=8192)
     results = Evaluator(cfg).run()
 
-Outputs under `out/` (formats: jaxrl/diagnostics/formats.py):
+Outputs under `out/` (formats: jaxrl/data/formats.py):
 
     results.json, results.md     metrics per model (+ "untruncated"), comparisons with the baseline (paired
                                  bootstrap interval over prompts; McNemar / sign test on strict passes), warnings
@@ -42,22 +42,24 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text, sha256_file
+from tqdm import tqdm
+
+from jaxrl.data import formats
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
-from jaxrl.diagnostics import formats
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
-from jaxrl.export.adapters import adapter_steps, is_peft_folder, read_adapter
 from jaxrl.export.audit import FolderSource, MergedSource, audit
-from jaxrl.export.peft import LayoutError, mismatch_message, read_peft_adapter
+from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
+from jaxrl.export.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
+from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS, CheckpointNotFound, adapter_steps
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
-from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
-from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
+from jaxrl.utils.io import atomic_write_json, atomic_write_text, sha256_file
 
 __all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_KINDS", "ModelSpec", "ResumeError",
            "checkpoint_specs", "default_reward_kwargs", "run_evaluation", "summarize"]
@@ -276,7 +278,7 @@ class Evaluator:
 
     # ---------------------------------------------------------------------------------------------- generation
     def record(self, sample: Sample, problem_id: str, max_new_tokens: int) -> dict:
-        """One SAMPLES record (jaxrl.diagnostics.formats) of a scored sample."""
+        """One SAMPLES record (jaxrl.data.formats) of a scored sample."""
         r = sample.result
         return {"problem_id": problem_id, "sample_index": sample.sample_index, "completion": sample.text,
                 "completion_tokens": len(sample.tokens), "finish_reason": sample.finish_reason,
@@ -306,7 +308,6 @@ class Evaluator:
                 per_batch = max(1, cfg.batch_size // n)
                 bar = None
                 if cfg.progress:
-                    from tqdm import tqdm
                     bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
                                desc=name, dynamic_ncols=True)
                 for b in range(0, len(todo), per_batch):
@@ -333,7 +334,6 @@ class Evaluator:
     # ------------------------------------------------------------------------------------------------- results
     def run(self, on_batch: Optional[Callable[[dict], None]] = None) -> dict:
         """Audit, sample every model (resuming), write samples, results.json and results.md; returns results."""
-        cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         report = self.run_audit()
         records = {}
@@ -406,7 +406,6 @@ class Evaluator:
 
     def _merge_fidelity(self, name: str) -> Optional[dict]:
         """What a merged export (a model of kind "hf" with jaxrl_export.json) kept of its adapter, else None."""
-        from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
         spec = self.specs[name]
         info = read_provenance(spec.path) if spec.kind == "hf" else None
         fidelity = (info or {}).get("merge_fidelity")

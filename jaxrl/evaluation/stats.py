@@ -24,8 +24,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import scipy.stats
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text
 from jaxrl.evaluation.metrics import METRICS, default_ks, model_metrics, pass_at_k, per_prompt_values
+from jaxrl.utils.io import atomic_write_json, atomic_write_text
 
 __all__ = [
     "METRICS",

@@ -34,15 +34,25 @@ them again. Serving the PEFT adapter unmerged (`jaxrl.rollout.backends`, docs/vl
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 from typing import Callable, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from safetensors import safe_open
 
-from jaxrl.export.adapters import Adapter, AdapterError
-from jaxrl.export.peft import PROVENANCE, atomic_folder
+from jaxrl.export.audit import FolderSource, fingerprint as fingerprint_of
+from jaxrl.export.peft import PROVENANCE
+from jaxrl.models import qwen35
+from jaxrl.models.adapters import Adapter, AdapterError, attach, check_against_model, merged_weight
+from jaxrl.models.qwen35.checkpoint import read_weight_map
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.utils.io import atomic_folder
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +61,6 @@ _EXACT_LOAD = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 MERGE_DTYPES = (None, "float32")  # None: each adapted tensor keeps the base's stored dtype
 FIDELITY_WARN = 0.1  # update_rel_error above which an export warns
 PROBE_SHAPE, PROBE_SEED = (2, 16), 0
-
-
-def merged_weight(base_value: np.ndarray, adapter: Adapter, module: str,
-                  merge_dtype: Optional[str] = None) -> np.ndarray:
-    """`W + scale * B @ A` in fp32, cast to `base_value`'s dtype (or to `merge_dtype`)."""
-    delta = adapter.delta(module)
-    if delta.shape != base_value.shape:
-        raise AdapterError(f"{adapter.source}: {module}: delta {delta.shape} does not fit the weight "
-                           f"{base_value.shape}")
-    return (base_value.astype(np.float32) + delta).astype(merge_dtype or base_value.dtype)
 
 
 class UpdateFidelity:
@@ -125,10 +125,7 @@ def merge_transform(adapter: Adapter, tower_prefix: str, merge_dtype: Optional[s
 def exact_load_dtype(base_dir: str, tower_prefix: str) -> str:
     """The narrowest jnp dtype that holds every language-tower tensor of `base_dir` exactly (bf16 for an all-bf16
     checkpoint: half the memory of fp32, and still a bit-exact round trip)."""
-    from safetensors import safe_open
-
-    from jaxrl.models.qwen35.checkpoint import _weight_map
-    weight_map = _weight_map(base_dir)
+    weight_map = read_weight_map(base_dir)
     dtypes = set()
     for fname in sorted(set(weight_map.values())):
         with safe_open(os.path.join(base_dir, fname), framework="numpy") as f:
@@ -144,14 +141,6 @@ def probe_logits(base_dir: str, merged_dir: str, adapter: Adapter) -> dict:
     """The `logits` entry of merge_fidelity (module docstring): the probe batch through the base, the base with the
     adapter attached unmerged, and the merged folder as written, all computed in fp32 (which holds every stored
     value exactly), so the differences are the merge's rounding alone. One fp32 model in memory at a time."""
-    import gc
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxrl.export.adapters import attach
-    from jaxrl.models import qwen35
 
     def run(model):
         graphdef, state = nnx.split(model)
@@ -186,11 +175,6 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
     probe: also run the probe batch (three fp32 forward passes; needs 4 bytes per parameter of memory, one model at a
       time; off = no `logits` entry).
     """
-    import jax.numpy as jnp
-
-    from jaxrl.export.adapters import check_against_model
-    from jaxrl.models import qwen35
-    from jaxrl.models.qwen35.config import load_hf_config
 
     if merge_dtype not in MERGE_DTYPES:
         raise ValueError(f"merge_dtype must be one of {MERGE_DTYPES} (None: the base's stored dtype), got "
@@ -217,8 +201,7 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
             del model  # the probe holds one fp32 model at a time
             info["merge_fidelity"]["logits"] = probe_logits(base_dir, tmp, adapter)
         if fingerprint:
-            from jaxrl.export.audit import FolderSource, fingerprint as fp
-            info["fingerprint"] = fp(FolderSource(tmp))
+            info["fingerprint"] = fingerprint_of(FolderSource(tmp))
         with open(os.path.join(tmp, PROVENANCE), "w") as f:
             json.dump(info, f, indent=2)
     error = info["merge_fidelity"]["update_rel_error"]

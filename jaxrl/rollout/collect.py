@@ -20,12 +20,8 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from jaxrl.rewards.base import RewardResult
+from jaxrl.rewards.toy import token_text
 from jaxrl.rollout.backends.base import Generation, GenerationBackend, SamplingParams
-
-
-def token_text(tokens: Sequence[int]) -> str:
-    """Completion ids as text ("17 42 9"): what the Reward protocol scores for tokenizer-less tasks."""
-    return " ".join(str(int(t)) for t in tokens)
 
 
 def decode_completion(tokenizer: Any, tokens: Sequence[int], stop_ids: Sequence[int]) -> str:

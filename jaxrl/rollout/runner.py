@@ -28,13 +28,15 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from tqdm import tqdm
+
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
-from jaxrl.export.adapters import read_adapter
+from jaxrl.export.peft import read_adapter
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
 from jaxrl.rollout.backends.jax_backend import DTYPES
-from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
@@ -194,7 +196,6 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
     total = len(encoded.kept) * cfg.num_samples
     bar = None
     if cfg.progress:
-        from tqdm import tqdm
         bar = tqdm(total=total, initial=already, unit="sample", desc="rollouts", dynamic_ncols=True)
     written, truncated, generated_tokens, start = 0, 0, 0, time.perf_counter()
     try:

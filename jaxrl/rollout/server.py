@@ -41,9 +41,17 @@ import threading
 import time
 import uuid
 from http import HTTPStatus
+from importlib.metadata import PackageNotFoundError, version
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional, Sequence
 
+import jax.numpy as jnp
+
+from jaxrl.data.chat import chat_stop_ids, format_chat, load_tokenizer
+from jaxrl.export.peft import is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
+from jaxrl.models import qwen35
+from jaxrl.models.adapters import AdapterError, attach, attached_digest, check_against_model, detach
+from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.rollout.backends.base import SamplingParams
 from jaxrl.rollout.backends.openai_server import JAXRL_SERVER, split_request_seed
 from jaxrl.rollout.collect import decode_completion
@@ -113,11 +121,7 @@ class CompletionServer:
                  max_prompt_len: int = 4096, batch_size: int = 32, prompt_buckets: Optional[Sequence[int]] = None,
                  served_model_name: Optional[str] = None, allow_lora_updating: bool = True,
                  batch_wait_s: float = 0.005):
-        import jax.numpy as jnp
 
-        from jaxrl.models import qwen35
-        from jaxrl.models.qwen35.config import load_hf_config
-        from jaxrl.rollout.chat import chat_stop_ids, load_tokenizer
         self.base_dir = os.path.abspath(base_dir)
         self.model = model if model is not None else qwen35.from_pretrained(base_dir, dtype=getattr(jnp, dtype))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(base_dir)
@@ -157,8 +161,6 @@ class CompletionServer:
 
     def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> str:
         """Reads and checks an adapter (PEFT folder or trainer checkpoint) and registers it as model `name`."""
-        from jaxrl.export.adapters import AdapterError, check_against_model, is_peft_folder, read_adapter
-        from jaxrl.export.peft import mismatch_message, read_peft_adapter
         if not name or not path:
             raise RequestError("Both 'lora_name' and 'lora_path' must be provided.")
         if name == self.base.name:
@@ -335,7 +337,6 @@ class CompletionServer:
 
     def chat_completions(self, body: dict) -> dict:
         """POST /v1/chat/completions: the base's chat template, the chat stop ids (module docstring)."""
-        from jaxrl.rollout.chat import format_chat
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
@@ -416,7 +417,6 @@ class CompletionServer:
                     job.done.set()
 
     def _attach(self, name: str) -> None:
-        from jaxrl.export.adapters import attach, attached_digest, detach
         if self._attached == name:
             return
         served = self._served(name)
@@ -464,7 +464,6 @@ class CompletionServer:
         if method == "GET" and path == "/health":
             return HTTPStatus.OK, ""
         if method == "GET" and path == "/version":
-            from importlib.metadata import PackageNotFoundError, version
             try:
                 v = version("jaxrl")
             except PackageNotFoundError:

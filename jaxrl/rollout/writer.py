@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import JsonlError, atomic_write_json
+from jaxrl.utils.io import JsonlError, atomic_write_json
 
 logger = logging.getLogger(__name__)
 

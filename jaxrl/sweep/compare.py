@@ -3,7 +3,7 @@ checkpoint and each difference to the baseline point with a paired interval; sor
 column; written as Markdown, CSV and JSON, and as an HTML report with the metric plotted against each axis.
 
     table = build_table(load_points("runs/sweep"), baseline="dpo.beta=0.1", sort="-eval_preference_accuracy@4")
-    write_comparison("runs/sweep")            # comparison.{md,csv,json} + report.html in the sweep folder
+    to_markdown(table), to_csv(table)         # jaxrl.sweep.report.write_comparison writes them all + report.html
 
 Columns (names are what --sort / --filter take):
 
@@ -40,14 +40,16 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text
-from jaxrl.sweep.runner import CONFIG_FILE, EVAL_DIR, STATUS_FILE, SWEEP_FILE, merged_metrics, read_json
+from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, EVAL_DIR, checkpoint_name, model_step, read_results,
+                                read_samples, samples_path)
+from jaxrl.evaluation.metrics import per_prompt_values
+from jaxrl.evaluation.stats import compare
+from jaxrl.sweep.runner import STATUS_FILE, SWEEP_FILE, merged_metrics, read_json
 from jaxrl.sweep.spec import SEED, fmt, short_key
 
 LAST_K = 5
 RESULTS_METRICS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
 DEFAULT_METRICS = ("partial_reward_mean", "strict_rate", "eval_preference_accuracy", "eval_reward_margin")
-FILES = {"md": "comparison.md", "csv": "comparison.csv", "json": "comparison.json", "html": "report.html"}
 
 
 @dataclasses.dataclass
@@ -76,7 +78,6 @@ def load_points(sweep_dir: str | os.PathLike) -> tuple[dict, list[PointData]]:
         status = read_json(d / STATUS_FILE) or {"state": "new"}
         results = None
         if (d / EVAL_DIR / "results.json").is_file():
-            from jaxrl.diagnostics.formats import read_results
             results = read_results(d / EVAL_DIR)
         points.append(PointData(p["slug"], p["name"], p["labels"], p.get("values", {}), status.get("state", "new"),
                                 status, read_json(d / CONFIG_FILE) or {}, merged_metrics(d / "metrics.jsonl"),
@@ -123,7 +124,6 @@ def checkpoint_evals(point: PointData) -> dict[int, dict[str, float]]:
         if vals:
             out.setdefault(int(r["step"]), {}).update(vals)
     if point.results:
-        from jaxrl.diagnostics.formats import model_step
         for name, entry in point.results["models"].items():
             step = model_step(name, entry)
             if step is None:
@@ -134,7 +134,6 @@ def checkpoint_evals(point: PointData) -> dict[int, dict[str, float]]:
 
 
 def _samples(point: PointData, step: int):
-    from jaxrl.diagnostics.formats import BASE_MODEL, checkpoint_name, read_samples, samples_path
     path = samples_path(point.dir / EVAL_DIR, BASE_MODEL if step == 0 else checkpoint_name(step))
     return read_samples(path) if path.is_file() else None
 
@@ -233,8 +232,6 @@ def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = N
                 metrics: Optional[Sequence[str]] = None, steps: Optional[Sequence[int]] = None,
                 last_k: int = LAST_K, sort: Optional[str] = None, filters: Sequence[str] = (),
                 n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> Table:
-    from jaxrl.evaluation.metrics import per_prompt_values
-    from jaxrl.evaluation.stats import compare
     axes = [a["name"] for a in meta["axes"]]
     evals = {p.slug: checkpoint_evals(p) for p in points}
     present = {m for e in evals.values() for vals in e.values() for m in vals}
@@ -425,44 +422,3 @@ def default_plot_metric(table: Table) -> Optional[str]:
     cands += [c for c in table.columns if c.startswith(("preference_accuracy_last", "reward_mean_last"))]
     cands += ["loss"]
     return next((c for c in cands if c in table.columns and any(v is not None for v in table.numeric(c))), None)
-
-
-def write_comparison(sweep_dir: str | os.PathLike, out: Optional[str | os.PathLike] = None, *,
-                     plot_metric: Optional[str] = None, **kwargs) -> dict[str, Path]:
-    """Build the table (build_table kwargs) and write comparison.md / .csv / .json and report.html into `out`
-    (default: the sweep folder); returns their paths."""
-    meta, points = load_points(sweep_dir)
-    table = build_table(meta, points, **kwargs)
-    seeds = over_seeds(table)
-    out = Path(out) if out else Path(sweep_dir)
-    plot_metric = plot_metric or default_plot_metric(table)
-    if plot_metric is not None:
-        column(table, plot_metric)
-    head = (f"# Sweep {meta.get('name', '')}: {len(table.rows)} point(s)\n\n"
-            f"Base config `{meta.get('base')}`; axes: {', '.join(table.axes) or '(none)'}; baseline: "
-            f"{kwargs.get('baseline') or meta.get('baseline') or 'first value of each axis'} (each point's "
-            "baseline is in the `baseline` column). `diff` = point - baseline at the same step, with a 95% paired "
-            "bootstrap interval over prompts where per-sample files exist.\n\n")
-    md = head + to_markdown(table, "Points")
-    if seeds is not None:
-        md += "\n" + to_markdown(seeds, "Mean ± std over seeds")
-    if table.notes:
-        md += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in table.notes) + "\n"
-    paths = {"md": atomic_write_text(out / FILES["md"], md),
-             "csv": atomic_write_text(out / FILES["csv"], to_csv(table))}
-    if seeds is not None:
-        paths["csv_seeds"] = atomic_write_text(out / "comparison_seeds.csv", to_csv(seeds))
-    paths["json"] = atomic_write_json(out / FILES["json"], _jsonable_table(meta, table, seeds))
-    from jaxrl.sweep.report import render_sweep_html
-    paths["html"] = atomic_write_text(out / FILES["html"], render_sweep_html(meta, points, table, seeds,
-                                                                             plot_metric))
-    return paths
-
-
-def _jsonable_table(meta, table: Table, seeds: Optional[Table]) -> dict:
-    clean = lambda rows: [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)  # noqa: E731
-                           for k, v in r.items()} for r in rows]
-    return {"sweep": meta.get("sweep"), "name": meta.get("name"), "axes": table.axes, "metrics": table.metrics,
-            "steps": table.steps, "baseline": table.baseline if table.baseline is not None else meta.get("baseline"),
-            "columns": table.columns, "rows": clean(table.rows), "notes": table.notes,
-            "over_seeds": None if seeds is None else {"columns": seeds.columns, "rows": clean(seeds.rows)}}

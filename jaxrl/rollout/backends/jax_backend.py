@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import jax.numpy as jnp
 
-from jaxrl.export.adapters import attach, attached_digest, detach
+from jaxrl.models.adapters import attach, attached_digest, detach
 from jaxrl.models import qwen35
 from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
 from jaxrl.rollout.sampler import Sampler

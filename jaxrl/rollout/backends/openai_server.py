@@ -38,6 +38,8 @@ import urllib.error
 import urllib.request
 from typing import Optional, Sequence
 
+from jaxrl.export.merge import read_provenance
+from jaxrl.export.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
 from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -222,9 +224,6 @@ class ServerBackend:
     # ------------------------------------------------------------------------------------------------- models
     def peft_folder(self, spec: ModelSpec, adapter) -> str:
         """A PEFT folder holding exactly `adapter` in the base's layout, for the server to read."""
-        from jaxrl.export.adapters import is_peft_folder
-        from jaxrl.export.merge import read_provenance
-        from jaxrl.export.peft import export_peft, layout_of, read_peft_adapter
         if is_peft_folder(spec.path):
             found, layout = read_peft_adapter(spec.path)
             if layout == layout_of(self.base_dir) and found.digest() == adapter.digest():
@@ -295,7 +294,6 @@ class ServerBackend:
             raise ServerError(f"the server at {self.url} no longer lists model {self._model!r}")
         if card.get("adapter_digest"):
             return card["adapter_digest"]
-        from jaxrl.export.peft import read_peft_adapter
         return read_peft_adapter(card["root"])[0].digest()
 
     def served_fingerprint(self) -> Optional[str]:
@@ -303,7 +301,6 @@ class ServerBackend:
         None otherwise (adapters are checked by `loaded_digest`)."""
         if self._spec is None or self._spec.kind != "hf":
             return None
-        from jaxrl.export.merge import read_provenance
         return (read_provenance(self._served_root) or {}).get("fingerprint")
 
     # --------------------------------------------------------------------------------------------- generation

@@ -70,7 +70,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import JsonlError, atomic_write_json, iter_jsonl, read_jsonl, write_jsonl
+from jaxrl.utils.io import JsonlError, atomic_write_json, iter_jsonl, read_jsonl, write_jsonl
 
 __all__ = [
     "FormatError", "CONFIG_FILE", "METRICS_FILE", "EVAL_DIR", "RESULTS_FILE", "SAMPLES_DIR", "DIAGNOSTICS_DIR",
