@@ -12,8 +12,22 @@ resume cache cache/<model>.jsonl. Rerun the same command after an interruption: 
 Models: `base` (always; the baseline unless --baseline), `step_<N>` for run checkpoints, and the names given in
 --adapters / --models. Every model is scored on the same prompts with the same sample keys; comparisons are
 model - baseline with a paired bootstrap interval over prompts and an exact test on strict passes.
---resample_max_new_tokens=N re-runs only the truncated samples at a larger cap N and writes termination.json
-(how much of each score the cap decided; jaxrl.diagnostics.termination).
+--resample_max_new_tokens=N re-runs only the truncated samples at a larger cap N, keeps the merged records in
+resampled/N/<model>.jsonl, writes termination.json (how much of each score the cap decided;
+jaxrl.diagnostics.termination) and rewrites results.json/md with every model compared with the baseline BOTH at
+the larger cap (censoring.extended_cap).
+
+Select on dev, confirm once on held-out (jaxrl.evaluation.protocol):
+
+    # 1. choose among the checkpoints on the dev split (a frozen split: launchers.import_problems --split)
+    python -m launchers.evaluate --problems=data/splits/dev.jsonl --checkpoints=RUN --steps=4,8,12,16,28,40,125 \
+        --out=RUN/eval_dev --role=select --select_metric=partial_reward_mean      # -> RUN/eval_dev/selection.json
+    # 2. evaluate the chosen checkpoint (and base) once on held-out: the confirmatory claim
+    python -m launchers.evaluate --problems=data/splits/heldout.jsonl --confirm=RUN/eval_dev/selection.json \
+        --out=RUN/eval_heldout
+
+A second --confirm of the same weights on the same split is refused (data/splits/confirmations.jsonl).
+Temperature 0 with --num_samples > 1 is refused: greedy decoding repeats one completion.
 """
 
 from __future__ import annotations
@@ -61,6 +75,12 @@ _CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Interval confidence level.
 _RESAMPLE = flags.DEFINE_integer("resample_max_new_tokens", 0, "Re-run truncated samples at this larger cap "
                                  "and write termination.json (0 = off).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars.")
+_ROLE = flags.DEFINE_enum("role", "explore", ["explore", "select"], "explore: every claim is exploratory; select: "
+                          "record the best model on --select_metric in <out>/selection.json (dev split).")
+_SELECT_METRIC = flags.DEFINE_enum("select_metric", "partial_reward_mean", ["partial_reward_mean", "strict_rate"],
+                                   "Metric the best model is selected on (--role=select).")
+_CONFIRM = flags.DEFINE_string("confirm", None, "A selection.json (or its folder): evaluate base and the selected "
+                               "model once on this other split; its comparison is the confirmatory claim.")
 
 
 def _named(values, flag):
@@ -85,10 +105,16 @@ def _default_base(workdir):
     raise app.UsageError(f"--base is required ({cfg_path} names no model_path)")
 
 
-def build_config():
+def build_config(selection=None):
+    from jaxrl.evaluation.analysis import sampling_warning
     from jaxrl.evaluation.runner import EvalConfig, ModelSpec, checkpoint_specs
     if not _PROBLEMS.value:
         raise app.UsageError("--problems is required")
+    refused = sampling_warning(_TEMPERATURE.value, _NUM_SAMPLES.value)
+    if refused:
+        raise app.UsageError(refused)
+    if selection is not None:
+        return _confirmation_config(selection)
     workdir = _CHECKPOINTS.value
     base = _BASE.value or (_default_base(workdir) if workdir else None)
     if not base:
@@ -113,37 +139,96 @@ def build_config():
                       n_resamples=_N_RESAMPLES.value, confidence=_CONFIDENCE.value, progress=_PROGRESS.value)
 
 
+def _confirmation_config(selection):
+    """Base + the selected model, as the selection recorded them; the problems are --problems (held-out)."""
+    from jaxrl.evaluation.runner import BASE, EvalConfig, ModelSpec
+    if _CHECKPOINTS.value or _ADAPTERS.value or _MODELS.value or _STEPS.value:
+        raise app.UsageError("--confirm evaluates the selected model only; drop --checkpoints/--steps/--adapters/"
+                             "--models")
+    if not _OUT.value:
+        raise app.UsageError("--out is required with --confirm")
+    model = selection["model"]
+    source = model.get("source") or {}
+    if selection["baseline"] != BASE or not source.get("path"):
+        raise app.UsageError(f"{selection['path']}: can only confirm a model selected against {BASE!r} with a "
+                             "recorded source")
+    base = _BASE.value or selection.get("base")
+    if not base:
+        raise app.UsageError("--base is required (the selection does not record the base folder)")
+    spec = ModelSpec(model["name"], source["kind"], source["path"], step=model.get("step"))
+    return EvalConfig(problems=_PROBLEMS.value, base=base, out=_OUT.value, models=[spec],
+                      num_samples=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+                      top_k=_TOP_K.value, max_new_tokens=_MAX_NEW_TOKENS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
+                      prompt_buckets=tuple(int(b) for b in _PROMPT_BUCKETS.value),
+                      enable_thinking=_ENABLE_THINKING.value, reward=_REWARD.value,
+                      reward_kwargs=json.loads(_REWARD_KWARGS.value), baseline=BASE, backend=_BACKEND.value,
+                      backend_kwargs=json.loads(_BACKEND_KWARGS.value), truncation_threshold=_TRUNCATION.value,
+                      seed=_SEED.value, dtype=_DTYPE.value, batch_size=_BATCH_SIZE.value, limit=_LIMIT.value,
+                      on_overlong=_ON_OVERLONG.value, n_resamples=_N_RESAMPLES.value, confidence=_CONFIDENCE.value,
+                      progress=_PROGRESS.value)
+
+
 def termination(ev, results, cap: int) -> str:
-    """Re-samples the truncated completions of every model at `cap`; writes <out>/termination.json."""
+    """Re-samples the truncated completions of every model at `cap`, keeps the merged records in
+    <out>/resampled/<cap>/ (read back by the results: every model vs the baseline, both at `cap`), writes
+    <out>/termination.json and rewrites results.json / results.md."""
     from jaxrl.data.jsonl import atomic_write_json
     from jaxrl.diagnostics import formats
     from jaxrl.diagnostics.termination import resample_truncated, termination_analysis
+    from jaxrl.evaluation.censoring import save_resampled
     samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in results["models"]}
-    resampled = {name: resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed)
-                 for name, recs in samples.items()}
-    report = termination_analysis(samples, threshold=ev.cfg.truncation_threshold, resampled=resampled)
+    resampled = {}
+    for name, recs in samples.items():
+        resampled[name] = resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed)
+        resampled[name]["records_file"] = str(save_resampled(ev.out, cap, name, resampled[name]["records"]))
+    report = termination_analysis(samples, threshold=ev.cfg.truncation_threshold, resampled=resampled,
+                                  baseline=ev.cfg.baseline, seed=ev.cfg.seed)
+    ev.write(samples, ev.run_audit())
     return str(atomic_write_json(ev.out / "termination.json", report))
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from jaxrl.evaluation import protocol as P
     from jaxrl.evaluation.runner import Evaluator
     from jaxrl.evaluation.runner import ResumeError
     from jaxrl.export.adapters import AdapterError
     from jaxrl.train.checkpoints import CheckpointNotFound
-    cfg = build_config()
+    if _CONFIRM.value and _ROLE.value == "select":
+        raise app.UsageError("--confirm and --role=select exclude each other")
+    try:
+        selection = P.read_selection(_CONFIRM.value) if _CONFIRM.value else None
+    except (FileNotFoundError, P.ProtocolError) as e:
+        sys.exit(f"evaluate: {e}")
+    cfg = build_config(selection)
     try:
         ev = Evaluator(cfg)
     except (AdapterError, CheckpointNotFound) as e:
         sys.exit(f"evaluate: {e}")
     try:
+        if selection is not None:  # claims the one confirmation before any sample is drawn
+            proto = P.begin_confirmation(selection, cfg.problems, cfg.out)
+            P.check_fingerprint(proto, ev.run_audit()["fingerprints"])
+        elif _ROLE.value == "select":
+            split = P.split_identity(cfg.problems)
+            if split is None:
+                raise P.ProtocolError(f"{cfg.problems}: --role=select needs a frozen split (launchers."
+                                      "import_problems --split writes it with manifest.json)")
+            P.write_protocol(cfg.out, {"role": "selection", "split": split, "metric": _SELECT_METRIC.value})
         results = ev.run()
         if _RESAMPLE.value:
             path = termination(ev, results, _RESAMPLE.value)
             logging.info("termination analysis: %s", path)
-    except (ResumeError, AdapterError) as e:
-        # refused: samples of other weights / settings in --out, an adapter in the wrong layout, ...
+        if _ROLE.value == "select":
+            from jaxrl.diagnostics import formats
+            rec = P.write_selection(ev.out, formats.read_results(ev.out), metric=_SELECT_METRIC.value,
+                                    base=os.path.abspath(cfg.base))
+            print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({ev.out / P.SELECTION_FILE}); "
+                  f"confirm it once with --confirm={ev.out / P.SELECTION_FILE}")
+    except (ResumeError, AdapterError, P.ProtocolError) as e:
+        # refused: samples of other weights / settings in --out, an adapter in the wrong layout, a second
+        # confirmation, ...
         sys.exit(f"evaluate: {e}")
     finally:
         ev.close()
