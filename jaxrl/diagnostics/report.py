@@ -396,7 +396,7 @@ def _power_html(comps: Sequence[Mapping]) -> str:
         if not pw or c["metric"] not in _TASK_METRICS:
             continue
         rows.append([_e(c["model"]), _e(c["metric"]), _e(F.fmt_diff(c["metric"], c["diff"])),
-                     f"{100 * c['sd_diff']:.1f} pp", str(c["n_pairs"]), f"{100 * pw['mde']:.2f} pp",
+                     f"{100 * pw.get('sd', c['sd_diff']):.1f} pp", str(c["n_pairs"]), f"{100 * pw['mde']:.2f} pp",
                      f"{100 * pw['mde_family']:.2f} pp", _num(pw["n_for_diff"]), _num(pw["n_for_diff_family"])])
     if not rows:
         return ""

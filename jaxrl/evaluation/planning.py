@@ -155,16 +155,22 @@ def plan_table(components: Mapping, effect: float, *, power: float = DEFAULT_POW
 
 
 def row_power(row: Mapping, power: float = DEFAULT_POWER) -> Optional[dict]:
-    """For a comparison row (``sd_diff``, ``n_pairs``, ``diff``, ``confidence``, ``family_size``): the minimum
-    detectable effect at ``power`` on its prompts, alone and after the family's correction, and the prompts the
-    observed difference would need. None without ``sd_diff``."""
+    """For a comparison row (``sd_diff``, ``n_pairs``, ``diff``, ``ci_low``, ``ci_high``, ``confidence``,
+    ``family_size``): the minimum detectable effect at ``power`` on its prompts, alone and after the family's
+    correction, and the prompts the observed difference would need. The SD used is the larger of ``sd_diff`` and
+    the one the row's interval implies, so that differences without spread (all equal) do not claim infinite
+    power. None without ``sd_diff``."""
     sd, n = row.get("sd_diff"), int(row.get("n_pairs") or 0)
     if sd is None or n < 2:
         return None
     alpha = round(1.0 - float(row.get("confidence", 0.95)), 12)
+    if row.get("ci_low") is not None and row.get("ci_high") is not None:
+        sd = max(float(sd), sd_from_interval(row["ci_low"], row["ci_high"], n, 1.0 - alpha))
+    if not math.isfinite(sd) or sd > 1e100:  # too few prompts for the test to bound anything
+        return None
     fam = int(row.get("family_size") or 1)
     diff = float(row["diff"])
-    out = {"power": power, "mde": minimum_detectable_effect(sd, n, power, alpha),
+    out = {"power": power, "sd": float(sd), "mde": minimum_detectable_effect(sd, n, power, alpha),
            "mde_family": minimum_detectable_effect(sd, n, power, alpha, fam), "family_size": fam,
            "n_for_diff": None, "n_for_diff_family": None}
     if diff != 0 and sd > 0:

@@ -214,7 +214,7 @@ def _power_md(results: Mapping) -> list[str]:
         return []
     pw = rows[0]["power"]["power"]
     lines = ["", f"## Power ({pw:.0%}, two-sided)", "",
-             "sd = SD of the per-prompt differences; MDE = the smallest true effect these prompts detect with "
+             "sd = SD of the per-prompt differences (at least the one the interval implies); MDE = the smallest true effect these prompts detect with "
              f"{pw:.0%} probability (alone / after the family's Bonferroni correction); prompts needed = for a true "
              "effect the size of the observed one. `python -m launchers.plan` plans a new evaluation from this "
              "file.", "",
@@ -223,7 +223,7 @@ def _power_md(results: Mapping) -> list[str]:
     for c in rows:
         p = c["power"]
         lines.append(f"| {c['model']} | {c['metric']} | {fmt_pp(c['metric'], c['diff'])} | "
-                     f"{100 * c['sd_diff']:.1f} pp | {c['n_pairs']} | {100 * p['mde']:.2f} pp | "
+                     f"{100 * p.get('sd', c['sd_diff']):.1f} pp | {c['n_pairs']} | {100 * p['mde']:.2f} pp | "
                      f"{100 * p['mde_family']:.2f} pp | {_fmt(p['n_for_diff'])} | {_fmt(p['n_for_diff_family'])} |")
     return lines
 

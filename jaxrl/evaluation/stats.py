@@ -578,8 +578,10 @@ def simultaneous(diffs, est, ci_low, ci_high, *, masks=None, p_values=None, conf
     p_adj = np.maximum(p_boot, marginal)
     # The max-T interval, widened to the marginal one where that is wider (it is the better statement about a
     # single comparison): 0 is outside exactly when both the max-T and the marginal test reject.
-    s_lo = np.minimum(est - c[:, None] * se, lo)
-    s_hi = np.maximum(est + c[:, None] * se, hi)
+    finite = np.isfinite(se)  # a comparison without any spread (and a zero-width interval) keeps its interval
+    with np.errstate(invalid="ignore"):
+        s_lo = np.where(finite, np.minimum(est - c[:, None] * se, lo), lo)
+        s_hi = np.where(finite, np.maximum(est + c[:, None] * se, hi), hi)
     if bounds is not None:
         blo = np.array([-np.inf if bd is None else bd[0] for bd in bounds])
         bhi = np.array([np.inf if bd is None else bd[1] for bd in bounds])
