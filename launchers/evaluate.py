@@ -197,9 +197,10 @@ def main(argv):
     from jaxrl.train.checkpoints import CheckpointNotFound
     if _CONFIRM.value and _ROLE.value == "select":
         raise app.UsageError("--confirm and --role=select exclude each other")
+    from jaxrl.diagnostics.formats import FormatError
     try:
         selection = P.read_selection(_CONFIRM.value) if _CONFIRM.value else None
-    except (FileNotFoundError, P.ProtocolError) as e:
+    except (FileNotFoundError, FormatError, P.ProtocolError) as e:
         sys.exit(f"evaluate: {e}")
     cfg = build_config(selection)
     try:

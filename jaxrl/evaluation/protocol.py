@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from jaxrl.data.jsonl import atomic_write_json, iter_jsonl, sha256_file
+from jaxrl.diagnostics import formats  # moves to jaxrl.data.formats (layering, issue 14)
 
 __all__ = ["ProtocolError", "PROTOCOL_FILE", "SELECTION_FILE", "LEDGER_FILE", "ROLES", "split_identity",
            "write_protocol", "read_protocol", "write_selection", "read_selection", "begin_confirmation",
@@ -81,13 +82,8 @@ def write_protocol(out_dir: str | os.PathLike, protocol: Mapping) -> Path:
 
 
 def read_protocol(out_dir: str | os.PathLike) -> Optional[dict]:
-    path = Path(out_dir) / PROTOCOL_FILE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ProtocolError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    """``<out_dir>/protocol.json``, None when absent (an exploratory evaluation)."""
+    return formats.read_diagnostic(Path(out_dir) / PROTOCOL_FILE)
 
 
 def write_selection(out_dir: str | os.PathLike, results: Mapping, *, metric: str = "partial_reward_mean",
@@ -128,12 +124,9 @@ def read_selection(path: str | os.PathLike) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / SELECTION_FILE
-    if not path.is_file():
+    rec = formats.read_diagnostic(path)
+    if rec is None:
         raise FileNotFoundError(f"{path}: no selection record (evaluate the dev split with --role=select)")
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ProtocolError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
     if rec.get("format") != SELECTION_FORMAT:
         raise ProtocolError(f"{path}: not a {SELECTION_FORMAT} record")
     for key in ("metric", "baseline", "model", "split"):

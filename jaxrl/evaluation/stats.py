@@ -91,6 +91,16 @@ def _as_1d(x, name: str) -> np.ndarray:
     return arr
 
 
+def _paired(a, b, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """Two non-empty 1-D arrays of equal length (per-prompt values of the model and the baseline)."""
+    a, b = _as_1d(a, f"{who} a"), _as_1d(b, f"{who} b")
+    if a.shape != b.shape:
+        raise ValueError(f"{who}: a and b must pair up, got lengths {a.size} and {b.size}")
+    if a.size == 0:
+        raise ValueError(f"{who}: no pairs")
+    return a, b
+
+
 def _check_confidence(confidence: float, who: str) -> float:
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"{who}: confidence must be in (0, 1), got {confidence}")
@@ -126,12 +136,7 @@ def paired_bootstrap(
     ``method``: "percentile" or "bca" (falls back to percentile where BCa is undefined, and says so). Returns
     ``{"diff", "ci_low", "ci_high", "n_pairs", "method"}``; all-equal differences give ``[diff, diff]``.
     """
-    a = _as_1d(a, "paired_bootstrap a")
-    b = _as_1d(b, "paired_bootstrap b")
-    if a.shape != b.shape:
-        raise ValueError(f"paired_bootstrap: a and b must pair up, got lengths {a.size} and {b.size}")
-    if a.size == 0:
-        raise ValueError("paired_bootstrap: no pairs")
+    a, b = _paired(a, b, "paired_bootstrap")
     if method not in _METHODS:
         raise ValueError(f"paired_bootstrap: method must be one of {_METHODS}, got {method!r}")
     _check_confidence(confidence, "paired_bootstrap")
@@ -461,12 +466,7 @@ def paired_difference(a, b, *, confidence: float = 0.95, n_resamples: int = 1000
     family (``mcnemar_midp``, ``sign_flip``, ``zero_spread``), ``ci_method`` the interval (``sign_flip (exact)``
     when every sign pattern was enumerated).
     """
-    a = _as_1d(a, "paired_difference a")
-    b = _as_1d(b, "paired_difference b")
-    if a.shape != b.shape:
-        raise ValueError(f"paired_difference: a and b must pair up, got lengths {a.size} and {b.size}")
-    if a.size == 0:
-        raise ValueError("paired_difference: no pairs")
+    a, b = _paired(a, b, "paired_difference")
     r = paired_difference_rows(a[None], b[None], confidence=confidence, n_resamples=n_resamples, seed=seed,
                                bounds=bounds)
     how = str(r["test"][0])
