@@ -169,22 +169,11 @@ def _confirmation_config(selection):
 
 
 def termination(ev, results, cap: int) -> str:
-    """Re-samples the truncated completions of every model at `cap`, keeps the merged records in
-    <out>/resampled/<cap>/ (read back by the results: every model vs the baseline, both at `cap`), writes
-    <out>/termination.json and rewrites results.json / results.md."""
-    from jaxrl.data.jsonl import atomic_write_json
-    from jaxrl.diagnostics import formats
-    from jaxrl.diagnostics.termination import resample_truncated, termination_analysis
-    from jaxrl.evaluation.censoring import save_resampled
-    samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in results["models"]}
-    resampled = {}
-    for name, recs in samples.items():
-        resampled[name] = resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed)
-        resampled[name]["records_file"] = str(save_resampled(ev.out, cap, name, resampled[name]["records"]))
-    report = termination_analysis(samples, threshold=ev.cfg.truncation_threshold, resampled=resampled,
-                                  baseline=ev.cfg.baseline, seed=ev.cfg.seed)
-    ev.write(samples, ev.run_audit())
-    return str(atomic_write_json(ev.out / "termination.json", report))
+    """Re-samples the truncated completions of every model at `cap`, keeps them in <out>/resampled/<cap>/ (read
+    back by the results: every model vs the baseline, both at `cap`), writes <out>/termination.json and rewrites
+    results.json / results.md (jaxrl.diagnostics.termination.resample_evaluation)."""
+    from jaxrl.diagnostics.termination import resample_evaluation
+    return resample_evaluation(ev, cap)
 
 
 def main(argv):
@@ -212,11 +201,7 @@ def main(argv):
             proto = P.begin_confirmation(selection, cfg.problems, cfg.out)
             P.check_fingerprint(proto, ev.run_audit()["fingerprints"])
         elif _ROLE.value == "select":
-            split = P.split_identity(cfg.problems)
-            if split is None:
-                raise P.ProtocolError(f"{cfg.problems}: --role=select needs a frozen split (launchers."
-                                      "import_problems --split writes it with manifest.json)")
-            P.write_protocol(cfg.out, {"role": "selection", "split": split, "metric": _SELECT_METRIC.value})
+            P.begin_selection(cfg.problems, cfg.out, _SELECT_METRIC.value)
         results = ev.run()
         if _RESAMPLE.value:
             path = termination(ev, results, _RESAMPLE.value)

@@ -21,7 +21,7 @@ __all__ = [
     "truncation_censoring", "kl_rising_reward_falling", "non_monotonic_checkpoints",
     "early_gain_not_significant", "length_bias_in_pairs", "semantic_failures_in_pairs", "nonfinite_updates",
     "termination_only_change", "sort_flags", "not_significant_after_selection", "underpowered",
-    "selection_adjusted_gain", "gain_from_finishing",
+    "selection_adjusted_gain", "gain_from_finishing", "confirmation_result",
 ]
 
 SEVERITIES = ("error", "warning", "info")
@@ -176,6 +176,28 @@ def selection_adjusted_gain(selection: Mapping) -> Optional[Flag]:
     return Flag("info", "selection_adjusted_gain",
                 msg + ("" if adj_sig else " The adjusted gain's interval contains 0: with this many prompts the "
                                           "choice itself is noisy."), ev)
+
+
+def confirmation_result(row: Mapping, protocol: Mapping) -> Optional[Flag]:
+    """The one confirmatory claim of a held-out confirmation (``row``: its comparison, ``claim ==
+    "confirmatory"``): info when the selected model's gain replicates (interval above 0), a warning when not."""
+    if row.get("claim") != "confirmatory":
+        return None
+    m, metric = row["model"], row["metric"]
+    sel = protocol.get("selection") or {}
+    naive = sel.get("naive") or {}
+    chosen = (f" (chosen among {sel.get('n_candidates')} on split {(sel.get('split') or {}).get('split')!r} with "
+              f"{fmt_diff(metric, naive.get('diff'))})" if naive.get("diff") is not None else "")
+    text = (f"Confirmation on held-out split {((protocol.get('split') or {}).get('split'))!r}: {m}{chosen} vs "
+            f"{row['baseline']}, {metric}: {fmt_diff(metric, row['diff'])}, "
+            f"{fmt_interval(metric, row['ci_low'], row['ci_high'], row.get('confidence', 0.95))} over "
+            f"{row['n_pairs']} prompts (p = {row['p_value']:.3g}).")
+    ev = {k: row.get(k) for k in ("model", "metric", "diff", "ci_low", "ci_high", "n_pairs", "p_value")}
+    if row["ci_low"] > 0:
+        return Flag("info", "confirmation_result", text + " The selected checkpoint's gain replicates: a "
+                    "confirmatory claim.", ev)
+    return Flag("warning", "confirmation_result", text + " The gain did not replicate on fresh prompts: do not "
+                "claim it.", ev)
 
 
 def gain_from_finishing(model: str, metric: str, entry: Mapping) -> Optional[Flag]:

@@ -64,6 +64,25 @@ def default_diff_pairs(results: Mapping, samples: Mapping[str, Any]) -> list[tup
 _TASK_METRICS = ("partial_reward_mean", "strict_rate")
 
 
+def _confirmations(workdir: Path, eval_dir: Path) -> list[dict]:
+    """Held-out confirmations (``launchers.evaluate --confirm``) in folders beside the evaluation: their protocol
+    and their one confirmatory comparison row."""
+    from jaxrl.evaluation.protocol import read_protocol
+    out = []
+    for folder in sorted({p for base in (workdir, eval_dir.parent) if base.is_dir() for p in base.iterdir()
+                          if p.is_dir() and p != eval_dir}):
+        if not (folder / "results.json").is_file() or not (folder / "protocol.json").is_file():
+            continue
+        proto = read_protocol(folder)
+        if (proto or {}).get("role") != "confirmation":
+            continue
+        res = read_results(folder)
+        row = next((c for c in res.get("comparisons", []) if c.get("claim") == "confirmatory"), None)
+        if row is not None:
+            out.append({"dir": os.fspath(folder), "protocol": proto, "row": row, "results": res})
+    return out
+
+
 def _complete_from_samples(results: Mapping, samples: Mapping[str, Sequence[Mapping]]) -> dict:
     """The selection and censoring sections for a results.json written without them (an older evaluator, or
     ``stats.write_results`` called directly), computed from the sample files when they are all there."""
@@ -158,6 +177,9 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
         for name, by_metric in ((data["censoring"] or {}).get("models") or {}).items():
             for metric, entry in by_metric.items():
                 flags.append(F.gain_from_finishing(name, metric, entry))
+    data["confirmations"] = _confirmations(workdir, eval_dir)
+    for conf in data["confirmations"]:
+        flags.append(F.confirmation_result(conf["row"], conf["protocol"]))
     flags.append(_kl_reward_flag(data["drift"], data["curves"], data["metrics"]))
     as_flags = [f for f in F.sort_flags(flags)]
     # Flags the diagnostics computed themselves (dicts); truncation from results.json already covers termination.
@@ -362,6 +384,17 @@ def _evaluation_section(data: Mapping) -> str:
         where = f"split {split['split']} of {split['manifest']}" if split else "problems that are not a frozen split"
         out += (f"<p class='muted'>Protocol: <b>{_e(proto['role'])}</b> evaluation on {_e(where)}; a claim is "
                 "confirmatory only for the selected model on a one-time held-out confirmation.</p>")
+    rows = []
+    for conf in data.get("confirmations") or []:
+        c, pr = conf["row"], conf["protocol"]
+        rows.append([_e(os.path.basename(conf["dir"])), _e((pr.get("split") or {}).get("split")), _e(c["model"]),
+                     _e(c["metric"]), _e(F.fmt_diff(c["metric"], c["diff"])),
+                     _e(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
+                     str(c["n_pairs"]), f"{c['p_value']:.3g} ({_e(c.get('test', ''))})", "<b>confirmatory</b>"])
+    if rows:
+        out += ("<h3>Confirmation on held-out (once per checkpoint and split)</h3>"
+                + _table(["folder", "split", "selected model", "metric", "diff vs base", "interval", "n prompts",
+                          "p (test)", "claim"], rows, 4))
     for w in res.get("warnings") or []:
         if "truncation" not in w:  # truncation warnings are already flags at the top
             out += f'<div class="flag warning"><span class="sev">evaluator</span>{_e(w)}</div>'

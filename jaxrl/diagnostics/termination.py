@@ -38,7 +38,7 @@ from jaxrl.evaluation.censoring import censoring_section
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare
 
-__all__ = ["reward_vs_length", "termination_analysis", "resample_truncated", "ResampleFn"]
+__all__ = ["reward_vs_length", "termination_analysis", "resample_truncated", "resample_evaluation", "ResampleFn"]
 
 # resample_fn(problem_ids, max_new_tokens) -> one SAMPLES record per id, in order. An id repeats when several
 # samples of that prompt were truncated.
@@ -170,3 +170,27 @@ def resample_truncated(records: Sequence[Mapping], resample_fn: ResampleFn, max_
             "still_truncated": sum(1 for r in replaced.values() if r["finish_reason"] == "length"),
             "before": model_metrics(records), "after": model_metrics(merged), "comparisons": comps,
             "records": merged}
+
+
+def resample_evaluation(ev, cap: int) -> str:
+    """Re-draws the truncated samples of every model of a finished evaluation at the larger ``cap``.
+
+    ``ev``: a ``jaxrl.evaluation.runner.Evaluator`` whose ``run()`` has written its samples. Keeps the merged
+    records under ``<out>/resampled/<cap>/<model>.jsonl`` (``censoring.save_resampled``), writes
+    ``<out>/termination.json`` (with every model vs the baseline, both at ``cap``) and rewrites results.json /
+    results.md, whose ``censoring.extended_cap`` reads the kept records back. Returns termination.json's path.
+    """
+    from jaxrl.data.jsonl import atomic_write_json
+    from jaxrl.diagnostics import formats
+    from jaxrl.evaluation.censoring import save_resampled
+    samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in ev.specs}
+    resampled = {}
+    for name, recs in samples.items():
+        resampled[name] = resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed,
+                                             n_resamples=ev.cfg.n_resamples, confidence=ev.cfg.confidence)
+        resampled[name]["records_file"] = str(save_resampled(ev.out, cap, name, resampled[name]["records"]))
+    report = termination_analysis(samples, threshold=ev.cfg.truncation_threshold, resampled=resampled,
+                                  baseline=ev.cfg.baseline, n_resamples=ev.cfg.n_resamples,
+                                  confidence=ev.cfg.confidence, seed=ev.cfg.seed)
+    ev.write(samples, ev.run_audit())
+    return str(atomic_write_json(ev.out / "termination.json", report))

@@ -32,7 +32,7 @@ from jaxrl.data.jsonl import atomic_write_json, iter_jsonl, sha256_file
 from jaxrl.diagnostics import formats  # moves to jaxrl.data.formats (layering, issue 14)
 
 __all__ = ["ProtocolError", "PROTOCOL_FILE", "SELECTION_FILE", "LEDGER_FILE", "ROLES", "split_identity",
-           "write_protocol", "read_protocol", "write_selection", "read_selection", "begin_confirmation",
+           "write_protocol", "read_protocol", "begin_selection", "write_selection", "read_selection", "begin_confirmation",
            "check_fingerprint", "label_claims", "protocol_summary"]
 
 PROTOCOL_FILE = "protocol.json"
@@ -84,6 +84,19 @@ def write_protocol(out_dir: str | os.PathLike, protocol: Mapping) -> Path:
 def read_protocol(out_dir: str | os.PathLike) -> Optional[dict]:
     """``<out_dir>/protocol.json``, None when absent (an exploratory evaluation)."""
     return formats.read_diagnostic(Path(out_dir) / PROTOCOL_FILE)
+
+
+def begin_selection(problems: str | os.PathLike, out_dir: str | os.PathLike,
+                    metric: str = "partial_reward_mean") -> dict:
+    """Marks ``out_dir`` as a selection evaluation on the frozen split ``problems`` (refused when it is not one);
+    after the run, :func:`write_selection` records the choice."""
+    split = split_identity(problems)
+    if split is None:
+        raise ProtocolError(f"{problems}: a selection needs a frozen split (launchers.import_problems --split writes "
+                            "it with manifest.json)")
+    protocol = {"role": "selection", "split": split, "metric": metric}
+    write_protocol(out_dir, protocol)
+    return protocol
 
 
 def write_selection(out_dir: str | os.PathLike, results: Mapping, *, metric: str = "partial_reward_mean",
