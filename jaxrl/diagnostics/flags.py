@@ -140,7 +140,7 @@ def underpowered(comparison: Mapping, min_power: float = 0.8) -> Optional[Flag]:
     fam_txt = (f" ({pw['n_for_diff_family']} with the correction for the {fam} comparisons)" if fam > 1 else "")
     return Flag("info", "underpowered",
                 f"{m} vs {comparison['baseline']}, {metric}: {fmt_diff(metric, diff)} on {n} prompts is below the "
-                f"smallest effect {n} prompts detect with {pw['power']:.0%} power ({fmt_diff(metric, mde)}; SD of "
+                f"smallest effect {n} prompts detect with {pw['power']:.0%} power ({fmt_diff(metric, mde).lstrip('+')}; SD of "
                 f"the per-prompt differences {fmt_diff(metric, pw.get('sd', comparison.get('sd_diff'))).lstrip('+')}). A true "
                 f"effect of this size needs about {pw['n_for_diff']} prompts{fam_txt} "
                 "(python -m launchers.plan).",
