@@ -12,7 +12,10 @@ Stages (each resumes or is skipped when its output exists, so an interrupted dem
                   difference);
   5. dpo/         DPO (RPO: sigmoid + NLL on the chosen) with LoRA on those pairs, a checkpoint every 8 steps;
   6. grpo/        GRPO from the same base on the same task (online rollouts), as many steps as DPO;
-  7. dpo/eval/    held-out evaluation of base, every DPO checkpoint and the GRPO adapter, with paired intervals;
+  7. dpo/eval/    evaluation of base, every DPO checkpoint and the GRPO adapter on the dev half of the held-out
+                  prompts (tasks/eval_splits/), with paired and simultaneous intervals; the truncated samples
+                  re-drawn at twice the cap; the best checkpoint recorded (selection.json) and confirmed once on
+                  the other half (dpo/eval_heldout/: the confirmatory claim);
   8. export/      PEFT and merged exports of the last DPO checkpoint (+ PEFT of every step, for drift);
   9. dpo/diagnostics/ drift, pair audit, termination, checkpoint curves; report.html.
 
@@ -42,10 +45,13 @@ from jaxrl.data import formats
 from jaxrl.data import pairs as pairs_lib
 from jaxrl.data.chat import encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
+from jaxrl.data.splits import freeze_splits
 from jaxrl.diagnostics import drift
 from jaxrl.diagnostics.pair_audit import audit_pairs
 from jaxrl.diagnostics.report import build_report
-from jaxrl.evaluation.runner import EvalConfig, ModelSpec, checkpoint_specs, run_evaluation
+from jaxrl.diagnostics.termination import resample_evaluation
+from jaxrl.evaluation import protocol
+from jaxrl.evaluation.runner import EvalConfig, Evaluator, ModelSpec, checkpoint_specs
 from jaxrl.export import export_checkpoint
 from jaxrl.models import qwen35
 from jaxrl.models.adapters import adapter_steps
@@ -71,7 +77,7 @@ class DemoSettings:
     """Sizes of the demo; `quick` (tests) shrinks every stage."""
 
     train_problems: int = 192
-    eval_problems: int = 64
+    eval_problems: int = 128  # halves: dev (selection) and held-out (confirmation)
     samples: int = 8  # K rollouts per training prompt
     max_new_tokens: int = 8
     sft_steps: int = 200
@@ -320,16 +326,37 @@ class Demo:
         models.append(ModelSpec("grpo", "adapter", os.fspath(self.p["grpo"] / "checkpoints" / "adapters" /
                                                            str(grpo_steps[-1]))))
         models.append(ModelSpec("merged", "hf", os.fspath(self.p["export"] / "merged")))
-        cfg = EvalConfig(problems=os.fspath(self.p["eval"]), base=os.fspath(self.p["base"]),
-                         out=os.fspath(self.p["dpo"] / "eval"), models=models, num_samples=self.s.eval_samples,
-                         temperature=1.0, max_new_tokens=self.s.max_new_tokens, max_prompt_len=64,
-                         reward="charset", dtype="float32", batch_size=128, seed=self.s.seed, n_resamples=2000,
-                         progress=False)
-        results = run_evaluation(cfg)
-        lines = []
-        for name, m in results["models"].items():
-            lines.append(f"{name} {m['partial_reward_mean']:.3f}")
-        return "partial reward: " + ", ".join(lines)
+        # Select on dev, confirm once on held-out (jaxrl.evaluation.protocol): the prompts frozen into two halves.
+        splits = self.p["tasks"] / "eval_splits"
+        freeze_splits(load_problems(self.p["eval"]), splits, seed=self.s.seed)
+        common = dict(base=os.fspath(self.p["base"]), num_samples=self.s.eval_samples, temperature=1.0,
+                      max_new_tokens=self.s.max_new_tokens, max_prompt_len=64, reward="charset", dtype="float32",
+                      batch_size=128, seed=self.s.seed, n_resamples=2000, progress=False)
+        ev = Evaluator(EvalConfig(problems=os.fspath(splits / "dev.jsonl"), out=os.fspath(self.p["dpo"] / "eval"),
+                                  models=models, **common))
+        try:
+            protocol.begin_selection(ev.cfg.problems, ev.out)
+            ev.run()
+            resample_evaluation(ev, 2 * self.s.max_new_tokens)  # the truncated samples at twice the cap
+            results = formats.read_results(ev.out)
+            chosen = protocol.write_selection(ev.out, results, base=os.fspath(self.p["base"]))["model"]
+        finally:
+            ev.close()
+        selection = protocol.read_selection(self.p["dpo"] / "eval")
+        spec = ModelSpec(chosen["name"], chosen["source"]["kind"], chosen["source"]["path"], step=chosen["step"])
+        ev = Evaluator(EvalConfig(problems=os.fspath(splits / "heldout.jsonl"),
+                                  out=os.fspath(self.p["dpo"] / "eval_heldout"), models=[spec], **common))
+        try:
+            proto = protocol.begin_confirmation(selection, ev.cfg.problems, ev.out)
+            protocol.check_fingerprint(proto, ev.run_audit()["fingerprints"])
+            held = ev.run()
+        finally:
+            ev.close()
+        row = next(c for c in held["comparisons"] if c["claim"] == "confirmatory")
+        lines = [f"{name} {m['partial_reward_mean']:.3f}" for name, m in results["models"].items()]
+        return (f"partial reward (dev): {', '.join(lines)}; selected {chosen['name']}, confirmed on held-out: "
+                f"{100 * row['diff']:+.1f} pp [{100 * row['ci_low']:+.1f}, {100 * row['ci_high']:+.1f}] over "
+                f"{row['n_pairs']} prompts")
 
     # -- 9
     def diagnostics(self) -> str:

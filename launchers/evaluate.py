@@ -13,9 +13,23 @@ Writes to --out (default RUN_DIR/eval): results.json, results.md, samples/<model
 resume cache cache/<model>.jsonl. Rerun the same command after an interruption: finished samples are kept.
 Models: `base` (always; the baseline unless --baseline), `step_<N>` for run checkpoints, and the names given in
 --adapters / --models. Every model is scored on the same prompts with the same sample keys; comparisons are
-model - baseline with a paired bootstrap interval over prompts and an exact test on strict passes.
---resample_max_new_tokens=N re-runs only the truncated samples at a larger cap N and writes termination.json
-(how much of each score the cap decided; jaxrl.diagnostics.termination).
+model - baseline with a paired interval over prompts that agrees with its test, and simultaneous intervals over
+every comparison of the file. --resample_max_new_tokens=N re-runs only the truncated samples at a larger cap N,
+keeps the merged records in resampled/N/<model>.jsonl, writes termination.json (how much of each score the cap
+decided; jaxrl.diagnostics.termination) and rewrites results.json/md with every model compared with the baseline
+BOTH at the larger cap (censoring.extended_cap).
+
+Select on dev, confirm once on held-out (jaxrl.evaluation.protocol):
+
+    # 1. choose among the checkpoints on the dev split (a frozen split: launchers.import_problems --split)
+    python -m launchers.evaluate --problems=data/splits/dev.jsonl --checkpoints=RUN --steps=4,8,12,16,28,40,125 \
+        --out=RUN/eval_dev --role=select --select_metric=partial_reward_mean      # -> RUN/eval_dev/selection.json
+    # 2. evaluate the chosen checkpoint (and base) once on held-out: the confirmatory claim
+    python -m launchers.evaluate --problems=data/splits/heldout.jsonl --confirm=RUN/eval_dev/selection.json \
+        --out=RUN/eval_heldout
+
+A second --confirm of the same weights on the same split is refused (data/splits/confirmations.jsonl).
+Temperature 0 with --num_samples > 1 is refused: greedy decoding repeats one completion.
 """
 
 from __future__ import annotations
@@ -26,7 +40,15 @@ import sys
 
 from absl import app, flags, logging
 
+from jaxrl.data import formats
+from jaxrl.data.formats import FormatError
+from jaxrl.diagnostics.termination import resample_evaluation
 from jaxrl.evaluation import cli
+from jaxrl.evaluation import protocol as P
+from jaxrl.evaluation.analysis import sampling_warning
+from jaxrl.evaluation.runner import BASE, EvalConfig, Evaluator, ModelSpec, ResumeError, checkpoint_specs
+from jaxrl.models.adapters import AdapterError, CheckpointNotFound
+from jaxrl.rollout.backends import ServerError
 from jaxrl.rollout.backends.flags import backend_options
 
 _F = cli.define_flags()
@@ -55,10 +77,30 @@ def _default_base(workdir):
     raise app.UsageError(f"--base is required ({cfg_path} names no model_path)")
 
 
-def build_config():
-    from jaxrl.evaluation.runner import EvalConfig, ModelSpec, checkpoint_specs
+def _config(problems: str, base: str, out: str, models: list, baseline: str) -> EvalConfig:
+    """EvalConfig of the flags (sampling, reward, backend, statistics) for these models."""
+    v = {name: holder.value for name, holder in _F.items()}
+    backend, backend_kwargs = backend_options(_F)
+    return EvalConfig(problems=problems, base=base, out=out, models=models, num_samples=v["num_samples"],
+                      temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
+                      max_new_tokens=v["max_new_tokens"], max_prompt_len=v["max_prompt_len"],
+                      prompt_buckets=tuple(int(b) for b in v["prompt_buckets"]),
+                      enable_thinking=v["enable_thinking"], reward=v["reward"],
+                      reward_kwargs=json.loads(v["reward_kwargs"]), baseline=baseline,
+                      backend=backend, backend_kwargs=backend_kwargs,
+                      truncation_threshold=v["truncation_threshold"], seed=v["seed"], dtype=v["dtype"],
+                      batch_size=v["batch_size"], limit=v["limit"], on_overlong=v["on_overlong"],
+                      n_resamples=v["n_resamples"], confidence=v["confidence"], progress=v["progress"])
+
+
+def build_config(selection=None) -> EvalConfig:
     if not _F["problems"].value:
         raise app.UsageError("--problems is required")
+    refused = sampling_warning(_F["temperature"].value, _F["num_samples"].value)
+    if refused:
+        raise app.UsageError(refused)
+    if selection is not None:
+        return _confirmation_config(selection)
     workdir = _F["checkpoints"].value
     base = _F["base"].value or (_default_base(workdir) if workdir else None)
     if not base:
@@ -71,51 +113,63 @@ def build_config():
     models = checkpoint_specs(workdir, [int(s) for s in _F["steps"].value]) if workdir else []
     models += [ModelSpec(n, "adapter", p) for n, p in _named(_F["adapters"].value, "adapters")]
     models += [ModelSpec(n, "hf", p) for n, p in _named(_F["models"].value, "models")]
-    v = {name: holder.value for name, holder in _F.items()}
-    backend, backend_kwargs = backend_options(_F)
-    return EvalConfig(problems=v["problems"], base=base, out=out, models=models, num_samples=v["num_samples"],
-                      temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
-                      max_new_tokens=v["max_new_tokens"], max_prompt_len=v["max_prompt_len"],
-                      prompt_buckets=tuple(int(b) for b in v["prompt_buckets"]),
-                      enable_thinking=v["enable_thinking"], reward=v["reward"],
-                      reward_kwargs=json.loads(v["reward_kwargs"]), baseline=v["baseline"],
-                      backend=backend, backend_kwargs=backend_kwargs,
-                      truncation_threshold=v["truncation_threshold"], seed=v["seed"], dtype=v["dtype"],
-                      batch_size=v["batch_size"], limit=v["limit"], on_overlong=v["on_overlong"],
-                      n_resamples=v["n_resamples"], confidence=v["confidence"], progress=v["progress"])
+    return _config(_F["problems"].value, base, out, models, _F["baseline"].value)
 
 
-def termination(ev, results, cap: int) -> str:
-    """Re-samples the truncated completions of every model at `cap`; writes <out>/termination.json."""
-    from jaxrl.data import formats
-    from jaxrl.diagnostics.termination import resample_truncated, termination_analysis
-    from jaxrl.utils.io import atomic_write_json
-    samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in results["models"]}
-    resampled = {name: resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed)
-                 for name, recs in samples.items()}
-    report = termination_analysis(samples, threshold=ev.cfg.truncation_threshold, resampled=resampled)
-    return str(atomic_write_json(ev.out / "termination.json", report))
+def _confirmation_config(selection) -> EvalConfig:
+    """Base + the selected model, as the selection recorded them; the problems are --problems (held-out)."""
+    if _F["checkpoints"].value or _F["adapters"].value or _F["models"].value or _F["steps"].value:
+        raise app.UsageError("--confirm evaluates the selected model only; drop --checkpoints/--steps/--adapters/"
+                             "--models")
+    if not _F["out"].value:
+        raise app.UsageError("--out is required with --confirm")
+    model = selection["model"]
+    source = model.get("source") or {}
+    if selection["baseline"] != BASE or not source.get("path"):
+        raise app.UsageError(f"{selection['path']}: can only confirm a model selected against {BASE!r} with a "
+                             "recorded source")
+    base = _F["base"].value or selection.get("base")
+    if not base:
+        raise app.UsageError("--base is required (the selection does not record the base folder)")
+    spec = ModelSpec(model["name"], source["kind"], source["path"], step=model.get("step"))
+    return _config(_F["problems"].value, base, _F["out"].value, [spec], BASE)
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from jaxrl.evaluation.runner import Evaluator, ResumeError
-    from jaxrl.models.adapters import AdapterError, CheckpointNotFound
-    from jaxrl.rollout.backends import ServerError
-    cfg = build_config()
+    role, confirm, metric = _F["role"].value, _F["confirm"].value, _F["select_metric"].value
+    if confirm and role == "select":
+        raise app.UsageError("--confirm and --role=select exclude each other")
+    try:
+        selection = P.read_selection(confirm) if confirm else None
+    except (FileNotFoundError, FormatError, P.ProtocolError) as e:
+        sys.exit(f"evaluate: {e}")
+    cfg = build_config(selection)
     try:
         ev = Evaluator(cfg)
     except (AdapterError, CheckpointNotFound, ServerError) as e:
         sys.exit(f"evaluate: {e}")
     try:
-        results = ev.run()
-        if _F["resample_max_new_tokens"].value:
-            path = termination(ev, results, _F["resample_max_new_tokens"].value)
-            logging.info("termination analysis: %s", path)
-    except (ResumeError, AdapterError, ServerError) as e:
+        if selection is not None:  # claims the one confirmation before any sample is drawn
+            proto = P.begin_confirmation(selection, cfg.problems, cfg.out)
+            P.check_fingerprint(proto, ev.run_audit()["fingerprints"])
+        elif role == "select":
+            P.begin_selection(cfg.problems, cfg.out, metric)
+        ev.run()
+        cap = _F["resample_max_new_tokens"].value
+        if cap:
+            # the truncated samples at the larger cap: kept in <out>/resampled/<cap>/, termination.json written,
+            # results.json / results.md rewritten with every model vs the baseline both at `cap`
+            logging.info("termination analysis: %s", resample_evaluation(ev, cap))
+        if role == "select":
+            rec = P.write_selection(ev.out, formats.read_results(ev.out), metric=metric,
+                                    base=os.path.abspath(cfg.base))
+            print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({ev.out / P.SELECTION_FILE}); "
+                  f"confirm it once with --confirm={ev.out / P.SELECTION_FILE}")
+    except (ResumeError, AdapterError, ServerError, P.ProtocolError) as e:
         # refused: samples of other weights / settings in --out, an adapter in the wrong layout, a server that is
-        # missing, too old or rejects the adapter, ...
+        # missing, too old or rejects the adapter, a second confirmation, ...
         sys.exit(f"evaluate: {e}")
     finally:
         ev.close()

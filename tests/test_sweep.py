@@ -569,7 +569,7 @@ def test_plugin_loss_trains_is_evaluated_and_compared_under_its_own_name(tmp_pat
 
     # evaluation at every checkpoint (0 = base), and the paired interval against the sigmoid point by hand
     from jaxrl.data.formats import read_results, read_samples
-    from jaxrl.evaluation.stats import paired_bootstrap
+    from jaxrl.evaluation.stats import paired_difference
     assert data["steps"] == [0, 2, 4] and data["metrics"][:2] == ["partial_reward_mean", "strict_rate"]
     base_dir = out / rows["sigmoid"]["point"]
     for step, name in ((0, "base"), (2, "step_2"), (4, "step_4")):
@@ -585,10 +585,14 @@ def test_plugin_loss_trains_is_evaluated_and_compared_under_its_own_name(tmp_pat
         a, b = per_prompt(plug_dir), per_prompt(base_dir)
         assert sorted(a) == sorted(b) and len(a) == 6
         ids = list(b)  # the baseline's prompt order, as the comparison pairs them (the resampling is by index)
-        want = paired_bootstrap([a[i] for i in ids], [b[i] for i in ids], n_resamples=10000, seed=0)
+        want = paired_difference([a[i] for i in ids], [b[i] for i in ids], n_resamples=10000, seed=0)
         assert plug[f"diff:partial_reward_mean@{step}"] == pytest.approx(np.mean([a[i] - b[i] for i in ids]),
                                                                           abs=1e-12)
-        assert plug[f"ci_low:partial_reward_mean@{step}"] == pytest.approx(want["ci_low"], abs=1e-12)
-        assert plug[f"ci_high:partial_reward_mean@{step}"] == pytest.approx(want["ci_high"], abs=1e-12)
-    # the base model is the same weights in both points: its paired difference is exactly zero
+        if step:  # step 0 is the same base in both points: checked below
+            assert plug[f"ci_low:partial_reward_mean@{step}"] == pytest.approx(want["ci_low"], abs=1e-12)
+            assert plug[f"ci_high:partial_reward_mean@{step}"] == pytest.approx(want["ci_high"], abs=1e-12)
+            assert plug[f"p:partial_reward_mean@{step}"] == pytest.approx(want["p_value"], abs=1e-12)
+    # the base model is the same weights in both points: its paired difference is exactly zero (by construction,
+    # so it is no interval and not part of the table's family)
     assert plug["diff:partial_reward_mean@0"] == 0.0 and plug["ci_low:partial_reward_mean@0"] == 0.0
+    assert plug["sim_low:partial_reward_mean@0"] is None

@@ -31,6 +31,10 @@ from jaxrl.diagnostics.generation_diff import diff_generations
 from jaxrl.diagnostics.page import CSS, escape, img, table
 from jaxrl.diagnostics.pair_audit import audit_pairs
 from jaxrl.diagnostics.termination import termination_analysis
+from jaxrl.evaluation.censoring import censoring_section
+from jaxrl.evaluation.metrics import per_prompt_values
+from jaxrl.evaluation.protocol import read_protocol
+from jaxrl.evaluation.selection import selection_summary
 from jaxrl.utils.io import atomic_write_text
 
 __all__ = ["collect", "render_html", "build_report", "default_diff_pairs"]
@@ -57,6 +61,44 @@ def default_diff_pairs(results: Mapping, samples: Mapping[str, Any]) -> list[tup
     elif others:
         names = others[:1]
     return [(BASE_MODEL, n) for n in names]
+
+
+_TASK_METRICS = ("partial_reward_mean", "strict_rate")
+
+
+def _confirmations(workdir: Path, eval_dir: Path) -> list[dict]:
+    """Held-out confirmations (``launchers.evaluate --confirm``) in folders beside the evaluation: their protocol
+    and their one confirmatory comparison row."""
+    out = []
+    for folder in sorted({p for base in (workdir, eval_dir.parent) if base.is_dir() for p in base.iterdir()
+                          if p.is_dir() and p != eval_dir}):
+        if not (folder / "results.json").is_file() or not (folder / "protocol.json").is_file():
+            continue
+        proto = read_protocol(folder)
+        if (proto or {}).get("role") != "confirmation":
+            continue
+        res = read_results(folder)
+        row = next((c for c in res.get("comparisons", []) if c.get("claim") == "confirmatory"), None)
+        if row is not None:
+            out.append({"dir": os.fspath(folder), "protocol": proto, "row": row, "results": res})
+    return out
+
+
+def _complete_from_samples(results: Mapping, samples: Mapping[str, Sequence[Mapping]]) -> dict:
+    """The selection and censoring sections for a results.json written without them (an older evaluator, or
+    ``stats.write_results`` called directly), computed from the sample files when they are all there."""
+    if (results.get("selection") is not None and results.get("censoring") is not None) or \
+            BASE_MODEL not in samples or any(n not in samples for n in results["models"]):
+        return {}
+    recs = {n: samples[n] for n in results["models"]}
+    try:
+        per_prompt = {n: per_prompt_values(r) for n, r in recs.items()}
+        sel = {m: selection_summary(per_prompt, BASE_MODEL, m, rows=results.get("comparisons") or [],
+                                    n_resamples=2000) for m in _TASK_METRICS}
+        return {"selection": {m: v for m, v in sel.items() if v is not None} or None,
+                "censoring": censoring_section(recs, BASE_MODEL, n_resamples=2000)}
+    except (ValueError, KeyError):  # samples on other prompts than each other: nothing paired to add
+        return {}
 
 
 def _kl_reward_flag(drift: Optional[Mapping], curves: Optional[Mapping], metrics: Sequence[Mapping]):
@@ -123,8 +165,19 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
             cap = results.get("max_new_tokens") or term_models.get(name, {}).get("max_new_tokens")
             flags.append(F.truncation_censoring(name, m["truncation_rate"], m["n_samples"], max_new_tokens=cap))
         for c in results.get("comparisons", []):
-            if c["metric"] in ("partial_reward_mean", "strict_rate"):
-                flags.append(F.interval_crosses_zero(c))
+            if c["metric"] in _TASK_METRICS:
+                flags += [F.interval_crosses_zero(c), F.not_significant_after_selection(c), F.underpowered(c)]
+        extra_sections = _complete_from_samples(results, samples)
+        data["selection"] = results.get("selection") or extra_sections.get("selection")
+        data["censoring"] = results.get("censoring") or extra_sections.get("censoring")
+        for sel in (data["selection"] or {}).values():
+            flags.append(F.selection_adjusted_gain(sel))
+        for name, by_metric in ((data["censoring"] or {}).get("models") or {}).items():
+            for metric, entry in by_metric.items():
+                flags.append(F.gain_from_finishing(name, metric, entry))
+    data["confirmations"] = _confirmations(workdir, eval_dir)
+    for conf in data["confirmations"]:
+        flags.append(F.confirmation_result(conf["row"], conf["protocol"]))
     flags.append(_kl_reward_flag(data["drift"], data["curves"], data["metrics"]))
     as_flags = [f for f in F.sort_flags(flags)]
     # Flags the diagnostics computed themselves (dicts); truncation from results.json already covers termination.
@@ -241,14 +294,21 @@ def _evaluation_section(data: Mapping) -> str:
     rows = []
     for name, m in res["models"].items():
         u = m.get("untruncated") or {}
+        iv = m.get("intervals") or {}
+
+        def with_ci(v, ci):
+            return _pct(v) + (f" <span class='muted'>[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]</span>" if ci else "")
         rows.append([escape(name), _num(model_step(name, m)), str(m["n_prompts"]), str(m["n_samples"]),
-                     _pct(m["partial_reward_mean"]), _pct(m["strict_rate"])]
-                    + [_pct(m["pass_at_k"].get(k)) for k in ks]
-                    + [_pct(m["truncation_rate"]), _num(m["mean_completion_tokens"], ".1f"),
+                     with_ci(m["partial_reward_mean"], iv.get("partial_reward_mean")),
+                     with_ci(m["strict_rate"], iv.get("strict_rate"))]
+                    + [with_ci(m["pass_at_k"].get(k), (iv.get("pass_at_k") or {}).get(k)) for k in ks]
+                    + [with_ci(m["truncation_rate"], iv.get("truncation_rate")),
+                       _num(m["mean_completion_tokens"], ".1f"),
                        _pct(u.get("partial_reward_mean")), _pct(u.get("strict_rate")),
                        f"{u.get('n_prompts', '–')} / {u.get('n_samples', '–')}"])
-    out = ("<p class='muted'>Means are per prompt first, then over prompts. The untruncated columns leave out "
-           "completions that hit the cap (conditional on finishing).</p>"
+    out = ("<p class='muted'>Means are per prompt first, then over prompts; brackets: 95% interval over prompts. The "
+           "untruncated columns leave out completions that hit the cap (conditional on finishing, each model on its "
+           "own prompts; the paired version is under Termination).</p>"
            + table(["model", "step", "prompts", "samples", "partial reward", "strict"] + [f"pass@{k}" for k in ks]
                     + ["truncated", "mean tokens", "untrunc. partial", "untrunc. strict", "untrunc. prompts / samples"],
                     rows))
@@ -258,15 +318,126 @@ def _evaluation_section(data: Mapping) -> str:
         for c in comps:
             crosses = c["ci_low"] <= 0.0 <= c["ci_high"]
             p = c.get("p_value")
+            after = c.get("significant_after_selection")
+            sim = ("–" if c.get("simultaneous_ci_low") is None else
+                   escape(F.fmt_interval(c["metric"], c["simultaneous_ci_low"], c["simultaneous_ci_high"], None)))
             crow.append([escape(c["model"]), escape(c["baseline"]), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
                          escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
-                         str(c["n_pairs"]), "–" if p is None else f"{p:.3g}",
-                         "<b>yes</b>" if crosses else "no"])
-        out += ("<h3>Paired comparisons (model − baseline, bootstrap over prompts)</h3>"
-                + table(["model", "baseline", "metric", "diff", "interval", "n prompts", "p", "crosses 0"], crow, 3))
+                         sim, str(c["n_pairs"]),
+                         "–" if p is None else f"{p:.3g} ({escape(c.get('test', c.get('p_value_test', '')))})",
+                         _num(c.get("simultaneous_p_value"), ".3g"), "<b>yes</b>" if crosses else "no",
+                         "–" if after is None else ("<b>yes</b>" if after else "no"),
+                         escape(c.get("claim", "exploratory"))])
+        fam = res.get("family") or {}
+        size = fam.get("size") or comps[0].get("family_size")
+        note = ("<p class='muted'>Each interval comes from the same test as its p-value, so it excludes 0 exactly "
+                "when p &lt; 0.05." + (f" This evaluation makes {size} comparisons: the simultaneous intervals "
+                                       "(max-T bootstrap over all of them) hold for every row at once; read "
+                                       "<b>significant after selection</b> when choosing among models." if size
+                                       else "") + "</p>")
+        out += ("<h3>Paired comparisons (model − baseline, over prompts)</h3>" + note
+                + table(["model", "baseline", "metric", "diff", "interval", "simultaneous interval", "n prompts",
+                          "p (test)", "adj. p", "crosses 0", "significant after selection", "claim"], crow, 3))
+    out += _selection_html(data.get("selection"))
+    out += _power_html(comps)
+    proto = res.get("protocol")
+    if proto:
+        split = proto.get("split")
+        where = f"split {split['split']} of {split['manifest']}" if split else "problems that are not a frozen split"
+        out += (f"<p class='muted'>Protocol: <b>{escape(proto['role'])}</b> evaluation on {escape(where)}; a claim is "
+                "confirmatory only for the selected model on a one-time held-out confirmation.</p>")
+    rows = []
+    for conf in data.get("confirmations") or []:
+        c, pr = conf["row"], conf["protocol"]
+        rows.append([escape(os.path.basename(conf["dir"])), escape((pr.get("split") or {}).get("split")), escape(c["model"]),
+                     escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                     escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
+                     str(c["n_pairs"]), f"{c['p_value']:.3g} ({escape(c.get('test', ''))})", "<b>confirmatory</b>"])
+    if rows:
+        out += ("<h3>Confirmation on held-out (once per checkpoint and split)</h3>"
+                + table(["folder", "split", "selected model", "metric", "diff vs base", "interval", "n prompts",
+                          "p (test)", "claim"], rows, 4))
     for w in res.get("warnings") or []:
         if "truncation" not in w:  # truncation warnings are already flags at the top
             out += f'<div class="flag warning"><span class="sev">evaluator</span>{escape(w)}</div>'
+    return out
+
+
+def _selection_html(selection: Optional[Mapping]) -> str:
+    if not selection:
+        return ""
+    rows = []
+    for metric, sel in selection.items():
+        nv, cf = sel["naive"], sel["cross_fit"]
+        naive_iv = ("–" if nv.get("ci_low") is None else
+                    escape(F.fmt_interval(metric, nv["ci_low"], nv["ci_high"], None)))
+        sim_iv = ("–" if nv.get("simultaneous_ci_low") is None else
+                  escape(F.fmt_interval(metric, nv["simultaneous_ci_low"], nv["simultaneous_ci_high"], None)))
+        rows.append([escape(metric), f"{escape(nv['model'])} (of {sel['n_candidates']})", escape(F.fmt_diff(metric, nv["diff"])),
+                     naive_iv, sim_iv, escape(F.fmt_diff(metric, cf["diff"])),
+                     escape(F.fmt_interval(metric, cf["ci_low"], cf["ci_high"], None)), str(cf["n_pairs"]),
+                     escape(" / ".join(cf["chosen_on_half"]))])
+    return ("<h3>Selection: the best model's gain, naive and selection-adjusted</h3><p class='muted'>Cross-fit: the "
+            "best model chosen on one half of the prompts, its difference measured on the other half, and the other "
+            "way round; unlike the naive gain it is not inflated by the choice.</p>"
+            + table(["metric", "best", "naive gain", "interval", "simultaneous", "selection-adjusted gain",
+                      "interval", "n prompts", "chosen on halves"], rows, 2))
+
+
+def _power_html(comps: Sequence[Mapping]) -> str:
+    rows = []
+    for c in comps:
+        pw = c.get("power")
+        if not pw or c["metric"] not in _TASK_METRICS:
+            continue
+        rows.append([escape(c["model"]), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                     f"{100 * pw.get('sd', c['sd_diff']):.1f} pp", str(c["n_pairs"]), f"{100 * pw['mde']:.2f} pp",
+                     f"{100 * pw['mde_family']:.2f} pp", _num(pw["n_for_diff"]), _num(pw["n_for_diff_family"])])
+    if not rows:
+        return ""
+    return (f"<h3>Power ({comps[0]['power']['power']:.0%})</h3><p class='muted'>MDE: the smallest true effect these "
+            "prompts detect at this power, alone and after the family's correction; prompts needed: for a true "
+            "effect of the observed size (python -m launchers.plan).</p>"
+            + table(["model", "metric", "diff", "SD of per-prompt diffs", "n prompts", "MDE", "MDE (family)",
+                      "prompts needed", "(family)"], rows, 2))
+
+
+def _censoring_html(data: Mapping, termination: Optional[Mapping]) -> str:
+    cen = data.get("censoring") or {}
+    out = ""
+    if cen.get("models"):
+        rows = []
+        for name, by_metric in cen["models"].items():
+            for metric, e in by_metric.items():
+                fin, b, dec = e["finished"], e["bounds"], e["decomposition"]
+
+                def part(r):
+                    if r.get("diff") is None:
+                        return "–"
+                    return escape(f"{F.fmt_diff(metric, r['diff'])} {F.fmt_interval(metric, r['ci_low'], r['ci_high'], None)}"
+                              f" (n={r['n_pairs']})")
+                rows.append([escape(name), escape(metric), part(fin),
+                             escape(F.fmt_interval(metric, b["ci_low"], b["ci_high"], None)),
+                             part(dec["finish"]), part(dec["quality"]),
+                             f"{_pct(e['finish_rate_model'])} / {_pct(e['finish_rate_baseline'])}"])
+        out += ("<h3>Censoring-aware comparison with the baseline</h3><p class='muted'>Finished only: prompts both "
+                "models finished at least once (paired). Bounds: truncated samples scored 0 vs as their prompt's "
+                "finished mean. Finish part + quality part = the observed difference: finishing more often vs "
+                "doing better when finished.</p>"
+                + table(["model", "metric", "finished only", "bounds", "finish part", "quality part",
+                          "finish rate model / base"], rows, 2))
+    ext = cen.get("extended_cap") or (termination or {}).get("extended_cap")
+    if ext:
+        rows = []
+        for name, m in ext["models"].items():
+            for c in m["comparisons"]:
+                rows.append([escape(name), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                             escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))),
+                             f"{c['p_value']:.3g} ({escape(c['test'])})", str(c["n_pairs"]),
+                             f"{_pct(m['truncation_rate'])} / {_pct(m['baseline_truncation_rate'])}"])
+        out += (f"<h3>Model vs base, both re-sampled at {ext['max_new_tokens']} tokens</h3>"
+                + table(["model", "metric", "diff", "interval", "p (test)", "n prompts",
+                          "truncated model / base"], rows, 2))
     return out
 
 
@@ -284,11 +455,20 @@ def _curves_section(data: Mapping) -> str:
             if p.get("ci_low_adjusted") is not None:
                 adj = escape(F.fmt_interval(metric, p["ci_low_adjusted"], p["ci_high_adjusted"],
                                         p.get("adjusted_confidence")))
+            sim = ("" if p.get("simultaneous_ci_low") is None else
+                   escape(F.fmt_interval(metric, p["simultaneous_ci_low"], p["simultaneous_ci_high"], None)))
             rows.append([str(p["step"]), escape(p["model"]), escape(F.fmt_value(metric, p["value"])),
-                         "–" if p["diff"] is None else escape(F.fmt_diff(metric, p["diff"])), interval, adj,
+                         "–" if p["diff"] is None else escape(F.fmt_diff(metric, p["diff"])), interval, sim, adj,
                          str(p["n_prompts"])])
         out += f"<h3>{escape(metric)}</h3>" + table(
-            ["step", "model", "value", "diff vs base", "interval", "best-of-m adjusted", "n prompts"], rows, 2)
+            ["step", "model", "value", "diff vs base", "interval", "simultaneous", "best-of-m adjusted",
+             "n prompts"], rows, 2)
+        bvl = mc.get("best_vs_last")
+        if bvl:
+            out += (f"<p class='muted'>{escape(bvl['last'])} vs {escape(bvl['best'])} (last vs best, paired): "
+                    f"{escape(F.fmt_diff(metric, bvl['diff']))}, "
+                    f"{escape(F.fmt_interval(metric, bvl['ci_low'], bvl['ci_high'], bvl.get('confidence')))} over "
+                    f"{bvl['n_pairs']} prompts.</p>")
     return out
 
 
@@ -308,6 +488,7 @@ def _termination_section(data: Mapping) -> str:
            + table(["model", "samples", "truncated", "cap", "partial (all)", "partial (finished samples)",
                      "partial (truncated samples)", "partial excl. truncated", "strict excl. truncated",
                      "excl. truncated: prompts / samples"], rows))
+    out += _censoring_html(data, t)
     for name, r in (t.get("resampled") or {}).items():
         crow = [[escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
                  escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))), str(c["n_pairs"])]

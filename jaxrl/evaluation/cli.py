@@ -46,6 +46,12 @@ FLAGS = (
     ("resample_max_new_tokens", "integer", 0, "Re-run truncated samples at this larger cap and write "
      "termination.json (0 = off)."),
     ("progress", "bool", True, "Progress bars."),
+    ("role", "enum", "explore", ["explore", "select"], "explore: every claim is exploratory; select: record the best "
+     "model on --select_metric in <out>/selection.json (dev split)."),
+    ("select_metric", "enum", "partial_reward_mean", ["partial_reward_mean", "strict_rate"], "Metric the best model "
+     "is selected on (--role=select)."),
+    ("confirm", "string", None, "A selection.json (or its folder): evaluate base and the selected model once on this "
+     "other split; its comparison is the confirmatory claim."),
 ) + BACKEND_FLAGS  # --backend, --server_url, --backend_kwargs (shared with launchers.rollout)
 NAMES = tuple(f[0] for f in FLAGS)
 

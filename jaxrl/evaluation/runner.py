@@ -8,12 +8,17 @@
 
 Outputs under `out/` (formats: jaxrl/data/formats.py):
 
-    results.json, results.md     metrics per model (+ "untruncated"), comparisons with the baseline (paired
-                                 bootstrap interval over prompts; McNemar / sign test on strict passes), warnings
-                                 (truncation above the threshold, skipped prompts, models with identical weights)
+    results.json, results.md     metrics per model (+ "untruncated", intervals), comparisons with the baseline
+                                 (paired over prompts, each interval agreeing with its test; simultaneous intervals
+                                 over the file's family; jaxrl.evaluation.analysis), the selection-adjusted gain,
+                                 censoring, power, the protocol's claims, warnings (truncation above the
+                                 threshold, skipped prompts, models with identical weights)
     samples/<name>.jsonl         every scored completion (formats.write_samples)
     audit.json                   the weight audit (jaxrl.export.audit) of every model against the base
     cache/<name>.jsonl           completions as they are scored, appended one problem at a time (the resume state)
+    resampled/<cap>/<name>.jsonl the samples with the truncated ones re-drawn at a larger cap (launchers.evaluate
+                                 --resample_max_new_tokens; jaxrl.evaluation.censoring), read back by write()
+    protocol.json, selection.json  the evaluation's role (select on dev / confirm on held-out; .protocol)
 
 Honesty rules this module enforces:
 
@@ -47,8 +52,10 @@ from tqdm import tqdm
 from jaxrl.data import formats
 from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
-from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
-from jaxrl.evaluation.stats import compare, write_results
+from jaxrl.evaluation.analysis import COMPARED, analyze, sampling_warning  # [stats]
+from jaxrl.evaluation.censoring import load_resampled
+from jaxrl.evaluation.protocol import read_protocol
+from jaxrl.evaluation.stats import write_results
 from jaxrl.export.audit import FolderSource, MergedSource, audit
 from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
 from jaxrl.export.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
@@ -67,7 +74,6 @@ __all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_K
 logger = logging.getLogger(__name__)
 
 BASE = formats.BASE_MODEL
-COMPARED = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
 # Settings a model's cached samples depend on; resuming with any other value is refused.
 CACHE_KEYS = ("fingerprint", "adapter_digest", "temperature", "top_p", "top_k", "max_new_tokens", "enable_thinking",
               "reward", "reward_kwargs", "seed", "backend", "dtype", "tokenizer")
@@ -356,8 +362,16 @@ class Evaluator:
         evaluation's folder); returns the validated results."""
         cfg = self.cfg
         report = report or self.run_audit()
-        metrics, comps = self.summarize(records)
-        warnings = []
+        out_dir = Path(out) if out else self.out
+        # [stats] The statistics of results.json (jaxrl.evaluation.analysis): comparisons with simultaneous
+        # intervals, the selection-adjusted gain, censoring (using re-sampled records kept under
+        # out/resampled/<cap>/, see launchers.evaluate --resample_max_new_tokens), power, and the claim labels
+        # of out/protocol.json (select on dev, confirm once on held-out).
+        stats = analyze(records, cfg.baseline, n_resamples=cfg.n_resamples, confidence=cfg.confidence,
+                        seed=cfg.seed, resampled=load_resampled(out_dir), protocol=read_protocol(self.out),
+                        problems=cfg.problems)
+        metrics, comps = stats.pop("models"), stats.pop("comparisons")
+        warnings = [w for w in [sampling_warning(cfg.temperature, cfg.num_samples)] if w] + stats.pop("warnings")
         if self.skipped:
             warnings.append(f"{len(self.skipped)} of {self.n_problems_total} problems were skipped (prompt over "
                             f"max_prompt_len={cfg.max_prompt_len} tokens); every model was scored on the other "
@@ -396,8 +410,8 @@ class Evaluator:
                                 "truncation_threshold": cfg.truncation_threshold,
                                 "bootstrap": {"n_resamples": cfg.n_resamples, "confidence": cfg.confidence,
                                               "seed": cfg.seed, "unit": "prompt"}},
-                 "audit": "audit.json"}
-        json_path, md_path = write_results(Path(out) if out else self.out, metrics, comps, warnings=warnings,
+                 "audit": "audit.json", **stats}  # [stats] family, selection, censoring, protocol
+        json_path, md_path = write_results(out_dir, metrics, comps, warnings=warnings,
                                            max_new_tokens=cfg.max_new_tokens,
                                            truncation_threshold=cfg.truncation_threshold, extra=extra)
         results = formats.read_results(json_path)
@@ -436,8 +450,9 @@ class Evaluator:
                   f"{ev['temperature']} (top_p {ev['top_p']}, top_k {ev['top_k']}), cap "
                   f"{results['max_new_tokens']} new tokens, thinking {'on' if ev['enable_thinking'] else 'off'}; "
                   f"reward `{ev['reward']}` {json.dumps(ev['reward_kwargs'])}; backend {ev['backend']} "
-                  f"({ev['dtype']}); seed {ev['seed']}. Intervals: paired bootstrap over prompts, "
-                  f"{ev['bootstrap']['n_resamples']} resamples, {ev['bootstrap']['confidence']:.0%}.", ""]
+                  f"({ev['dtype']}); seed {ev['seed']}. Intervals: paired over prompts, "
+                  f"{ev['bootstrap']['confidence']:.0%}; sign-flip patterns and max-T bootstrap resamples: "
+                  f"{ev['bootstrap']['n_resamples']}.", ""]
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------------- termination analysis
@@ -487,13 +502,12 @@ class Evaluator:
 def summarize(records: Mapping[str, Sequence[Mapping]], baseline: str = BASE, *, metrics: Sequence[str] = COMPARED,
               n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> tuple[dict, list]:
     """(per-model metrics, comparisons with the baseline) from {model: SAMPLES records}: the metric path of
-    results.json (`model_metrics` per model; `compare` = paired bootstrap over prompts + McNemar / sign test on
-    strict), usable on any records, e.g. a fixed set of completions."""
-    out = {name: model_metrics(recs) for name, recs in records.items()}
-    per_prompt = {name: per_prompt_values(recs) for name, recs in records.items()}
-    comps = compare(per_prompt, baseline=baseline, metrics=list(metrics), n_resamples=n_resamples,
-                    confidence=confidence, seed=seed)
-    return out, comps
+    results.json (`jaxrl.evaluation.analysis.analyze`: per-model metrics with intervals; comparisons whose interval
+    agrees with their test, with the family's simultaneous intervals), usable on any records, e.g. a fixed set of
+    completions."""
+    # [stats] one statistics path for summarize() and write()
+    out = analyze(records, baseline, metrics=metrics, n_resamples=n_resamples, confidence=confidence, seed=seed)
+    return out["models"], out["comparisons"]
 
 
 def _tokenizer_digest(folder: str) -> str:

@@ -141,12 +141,17 @@ def write_comparison(sweep_dir: str | os.PathLike, out: Optional[str | os.PathLi
             f"Base config `{meta.get('base')}`; axes: {', '.join(table.axes) or '(none)'}; baseline: "
             f"{kwargs.get('baseline') or meta.get('baseline') or 'first value of each axis'} (each point's "
             "baseline is in the `baseline` column). `diff` = point - baseline at the same step, with a 95% paired "
-            "bootstrap interval over prompts where per-sample files exist.\n\n")
+            "interval over prompts where per-sample files exist (it agrees with the test whose p-value is in the "
+            "`p:` column of comparison.csv); `*` = still significant after choosing among every such cell of the "
+            "table (simultaneous intervals `sim_low:` / `sim_high:`). Sorting by diff picks the largest of many "
+            "noisy numbers: read the `*` and the selection-adjusted gains in the notes.\n\n")
     md = head + to_markdown(table, "Points")
     if seeds is not None:
-        md += "\n" + to_markdown(seeds, "Mean ± std over seeds")
-    if table.notes:
-        md += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in table.notes) + "\n"
+        md += ("\n" + to_markdown(seeds, "Mean ± std over seeds")
+               + "\nIn this table a diff's interval is the recipe's: seeds, then prompts, resampled.\n")
+    notes = table.notes + (seeds.notes if seeds is not None else [])
+    if notes:
+        md += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     paths = {"md": atomic_write_text(out / FILES["md"], md),
              "csv": atomic_write_text(out / FILES["csv"], to_csv(table))}
     if seeds is not None:
