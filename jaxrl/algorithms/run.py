@@ -102,7 +102,8 @@ def fit_micro_batch_to_mesh(config, mesh) -> bool:
 
     The users' runs use micro-batch 1 with accumulation 8 (a memory setting on their machine); on 8 devices a
     micro-batch of 1 cannot be split. The update does not depend on the split (token-weighted accumulation,
-    tested), so the smallest micro-batch that divides over the mesh and the global batch is taken instead, with
+    tested) for every loss except those that couple the pairs of a micro-batch (dpo aot / aot_unpaired: their
+    check runs on the fitted sizes and warns), so the smallest micro-batch that divides over the mesh and the global batch is taken instead, with
     a warning; the resolved config.json records it. Returns whether it changed anything; raises when no split
     fits (the global batch is not a multiple of data x fsdp).
     """
@@ -117,7 +118,7 @@ def fit_micro_batch_to_mesh(config, mesh) -> bool:
                          f"split over data x fsdp = {dp} devices (mesh {dict(mesh.shape)}); make the global batch a "
                          f"multiple of {dp}, or change mesh.shape")
     logging.warning("batch.micro_batch_size=%d does not divide over data x fsdp = %d devices: using micro-batch %d x "
-                    "accumulation %d (the same %d rows per update; the update does not depend on the split)", mb, dp,
+                    "accumulation %d (the same %d rows per update)", mb, dp,
                     fitted, total // fitted, total)
     config.batch.micro_batch_size, config.batch.grad_accum = fitted, total // fitted
     return True
