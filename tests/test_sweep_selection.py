@@ -11,7 +11,8 @@ from jaxrl.utils.io import atomic_write_json
 from jaxrl.data import formats
 from jaxrl.evaluation.analysis import analyze
 from jaxrl.evaluation.results import write_results
-from jaxrl.sweep.compare import build_table, display_cell, load_points, over_seeds, write_comparison
+from jaxrl.sweep.compare import build_table, display_cell, load_points, over_seeds
+from jaxrl.sweep.report import write_comparison
 
 LRS = ("1e-06", "5e-06", "1e-05")
 SEEDS = ("0", "1", "2")
