@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test bench install install-test clean
+.PHONY: demo test test-fast bench install install-test clean
 
 $(VENV)/.core-installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,9 +35,20 @@ demo: $(VENV)/.core-installed
 
 # One XLA compilation cache per test run, shared by both workers and every subprocess: tests that restart a run
 # (resume, sweeps, launchers) or build the same tiny model compile each program once (a fresh folder each run).
-test: $(VENV)/.test-installed
+# Tests compile far more than they compute, so LLVM runs at -O0: the tiny model's forward then compiles in 4 s
+# instead of 18 s. Every comparison in the suite has a tolerance or compares two runs under the same flags.
+TEST_XLA_FLAGS := $(XLA_FLAGS) --xla_backend_optimization_level=0
+define run_pytest
 	cache=$$(mktemp -d -t jaxrl-test-xla-cache.XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
-	JAX_COMPILATION_CACHE_DIR=$$cache $(PY) -m pytest $(PYTEST_ARGS) tests
+	XLA_FLAGS='$(TEST_XLA_FLAGS)' JAX_COMPILATION_CACHE_DIR=$$cache $(PY) -m pytest $(PYTEST_ARGS) $(1) tests
+endef
+
+test: $(VENV)/.test-installed
+	$(call run_pytest,)
+
+# The everyday tier: everything but the end-to-end learning, resume and real-width tests (@pytest.mark.slow).
+test-fast: $(VENV)/.test-installed
+	$(call run_pytest,-m "not slow")
 
 bench: $(VENV)/.test-installed
 	$(PY) -m benchmarks.run_all

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import jax.numpy as jnp
 
@@ -23,6 +24,7 @@ def run_convert(*args):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_hf_to_orbax_to_hf_round_trip(hf_container, tmp_path):
     folder, _ = hf_container
     orbax_dir, hf_out = str(tmp_path / "orbax"), str(tmp_path / "hf")
@@ -35,6 +37,7 @@ def test_hf_to_orbax_to_hf_round_trip(hf_container, tmp_path):
     assert read_all(folder) == read_all(hf_out)
 
 
+@pytest.mark.slow
 def test_convert_refuses_to_overwrite_and_needs_base(hf_container, tmp_path):
     folder, _ = hf_container
     out = str(tmp_path / "o")

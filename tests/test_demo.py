@@ -25,6 +25,7 @@ def demo(tmp_path_factory):
     return workdir, proc.stdout + proc.stderr  # all the user sees
 
 
+@pytest.mark.slow
 def test_demo_runs_every_stage_and_prints_the_report(demo):
     workdir, out = demo
     for stage in ("model and tokenizer", "M0 warm-up", "rollouts", "pairs", "DPO", "GRPO", "exports", "evaluation",

@@ -83,6 +83,7 @@ def _run_objective(objective, model, batch, normalisers=None, grad=False):
     return float(value), {k: float(v) for k, v in metrics.items()}, grads
 
 
+@pytest.mark.slow
 def test_objective_equals_dpo_on_an_independent_forward():
     c = tiny_config()
     model = build_model(c, mesh_from_config(c))
@@ -189,6 +190,7 @@ def _pattern_rate(model, prompts, targets):
     return hits / sum(len(t) for t in targets)
 
 
+@pytest.mark.slow
 def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
     c = tiny_config()
     mesh = mesh_from_config(c)
@@ -295,6 +297,7 @@ def launch(workdir, cache_dir, *extra):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_killed_dpo_run_resumes_to_the_same_adapter(tmp_path, cohort):
     cohort_dir, manifest = cohort
     cache = str(tmp_path / "jax_cache")

@@ -158,6 +158,7 @@ def assert_close(got, want, where):
 # ------------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_metrics_reproduced_by_hand_from_the_written_samples(env):
     from jaxrl.data import formats
     results = formats.read_results(env["root"] / "eval")
@@ -279,6 +280,7 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
         ev.cfg = cfg
 
 
+@pytest.mark.slow
 def test_resample_truncated_continues_the_same_samples(env):
     from jaxrl.data import formats
     from jaxrl.diagnostics.termination import resample_truncated
@@ -414,6 +416,7 @@ def test_greedy_decoding_with_several_samples_is_refused(env, tmp_path):
     assert proc.returncode != 0 and "temperature 0 with num_samples=4" in proc.stderr
 
 
+@pytest.mark.slow
 def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_path):
     from jaxrl.data import formats
     from jaxrl.evaluation.runner import ResumeError

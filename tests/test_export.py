@@ -121,6 +121,7 @@ def container_ckpt(hf_container, tmp_path_factory):
     return folder, workdir, adapter
 
 
+@pytest.mark.slow
 def test_peft_container_export_loads_in_peft_with_equal_logits(container_ckpt, tmp_path):
     from transformers import Qwen3_5ForConditionalGeneration
     folder, workdir, adapter = container_ckpt

@@ -36,6 +36,7 @@ def _records_by_step(records):
 # ------------------------------------------------------------------------------------------------- one update
 
 
+@pytest.mark.slow
 def test_update_is_invariant_to_the_micro_batch_split(tmp_path):
     """One rollout through the real task, then the summed gradients of GRPOObjective for 1 x 16 and 4 x 4 splits
     (ragged completion lengths, dropped groups), for every aggregation: equal up to float rounding; and the
@@ -94,6 +95,7 @@ def test_update_is_invariant_to_the_micro_batch_split(tmp_path):
     assert len({round(float(x), 6) for x in losses}) == 3, losses
 
 
+@pytest.mark.slow
 def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     """drop_zero_variance_groups removes whole groups from the loss and num_sequences; advantages are the
     group-normalised rewards of grpo.group_advantages; the reference is the policy at step 0 (KL 0)."""

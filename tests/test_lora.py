@@ -187,6 +187,7 @@ def hf_two_layer(tmp_path_factory):
     return hf_tiny.build_text(str(tmp_path_factory.mktemp("hf2")), seed=4, num_hidden_layers=2)
 
 
+@pytest.mark.slow
 def test_forward_and_gradients_match_peft(hf_two_layer):
     """rsLoRA r=4 alpha=8 on all 12 projections, random A and B copied into PEFT: logits, next-token loss and
     every adapter gradient agree with peft 0.21 + torch. Every layer is rematerialised (remat="full", a model

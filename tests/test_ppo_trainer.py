@@ -71,6 +71,7 @@ def test_ppo_raises_reward_and_lowers_value_loss(tmp_path):
 # ------------------------------------------------------------------------------------------------- faults
 
 
+@pytest.mark.slow
 def test_nan_in_a_ppo_step_is_skipped_counted_and_the_run_finishes(tmp_path):
     cfg = tiny_config()
     cfg.steps = 8
@@ -104,6 +105,7 @@ def test_nan_in_a_ppo_step_is_skipped_counted_and_the_run_finishes(tmp_path):
 # ------------------------------------------------------------------------------------------------- resume
 
 
+@pytest.mark.slow
 def test_resume_inside_a_rollout_gives_identical_adapters(tmp_path):
     """A run stopped after step 6 (inside rollout 1 of 4 steps each) and resumed ends with the same adapters,
     value head, KL coefficient (adaptive controller) and metrics as an uninterrupted one."""

@@ -39,6 +39,7 @@ def numpy_recurrence(q, k, v, g, beta):
     return out, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 150])
 def test_chunked_and_recurrent_agree_with_float64_reference(seq_len):
     inputs = random_inputs(seq_len, seq_len=seq_len)
@@ -72,6 +73,7 @@ def test_block_inverse_is_the_exact_unit_lower_inverse(size):
     assert np.all(np.triu(got, 1) == 0) and np.allclose(np.diagonal(got, axis1=-2, axis2=-1), 1.0)
 
 
+@pytest.mark.slow
 def test_chunk_sizes_agree():
     inputs = random_inputs(3, seq_len=100)
     a, sa = chunk_gated_delta_rule(*inputs, chunk_size=64)
@@ -96,6 +98,7 @@ def model(hf_container):
     return qwen35.from_pretrained(hf_container[0])
 
 
+@pytest.mark.slow
 def test_model_prefix_plus_continuation_equals_one_pass(model):
     ids = jnp.asarray(np.random.default_rng(0).integers(2, 250, size=(2, 150)))
     whole = np.asarray(model(ids))
@@ -108,6 +111,7 @@ def test_model_prefix_plus_continuation_equals_one_pass(model):
     np.testing.assert_allclose(np.concatenate(parts, 1), whole, atol=1e-4 * np.abs(whole).max())
 
 
+@pytest.mark.slow
 def test_left_padded_prefill_then_decode_matches_unpadded(model):
     rng = np.random.default_rng(1)
     lengths = [70, 33]

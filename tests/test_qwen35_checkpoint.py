@@ -59,6 +59,7 @@ def sharded_base(tmp_path_factory, hf_container):
     return folder
 
 
+@pytest.mark.slow
 def test_sharded_bf16_round_trip_is_bit_identical(sharded_base, tmp_path):
     shards = [f for f in os.listdir(sharded_base) if f.startswith("model-") and f.endswith(".safetensors")]
     assert len(shards) >= 2
@@ -105,6 +106,7 @@ def test_changed_weights_are_written_and_others_kept(hf_container, tmp_path):
     assert changed == ["model.language_model.layers.1.self_attn.q_proj.weight"]
 
 
+@pytest.mark.slow
 def test_mesh_load_matches_single_device(hf_container):
     folder, _ = hf_container
     from jaxrl.parallel.mesh import make_mesh
@@ -117,6 +119,7 @@ def test_mesh_load_matches_single_device(hf_container):
     np.testing.assert_allclose(np.asarray(sharded(ids)), np.asarray(single(ids)), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_tiny_writer_loads_in_transformers_without_missing_keys(tmp_path):
     """The torch-free demo checkpoint is a complete container: HF loads it with nothing missing or unexpected,
     and computes our logits."""
@@ -218,6 +221,7 @@ def test_full_attention_interval_without_layer_types():
     assert cfg.rotary_dim == 4
 
 
+@pytest.mark.slow
 def test_presets_have_the_real_shapes():
     nine, four = qwen35.qwen35_9b(), qwen35.qwen35_4b()
     assert (nine.hidden_size, nine.intermediate_size, nine.tie_word_embeddings) == (4096, 12288, False)

@@ -31,6 +31,7 @@ def text(hf_text):
     return folder, hf, qwen35.from_pretrained(folder, dtype=jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len", LENGTHS)
 def test_fp32_logits_match_container(container, seq_len):
     _, hf, model = container
@@ -39,6 +40,7 @@ def test_fp32_logits_match_container(container, seq_len):
     assert max_rel(model(jnp.asarray(ids)), ref) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len", [37, 150])
 def test_fp32_logits_match_text_only_with_3x_value_heads(text, seq_len):
     folder, hf, model = text
@@ -47,6 +49,7 @@ def test_fp32_logits_match_text_only_with_3x_value_heads(text, seq_len):
     assert max_rel(model(jnp.asarray(ids)), hf_tiny.hf_logits(hf, ids)) <= 1e-4
 
 
+@pytest.mark.slow
 def test_tied_container(tmp_path):
     folder, hf = hf_tiny.build_container(str(tmp_path / "tied"), seed=3, tie=True)
     model = qwen35.from_pretrained(folder)
@@ -55,6 +58,7 @@ def test_tied_container(tmp_path):
     assert max_rel(model(jnp.asarray(ids)), hf_tiny.hf_logits(hf, ids)) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [(300, 150, 37, 1), (64, 63, 65, 2)])
 def test_left_padding_equals_unpadded(container, lengths):
     """A left-padded batch gives each real token the logits of its unpadded run (and of transformers)."""
@@ -93,6 +97,7 @@ def test_bf16_within_reference_bf16_error(hf_container):
     assert our_error <= 2.0 * reference_error, (our_error, reference_error)
 
 
+@pytest.mark.slow
 def test_gradients_match_torch_autograd(hf_container):
     """d(loss)/d(every weight) equals torch autograd on the tiny model (rel <= 1e-3 per tensor)."""
     folder, hf = hf_container

@@ -109,6 +109,7 @@ class _Resources(html.parser.HTMLParser):
         self.refs += [(tag, k, v or "") for k, v in attrs if k in ("src", "href", "srcset", "data", "action")]
 
 
+@pytest.mark.slow
 def test_report_is_self_contained_and_has_every_section(report):
     text = report.read_text(encoding="utf-8")
     page = _Resources()
@@ -141,6 +142,7 @@ def test_report_flags_say_what_is_wrong_in_plain_language(report):
     assert "95% interval [" in text and "over 40 prompts" in text
 
 
+@pytest.mark.slow
 def test_report_on_a_workdir_with_only_training_metrics(tmp_path):
     write_jsonl(tmp_path / formats.METRICS_FILE, [{"step": s, "loss": 1.0 / s, "reward_mean": 0.1 * s,
                                                    "reward_std": 0.05, "kl": 0.01 * s} for s in range(1, 6)])
@@ -227,6 +229,7 @@ def test_chromium_requirement_is_enforced(monkeypatch):
             _chromium()
 
 
+@pytest.mark.slow
 def test_stored_diagnostics_replace_the_computed_ones(report, tmp_path):
     wd = tmp_path / "run"
     shutil.copytree(report.parent, wd)

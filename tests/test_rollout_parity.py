@@ -60,6 +60,7 @@ def reference(setup):
     return hf_greedy(hf, prompts, MAX_NEW, eos=None)
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate(setup, reference):
     _, model, prompts = setup
     out = generate(model, prompts, max_new_tokens=MAX_NEW, eos_token_ids=(), prompt_buckets=BUCKETS)
@@ -70,6 +71,7 @@ def test_greedy_equals_transformers_generate(setup, reference):
     assert all(len(lp) == MAX_NEW for lp in out.logprobs)
 
 
+@pytest.mark.slow
 def test_eos_stops_like_transformers(setup, reference):
     """EOS is a token greedy decoding really produces (row 0, step 6), so stopping is exercised, not assumed."""
     hf, model, prompts = setup
@@ -85,6 +87,7 @@ def test_eos_stops_like_transformers(setup, reference):
         assert reason == "stop" or len(tokens) == MAX_NEW
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_teacher_forced_forward(setup, reference):
     """Log-probs returned for sampled tokens (tempered, top-k and top-p filtered sampling) are those of the raw
     model distribution: transformers' teacher-forced forward over prompt + completion, <= 1e-4 in fp32."""

@@ -32,6 +32,7 @@ def prompts_of(lengths, seed=0):
     return [rng.integers(2, 250, size=n).tolist() for n in lengths]
 
 
+@pytest.mark.slow
 def test_seeds_reproduce_and_differ(model):
     sampler = make_sampler(model)
     prompts = prompts_of([7, 20])
@@ -68,6 +69,7 @@ def expected_with_stops(reference, stops):
     return out
 
 
+@pytest.mark.slow
 def test_finish_reasons_at_cap_and_at_eos(model):
     """Greedy rows are cut at their first EOS / stop id (kept in the tokens, finish "stop"); a stop id that is the
     very last token allowed (at the cap) is still "stop"; rows without one are "length" with exactly the cap."""
@@ -90,6 +92,7 @@ def test_finish_reasons_at_cap_and_at_eos(model):
     assert [len(lp) for lp in out.logprobs] == [len(t) for t in out.tokens]
 
 
+@pytest.mark.slow
 def test_compiles_once_per_bucket(model):
     """New prompts, lengths within a bucket, seeds, temperatures, top-p, stop ids and batch sizes within a batch
     bucket reuse the compiled programs; a new prompt bucket compiles exactly one prefill and one decode."""
@@ -124,6 +127,7 @@ def _softmax(x):
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.5, 1.0, 0), (1.0, 1.0, 5),
                                                      (1.0, 0.6, 0), (0.8, 0.9, 4)])
+@pytest.mark.slow
 def test_sample_tokens_distribution(temperature, top_p, top_k):
     """Draws follow softmax(logits / T) restricted to the top-k, then the top-p nucleus (total variation < 0.03
     over 20k draws), and the returned log-prob is the raw log_softmax of the token."""

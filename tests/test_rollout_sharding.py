@@ -59,6 +59,7 @@ def merged_copy(adapted):
     return model
 
 
+@pytest.mark.slow
 def test_lora_generation_equals_merged_weights_and_disabled_equals_base(base, adapted):
     prompts = prompts_of([3, 9, 17, 30])
     sampler = Sampler(adapted, **SETTINGS)
@@ -74,6 +75,7 @@ def test_lora_generation_equals_merged_weights_and_disabled_equals_base(base, ad
     assert sampler.sample(prompts, **SAMPLING).tokens == with_adapters.tokens
 
 
+@pytest.mark.slow
 def test_sharded_lora_generation_equals_unsharded(adapted):
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (tests/conftest.py fakes 8 CPU devices)")

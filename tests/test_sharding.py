@@ -60,6 +60,7 @@ def sgd_step(parts, mesh_shape, grad_accum):
     return mesh, jitted, new_state, jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_meshes_give_the_loss_and_gradients_of_one_device(parts):
     _, _, params, _, _ = parts
     results = {}
@@ -126,6 +127,7 @@ def test_distributed_settings_from_flags_and_environment():
         distributed.settings_from("h:1", 2, 2, environ={})
 
 
+@pytest.mark.slow
 def test_users_micro_batch_of_one_is_refit_to_the_mesh_keeping_the_global_batch(tmp_path):
     # The users' DPO runs: micro-batch 1 x accumulation 8. On 8 data-parallel devices that split cannot shard;
     # the trainer takes 8 x 1 instead (the update does not depend on the split) and config.json records it.

@@ -11,6 +11,7 @@ from jaxrl.models import qwen35
 from jaxrl.models.qwen35.layers import Linear
 
 
+@pytest.mark.slow
 def test_tiny_dpo_style_step_runs_and_starts_at_log2():
     """Step 0: adapters (B = 0) leave the policy equal to the reference, so every pair's DPO loss is log 2 --
     with LoRA dropout on and every layer rematerialised (remat + dropout inside the real jitted step)."""

@@ -22,6 +22,7 @@ NAN, INF = float("nan"), float("inf")
 FAULTS = {1: (NAN, 0.0), 3: (0.0, INF), 5: (NAN, 0.0), 6: (0.0, NAN)}
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_counted_and_the_limit_stops_with_a_checkpoint(tmp_path):
     cfg = sft_tiny.get_config()
     cfg.steps = 10

@@ -40,6 +40,7 @@ def make_parts(seed=0):
     return graphdef, codec, codec.to_flat(trainable), frozen
 
 
+@pytest.mark.slow
 def test_update_does_not_depend_on_the_micro_batch_split():
     """The same 8-row global batch (ragged left padding) as 1 x 8, 8 x 1 and 2 x 4 (micro_batch_size x
     grad_accum): equal loss, gradient norm and parameters after two AdamW steps, within fp32 rounding. A trainer

@@ -193,6 +193,7 @@ def test_humaneval_import_splits_asserts(humaneval):
     assert all(p.test_type == "functional" and p.fn_name == raw[p.id]["entry_point"] for p in imported.problems)
 
 
+@pytest.mark.slow
 def test_humaneval_canonical_solutions_pass_and_corrupted_ones_partially_fail(verifier, humaneval):
     imported, raw = humaneval
     problems = imported.problems
