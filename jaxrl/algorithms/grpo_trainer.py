@@ -79,12 +79,9 @@ class GRPOObjective:
 
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
-        C = mask.shape[1]
-        ids = micro_batch["input_ids"]
-        h = online.completion_hidden(model, ids, micro_batch["attention_mask"], C)
-        logp, ent = online.completion_logprobs(model, h, ids, C, chunk_size=self.chunk_size,
-                                               temperature=self.temperature,
-                                               entropy=self.entropy or bool(self.entropy_coef))
+        h, logp, ent = online.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
+                                             temperature=self.temperature,
+                                             entropy=self.entropy or bool(self.entropy_coef))
         loss, metrics = grpo_lib.grpo_loss(
             logp, micro_batch.get("old_logp"), micro_batch["advantages"], mask, normalisers,
             ref_logp=micro_batch.get("ref_logp"), beta=self.beta, kl_estimator=self.kl_estimator,

@@ -285,6 +285,17 @@ def completion_logprobs(model, hidden, input_ids, completion_len: int, *, chunk_
     return logp, ent
 
 
+def policy_forward(model, micro_batch, *, chunk_size: int, temperature: float, entropy: bool):
+    """(hidden [b, C, H], logp [b, C], entropy or None) of a GRPO/PPO micro-batch's completion tokens: the
+    forward both objectives start from (PPO's value head reads the same hidden states)."""
+    completion_len = micro_batch["completion_mask"].shape[1]
+    ids = micro_batch["input_ids"]
+    hidden = completion_hidden(model, ids, micro_batch["attention_mask"], completion_len)
+    logp, ent = completion_logprobs(model, hidden, ids, completion_len, chunk_size=chunk_size,
+                                    temperature=temperature, entropy=entropy)
+    return hidden, logp, ent
+
+
 def _pass(graphdef, state, input_ids, attention_mask, *, completion_len, adapters, temperature, chunk_size,
           values):
     model = nnx.merge(graphdef, state)

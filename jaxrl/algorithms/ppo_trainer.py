@@ -115,12 +115,9 @@ class PPOObjective:
 
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
-        C = mask.shape[1]
-        ids = micro_batch["input_ids"]
-        h = online.completion_hidden(model, ids, micro_batch["attention_mask"], C)
-        logp, ent = online.completion_logprobs(model, h, ids, C, chunk_size=self.chunk_size,
-                                               temperature=self.temperature,
-                                               entropy=self.entropy or bool(self.entropy_coef))
+        h, logp, ent = online.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
+                                             temperature=self.temperature,
+                                             entropy=self.entropy or bool(self.entropy_coef))
         values = model.value_head(jax.lax.stop_gradient(h) if self.value_head_detach else h)
         return ppo_lib.ppo_loss(
             logp, micro_batch["old_logp"], micro_batch["advantages"], values, micro_batch["old_values"],

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from jaxrl.utils.io import JsonlError, atomic_write_json
+from jaxrl.utils.io import JsonlError, atomic_write_json, repair_tail
 
 logger = logging.getLogger(__name__)
 
@@ -35,35 +35,6 @@ class ResumeError(ValueError):
 def meta_path_of(path: str | os.PathLike) -> Path:
     path = Path(path)
     return path.with_name(path.name + ".meta.json")
-
-
-def repair_tail(path: str | os.PathLike) -> int:
-    """Cuts a partially written last line (no trailing newline) off `path`; returns the bytes removed."""
-    path = Path(path)
-    if not path.exists():
-        return 0
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    with open(path, "rb+") as f:
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return 0
-        # Walk back to the last newline (files are appended whole lines at a time, so this is the torn record).
-        pos, block, keep = size, 1 << 16, 0
-        while pos > 0:
-            start = max(0, pos - block)
-            f.seek(start)
-            chunk = f.read(pos - start)
-            idx = chunk.rfind(b"\n")
-            if idx >= 0:
-                keep = start + idx + 1
-                break
-            pos = start
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    return size - keep
 
 
 def settings_diff(old: Mapping[str, Any], new: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
