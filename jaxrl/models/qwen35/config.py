@@ -24,6 +24,9 @@ FULL = "full_attention"
 # save_pretrained copies config.json verbatim rather than regenerating it.
 _ACCEPTED_ACTIVATIONS = ("silu",)
 _ACCEPTED_ROPE_TYPES = ("default",)
+GDN_STATE_DTYPES = ("float32", "bfloat16")
+# The computation settings among the fields: they may differ between two models that load the same weights.
+COMPUTE_FIELDS = ("gdn_chunk_size", "gdn_state_dtype")
 
 
 class ConfigError(ValueError):
@@ -54,8 +57,12 @@ class Qwen35Config:
     pad_token_id: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int | tuple[int, ...]] = None
+    # Computation settings (not part of the HF architecture; `Qwen35.set_compute` changes them on a built model).
     # Chunk length of the chunked gated delta rule (the reference uses 64).
     gdn_chunk_size: int = 64
+    # Storage dtype of the Gated DeltaNet recurrent state in decode caches: "float32" (the reference, HF's
+    # `mamba_ssm_dtype`) or "bfloat16" (half the bytes a decode step moves; the update's math stays fp32).
+    gdn_state_dtype: str = "float32"
 
     def __post_init__(self):
         if not self.layer_types:
@@ -106,6 +113,8 @@ class Qwen35Config:
         if rot <= 0 or rot % 2 or rot > self.head_dim:
             bad("partial_rotary_factor", f"gives {rot} rotary dims for head_dim {self.head_dim}; "
                                          "need an even number in (0, head_dim]")
+        if self.gdn_state_dtype not in GDN_STATE_DTYPES:
+            bad("gdn_state_dtype", f"is {self.gdn_state_dtype!r}; choose one of {GDN_STATE_DTYPES}")
         if not (self.rms_norm_eps > 0):
             bad("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
 
