@@ -22,7 +22,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model_overrides = ml_collections.ConfigDict()  # Qwen35Config fields replacing the preset's (random init only)
     c.model_seed = 0  # init seed of a preset model
     c.dtype = "bfloat16"  # base weights and compute; LoRA factors are always fp32
-    c.remat = "none"  # activation rematerialisation: none | full | dots | dots_no_batch
+    # activation rematerialisation (jaxrl/models/qwen35/model.py): auto (the least recomputation whose estimated
+    # activations fit half the device memory after the weights) | none | matmuls | attention | full | dots |
+    # dots_no_batch
+    c.remat = "auto"
+    c.gdn_chunk_size = 64  # tokens per chunk of the chunked Gated DeltaNet kernel
+    c.gdn_state_dtype = "float32"  # Gated DeltaNet decode-state storage: float32 | bfloat16 (fp32 math either way)
     c.steps = 125  # train steps (global batches); the schedule's length
     c.checkpoint_every = 4  # adapter + training state every N steps (and at the end)
     c.keep_checkpoints = 2  # full training states kept (adapters are all kept); None keeps all

@@ -11,8 +11,10 @@ Math (PEFT `lora.Linear`): `y = W x + s * B (A dropout(x))` with `A [r, in]` (ka
 `s = alpha / r`, or `alpha / sqrt(r)` with rsLoRA. A and B are stored exactly as PEFT stores
 `lora_A.weight` / `lora_B.weight`, so export is the rename `<module>.lora.lora_A` -> `<module>.lora_A.weight`.
 
-Adapters are kept in fp32 and computed in fp32 (the input is cast up, as PEFT casts it to the adapter dtype),
-whatever the base dtype; the result is cast back to the base output dtype before it is added.
+Adapters are kept in fp32. They compute in the input's dtype with fp32 accumulation: in a bf16 model the two
+adapter matmuls take bf16 operands (the factors are rounded to bf16 for the product, the rank-r hidden too) and
+accumulate in fp32; in an fp32 model everything is fp32, PEFT's arithmetic. The result is cast to the base output
+dtype before it is added.
 
 Targets (`apply_lora(targets=...)`), matched against module paths such as `layers.3.self_attn.q_proj`:
   * `"all-linear"`: the 12 language-tower projections (ALL_LINEAR), never `lm_head`;
@@ -38,6 +40,7 @@ from typing import Iterator, Optional, Union
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.layers import Linear
 
@@ -61,7 +64,7 @@ class LoRADropoutKey(nnx.Variable):
 
 
 class LoRA(nnx.Module):
-    """One adapter: `__call__(x [..., in]) -> s * B A x  [..., out]` in fp32.
+    """One adapter: `__call__(x [..., in]) -> s * B A x  [..., out]` (fp32 result, x's dtype operands).
 
     Attributes: `lora_A: LoRAParam [r, in]`, `lora_B: LoRAParam [out, r]`, `scale` (float), `enabled` (bool,
     read at trace time by `Linear`), `dropout` (float), `dropout_active` (bool, set by `lora_dropout`).
@@ -90,13 +93,17 @@ class LoRA(nnx.Module):
         self.dropout_key = LoRADropoutKey(jnp.zeros((2,), jnp.uint32)) if dropout > 0 else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
+        compute = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        x = x.astype(compute)
         if self.dropout_active and self.dropout > 0:
             key = jax.random.wrap_key_data(self.dropout_key[...])
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
-            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0)
-        h = jnp.einsum("...i,ri->...r", x, self.lora_A[...])
-        return jnp.einsum("...r,or->...o", h, self.lora_B[...]) * self.scale
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(compute)
+        h = jnp.einsum("...i,ri->...r", x, self.lora_A[...].astype(compute), preferred_element_type=jnp.float32)
+        h = checkpoint_name(h, "lora_hidden")
+        out = jnp.einsum("...r,or->...o", h.astype(compute), self.lora_B[...].astype(compute),
+                         preferred_element_type=jnp.float32)
+        return out * self.scale
 
     def delta_weight(self) -> jax.Array:
         """`s * B @ A`, [out, in] fp32: what a merge adds to the base weight (PEFT `get_delta_weight`)."""

@@ -366,6 +366,7 @@ def build_model(config, mesh=None):
         except TypeError as e:
             raise ValueError(f"model_overrides={overrides}: {e}") from e
         model = init_model_jit(model_cfg, dtype, int(config.get("model_seed", 0)), remat, mesh)
+    model.set_compute(**{k: config[k] for k in qwen35.COMPUTE_FIELDS if k in config})
     report = apply_lora_from_config(model, config.lora, seed=int(config.seed))
     logging.info("LoRA on %d modules (%s): %d trainable of %d parameters", len(report["modules"]),
                  ", ".join(f"{k} x{v}" for k, v in report["by_name"].items()), report["trainable_params"],

@@ -25,6 +25,7 @@ from jaxrl.models.qwen35.config import Qwen35Config
 from jaxrl.ops.attention import cache_attention, causal_attention, compact, uncompact
 from jaxrl.ops.conv import causal_depthwise_conv
 from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step
+from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import apply_partial_rotary
 
 
@@ -42,7 +43,13 @@ class Linear(nnx.Module):
         self.lora = nnx.data(None)  # a jaxrl.models.lora.LoRA once attached
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        w = self.weight[...]
+        if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+            # XLA:CPU runs a bf16 -> bf16 product (and its gradient) on an fp32 copy of the weight; `project`
+            # takes its native bf16 x bf16 -> fp32 kernel both ways. Same numbers: fp32 accumulation, one rounding.
+            y = project(x, w, x.dtype)
+        else:
+            y = jnp.einsum("...i,oi->...o", x, w)
         if self.bias is not None:
             y = y + self.bias[...]
         if self.lora is not None and self.lora.enabled:

@@ -40,6 +40,7 @@ from flax import nnx
 from jaxrl.models.qwen35.config import COMPUTE_FIELDS, LINEAR, Qwen35Config
 from jaxrl.models.qwen35.layers import (DecoderLayer, KVState, Linear, LinearState, RMSNorm, StepContext, _normal)
 from jaxrl.ops.attention import compaction, resolve_implementation
+from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import rotary_cos_sin
 
 _cp = jax.checkpoint_policies
@@ -88,9 +89,9 @@ class Qwen35(nnx.Module):
         return self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
 
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...])
-        return self.lm_head(hidden)
+        """hidden [..., H] -> logits [..., V] in hidden's dtype, accumulated in fp32 (`project`: no fp32 copy of
+        the [V, H] head on XLA:CPU, no fp32 x bf16 product in the backward)."""
+        return project(hidden, self.head_weight(), hidden.dtype)
 
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None, cache: Optional[Cache] = None):
