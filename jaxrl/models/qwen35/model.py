@@ -157,10 +157,7 @@ class Qwen35(nnx.Module):
             return self.remat
         budget = AUTO_ACTIVATION_FRACTION * (_device_memory_bytes() - self.weight_bytes())
         tokens = batch * seq_len / max(1, jax.device_count())  # rows are split over the devices
-        for policy in _AUTO_ORDER:
-            if activation_bytes(self.config, policy, tokens, seq_len, jnp.dtype(self.dtype).itemsize) <= budget:
-                return policy
-        return "full"
+        return choose_remat(self.config, tokens, seq_len, jnp.dtype(self.dtype).itemsize, budget)
 
     def weight_bytes(self) -> int:
         return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
@@ -249,6 +246,14 @@ def activation_bytes(cfg: Qwen35Config, policy: str, tokens: float, seq_len: int
         "full": len(per_layer) * layer_input + full_layer,
     }
     return tokens * kept.get(policy, kept["full"])
+
+
+def choose_remat(cfg: Qwen35Config, tokens: float, seq_len: int, dtype_bytes: int, budget: float) -> str:
+    """"auto": the first of none, matmuls, attention whose `activation_bytes` fit `budget`, else full."""
+    for policy in _AUTO_ORDER:
+        if activation_bytes(cfg, policy, tokens, seq_len, dtype_bytes) <= budget:
+            return policy
+    return "full"
 
 
 def _device_memory_bytes() -> float:
