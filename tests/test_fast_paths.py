@@ -306,18 +306,23 @@ def test_each_distinct_prompt_is_prefilled_once_and_copied_to_its_samples(model)
 # ---------------------------------------------------------------------------------------------------------------
 # Backward passes in the compute dtype
 
-def _dot_operand_dtypes(jaxpr) -> set:
-    found = set()
+def _dot_eqns(jaxpr) -> list:
+    """Every dot_general in a jaxpr, inside sub-jaxprs (custom_vjp, remat, scan) too."""
+    found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
+            found.append(eqn)
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found |= _dot_operand_dtypes(sub.jaxpr)
+                    found += _dot_eqns(sub.jaxpr)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found |= _dot_operand_dtypes(sub)
+                    found += _dot_eqns(sub)
     return found
+
+
+def _dot_operand_dtypes(jaxpr) -> set:
+    return {tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in _dot_eqns(jaxpr)}
 
 
 def test_projection_backward_stays_in_the_compute_dtype():
@@ -347,12 +352,35 @@ def test_lora_in_a_bf16_model_multiplies_in_bf16_with_fp32_accumulation():
     adapter = m.layers[1].self_attn.q_proj.lora
     adapter.lora_B.set_value(normal(5, adapter.lora_B.shape))
     x = normal(6, (3, 64), jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(adapter)(x).jaxpr
-    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots = _dot_eqns(jax.make_jaxpr(adapter)(x).jaxpr)
     assert len(dots) == 2
-    for e in dots:
+    backward = _dot_eqns(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(adapter(x) ** 2)))(x).jaxpr)
+    assert len(backward) == 2 + 4  # the forward, then dh, dB, dA, dx
+    for e in dots + backward:
         assert [str(v.aval.dtype) for v in e.invars] == ["bfloat16", "bfloat16"]
         assert e.params["preferred_element_type"] == jnp.float32
     ours = adapter(x)
     ref = adapter.scale * (x.astype(jnp.float32) @ adapter.lora_A[...].T) @ adapter.lora_B[...].T
     assert float(jnp.max(jnp.abs(ours - ref))) <= 0.02 * float(jnp.max(jnp.abs(ref)))
+
+
+@pytest.mark.parametrize("batch_shape", [(37,), (3, 29)])
+def test_low_rank_product_gradients_equal_plain_autodiff(batch_shape):
+    """The hand-written LoRA backward (thin operands transposed) against autodiff of the two einsums: equal in
+    fp32 to float rounding, within bf16 rounding in bf16."""
+    x, a, b = normal(0, batch_shape + (48,)), 0.1 * normal(1, (4, 48)), 0.1 * normal(2, (40, 4))
+    target = normal(3, batch_shape + (40,))
+
+    def plain(x, a, b):
+        h = jnp.einsum("...i,ri->...r", x, a, preferred_element_type=jnp.float32).astype(x.dtype)
+        return jnp.einsum("...r,or->...o", h, b, preferred_element_type=jnp.float32)
+
+    loss = lambda fn: (lambda *args: jnp.sum(jnp.tanh(fn(*args)) * target))  # noqa: E731
+    ref = jax.grad(loss(plain), argnums=(0, 1, 2))(x, a, b)
+    ours = jax.grad(loss(lora.low_rank_product), argnums=(0, 1, 2))(x, a, b)
+    for g, r in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+    low = [v.astype(jnp.bfloat16) for v in (x, a, b)]
+    for g, r in zip(jax.grad(loss(lora.low_rank_product), argnums=(0, 1, 2))(*low), ref):
+        assert g.dtype == jnp.bfloat16
+        assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) <= 0.03 * float(jnp.max(jnp.abs(r)))

@@ -99,15 +99,46 @@ class LoRA(nnx.Module):
             key = jax.random.wrap_key_data(self.dropout_key[...])
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(compute)
-        h = jnp.einsum("...i,ri->...r", x, self.lora_A[...].astype(compute), preferred_element_type=jnp.float32)
-        h = checkpoint_name(h, "lora_hidden")
-        out = jnp.einsum("...r,or->...o", h.astype(compute), self.lora_B[...].astype(compute),
-                         preferred_element_type=jnp.float32)
-        return out * self.scale
+        return low_rank_product(x, self.lora_A[...].astype(compute), (self.lora_B[...] * self.scale).astype(compute))
 
     def delta_weight(self) -> jax.Array:
         """`s * B @ A`, [out, in] fp32: what a merge adds to the base weight (PEFT `get_delta_weight`)."""
         return self.scale * (self.lora_B[...] @ self.lora_A[...])
+
+
+@jax.custom_vjp
+def low_rank_product(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """(x A^T) B^T for x [..., in], A [r, in], B [out, r], all in one dtype: fp32 result, fp32 accumulation.
+
+    The backward is written out so that each factor's gradient contracts over the tokens with the thin [N, r]
+    operand transposed (dA = dh^T x, dB = (h^T dy)^T) rather than the wide [N, in] / [N, out] one: left to
+    itself XLA rewrites dB as dy^T h and, on the CPU, copies dy transposed first (the largest cost of a LoRA
+    step there). An optimization barrier keeps the [r, out] product from being rewritten.
+    """
+    h = jnp.einsum("...i,ri->...r", x, a, preferred_element_type=jnp.float32)
+    return jnp.einsum("...r,or->...o", h.astype(x.dtype), b, preferred_element_type=jnp.float32)
+
+
+def _low_rank_fwd(x, a, b):
+    h = jnp.einsum("...i,ri->...r", x, a, preferred_element_type=jnp.float32).astype(x.dtype)
+    h = checkpoint_name(h, "lora_hidden")
+    return jnp.einsum("...r,or->...o", h, b, preferred_element_type=jnp.float32), (x, a, b, h)
+
+
+def _low_rank_bwd(residuals, d_out):
+    x, a, b, h = residuals
+    d_out = d_out.astype(x.dtype)
+    d_h = jnp.einsum("...o,or->...r", d_out, b, preferred_element_type=jnp.float32).astype(x.dtype)
+    batch = "".join(chr(ord("A") + i) for i in range(x.ndim - 1))  # the token dimensions, contracted
+    d_b_t = jax.lax.optimization_barrier(
+        jnp.einsum(f"{batch}r,{batch}o->ro", h, d_out, preferred_element_type=jnp.float32))
+    d_a = jax.lax.optimization_barrier(
+        jnp.einsum(f"{batch}r,{batch}i->ri", d_h, x, preferred_element_type=jnp.float32))
+    d_x = jnp.einsum("...r,ri->...i", d_h, a, preferred_element_type=jnp.float32)
+    return d_x.astype(x.dtype), d_a.astype(a.dtype), d_b_t.T.astype(b.dtype)
+
+
+low_rank_product.defvjp(_low_rank_fwd, _low_rank_bwd)
 
 
 def kaiming_uniform(key: jax.Array, rank: int, in_features: int) -> jax.Array:
