@@ -77,7 +77,7 @@ def make_pairs(n: int, prompt_len: int, completion_len: int) -> list[dict]:
 def jax_worker(model_dir: str, pairs_path: str, pairs: int, seq_len: int, steps: int, warmup: int, mode: str,
                workdir: str) -> dict:
     from configs import base
-    from jaxrl.train.loop import run_training
+    from jaxrl.algorithms.run import run_training
 
     c = base.get_config()
     c.algorithm = "dpo"

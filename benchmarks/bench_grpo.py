@@ -92,7 +92,7 @@ def run(model: str = "small", prompts: int = 8, k: int = 8, prompt_len: int = 32
         steps: int = 8, mb: int = 8, dtype: str = "float32", preset: str = "tiny", mesh_shape=(1, 1, 1)) -> dict:
     import jax
 
-    from jaxrl.train.loop import run_training
+    from jaxrl.algorithms.run import run_training
     config = make_config(model, prompts, k, prompt_len, max_new_tokens, steps, mb, dtype, preset)
     config.mesh.shape = tuple(mesh_shape)
     t0 = time.perf_counter()

@@ -57,7 +57,7 @@ def run(tiny: bool = False, prompts: int = 20, k: int = 8, prompt_len: int = 512
         steps: int = 3, mb: int = 8) -> dict:
     import jax
 
-    from jaxrl.train.loop import run_training
+    from jaxrl.algorithms.run import run_training
     config = make_config(tiny, prompts, k, prompt_len, max_new_tokens, steps, mb)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:

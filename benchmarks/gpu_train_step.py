@@ -73,9 +73,10 @@ class DPOStyle:
 
 
 def init_model(cfg, dtype, seed: int, remat: str, mesh):
-    """Random weights in one jitted program placed onto their shards, like `jaxrl.train.loop.init_model_jit`, but
-    with the key an argument of the program: a program without inputs lets XLA constant-fold the random
-    weights at compile time (minutes for billions of parameters on a GPU, see benchmarks/gpu_decode.py)."""
+    """Random weights in one jitted program placed onto their shards, like
+    `jaxrl.models.qwen35.init.init_model_jit`, but with the key an argument of the program: a program without
+    inputs lets XLA constant-fold the random weights at compile time (minutes for billions of parameters on a
+    GPU, see benchmarks/gpu_decode.py)."""
     import jax
     from flax import nnx
 

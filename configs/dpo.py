@@ -19,7 +19,7 @@ environment (JAXRL_QWEN35_4B_BASE, JAXRL_QWEN35_4B_M0, JAXRL_QWEN35_9B_BASE, JAX
 from `pairs=` or `--config.data.pairs=` (a frozen cohort folder is sha256-verified at start). Left empty, the
 run stops before training with an error naming the key.
 
-The users' runs (seed/000 report). The report omits the configuration blocks of two runs; values marked
+The users' runs (the users' report). The report omits the configuration blocks of two runs; values marked
 "inferred" are reconstructed from what it says changed between runs:
 
     # 1. initial M0-v4 formal comparison (inferred: lr 1e-6, beta 0.05, length 2048; the 9B "tuned" run lowered
@@ -58,7 +58,6 @@ import os
 import ml_collections
 
 from configs import base, overrides
-from jaxrl.algorithms.dpo_trainer import DATA_DEFAULTS, DPO_DEFAULTS
 
 MODELS = {"4b": "qwen3.5-4b", "9b": "qwen3.5-9b", "tiny": "tiny"}
 LORA = {"r16": (16, 32.0), "r32": (32, 64.0)}
@@ -96,8 +95,7 @@ def _choice(key: str, value: str, allowed) -> str:
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     o = parse_overrides(arg)
-    c = base.get_config()
-    c.algorithm = "dpo"
+    c = base.get_config("dpo")
     c.run = o.get("run", "")
     model = _choice("model", o.get("model", "4b"), MODELS)
     start = _choice("start", o.get("start", "base"), ("base", "m0"))
@@ -130,15 +128,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         raise ValueError(f"configs/dpo.py: mb={mb} must divide the global batch of {GLOBAL_PAIRS} pairs")
     c.batch.micro_batch_size, c.batch.grad_accum = mb, GLOBAL_PAIRS // mb
 
-    c.dpo = ml_collections.ConfigDict(dict(DPO_DEFAULTS))
     c.dpo.beta = float(o.get("beta", "0.1"))
     c.dpo.loss_type = o.get("loss", "sigmoid").replace("+", ",")
     c.dpo.ref_batch_size = 8
 
-    c.data = ml_collections.ConfigDict(dict(DATA_DEFAULTS))
     c.data.pairs = o.get("pairs", "")
     c.data.max_length = int(o.get("max_length", 2048))
     c.data.expected_pairs = int(o.get("expected_pairs", 0))
-    # Long sequences: recompute activations in the backward pass instead of storing them all.
-    c.remat = "full" if c.data.max_length > 2560 else "none"
     return c

@@ -19,7 +19,7 @@ model_path and data.problems must be set: model_path from `--config.model_path=`
 (JAXRL_QWEN35_4B_BASE, JAXRL_QWEN35_4B_M0, JAXRL_QWEN35_9B_BASE, JAXRL_QWEN35_9B_M0), data.problems from
 `problems=` or `--config.data.problems=` (a problems.jsonl; `python -m launchers.import_problems` writes one).
 
-The users' runs (seed/000 report). Values the report does not state are marked "inferred":
+The users' runs (the users' report). Values the report does not state are marked "inferred":
 
     # 4B Base GRPO: lr 5e-6, beta 0.01, K = 8, 20 prompts per step, 4,096-token completions, 1,000 random
     # prompts (steps 50 = one pass; the users stopped at step 39)
@@ -40,7 +40,8 @@ The users' runs (seed/000 report). Values the report does not state are marked "
 Every run: the code verifier's partial reward (`reward.name=code`, `reward.score=partial`), temperature 1.0,
 group-scaled advantages, clip 0.2, k3 KL to the base weights (adapters off, precomputed once per rollout),
 `sequence_mean` aggregation (TRL's grpo loss), one optimizer update per rollout (on-policy), checkpoints every
-4 steps, AdamW with linear decay, clipping 1.0, bf16 base weights, full rematerialisation.
+4 steps, AdamW with linear decay, clipping 1.0, bf16 base weights, rematerialisation chosen from the
+memory estimate (`remat=auto`).
 """
 
 import os
@@ -49,8 +50,6 @@ import ml_collections
 
 from configs import base, overrides
 from configs.overrides import choice
-from jaxrl.algorithms.grpo_trainer import GRPO_DEFAULTS
-from jaxrl.algorithms.online import DATA_DEFAULTS, REWARD_DEFAULTS
 
 MODELS = {"4b": "qwen3.5-4b", "9b": "qwen3.5-9b", "tiny": "tiny"}
 LORA = {"r16": (16, 32.0), "r32": (32, 64.0)}
@@ -113,14 +112,12 @@ def rollout_batch(c, rows: int, o: dict, where: str) -> None:
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     where = WHERE
     o = parse_overrides(arg)
-    c = base.get_config()
-    c.algorithm = "grpo"
+    c = base.get_config("grpo")
     c.run = o.get("run", "")
     c.probe = o.get("probe", "")
     model_block(c, o, where)
     c.steps = int(o.get("steps", 125))
 
-    c.grpo = ml_collections.ConfigDict(dict(GRPO_DEFAULTS))
     c.grpo.beta = float(o.get("beta", "0.05"))
     c.grpo.num_generations = int(o.get("k", 8))
     c.grpo.prompts_per_step = int(o.get("prompts", 20))
@@ -132,13 +129,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.grpo.logprob_batch_size = 8
     rollout_batch(c, c.grpo.num_generations * c.grpo.prompts_per_step, o, where)
 
-    c.data = ml_collections.ConfigDict(dict(DATA_DEFAULTS))
     c.data.source = "problems"
     c.data.problems = o.get("problems", "")
     c.data.max_prompt_len = int(o.get("prompt_len", 2048))
-    c.reward = ml_collections.ConfigDict(dict(REWARD_DEFAULTS))
     c.reward.name = "code"
     c.reward.score = "partial"
-    # Long sequences: recompute activations in the backward pass instead of storing them all.
-    c.remat = "full" if c.data.max_prompt_len + c.grpo.max_new_tokens > 2560 else "none"
     return c

@@ -1,4 +1,4 @@
-r"""GRPO on the tiny random Qwen3.5 with the token task (jaxrl.algorithms.online.TokenTask): each prompt ends
+r"""GRPO on the tiny random Qwen3.5 with the token task (jaxrl.rewards.toy.TokenTask): each prompt ends
 in one of two instruction tokens and the completion should use tokens of that instruction's half of the
 vocabulary; reward = fraction of the 8 completion tokens in the right half, so a random model starts at chance
 (0.5). A couple of minutes on a CPU, most of it compilation; mean reward passes 0.8.

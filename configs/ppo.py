@@ -17,7 +17,7 @@ over all of them:
 model_path and data.problems must be set (as in configs/grpo.py: `--config.model_path=` or JAXRL_QWEN35_<4B|9B>_
 <BASE|M0>, and `problems=` / `--config.data.problems=`).
 
-The users' runs (seed/000 report: PPO at initial KL coefficient 0.05 and 0.1; the 4B M0 run completed 125 steps
+The users' runs (the users' report: PPO at initial KL coefficient 0.05 and 0.1; the 4B M0 run completed 125 steps
 after skipping eight non-finite updates). Values the report does not state are "inferred": lr 1e-6, TRL's PPO
 defaults (fixed KL controller, k1 estimator, clip 0.2, value clip 0.2, vf_coef 0.1, gamma 1, lambda 0.95,
 4 epochs), 32 prompts per rollout x 1 sample (125 steps / 4 epochs x 32 = the 1,000-prompt cohort once),
@@ -44,8 +44,6 @@ import ml_collections
 from configs import base
 from configs.grpo import model_block
 from configs.overrides import choice, parse_overrides
-from jaxrl.algorithms.online import DATA_DEFAULTS, REWARD_DEFAULTS
-from jaxrl.algorithms.ppo_trainer import PPO_DEFAULTS
 
 RUNS = {
     "4b_kl005": dict(model="4b", start="m0", kl="0.05", lr="1e-6", lora="r16", steps="125"),
@@ -61,14 +59,12 @@ WHERE = "configs/ppo.py"
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     o = parse_overrides(arg, keys=KEYS, runs=RUNS, probes={}, where=WHERE)
-    c = base.get_config()
-    c.algorithm = "ppo"
+    c = base.get_config("ppo")
     c.run = o.get("run", "")
     model_block(c, o, WHERE)
     c.steps = int(o.get("steps", 125))
     c.max_consecutive_nonfinite = 10
 
-    c.ppo = ml_collections.ConfigDict(dict(PPO_DEFAULTS))
     c.ppo.init_kl_coef = float(o.get("kl", "0.05"))
     c.ppo.adaptive_kl = choice("adaptive", o.get("adaptive", "0"), ("0", "1"), WHERE) == "1"
     c.ppo.prompts_per_rollout = int(o.get("prompts", 32))
@@ -86,12 +82,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         raise ValueError(f"{WHERE}: mb={mb} must divide the {per_update} rows of a minibatch")
     c.batch.micro_batch_size, c.batch.grad_accum = mb, per_update // mb
 
-    c.data = ml_collections.ConfigDict(dict(DATA_DEFAULTS))
     c.data.source = "problems"
     c.data.problems = o.get("problems", "")
     c.data.max_prompt_len = int(o.get("prompt_len", 2048))
-    c.reward = ml_collections.ConfigDict(dict(REWARD_DEFAULTS))
     c.reward.name = "code"
     c.reward.score = "partial"
-    c.remat = "full" if c.data.max_prompt_len + c.ppo.max_new_tokens > 2560 else "none"
     return c

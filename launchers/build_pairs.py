@@ -17,7 +17,7 @@ from pathlib import Path
 from absl import app, flags
 
 from jaxrl.data import pairs as pairs_lib
-from jaxrl.data.jsonl import JsonlError
+from jaxrl.utils.io import JsonlError
 
 _ROLLOUTS = flags.DEFINE_string("rollouts", None, "rollouts.jsonl to build pairs from.")
 _PAIRS_IN = flags.DEFINE_string("pairs_in", None, "Existing pairs.jsonl to filter (instead of --rollouts).")

@@ -42,9 +42,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not _SWEEP_DIR.value:
         raise app.UsageError("--sweep_dir is required")
-    from jaxrl.data.jsonl import JsonlError
-    from jaxrl.diagnostics.formats import FormatError
-    from jaxrl.sweep.compare import write_comparison
+    from jaxrl.data.formats import FormatError
+    from jaxrl.sweep.report import write_comparison
+    from jaxrl.utils.io import JsonlError
     try:
         paths = write_comparison(
             _SWEEP_DIR.value, _OUT.value, plot_metric=_PLOT.value, baseline=_BASELINE.value,

@@ -5,10 +5,10 @@
     python -m launchers.diagnose --what=diff --workdir=runs/dpo --model_a=base --model_b=step_28
     python -m launchers.diagnose --what=pairs --pairs=pairs/pairs.jsonl --problems=problems.jsonl --workdir=runs/dpo
     python -m launchers.diagnose --what=drift --base_model=HF_DIR --adapters=runs/dpo/export/steps \
-        --prompts=problems.jsonl --workdir=runs/dpo
+        --problems=problems.jsonl --workdir=runs/dpo
 
 Output: ``--out``, default ``WORKDIR/diagnostics/<what>.json`` (the report picks it up from there). Formats:
-``jaxrl/diagnostics/formats.py`` and the docstring of each diagnostic module.
+``jaxrl/data/formats.py`` and the docstring of each diagnostic module.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxrl.data.jsonl import JsonlError, read_jsonl, write_jsonl
-from jaxrl.diagnostics import formats
+from jaxrl.data import formats
+from jaxrl.utils.io import JsonlError, read_jsonl, write_jsonl
 
 _WHAT = flags.DEFINE_enum("what", None, ["drift", "pairs", "diff", "termination", "curves"], "Which diagnostic.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: eval/ is read from it, diagnostics/ written to it.")
@@ -156,6 +156,7 @@ def _drift(out: Path) -> tuple[dict, str]:
     if missing:
         raise app.UsageError(f"no adapter for steps {missing}; found {sorted(found)}")
     import jax.numpy as jnp
+
     from jaxrl.models import qwen35
     model = qwen35.from_pretrained(_BASE.value, dtype=jnp.float32)
     if _SEQUENCES.value:

@@ -13,9 +13,9 @@ import sys
 
 from absl import app, flags
 
-from jaxrl.data.jsonl import JsonlError
-from jaxrl.diagnostics.formats import FormatError
+from jaxrl.data.formats import FormatError
 from jaxrl.diagnostics.report import build_report
+from jaxrl.utils.io import JsonlError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder.")
 _OUT = flags.DEFINE_string("out", None, "Output HTML (default WORKDIR/report.html).")

@@ -3,6 +3,13 @@
     python -m launchers.rollout --problems=problems.jsonl --model=HF_DIR --out=rollouts.jsonl \
         --num_samples=8 --temperature=1.0 --max_new_tokens=4096 --reward=code [--adapter=CKPT_DIR]
 
+    # on vLLM 0.33 (its own environment, docs/vllm.md), the adapter served as LoRA; or on a running server
+    python -m launchers.rollout ... --backend=vllm --batch_size=1024 \
+        --backend_kwargs='{"python": "~/.venvs/vllm", "data_parallel_size": 8}'
+    python -m launchers.rollout ... --backend=server --server_url=http://127.0.0.1:8000
+
+Every backend writes the same records with the same sample keys (seed, problem id, sample index); a file is
+resumed only with the backend it was started with.
 Resumable: rerun the same command after an interruption; already written samples are kept and skipped, a
 partially written last line is cut off. The record format and the resume rules: jaxrl/rollout/runner.py.
 A progress bar shows samples/s and tokens/s; the run's summary is written to <out>.meta.json.
@@ -11,10 +18,12 @@ A progress bar shows samples/s and tokens/s; the run's summary is written to <ou
 from __future__ import annotations
 
 import json
+import sys
 
 from absl import app, flags, logging
 
-from jaxrl.rollout.chat import OVERLONG_POLICIES
+from jaxrl.data.chat import OVERLONG_POLICIES
+from jaxrl.rollout.backends.flags import backend_options, define_backend_flags
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema of docs/interfaces.md).")
@@ -41,6 +50,7 @@ _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N problems (0 = al
 _MODEL_NAME = flags.DEFINE_string("model_name", "", "Value of the records' 'model' field (default: folder name).")
 _SAVE_LOGPROBS = flags.DEFINE_bool("save_logprobs", False, "Also write token_ids and per-token logprobs.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_BACKEND_FLAGS = define_backend_flags()  # --backend, --server_url, --backend_kwargs
 
 
 def main(argv):
@@ -49,6 +59,7 @@ def main(argv):
     for flag in (_PROBLEMS, _MODEL, _OUT):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
+    backend, backend_kwargs = backend_options(_BACKEND_FLAGS)
     cfg = RolloutConfig(problems=_PROBLEMS.value, model=_MODEL.value, out=_OUT.value, adapter=_ADAPTER.value,
                         num_samples=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                         top_k=_TOP_K.value, max_new_tokens=_MAX_NEW_TOKENS.value,
@@ -58,8 +69,13 @@ def main(argv):
                         reward=_REWARD.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value,
                         on_overlong=_ON_OVERLONG.value, dtype=_DTYPE.value, limit=_LIMIT.value,
                         model_name=_MODEL_NAME.value, save_logprobs=_SAVE_LOGPROBS.value,
-                        progress=_PROGRESS.value)
-    summary = run_rollouts(cfg)
+                        progress=_PROGRESS.value, backend=backend, backend_kwargs=backend_kwargs)
+    from jaxrl.rollout.backends import ServerError
+    from jaxrl.rollout.writer import ResumeError
+    try:
+        summary = run_rollouts(cfg)
+    except (ResumeError, ServerError) as e:  # refused, with a message that says why; nothing written is lost
+        sys.exit(f"rollout: {e}")
     logging.info("rollouts summary: %s", json.dumps(summary))
     print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=1))
 

@@ -77,7 +77,7 @@ def main(argv):
     print(f"sweep: {len(summary['done'])} done, {len(summary['failed'])} failed, "
           f"{len(summary['skipped'])} running elsewhere; folder {runner.out}", flush=True)
     if _COMPARE.value and summary["done"]:
-        from jaxrl.sweep.compare import write_comparison
+        from jaxrl.sweep.report import write_comparison
         try:
             paths = write_comparison(runner.out)
             print("comparison: " + ", ".join(str(p) for p in paths.values()), flush=True)

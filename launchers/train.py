@@ -69,7 +69,8 @@ def main(argv):
     from jaxrl.parallel import distributed
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICES.value,
                            auto=_DIST_AUTO.value)
-    from jaxrl.train.loop import NonFiniteError, run_training
+    from jaxrl.algorithms.run import run_training
+    from jaxrl.train.loop import NonFiniteError
     config = _CONFIG.value
     try:
         result = run_training(config, _WORKDIR.value,

@@ -12,12 +12,12 @@ from safetensors.numpy import save_file
 
 import jax.numpy as jnp
 
-from jaxrl.export.adapters import Adapter, write_adapter_checkpoint
+from jaxrl.models.adapters import Adapter, write_adapter_checkpoint
 from jaxrl.export.audit import (FolderSource, MergedSource, audit, compare_sources, fingerprint, format_audit,
                                 main as audit_main, tensor_diff)
 from jaxrl.export.merge import export_merged
 from jaxrl.models import qwen35
-from jaxrl.models.lora import _linears
+from jaxrl.models.lora import linears
 
 MODULES_4 = ("layers.0.linear_attn.in_proj_qkv", "layers.1.self_attn.q_proj", "layers.3.mlp.down_proj")
 MODULES_8 = MODULES_4 + ("layers.2.linear_attn.out_proj",)
@@ -27,7 +27,7 @@ VISION = "model.visual.blocks.0.attn.qkv.weight"
 
 def adapter(folder, modules, seed):
     model = qwen35.from_pretrained(folder, dtype=jnp.float32)
-    lin = dict(_linears(model))
+    lin = dict(linears(model))
     rng = np.random.default_rng(seed)
     params = {}
     for m in modules:

@@ -10,7 +10,7 @@ import pytest
 
 from jaxrl.diagnostics import flags as F
 from jaxrl.diagnostics.curves import checkpoint_curves
-from jaxrl.diagnostics.formats import write_samples, samples_path
+from jaxrl.data.formats import write_samples, samples_path
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
 
@@ -67,7 +67,27 @@ def test_a_monotonic_curve_is_not_flagged():
     results = {"models": {"base": entry(0.30), "step_4": entry(0.33, step=4), "step_8": entry(0.36, step=8)},
                "comparisons": [comp("step_4", 0.03, 0.01, 0.05), comp("step_8", 0.06, 0.04, 0.08)]}
     res = checkpoint_curves(results, metrics=["partial_reward_mean"])
-    assert res["flags"] == []  # the best is the last: no early gain, no selection among earlier ones
+    # No shape flag; the best (here the last) is still the best of 2, and nothing corrects its interval for that.
+    (f,) = res["flags"]
+    assert (f["code"], f["severity"], f["evidence"]["step"]) == ("early_gain_not_significant", "info", 8)
+    # With the evaluation's simultaneous intervals (they exclude zero here): nothing to say.
+    for c in results["comparisons"]:
+        c.update(simultaneous_ci_low=c["ci_low"] - 0.005, simultaneous_ci_high=c["ci_high"] + 0.005, family_size=4)
+    assert checkpoint_curves(results, metrics=["partial_reward_mean"])["flags"] == []
+
+
+def test_the_best_checkpoint_is_corrected_even_when_it_is_the_last():
+    """The audit's hole (flags.py:211): a best-is-last checkpoint escaped the selection correction."""
+    results = {"models": {"base": entry(0.30), "step_4": entry(0.31, step=4), "step_8": entry(0.33, step=8)},
+               "comparisons": [comp("step_4", 0.01, -0.02, 0.04), comp("step_8", 0.03, 0.001, 0.06)]}
+    for c in results["comparisons"]:
+        c.update(simultaneous_ci_low=c["ci_low"] - 0.01, simultaneous_ci_high=c["ci_high"] + 0.01, family_size=8)
+    res = checkpoint_curves(results, metrics=["partial_reward_mean"])
+    flagged = {f["evidence"]["step"]: f for f in codes(res, "early_gain_not_significant")}
+    assert flagged[8]["severity"] == "warning" and "best of 2 checkpoints" in flagged[8]["message"]
+    assert "after the 8 comparisons of the evaluation (max-T)" in flagged[8]["message"]
+    pts = {p["model"]: p for p in res["metrics"]["partial_reward_mean"]["points"]}
+    assert pts["step_8"]["ci_low_adjusted"] == pytest.approx(-0.009) and pts["step_4"]["family_size"] == 8
 
 
 def test_non_monotonic_ignores_moves_within_tol_and_names_noisy_curves():
@@ -97,8 +117,14 @@ def test_missing_intervals_come_from_samples_and_the_best_gets_a_wider_adjusted_
                    metrics=["partial_reward_mean"], n_resamples=2000)[0]
     assert (pts["step_8"]["ci_low"], pts["step_8"]["ci_high"]) == (want["ci_low"], want["ci_high"])
     best = pts["step_4"]
-    assert best["adjusted_confidence"] == pytest.approx(1 - 0.05 / 3)
+    # Bonferroni over every checkpoint x flagged metric a checkpoint could be chosen on: 3 x 2
+    assert best["adjusted_confidence"] == pytest.approx(1 - 0.05 / 6) and "Bonferroni over 6" in best["adjustment"]
     assert best["ci_low_adjusted"] < best["ci_low"] and best["ci_high_adjusted"] > best["ci_high"]
+    # the fall from the best (step 4) to the last (step 12), paired, with its verdict
+    bvl = res["metrics"]["partial_reward_mean"]["best_vs_last"]
+    assert (bvl["best"], bvl["last"]) == ("step_4", "step_12") and bvl["ci_high"] < 0
+    (nm,) = codes(res, "non_monotonic_checkpoints")
+    assert nm["severity"] == "warning" and "the fall is more than noise" in nm["message"]
 
 
 def test_adjusted_interval_crossing_zero_is_a_warning():

@@ -211,7 +211,7 @@ def test_diagnose_launcher_drift(tiny_run, tmp_path):
     import subprocess
     import sys
 
-    from jaxrl.data.jsonl import write_jsonl
+    from jaxrl.utils.io import write_jsonl
 
     root, base_dir, _, seqs, _ = tiny_run
     seq_file = tmp_path / "seqs.jsonl"
@@ -238,7 +238,7 @@ def test_fixed_sequences_are_the_base_models_greedy_continuations(tiny_run, tmp_
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxrl.data.jsonl import write_jsonl
+    from jaxrl.utils.io import write_jsonl
     from jaxrl.models import qwen35
     from jaxrl.rollout.tokenizer import build_tiny_tokenizer
 

@@ -1,11 +1,11 @@
-"""Readers and validators of the files the diagnostics consume (jaxrl.diagnostics.formats)."""
+"""Readers and validators of the files the diagnostics consume (jaxrl.data.formats)."""
 
 import json
 
 import pytest
 
-from jaxrl.data.jsonl import JsonlError, write_jsonl
-from jaxrl.diagnostics import formats
+from jaxrl.utils.io import JsonlError, write_jsonl
+from jaxrl.data import formats
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
 

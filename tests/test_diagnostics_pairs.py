@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import scipy.stats
 
-from jaxrl.data.jsonl import write_jsonl
+from jaxrl.utils.io import write_jsonl
 from jaxrl.diagnostics.pair_audit import audit_pairs, length_bias
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import pytest
 from jaxrl.data import dpo_data
 from jaxrl.data.dpo_data import EncodedPair, SequenceConfig, build_sequences
 from jaxrl.data.pairs import pair_id
-from jaxrl.rollout.chat import format_chat, load_tokenizer
+from jaxrl.data.chat import format_chat, load_tokenizer
 from jaxrl.rollout.tokenizer import build_tiny_tokenizer
 
 CORPUS = ["Read two integers a and b from standard input and print a + b.",

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from configs import dpo_tiny
+from jaxrl.algorithms import dpo as dpo_lib
 from jaxrl.algorithms import dpo_trainer
 from jaxrl.algorithms.dpo_trainer import DPOObjective, DPOTask, sequence_logps_all
 from jaxrl.data import dpo_data
@@ -22,8 +23,10 @@ from jaxrl.data.pairs import CohortError, freeze_cohort
 from jaxrl.models.lora import LoRAParam, adapters_disabled, iter_lora
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rollout import generate
-from jaxrl.train.checkpoints import RunCheckpoints, load_adapter
-from jaxrl.train.loop import Trainer, build_model, run_training
+from jaxrl.models.adapters import load_adapter
+from jaxrl.train.checkpoints import RunCheckpoints
+from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.train.loop import Trainer
 from jaxrl.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,7 +367,7 @@ def test_tampered_cohort_fails_at_start_naming_the_file(tmp_path, cohort, untrai
 
 def test_family_config_reproduces_the_users_runs():
     from configs import dpo as family
-    from jaxrl.train.loop import build_model as build
+    from jaxrl.algorithms.run import build_model as build
     expect = {  # run: (model preset, start, lr, beta, lora rank/alpha, max length, pairs)
         "9b_tuned": ("9b", "m0", 5e-7, 0.1, (16, 32.0), 2560, 1000),
         "4b_high_lr": ("4b", "m0", 1e-5, 0.01, (16, 32.0), 2048, 1000),
@@ -380,7 +383,7 @@ def test_family_config_reproduces_the_users_runs():
         assert c.batch.micro_batch_size * c.batch.grad_accum == 8 and c.dpo.loss_type == "sigmoid"
     c = family.get_config("run=m0_initial,model=9b,lora=r32,lr=5e-6,mb=2,loss=sigmoid+sft,max_length=6144")
     assert (c.lora.rank, c.lora.alpha, c.optimizer.learning_rate, c.batch.micro_batch_size, c.batch.grad_accum,
-            c.dpo.loss_type, c.remat, c.dpo.beta) == (32, 64.0, 5e-6, 2, 4, "sigmoid,sft", "full", 0.05)
+            c.dpo.loss_type, c.remat, c.dpo.beta) == (32, 64.0, 5e-6, 2, 4, "sigmoid,sft", "auto", 0.05)
     with pytest.raises(ValueError, match="unknown override key 'learning_rate'"):
         family.get_config("learning_rate=1e-6")
     with pytest.raises(ValueError, match=r"lora='r8'"):
@@ -421,3 +424,26 @@ def test_plugin_loss_from_the_config_is_registered_and_used(tmp_path, untrained)
         for name in ("t_twice_sigmoid", "t_scalar"):
             if name in registry.names("dpo_loss"):
                 registry.unregister("dpo_loss", name)
+
+
+@pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "sigmoid,aot"])
+def test_losses_that_sort_across_pairs_refuse_a_micro_batch_of_one(loss_type, untrained):
+    """aot / aot_unpaired sort the pairs of a micro-batch: one pair sorts to itself, so at micro-batch 1 they are
+    plain smoothed sigmoid DPO. Refused, naming both keys; from 2 pairs on they run, with a warning that the
+    update depends on the micro-batch size."""
+    model, mesh = untrained
+    c = tiny_config()
+    c.dpo.loss_type, c.dpo.label_smoothing = loss_type, 0.1
+    c.batch.micro_batch_size, c.batch.grad_accum = 1, 8
+    with pytest.raises(ValueError, match=r"dpo.loss_type.*aot.*batch.micro_batch_size=1"):
+        DPOTask(c, model, mesh)
+    c.batch.micro_batch_size = 4
+    with pytest.warns(UserWarning, match="depends on batch.micro_batch_size"):
+        task = DPOTask(c, model, mesh)
+    assert "aot" in task.objective.loss_types[-1]
+    # The fact behind the refusal: sorting one pair is the identity, so at b = 1 aot is smoothed sigmoid DPO.
+    c_, r_, rc, rr = (np.array([x], np.float32) for x in (-18.0, -23.0, -20.0, -21.0))
+    z = 0.1 * ((c_ - r_) - (rc - rr))
+    for name in ("aot", "aot_unpaired"):
+        one = dpo_lib.dpo_loss(c_, r_, rc, rr, loss_type=name, beta=0.1, label_smoothing=0.1)
+        np.testing.assert_allclose(one, 0.9 * np.logaddexp(0, -z) + 0.1 * np.logaddexp(0, z), rtol=1e-6)

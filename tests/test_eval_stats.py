@@ -177,18 +177,23 @@ def test_compare_records_and_mismatched_ids():
     part, strict = rows
     assert part["diff"] == pytest.approx(0.05) and part["n_pairs"] == 40
     assert part["ci_low"] < 0.05 < part["ci_high"] and part["ci_crosses_zero"] == (part["ci_low"] <= 0)
-    assert "p_value" not in part
+    assert part["test"] == "sign_flip" and (part["p_value"] < 0.05) == (part["ci_low"] > 0) == part["significant"]
     assert strict["diff"] == pytest.approx(5 / 40)
-    assert (strict["b01"], strict["b10"], strict["p_value_test"]) == (0, 5, "mcnemar_exact")
-    assert strict["p_value"] == pytest.approx(2 / 32)
+    assert (strict["b01"], strict["b10"], strict["test"], strict["p_value_test"]) == (0, 5, "mcnemar_midp",
+                                                                                   "mcnemar_midp")
+    assert strict["p_value"] == pytest.approx(1 / 32) and strict["p_value_exact"] == pytest.approx(2 / 32)
+    assert strict["significant"] and strict["ci_low"] > 0  # the interval agrees with the (mid-p) test
     assert strict["model_value"] == pytest.approx(25 / 40) and strict["baseline_value"] == pytest.approx(0.5)
-    for key in ("model", "baseline", "metric", "diff", "ci_low", "ci_high", "n_pairs", "ci_crosses_zero"):
+    for key in ("model", "baseline", "metric", "diff", "ci_low", "ci_high", "n_pairs", "ci_crosses_zero",
+                "simultaneous_ci_low", "simultaneous_ci_high", "simultaneous_p_value", "family_size"):
         assert key in strict
-    # fractional strict rates (several samples a prompt) -> sign test
+    assert strict["family_size"] == 2 and strict["simultaneous_ci_low"] <= strict["ci_low"]
+    # fractional strict rates (several samples a prompt) -> sign-flip test, exact over the 2 differing prompts
     frac = {"base": {"strict_rate": {"a": 0.25, "b": 0.5, "c": 0.0}},
             "m": {"strict_rate": {"a": 0.5, "b": 0.5, "c": 0.125}}}
     row = stats.compare(frac, "base", ["strict_rate"], n_resamples=200)[0]
-    assert (row["b01"], row["b10"], row["p_value_test"]) == (0, 2, "sign_test") and row["p_value"] == 0.5
+    assert (row["b01"], row["b10"], row["test"]) == (0, 2, "sign_flip") and row["p_value"] == 0.5
+    assert row["ci_method"] == "sign_flip (exact)"
 
     bad = {"base": {"strict_rate": {"p1": 1.0, "p2": 0.0, "p3": 1.0}},
            "m": {"strict_rate": {"p1": 1.0, "p2": 1.0, "p9": 0.0}}}
@@ -226,12 +231,17 @@ def test_write_results_files(tmp_path):
     assert res["models"]["step28"]["partial_reward_mean"] == pytest.approx((13 * 0.75 + 7 * 0.25) / 20)
     assert res["models"]["base"]["pass_at_k"] == {"1": pytest.approx(7 / 20)}
     assert [c["metric"] for c in res["comparisons"]] == ["partial_reward_mean", "strict_rate"]
-    assert res["comparisons"][0]["diff"] == pytest.approx(0.25)  # every prompt +0.25
-    assert res["comparisons"][0]["ci_low"] == pytest.approx(0.25) == res["comparisons"][0]["ci_high"]
+    part = res["comparisons"][0]
+    assert part["diff"] == pytest.approx(0.25)  # every prompt +0.25: no spread, which is not certainty
+    psi = 1 - 0.025 ** (1 / 20)
+    assert part["test"] == "zero_spread" and part["ci_low"] == pytest.approx(0.25 - 1.25 * psi)
+    assert part["ci_high"] == pytest.approx(0.25 + 0.75 * psi)
     md = md_path.read_text()
     assert "truncation 45%: numbers are censored by the 8192-token cap" in md
-    assert "| step28 | base | partial_reward_mean | +0.2500 | 95% [+0.2500, +0.2500] | 20 |" in md
-    assert "| base | 20 | 20 | 0.3250 |" in md
+    lo, hi = part["ci_low"], part["ci_high"]
+    assert (f"| step28 | base | partial_reward_mean | +0.2500 | 95% [{lo:+.4f}, {hi:+.4f}] | "
+            f"[{part['simultaneous_ci_low']:+.4f}, {part['simultaneous_ci_high']:+.4f}] | 20 | ") in md
+    assert "| base | 20 | 20 | 0.3250 |" in md  # without the analysis' intervals the plain value
     with pytest.raises(ValueError, match="extra key 'models'"):
         stats.write_results(tmp_path, metrics, comps, extra={"models": {}})
     with pytest.raises(KeyError, match=r"models_metrics\['x'\] lacks 'strict_rate'"):

@@ -32,13 +32,13 @@ def env(tmp_path_factory):
     import numpy as np
 
     from jaxrl.evaluation.runner import ModelSpec, checkpoint_specs
-    from jaxrl.export.adapters import Adapter, write_adapter_checkpoint
+    from jaxrl.models.adapters import Adapter, write_adapter_checkpoint
     from jaxrl.export.merge import export_merged
     from jaxrl.export.peft import export_peft
     from jaxrl.models import qwen35
-    from jaxrl.models.lora import _linears
+    from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
-    from jaxrl.rollout.chat import load_tokenizer
+    from jaxrl.data.chat import load_tokenizer
     from jaxrl.rollout.tokenizer import build_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("evaluate")
@@ -57,7 +57,7 @@ def env(tmp_path_factory):
 
     workdir = str(root / "run")
     targets = ("layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj", "layers.0.mlp.down_proj")
-    lin = dict(_linears(model))
+    lin = dict(linears(model))
     adapters = {}
     for step in (2, 5):
         rng = np.random.default_rng(step)
@@ -159,7 +159,7 @@ def assert_close(got, want, where):
 
 
 def test_metrics_reproduced_by_hand_from_the_written_samples(env):
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     results = formats.read_results(env["root"] / "eval")
     assert list(results["models"]) == ["base", "step_2", "step_5", "peft5", "merged5"]
     assert results["max_new_tokens"] == CAP
@@ -194,12 +194,17 @@ def test_metrics_reproduced_by_hand_from_the_written_samples(env):
 
     # Comparisons: every model against base, on the same prompts, diff = model - base by hand.
     rows = {(c["model"], c["metric"]): c for c in results["comparisons"]}
-    assert len(rows) == 4 * 4
+    assert len(rows) == 4 * 5  # the 4 per-prompt metrics and pass@2 (N = 2 samples a prompt)
+
+    def value(name, metric):
+        return models[name]["pass_at_k"]["2"] if metric == "pass_at_2" else models[name][metric]
     for (name, metric), c in rows.items():
         assert c["baseline"] == "base" and c["n_pairs"] == len(env["ids"])
-        assert c["diff"] == pytest.approx(models[name][metric] - models["base"][metric], abs=1e-12)
+        assert c["diff"] == pytest.approx(value(name, metric) - value("base", metric), abs=1e-12)
         assert c["ci_low"] <= c["diff"] <= c["ci_high"]
-        assert (metric == "strict_rate") == ("p_value" in c)
+        # every row: a test that agrees with its interval, and the simultaneous interval over all 20
+        assert c["significant"] == (c["p_value"] < 0.05) == (c["ci_low"] > 0 or c["ci_high"] < 0)
+        assert c["family_size"] == 20 and c["simultaneous_ci_low"] <= c["ci_low"]
     # One over-long prompt was skipped, and said so.
     assert any("1 of 9 problems were skipped" in w for w in results["warnings"])
 
@@ -218,8 +223,8 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
     """Known texts through the same path (decode -> reward -> records -> metrics -> comparisons -> files)."""
     import dataclasses
 
-    from jaxrl.diagnostics import formats
-    from jaxrl.evaluation.backends import Generation
+    from jaxrl.data import formats
+    from jaxrl.rollout.backends import Generation
     from jaxrl.evaluation.runner import summarize
     ev = env["ev"]
     tok, stop = env["tokenizer"], ev.stop_ids[0]
@@ -234,9 +239,10 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
         gens, pids = [], []
         for i, (pid, text, done) in enumerate(rows):
             ids = tok(text, add_special_tokens=False)["input_ids"] + ([stop] if done else [])
-            gens.append(Generation(ids, "stop" if done else "length", 0, i % 2))
+            gens.append(Generation(ids, "stop" if done else "length", i, i % 2))
             pids.append(pid)
-        records[name] = ev._score(gens, pids, CAP)
+        scored = ev.collector.score(gens, [ev.by_id[pid] for pid in pids])  # the decoding + reward every run uses
+        records[name] = [ev.record(sample, pids[sample.prompt_index], CAP) for sample in scored]
         tokens[name] = [len(g.tokens) for g in gens]
         assert [r["completion"] for r in records[name]] == [t for _, t, _ in rows]
     metrics, comps = summarize(records, "base", n_resamples=2000, seed=0)
@@ -256,8 +262,9 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
     rows = {c["metric"]: c for c in comps}
     assert rows["partial_reward_mean"]["diff"] == pytest.approx(0.5 / 3)
     assert rows["strict_rate"]["diff"] == pytest.approx(1 / 6)
-    # per-prompt strict rates (0.5, 0, 0) vs (1, 0, 0): one discordant prompt, exact sign test p = 1
-    assert (rows["strict_rate"]["p_value"], rows["strict_rate"]["p_value_test"]) == (1.0, "sign_test")
+    # per-prompt strict rates (0.5, 0, 0) vs (1, 0, 0): one discordant prompt, exact sign-flip test p = 1
+    assert (rows["strict_rate"]["p_value"], rows["strict_rate"]["test"]) == (1.0, "sign_flip")
+    assert rows["strict_rate"]["ci_low"] < 0 < rows["strict_rate"]["ci_high"]  # and the interval agrees
 
     # Written out: 1/6 truncation is above the default 10% threshold, below a 20% one.
     out = tmp_path / "fixed"
@@ -273,7 +280,7 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
 
 
 def test_resample_truncated_continues_the_same_samples(env):
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     from jaxrl.diagnostics.termination import resample_truncated
     ev = env["ev"]
     records = formats.read_samples(formats.samples_path(ev.out, "step_2"))
@@ -289,8 +296,126 @@ def test_resample_truncated_continues_the_same_samples(env):
     assert out["after"]["truncation_rate"] <= out["before"]["truncation_rate"]
 
 
+def test_resampled_records_are_kept_and_every_model_compared_with_base_at_the_larger_cap(env, tmp_path):
+    """launchers.evaluate --resample_max_new_tokens: the merged records stay on disk and results.json compares
+    each model with the base, BOTH re-sampled at the larger cap (the comparison that matters)."""
+    import shutil
+
+    from jaxrl.data import formats
+    from jaxrl.diagnostics.termination import resample_evaluation
+    from jaxrl.evaluation.censoring import load_resampled, resampled_path
+    out = tmp_path / "eval"
+    shutil.copytree(env["root"] / "eval", out)
+    ev = evaluator(env, out)
+    results = ev.run()  # everything cached: nothing is drawn again
+    assert (results.get("censoring") or {}).get("extended_cap") is None
+    term = json.loads(Path(resample_evaluation(ev, 2 * CAP)).read_text())
+    kept = load_resampled(out)
+    assert list(kept) == [2 * CAP] and set(kept[2 * CAP]) == set(results["models"])
+    for name in results["models"]:
+        before = formats.read_samples(formats.samples_path(out, name))
+        after = {(r["problem_id"], r["sample_index"]): r for r in kept[2 * CAP][name]}
+        assert len(after) == len(before)
+        for r in before:  # truncated samples re-drawn (continuing the same stream), the others unchanged
+            new = after[(r["problem_id"], r["sample_index"])]
+            if r["finish_reason"] == "length":
+                assert new["resampled"] and new["max_new_tokens"] == 2 * CAP
+                assert new["completion"].startswith(r["completion"])
+            else:
+                assert new == r
+        assert term["resampled"][name]["records_file"] == str(resampled_path(out, 2 * CAP, name))
+    res = formats.read_results(out)
+    ext = res["censoring"]["extended_cap"]
+    assert ext["max_new_tokens"] == 2 * CAP and set(ext["models"]) == set(res["models"]) - {"base"}
+    assert term["extended_cap"]["models"].keys() == ext["models"].keys()
+    row = next(c for c in ext["models"]["step_2"]["comparisons"] if c["metric"] == "partial_reward_mean")
+    from jaxrl.evaluation.metrics import per_prompt_values
+    a = per_prompt_values(kept[2 * CAP]["step_2"])["partial_reward_mean"]
+    b = per_prompt_values(kept[2 * CAP]["base"])["partial_reward_mean"]
+    assert row["diff"] == pytest.approx(sum(a[i] - b[i] for i in b) / len(b), abs=1e-12)
+    assert row["n_pairs"] == len(env["ids"]) and (row["p_value"] < 0.05) == (row["ci_low"] > 0 or row["ci_high"] < 0)
+    md = (out / "results.md").read_text()
+    assert f"### Both re-sampled at {2 * CAP} tokens" in md and "## Censoring" in md
+
+
+def test_select_on_dev_then_confirm_once_on_heldout(env, tmp_path):
+    """The protocol with the real evaluator: choose among the checkpoints on dev, record it, evaluate base + the
+    chosen one on held-out (the one confirmatory claim), and refuse a second confirmation."""
+    from jaxrl.data.problems import load_problems
+    from jaxrl.data.splits import freeze_splits
+    from jaxrl.data import formats
+    from jaxrl.evaluation import protocol as P
+    from jaxrl.evaluation.runner import ModelSpec
+    split_dir = tmp_path / "splits"
+    freeze_splits(load_problems(env["problems"]), split_dir, seed=0)
+    dev_out = tmp_path / "dev"
+    P.write_protocol(dev_out, {"role": "selection", "split": P.split_identity(split_dir / "dev.jsonl")})
+    dev = evaluator(env, dev_out, problems=str(split_dir / "dev.jsonl")).run()
+    assert dev["protocol"]["role"] == "selection" and dev["protocol"]["split"]["split"] == "dev"
+    assert {c["claim"] for c in dev["comparisons"]} == {"exploratory"}
+    sel = P.write_selection(dev_out, formats.read_results(dev_out), base=env["model_dir"])
+    best = max((c for c in dev["comparisons"] if c["metric"] == "partial_reward_mean"), key=lambda c: c["diff"])
+    assert sel["model"]["name"] == best["model"] and sel["model"]["fingerprint"] == \
+        dev["models"][best["model"]]["fingerprint"]
+    selection = P.read_selection(dev_out)
+    src = selection["model"]["source"]
+    held_out = tmp_path / "heldout"
+    spec = ModelSpec(selection["model"]["name"], src["kind"], src["path"], step=selection["model"]["step"])
+    proto = P.begin_confirmation(selection, split_dir / "heldout.jsonl", held_out)
+    ev = evaluator(env, held_out, problems=str(split_dir / "heldout.jsonl"), models=[spec])
+    P.check_fingerprint(proto, ev.run_audit()["fingerprints"])
+    held = ev.run()
+    claims = {(c["model"], c["metric"]): c["claim"] for c in held["comparisons"]}
+    assert claims.pop((spec.name, "partial_reward_mean")) == "confirmatory"
+    assert set(claims.values()) == {"exploratory"}
+    assert "Role: **confirmation**" in (held_out / "results.md").read_text()
+    with pytest.raises(P.ProtocolError, match="already confirmed"):
+        P.begin_confirmation(selection, split_dir / "heldout.jsonl", tmp_path / "again")
+
+
+@pytest.mark.slow
+def test_the_launcher_selects_confirms_and_refuses_a_second_confirmation(env, tmp_path):
+    from jaxrl.data.problems import load_problems
+    from jaxrl.data.splits import freeze_splits
+    split_dir = tmp_path / "splits"
+    freeze_splits(load_problems(env["problems"]), split_dir, seed=0)
+    common = [f"--base={env['model_dir']}", f"--num_samples={N}", "--temperature=1.0", f"--max_new_tokens={CAP}",
+              "--max_prompt_len=192", "--prompt_buckets=192", "--batch_size=4", f"--reward={REWARD}",
+              "--dtype=float32", "--seed=3", "--n_resamples=500", "--noprogress"]
+    sub_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+
+    def evaluate(*args):
+        return subprocess.run([sys.executable, "-m", "launchers.evaluate", *common, *args], cwd=ROOT, env=sub_env,
+                              capture_output=True, text=True, timeout=600)
+    loose = evaluate(f"--problems={env['problems']}", f"--checkpoints={env['workdir']}", f"--out={tmp_path / 'x'}",
+                     "--role=select")
+    assert loose.returncode != 0 and "needs a frozen split" in loose.stderr
+    dev = evaluate(f"--problems={split_dir / 'dev.jsonl'}", f"--checkpoints={env['workdir']}",
+                   f"--out={tmp_path / 'dev'}", "--role=select")
+    assert dev.returncode == 0, dev.stderr[-3000:]
+    selection = json.loads((tmp_path / "dev" / "selection.json").read_text())
+    assert f"evaluate: selected {selection['model']['name']}" in dev.stdout
+    held = evaluate(f"--problems={split_dir / 'heldout.jsonl'}", f"--confirm={tmp_path / 'dev'}",
+                    f"--out={tmp_path / 'held'}")
+    assert held.returncode == 0, held.stderr[-3000:]
+    res = json.loads((tmp_path / "held" / "results.json").read_text())
+    assert list(res["models"]) == ["base", selection["model"]["name"]]
+    assert [c["claim"] for c in res["comparisons"] if c["metric"] == selection["metric"]] == ["confirmatory"]
+    again = evaluate(f"--problems={split_dir / 'heldout.jsonl'}", f"--confirm={tmp_path / 'dev'}",
+                     f"--out={tmp_path / 'held2'}")
+    assert again.returncode != 0 and "already confirmed" in again.stderr
+    assert not (tmp_path / "held2" / "results.json").exists()
+
+
+def test_greedy_decoding_with_several_samples_is_refused(env, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launchers.evaluate", f"--problems={env['problems']}",
+                           f"--base={env['model_dir']}", f"--out={tmp_path}", "--temperature=0", "--num_samples=4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "temperature 0 with num_samples=4" in proc.stderr
+
+
 def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_path):
-    from jaxrl.diagnostics import formats
+    from jaxrl.data import formats
     from jaxrl.evaluation.runner import ResumeError
     out = tmp_path / "eval"
     log = tmp_path / "evaluate.log"
@@ -340,19 +465,13 @@ def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_pat
     assert results["models"] == env["results"]["models"]
 
 
-def test_vllm_backend_is_import_safe_and_says_how_to_install(env, tmp_path):
-    """The optional backend cannot run here (no GPU, no vllm): constructing it and rendering its command must
-    work without vllm, and using it must fail with the install hint, not an obscure error."""
-    from jaxrl.evaluation.backends import make_backend
-    from jaxrl.evaluation.runner import ModelSpec
-    try:
-        import vllm  # noqa: F401
-        pytest.skip("vllm is installed; this checks the message a machine without it gets")
-    except ImportError:
-        pass
-    backend = make_backend("vllm", base_dir=env["model_dir"], out_dir=str(tmp_path), max_prompt_len=192,
-                           max_new_tokens=CAP, stop_ids=(0, 1), seed=3)
-    cmd = backend.command(env["merged"])
-    assert cmd.startswith("vllm serve ") and f"--max-model-len {192 + CAP}" in cmd and "--seed 3" in cmd
-    with pytest.raises(ImportError, match="pip install"):
-        backend.load(ModelSpec("base", "base"))
+def test_vllm_backend_without_its_environment_fails_before_any_work(env, tmp_path):
+    """vLLM runs from its own environment (docs/vllm.md); without one, the evaluator refuses to start with the two
+    lines that make it, and nothing is written."""
+    from jaxrl.rollout.backends import ServerError
+    from jaxrl.rollout.backends.vllm_backend import ENV_RECIPE
+    out = tmp_path / "eval_vllm"
+    with pytest.raises(ServerError, match="no vLLM environment at") as e:
+        evaluator(env, out, backend="vllm", backend_kwargs={"python": str(tmp_path / "no_venv")})
+    assert all(line in str(e.value) for line in ENV_RECIPE)
+    assert not (out / "cache").exists()

@@ -20,11 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.export import export_checkpoint
-from jaxrl.export.adapters import Adapter, AdapterError, read_adapter, write_adapter_checkpoint
+from jaxrl.export.peft import read_adapter
+from jaxrl.models.adapters import Adapter, AdapterError, write_adapter_checkpoint
 from jaxrl.export.audit import FolderSource, MergedSource, fingerprint
-from jaxrl.export.peft import LAYOUT_PREFIXES, LayoutError, atomic_folder, export_peft, load_peft_adapter
+from jaxrl.export.peft import LAYOUT_PREFIXES, LayoutError, export_peft, load_peft_adapter
 from jaxrl.models import qwen35
-from jaxrl.models.lora import ALL_LINEAR, _linears
+from jaxrl.models.lora import ALL_LINEAR, linears
+from jaxrl.utils.io import atomic_folder
 
 TOL = 1e-4  # fp32 logits, absolute (logits are O(1) here; observed ~2e-5)
 
@@ -36,7 +38,7 @@ def random_adapter(folder, modules=None, rank=4, alpha=8.0, use_rslora=True, see
     model = qwen35.from_pretrained(folder, dtype=jnp.float32)
     rng = np.random.default_rng(seed)
     params = {}
-    for path, lin in _linears(model):
+    for path, lin in linears(model):
         if path == "lm_head" or (modules is not None and path not in modules):
             continue
         params[path + ".lora.lora_A"] = (rng.standard_normal((rank, lin.in_features)) * scale).astype(np.float32)
@@ -56,7 +58,7 @@ def forward(model, ids):
 
 
 def jax_logits(folder, adapter, ids):
-    from jaxrl.export.adapters import attach
+    from jaxrl.models.adapters import attach
     model = qwen35.from_pretrained(folder, dtype=jnp.float32)
     if adapter is not None:
         attach(model, adapter)

@@ -397,6 +397,31 @@ def test_on_policy_gradient_is_advantage_weighted_logp():
     np.testing.assert_allclose(float(loss), pg - 0.01 * (ent * mask).sum() / mask.sum(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("estimator", kl.ESTIMATORS)
+def test_kl_penalty_at_padded_positions_leaves_the_gradient_finite(estimator):
+    """Padding may hold any log-prob (the reference buffer is 0 there): with logp = -120 at a padded position,
+    k3's exp(ref - logp) overflows unless the difference is masked before the estimator. The loss and the
+    gradient must equal those of the same batch with a harmless value at that position."""
+    logp, _, ref, adv, mask = ragged_batch(5)
+    norm = grpo.global_normalizers(jnp.asarray(mask))
+    extreme, harmless = logp.copy(), logp.copy()
+    padded = np.argwhere(mask == 0)
+    extreme[tuple(padded[:3].T)] = [-120.0, -1e4, 300.0]
+    ref = np.where(mask > 0, ref, 0.0).astype(np.float32)
+    loss_and_grad = jax.jit(jax.value_and_grad(
+        lambda lp: grpo.grpo_loss(lp, None, jnp.asarray(adv), jnp.asarray(mask), norm, ref_logp=jnp.asarray(ref),
+                                  beta=0.04, kl_estimator=estimator)[0]))
+    loss, grad = loss_and_grad(jnp.asarray(extreme))
+    want_loss, want_grad = loss_and_grad(jnp.asarray(harmless))
+    assert np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
+    assert (np.asarray(grad)[mask == 0] == 0).all()
+    # The per-token estimate itself is 0 at padding once the mask is given.
+    per_token = kl.kl(jnp.asarray(extreme), jnp.asarray(ref), estimator, mask=jnp.asarray(mask))
+    assert np.isfinite(np.asarray(per_token)).all() and (np.asarray(per_token)[mask == 0] == 0).all()
+
+
 def test_dual_clip_and_clip_fraction():
     lr = jnp.log(jnp.array([[0.5, 1.0, 1.5, 5.0]]))
     neg = grpo.clipped_surrogate(lr, jnp.array([-1.0]), 0.2, 0.2, dual_clip=3.0)

@@ -12,8 +12,9 @@ from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import online
 from jaxrl.algorithms.grpo_trainer import GRPOObjective, GRPOTask
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.train.loop import Trainer, build_model, run_training
-from jaxrl.train.registry import get_trainer
+from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.algorithms.trainers import get_trainer
+from jaxrl.train.loop import Trainer
 from jaxrl.train.step import accumulate_gradients, make_micro_loss, split_batch
 
 MESH = (1, 1, 1)
@@ -121,6 +122,28 @@ def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     on = batch["completion_mask"] > 0
     np.testing.assert_allclose(cur[on], ref[on], atol=1e-6)
     assert np.all(ref[on] < 0)
+
+
+@pytest.mark.slow  # ~30-50 s on two cores: a rollout and its teacher-forced passes compile
+def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
+    """Off-policy (num_iterations=2) in bf16: the ratio's denominator must be the teacher-forced log-probs of the
+    sampling parameters. The sampler's KV-cache decode differs from that pass by ~1e-2 in bf16 (equal to ~1e-6
+    in fp32, where the sampler's are kept)."""
+    cfg = tiny_config(num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
+    cfg.batch.micro_batch_size, cfg.batch.grad_accum = 4, 4
+    cfg.dtype = "bfloat16"
+    model = build_model(cfg)
+    task = GRPOTask(cfg, model, make_mesh(MESH))
+    trainer = Trainer(cfg, model, task, str(tmp_path / "run"), mesh=make_mesh(MESH))
+    batch, _ = task.batch(0, trainer)
+    teacher = online.teacher_forced(trainer.current_model(), batch, completion_len=8, adapters=True,
+                                    batch_size=cfg.grpo.logprob_batch_size, chunk_size=cfg.logprob_chunk_size)
+    on = batch["completion_mask"] > 0
+    assert on.any()
+    np.testing.assert_allclose(batch["old_logp"][on], teacher["logp"][on], atol=1e-6, rtol=0)
+    fp32 = tiny_config(num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
+    fp32.batch.micro_batch_size, fp32.batch.grad_accum = 4, 4
+    assert not GRPOTask(fp32, build_model(fp32), make_mesh(MESH)).recompute
 
 
 # ------------------------------------------------------------------------------------------------- learning

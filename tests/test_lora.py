@@ -51,7 +51,7 @@ def test_all_linear_targets_the_12_tower_projections_never_lm_head():
     assert set(report["by_name"]) == set(lora.ALL_LINEAR)
     assert report["by_name"]["gate_proj"] == 4 and report["by_name"]["in_proj_qkv"] == 2
     assert not any("lm_head" in m for m in report["modules"])
-    # PEFT on the tiny container with the same shapes, docs §6 (r=4): 17,984 trainable parameters
+    # PEFT on the tiny container with the same shapes, docs/qwen35-architecture.md §6 (r=4): 17,984 trainable parameters
     assert report["trainable_params"] == 17984
 
 
@@ -111,7 +111,7 @@ def test_shapes_scale_init_and_split(bf16_models):
 @pytest.fixture(scope="module")
 def bf16_models():
     """(base, the same weights with all-linear LoRA r4/alpha8 attached): a bf16 2-layer tiny model."""
-    from jaxrl.train.loop import init_model_jit
+    from jaxrl.models.qwen35.init import init_model_jit
     base = init_model_jit(tiny2(), jnp.bfloat16, seed=0)
     model = nnx.clone(base)
     lora.apply_lora(model, "all-linear", rank=4, alpha=8, seed=3)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.data import pairs as P
-from jaxrl.data.jsonl import JsonlError, read_jsonl, write_jsonl
+from jaxrl.utils.io import JsonlError, read_jsonl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 CAP = 4096  # cap - 24 = 4072 is kept, 4073 is truncated

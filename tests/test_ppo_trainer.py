@@ -14,8 +14,9 @@ from configs import ppo_tiny
 from jaxrl.algorithms.ppo_trainer import PPOTask, ValueHead
 from jaxrl.models.qwen35.checkpoint import is_base_param
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.train.checkpoints import load_adapter
-from jaxrl.train.loop import Trainer, build_model, run_training
+from jaxrl.models.adapters import load_adapter
+from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.train.loop import Trainer
 from jaxrl.train.metrics import read_metrics
 
 MESH = (1, 1, 1)
@@ -145,6 +146,50 @@ def test_resume_inside_a_rollout_gives_identical_adapters(tmp_path):
     adapter, meta = load_adapter(part_dir)
     assert adapter and all(".lora." in n for n in adapter)
     assert not is_base_param(("value_head", "weight"))
+
+
+# ------------------------------------------------------------------------------------------------- KL controller
+
+
+@pytest.mark.slow  # ~30-50 s on two cores: a rollout and its teacher-forced passes compile
+def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
+    """verl and OpenRLHF feed the controller the mean over sequences of each sequence's token-mean KL (so a few
+    long completions do not dominate it). A real rollout with ragged completions (temperature 1 reaches the stop
+    token early in some rows) and a policy away from its reference (random LoRA B)."""
+    from jaxrl.algorithms import kl as kl_lib
+    from jaxrl.algorithms import online
+    from jaxrl.algorithms import ppo as ppo_lib
+    from jaxrl.models.lora import iter_lora
+
+    cfg = tiny_config(adaptive_kl=True, temperature=1.0, kl_estimator="k1")
+    model = build_model(cfg)
+    rng = np.random.default_rng(0)
+    for _, lora in iter_lora(model):
+        lora.lora_B[...] = rng.standard_normal(lora.lora_B.shape).astype(np.float32) * 0.3
+    task = PPOTask(cfg, model, make_mesh(MESH))
+    seen = []
+
+    class Recording(ppo_lib.AdaptiveKLController):
+        def update(self, coef, current_kl, n_steps):
+            seen.append((float(current_kl), int(n_steps)))
+            return super().update(coef, current_kl, n_steps)
+
+    task.controller = Recording(*task.controller)
+    buffer, metrics = task.make_rollout(0, model, None)
+    ref = online.teacher_forced(model, buffer, completion_len=cfg.ppo.max_new_tokens, adapters=False,
+                                batch_size=cfg.ppo.logprob_batch_size, temperature=1.0,
+                                chunk_size=cfg.logprob_chunk_size)["logp"]
+    mask = buffer["completion_mask"] > 0
+    kl = np.asarray(kl_lib.kl(buffer["old_logp"], ref, "k1", mask=mask), np.float64)
+    lengths = mask.sum(-1)
+    assert len(set(lengths[lengths > 0])) > 1  # ragged, or both means would coincide
+    per_sequence = kl.sum(-1)[lengths > 0] / lengths[lengths > 0]
+    token_mean = kl.sum() / lengths.sum()
+    assert abs(per_sequence.mean() - token_mean) > 1e-3 * abs(token_mean)
+    (current_kl, n_steps), = seen
+    assert n_steps == 64
+    np.testing.assert_allclose(current_kl, per_sequence.mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["rollout/kl"], token_mean, rtol=1e-5)  # the token mean stays a metric
 
 
 # ------------------------------------------------------------------------------------------------- value head

@@ -15,10 +15,11 @@ import pytest
 
 from jaxrl.data.importers import (decode_lcb_private_tests, encode_lcb_private_tests, humaneval_problem,
                                   import_file, lcb_problem, nemotron_problem)
-from jaxrl.data.problems import (Problem, ProblemFormatError, atomic_write_bytes, load_problems,
-                                 load_problems_dataset, read_problems, save_problems)
+from jaxrl.data.problems import (Problem, ProblemFormatError, load_problems, load_problems_dataset, read_problems,
+                                 save_problems)
 from jaxrl.data.splits import (SplitIntegrityError, assign_split, freeze_splits, load_split, read_manifest,
                                verify_split)
+from jaxrl.utils.io import atomic_write_bytes
 
 REPO = Path(__file__).parent.parent
 

@@ -107,7 +107,7 @@ def test_changed_weights_are_written_and_others_kept(hf_container, tmp_path):
 
 def test_mesh_load_matches_single_device(hf_container):
     folder, _ = hf_container
-    from jaxrl.parallel.sharding import make_mesh
+    from jaxrl.parallel.mesh import make_mesh
     mesh = make_mesh((2, 2, 2))
     sharded = qwen35.from_pretrained(folder, mesh=mesh)
     w = sharded.layers[0].mlp.gate_proj.weight[...]
@@ -227,4 +227,4 @@ def test_presets_have_the_real_shapes():
     from flax import nnx
     abstract = nnx.eval_shape(lambda: qwen35.Qwen35(four, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     n_params = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
-    assert abs(n_params - 4.206e9) / 4.206e9 < 0.01  # docs §1.2: 4.206B with tied embeddings
+    assert abs(n_params - 4.206e9) / 4.206e9 < 0.01  # docs/qwen35-architecture.md §1.2: 4.206B with tied embeddings

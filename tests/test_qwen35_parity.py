@@ -118,11 +118,12 @@ def test_gradients_match_torch_autograd(hf_container):
 
     loss_j, grads = jax.value_and_grad(loss_fn)(params)
     assert abs(float(loss_j) - loss_t.item()) <= 1e-4 * abs(loss_t.item()) + 1e-5
-    from jaxrl.models.qwen35.checkpoint import hf_key, param_name
+    from jaxrl.models.qwen35.checkpoint import hf_key
+    from jaxrl.utils.tree import dotted
     from jaxrl.models.qwen35.config import CONTAINER
     checked = 0
     for path, g in nnx.to_flat_state(grads):
-        key = hf_key(param_name(path), CONTAINER)
+        key = hf_key(dotted(path), CONTAINER)
         ref = torch_grads[key]
         ours = np.asarray(g[...])
         assert ours.shape == ref.shape, key

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxrl.data.jsonl import atomic_write_json, write_jsonl
-from jaxrl.diagnostics import formats
+from jaxrl.utils.io import atomic_write_json, write_jsonl
+from jaxrl.data import formats
 from jaxrl.diagnostics.drift import checkpoint_drift
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results

@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 
-from jaxrl.train.checkpoints import RunCheckpoints, load_adapter
+from jaxrl.models.adapters import load_adapter
+from jaxrl.train.checkpoints import RunCheckpoints
 from jaxrl.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from jaxrl.rollout.chat import PromptTooLongError, chat_stop_ids, encode_prompts, format_chat, load_tokenizer, \
+from jaxrl.data.chat import PromptTooLongError, chat_stop_ids, encode_prompts, format_chat, load_tokenizer, \
     render_chat
 from jaxrl.rollout.generate import decode_texts
 from jaxrl.rollout.tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, check_encodable
@@ -86,6 +86,6 @@ def test_stop_ids_and_completion_texts(tok):
     assert chat_stop_ids(tok) == (0, 1)  # <|endoftext|>, <|im_end|>
     assert chat_stop_ids(tok, model_eos=(1, 7)) == (0, 1, 7)
     body = tok("<think>\nhmm\n</think>\n\nprint(1)", add_special_tokens=False)["input_ids"]
-    texts = decode_texts(tok, [body + [1], body], ["stop", "length"])
+    texts = decode_texts(tok, [body + [1], body], chat_stop_ids(tok))
     assert texts[0] == "<think>\nhmm\n</think>\n\nprint(1)"  # stop token dropped, think tags kept
     assert texts[1] == texts[0]  # a truncated sample keeps every token it has

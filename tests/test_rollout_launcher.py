@@ -10,10 +10,10 @@ import pytest
 
 import jax.numpy as jnp
 
-from jaxrl.data.jsonl import read_jsonl
+from jaxrl.utils.io import read_jsonl
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny
-from jaxrl.rollout.chat import PromptTooLongError, load_tokenizer
+from jaxrl.data.chat import PromptTooLongError, load_tokenizer
 from jaxrl.rollout.runner import ResumeError, RolloutConfig, run_rollouts
 from jaxrl.rollout.tokenizer import build_tiny_tokenizer
 

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl.models import lora, qwen35
 from jaxrl.models.qwen35.config import tiny  # not qwen35.tiny: the tiny.py submodule shadows it once imported
-from jaxrl.parallel.sharding import make_mesh
+from jaxrl.parallel.mesh import make_mesh
 from jaxrl.rollout import TRACE_COUNTS, Sampler
 from jaxrl.rollout.sampling import sampling_mode
 
@@ -121,14 +121,16 @@ def test_held_sampler_uses_new_weights_without_recompiling(adapted):
 def test_adapter_checkpoint_loads_for_rollouts(adapted, tmp_path):
     """`launchers.rollout --adapter`: a trainer adapter checkpoint attached to a fresh base model samples exactly
     what the trained model samples."""
-    from jaxrl.rollout.runner import load_adapter
+    from jaxrl.export.peft import read_adapter
+    from jaxrl.models.adapters import attach
     from jaxrl.train.checkpoints import RunCheckpoints
 
     ckpt = RunCheckpoints(str(tmp_path), async_save=False)
     ckpt.save(3, {"step": jnp.zeros((), jnp.int32)}, {"step": 3}, lora.lora_state(adapted),
               {"step": 3, "lora": lora.lora_targets_report(adapted)})
     ckpt.close()
-    fresh = load_adapter(qwen35.init_model(tiny2(), seed=0), str(tmp_path))
+    fresh = qwen35.init_model(tiny2(), seed=0)
+    attach(fresh, read_adapter(str(tmp_path)))  # what the rollout runner's backend does with --adapter
     prompts = prompts_of([4, 11, 19, 30], seed=4)
     assert Sampler(fresh, **SETTINGS).sample(prompts, **SAMPLING).tokens == \
         Sampler(adapted, **SETTINGS).sample(prompts, **SAMPLING).tokens

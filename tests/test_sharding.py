@@ -14,9 +14,10 @@ from jaxrl.parallel import distributed
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.mesh import MeshConfigError, make_mesh, mesh_from_config
 from jaxrl.train.objective import NextToken
-from jaxrl.train.sft import synthetic_batch
-from jaxrl.train.loop import init_model_jit
-from jaxrl.train.state import ParamCodec, create_train_state, path_name
+from jaxrl.algorithms.sft import synthetic_batch
+from jaxrl.models.qwen35.init import init_model_jit
+from jaxrl.train.state import ParamCodec, create_train_state
+from jaxrl.utils.tree import dotted
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices: XLA_FLAGS in conftest")
@@ -74,7 +75,7 @@ def test_meshes_give_the_loss_and_gradients_of_one_device(parts):
             assert norm(q_b.sharding.spec) == ("tensor",) and q_b.addressable_shards[0].data.shape == (64, 4)
             # the frozen base goes in with the rule shardings (those jit_train_step declares): check them
             frozen = jax.device_put(parts[3], shd.nnx_state_shardings(parts[3], mesh))
-            shards = {path_name(p): (norm(x.sharding.spec), x.addressable_shards[0].data.shape, x.shape)
+            shards = {dotted(p): (norm(x.sharding.spec), x.addressable_shards[0].data.shape, x.shape)
                       for p, x in jax.tree_util.tree_flatten_with_path(frozen)[0]}
             expect = {"in_proj_qkv.weight": ("tensor", "fsdp"), "conv1d": ("tensor",),
                       "out_proj.weight": ("fsdp", "tensor"), "down_proj.weight": ("fsdp", "tensor"),
@@ -130,7 +131,7 @@ def test_users_micro_batch_of_one_is_refit_to_the_mesh_keeping_the_global_batch(
     # the trainer takes 8 x 1 instead (the update does not depend on the split) and config.json records it.
     import json
     from configs import sft_tiny
-    from jaxrl.train.loop import fit_micro_batch_to_mesh, run_training
+    from jaxrl.algorithms.run import fit_micro_batch_to_mesh, run_training
     mesh = make_mesh((1, 8, 1))
     c = sft_tiny.get_config()
     c.batch.micro_batch_size, c.batch.grad_accum, c.steps, c.checkpoint_every = 1, 8, 2, 2

@@ -197,7 +197,8 @@ def t_scalar_loss(p):
 
 def test_plugins_section_forms_and_reward_plugins(tmp_path):
     from jaxrl.rewards import get_reward
-    from jaxrl.train.plugins import _example_problem, load_plugins, parse_plugins
+    from jaxrl.algorithms.plugins import load_plugins, parse_plugins
+    from jaxrl.rewards.registry import example_problem
     path = tmp_path / "t_plug.py"
     path.write_text(textwrap.dedent("""
         def t_len_reward(completion, problem):
@@ -220,7 +221,7 @@ def test_plugins_section_forms_and_reward_plugins(tmp_path):
         parse_plugins([{"kind": "kl", "path": "a.py:f", "fn": "g"}])
 
     assert load_plugins(entries[:1]) == [{"kind": "reward", "name": "t_len", "path": f"{path}:t_len_reward"}]
-    problem = _example_problem()
+    problem = example_problem()
     scores = get_reward("t_len").score(["abc", "a" * 30], [problem, problem])
     assert [s.partial for s in scores] == [0.3, 1.0]
     load_plugins(entries[:1])  # the same plug-in again (a resumed run): fine
@@ -237,7 +238,7 @@ def test_malformed_plugin_fails_before_training(tmp_path):
     bad.write_text(BAD_LOSS)
     # run_training: the PluginError comes before the model, the data or the workdir
     from configs import dpo_tiny
-    from jaxrl.train.loop import run_training
+    from jaxrl.algorithms.run import run_training
     c = dpo_tiny.get_config()
     c.plugins = ({"kind": "dpo_loss", "name": "t_scalar", "path": f"{bad}:t_scalar_loss"},)
     c.dpo.loss_type = "t_scalar"
@@ -567,8 +568,8 @@ def test_plugin_loss_trains_is_evaluated_and_compared_under_its_own_name(tmp_pat
     assert "t_margin_dpo" in (out / "report.html").read_text()
 
     # evaluation at every checkpoint (0 = base), and the paired interval against the sigmoid point by hand
-    from jaxrl.diagnostics.formats import read_results, read_samples
-    from jaxrl.evaluation.stats import paired_bootstrap
+    from jaxrl.data.formats import read_results, read_samples
+    from jaxrl.evaluation.stats import paired_difference
     assert data["steps"] == [0, 2, 4] and data["metrics"][:2] == ["partial_reward_mean", "strict_rate"]
     base_dir = out / rows["sigmoid"]["point"]
     for step, name in ((0, "base"), (2, "step_2"), (4, "step_4")):
@@ -584,10 +585,14 @@ def test_plugin_loss_trains_is_evaluated_and_compared_under_its_own_name(tmp_pat
         a, b = per_prompt(plug_dir), per_prompt(base_dir)
         assert sorted(a) == sorted(b) and len(a) == 6
         ids = list(b)  # the baseline's prompt order, as the comparison pairs them (the resampling is by index)
-        want = paired_bootstrap([a[i] for i in ids], [b[i] for i in ids], n_resamples=10000, seed=0)
+        want = paired_difference([a[i] for i in ids], [b[i] for i in ids], n_resamples=10000, seed=0)
         assert plug[f"diff:partial_reward_mean@{step}"] == pytest.approx(np.mean([a[i] - b[i] for i in ids]),
                                                                           abs=1e-12)
-        assert plug[f"ci_low:partial_reward_mean@{step}"] == pytest.approx(want["ci_low"], abs=1e-12)
-        assert plug[f"ci_high:partial_reward_mean@{step}"] == pytest.approx(want["ci_high"], abs=1e-12)
-    # the base model is the same weights in both points: its paired difference is exactly zero
+        if step:  # step 0 is the same base in both points: checked below
+            assert plug[f"ci_low:partial_reward_mean@{step}"] == pytest.approx(want["ci_low"], abs=1e-12)
+            assert plug[f"ci_high:partial_reward_mean@{step}"] == pytest.approx(want["ci_high"], abs=1e-12)
+            assert plug[f"p:partial_reward_mean@{step}"] == pytest.approx(want["p_value"], abs=1e-12)
+    # the base model is the same weights in both points: its paired difference is exactly zero (by construction,
+    # so it is no interval and not part of the table's family)
     assert plug["diff:partial_reward_mean@0"] == 0.0 and plug["ci_low:partial_reward_mean@0"] == 0.0
+    assert plug["sim_low:partial_reward_mean@0"] is None

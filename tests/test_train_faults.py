@@ -10,10 +10,12 @@ import jax
 
 from configs import sft_tiny
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.train.checkpoints import RunCheckpoints, load_adapter
-from jaxrl.train.loop import NonFiniteError, Trainer, build_model
+from jaxrl.models.adapters import load_adapter
+from jaxrl.train.checkpoints import RunCheckpoints
+from jaxrl.algorithms.run import build_model
+from jaxrl.train.loop import NonFiniteError, Trainer
 from jaxrl.train.metrics import read_metrics
-from jaxrl.train.sft import SFTTask
+from jaxrl.algorithms.sft import SFTTask
 
 NAN, INF = float("nan"), float("inf")
 # 0-based step -> (added to the loss, added to the in_proj_qkv gradients)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -189,6 +191,55 @@ def test_site_packages_are_opt_in():
         assert result.tests == ["error"] and "ModuleNotFoundError" in result.detail
     with CodeVerifier(timeout_s=LEGIT_TIMEOUT_S, workers=1, site_packages=True) as opted_in:
         assert opted_in.score([uses_numpy], [sums])[0].tests == ["pass"]
+
+
+PROBE_PROGRAM = """
+import os, jaxrl_tmp_probe
+try:
+    open(os.path.join(os.path.dirname(jaxrl_tmp_probe.__file__), "planted.py"), "w").close()
+    print(jaxrl_tmp_probe.VALUE, "writable")
+except OSError:
+    print(jaxrl_tmp_probe.VALUE, "read-only")
+"""
+PROBE_TRAINER = """
+import json, site, sys
+from jaxrl.rewards import CodeVerifier
+problem = {"id": "p", "messages": [{"role": "user", "content": "x"}], "test_type": "stdin",
+           "tests": [{"input": "", "output": "42 read-only"}] * 2}
+with CodeVerifier(timeout_s=20.0, workers=1, site_packages=True) as verifier:
+    (result,) = verifier.score(["```python\\n" + sys.argv[1] + "\\n```"], [problem])
+    print(json.dumps({"site": site.getsitepackages(), "isolation": verifier.isolation, "tests": result.tests,
+                      "detail": result.detail}))
+"""
+
+
+def test_site_packages_of_a_venv_under_tmp_are_importable(tmp_path):
+    """A venv under /tmp (a clone in /tmp, a CI scratch folder): the sandbox's private /tmp must not hide it.
+
+    Two tests of one problem: the bind must also survive the wipe of /tmp between tests.
+    """
+    venv = Path(tempfile.mkdtemp(prefix="jaxrl-venv-", dir="/tmp"))
+    try:
+        subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip",
+                        str(venv)], check=True, timeout=120)
+        python = venv / "bin" / "python"
+        site_dir = Path(subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                                       capture_output=True, text=True, check=True).stdout.strip())
+        assert site_dir.is_relative_to("/tmp")
+        (site_dir / "jaxrl_tmp_probe.py").write_text("VALUE = 42\n")
+        script = tmp_path / "probe.py"
+        script.write_text(PROBE_TRAINER)
+        # This interpreter's path (jaxrl and its dependencies) goes along; the venv adds the folder under /tmp.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        out = subprocess.run([python, "-W", "ignore", str(script), PROBE_PROGRAM], capture_output=True,
+                             text=True, env=env, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        assert str(site_dir) in report["site"]
+        assert report["tests"] == ["pass", "pass"], report
+        assert not (site_dir / "planted.py").exists()
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
 
 
 def test_none_mode_still_grades_and_limits():

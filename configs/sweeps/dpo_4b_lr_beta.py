@@ -1,4 +1,4 @@
-r"""The users' 4B DPO learning-rate x beta grid (seed/000 report, "Hyperparameter probes"): LR 5e-7, 1e-6, 5e-6,
+r"""The users' 4B DPO learning-rate x beta grid (the users' report, "Hyperparameter probes"): LR 5e-7, 1e-6, 5e-6,
 1e-5 x beta 0.01, 0.05, 0.1 = 12 points, everything else as the final 4B Base run (configs/dpo.py
 run=4b_base_final: r16/alpha32, 125 steps of 8 pairs, max length 6144, a checkpoint every 4 steps). Each point's
 checkpoints at steps 4, 8, 12, 16, 28, 40 and 125 are evaluated on the same fixed held-out prompts (one greedy

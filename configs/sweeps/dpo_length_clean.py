@@ -1,4 +1,4 @@
-r"""The users' length-clean vs unfiltered DPO pairs comparison (seed/000 report, section 3) as one sweep: the axis
+r"""The users' length-clean vs unfiltered DPO pairs comparison (the users' report, section 3) as one sweep: the axis
 `pairs` is the pair set -- the original M0-derived 1,000 pairs, or the pairs left after dropping near-cap and
 length-mismatched ones (433 for 4B, 245 for 9B: `python -m launchers.build_pairs --pairs_in=... --out_dir=...`)
 -- on top of the users' length-clean run (configs/dpo.py run=4b_m0_clean / run=9b_m0_clean). Every checkpoint

@@ -1,4 +1,4 @@
-r"""The users' three 9B GRPO step-16 probes (seed/000 report) as one sweep: a zipped axis `probe` whose values
+r"""The users' three 9B GRPO step-16 probes (the users' report) as one sweep: a zipped axis `probe` whose values
 set learning rate, beta and LoRA capacity together --
 
     default     lr 1e-6, beta 0.05, r16 / alpha 32

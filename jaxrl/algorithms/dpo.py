@@ -17,8 +17,8 @@ Adding a variant is one decorated function of a :class:`PairInputs`::
     def my_loss(p: PairInputs) -> jax.Array:          # [B]
         return -jax.nn.log_sigmoid(p.beta * p.delta)
 
-or, from a user's file, ``registry.load_plugin("my_losses.py:my_loss", kind="dpo_loss")``; either way
-``dpo_loss(..., loss_type="my_loss")`` then uses it.
+or, from a user's file, ``jaxrl.algorithms.registry.load_plugin("my_losses.py:my_loss", kind="dpo_loss")``;
+either way ``dpo_loss(..., loss_type="my_loss")`` then uses it.
 
 Micro-batch contract of :func:`combined_dpo_loss` (the trainer sums micro-batch contributions; pass the
 normalisers of the whole accumulated batch):
@@ -27,7 +27,9 @@ normalisers of the whole accumulated batch):
 
 Summed over micro-batches this is exactly TRL's full-batch ``sum_k w_k * mean_i loss_k[i]`` with the SFT term a
 token mean over the whole batch. ``aot`` / ``aot_unpaired`` sort across the pairs they are given, so they see
-only their micro-batch (as in TRL, where they sort within a device batch).
+only their micro-batch (as in TRL, where they sort within a device batch): their update depends on the
+micro-batch size, and at one pair per micro-batch they are plain smoothed sigmoid DPO (the DPO trainer refuses
+that).
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxrl.algorithms import registry
+from jaxrl.algorithms import checks
+from jaxrl.utils.registry import Registry
 
 __all__ = [
     "PairInputs",
@@ -95,18 +99,46 @@ class LossSpec(NamedTuple):
     f_divergence: bool = False  # valid with a non-reverse_kl score transform
     reference_free: bool = False  # ignores the reference log-probs
     needs_lengths: bool = False  # needs chosen_lengths / rejected_lengths
+    across_pairs: bool = False  # couples the pairs it is given (sorts them): depends on the micro-batch size
 
 
 # Plug-ins get the permissive spec: they may read anything in PairInputs.
 _PLUGIN_SPEC = LossSpec(label_smoothing=True, f_divergence=True)
 _SPECS: dict[str, LossSpec] = {}
 
+SIGNATURE = "fn(p: jaxrl.algorithms.dpo.PairInputs) -> per-pair losses, float array of shape [B]"
+
+
+def check_loss_plugin(label: str, fn: Callable) -> None:
+    """A user's DPO loss on example pairs: eagerly, under jit, and differentiated through the log-probs the way
+    training does (PluginError naming what is wrong)."""
+    checks.check_signature(label, fn, SIGNATURE, 1)
+    B = 3
+    # Fixed, well-behaved example inputs (numpy: no jax.random compile on the start-up path).
+    rng = np.random.default_rng(0)
+    logps = [jnp.asarray(-20.0 + 5.0 * rng.standard_normal(B), jnp.float32) for _ in range(4)]
+    lengths = jnp.array([3.0, 7.0, 12.0])
+    p = make_pair_inputs(*logps, beta=0.1, label_smoothing=0.1, chosen_lengths=lengths,
+                         rejected_lengths=lengths + 2.0)
+
+    def via_logps(cl, rl):
+        return fn(make_pair_inputs(cl, rl, logps[2], logps[3], beta=0.1, label_smoothing=0.1,
+                                   chosen_lengths=lengths, rejected_lengths=lengths + 2.0))
+
+    checks.run_checks(label, SIGNATURE, fn, (p,), (B,))
+    checks.run_checks(label, SIGNATURE, via_logps, (logps[0], logps[1]), (B,), grad_argnums=(0, 1))
+
+
+LOSSES = Registry("dpo_loss", signature=SIGNATURE, validate=check_loss_plugin,
+                  hint="A function of your own can be added with "
+                       "jaxrl.algorithms.registry.load_plugin('file.py:fn', kind='dpo_loss')")
+
 
 def register_loss(name: str, **spec) -> Callable:
     """Decorator registering ``fn(p: PairInputs) -> [B]`` as DPO ``loss_type=name`` (see :class:`LossSpec`)."""
 
     def deco(fn):
-        registry.register("dpo_loss", name)(fn)
+        LOSSES.add(name, fn)
         _SPECS[name] = LossSpec(**spec)
         return fn
 
@@ -114,7 +146,7 @@ def register_loss(name: str, **spec) -> Callable:
 
 
 def loss_spec(name: str) -> LossSpec:
-    registry.get("dpo_loss", name)  # raises a helpful KeyError for unknown names
+    LOSSES.get(name)  # raises a helpful KeyError for unknown names
     return _SPECS.get(name, _PLUGIN_SPEC)
 
 
@@ -259,14 +291,14 @@ def sppo_hard_loss(p: PairInputs) -> jax.Array:
     return (p.chosen_logratios - half) ** 2 + (p.rejected_logratios + half) ** 2
 
 
-@register_loss("aot", label_smoothing=True)
+@register_loss("aot", label_smoothing=True, across_pairs=True)
 def aot_loss(p: PairInputs) -> jax.Array:
     """AOT paired (Melnyk et al. 2024): delta = sort_B(pi_w - pi_l) - sort_B(ref_w - ref_l); smoothed sigmoid."""
     d = jnp.sort(p.chosen_logps - p.rejected_logps) - jnp.sort(p.ref_chosen_logps - p.ref_rejected_logps)
     return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
 
 
-@register_loss("aot_unpaired", label_smoothing=True)
+@register_loss("aot_unpaired", label_smoothing=True, across_pairs=True)
 def aot_unpaired_loss(p: PairInputs) -> jax.Array:
     """AOT unpaired: delta = sort_B(r_w) - sort_B(r_l); smoothed sigmoid."""
     d = jnp.sort(p.chosen_logratios) - jnp.sort(p.rejected_logratios)
@@ -311,7 +343,7 @@ def simpo_loss(p: PairInputs) -> jax.Array:
     return _smoothed_sigmoid(p.beta * u, p.label_smoothing)
 
 
-LOSS_TYPES = tuple(_SPECS)  # the built-ins; registry.names("dpo_loss") also lists plug-ins
+LOSS_TYPES = tuple(_SPECS)  # the built-ins; LOSSES.names() also lists plug-ins
 
 
 # ------------------------------------------------------------------------------------------------- entry points
@@ -343,7 +375,7 @@ def _check_args(name: str, spec: LossSpec, label_smoothing, f_divergence: str, h
 
 
 def _per_pair(name: str, p: PairInputs) -> jax.Array:
-    out = registry.get("dpo_loss", name)(p)
+    out = LOSSES.get(name)(p)
     out = jnp.asarray(out, jnp.float32)
     if out.shape != p.chosen_logps.shape:
         raise ValueError(f"dpo loss {name!r} returned shape {out.shape}; per-pair losses must be [B]")

@@ -33,8 +33,9 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,57 +44,22 @@ from absl import logging
 from flax import nnx
 
 from jaxrl.algorithms import dpo as dpo_lib
-from jaxrl.algorithms import registry as loss_registry
+from jaxrl.algorithms import plugins
 from jaxrl.data import dpo_data
+from jaxrl.data.chat import load_tokenizer
+from jaxrl.data.pairs import read_pairs, read_problem_messages, verify_cohort
+from jaxrl.data.stream import epoch_stream
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
-from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
+from jaxrl.train import inference
 from jaxrl.train.objective import target_mask
-from jaxrl.train.registry import register_trainer
+from jaxrl.utils.config import to_plain
+from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
+from jaxrl.utils.schema import DPO, DPO_DATA
 
 REF_CACHE = "ref_logps.npz"
 DATA_STATS = "data_stats.json"
-
-# Defaults of the `dpo` and `data` blocks (configs/dpo.py starts from these; a config without them gets them).
-DPO_DEFAULTS = dict(
-    loss_type="sigmoid",  # a registered loss, or several comma-separated ("sigmoid,sft" = RPO)
-    loss_weights=(),  # one weight per loss_type; () = all 1
-    beta=0.1,
-    label_smoothing=0.0,  # robust, exo_pair, aot, aot_unpaired, simpo
-    simpo_gamma=0.5,  # SimPO target margin
-    discopop_tau=0.05,
-    f_divergence="reverse_kl",  # reverse_kl | forward_kl | js_divergence | alpha_divergence
-    f_alpha=0.5,
-    plugin="",  # "my_losses.py:fn[,other.py:fn2]": checked and registered (by function name) before training
-    precompute_ref_logps=True,  # False: a second forward with the adapters off in every step
-    ref_batch_size=0,  # rows per reference / evaluation pass; 0 = batch.micro_batch_size
-)
-DATA_DEFAULTS = dict(
-    source="pairs",  # pairs | synthetic
-    pairs="",  # pairs.jsonl, a frozen cohort folder, or a build folder holding cohort/
-    problems="",  # problems.jsonl supplying `messages` of pairs that have none
-    tokenizer="",  # HF tokenizer folder; "" = model_path
-    max_length=2048,  # prompt + completion tokens of one sequence
-    max_prompt_length=0,  # 0 = bounded by max_length only
-    overlong="truncate_prompt",  # truncate_prompt (cut the prompt from the left) | drop
-    min_prompt_tokens=64,  # truncate_prompt keeps at least this many prompt tokens, else the pair is dropped
-    enable_thinking=False,  # the chat template's generation prompt (must match how the pairs were sampled)
-    pad_multiple=64,  # sequence-length bucket
-    eval_fraction=0.0,  # held-out share of the pairs (seeded by pair id), scored at every checkpoint
-    eval_pairs="",  # or a separate held-out pairs file
-    expected_pairs=0,  # > 0: refuse a pair set of any other size (e.g. 1000 for the frozen cohort)
-    # source = "synthetic": arithmetic-progression pairs (dpo_data.synthetic_pairs)
-    synthetic_pairs=256,
-    synthetic_prompt_len=6,
-    synthetic_completion_len=4,
-    synthetic_num_tokens=0,  # tokens [2, 2 + n) (0 = the whole vocabulary)
-)
-
-
-def _get(block, key: str, defaults: dict):
-    return block.get(key, defaults[key]) if block is not None else defaults[key]
-
 
 def parse_loss_types(value) -> tuple[str, ...]:
     if isinstance(value, str):
@@ -212,44 +178,17 @@ def _logps(graphdef, state, batch, *, adapters: bool, chunk_size: int):
         return pair_sequence_logps(model, batch, chunk_size)
 
 
-_PROGRAMS: dict = {}
-
-
-def _logps_program(compile_options: Optional[dict], mesh=None):
-    """One jitted function per (XLA options, mesh); jax caches its compilations by (graphdef, shapes, flags).
-    With a mesh the [b] results come back replicated, so every process can read them (multi-host)."""
-    key = (tuple(sorted((compile_options or {}).items())), mesh)
-    if key not in _PROGRAMS:
-        out = None if mesh is None else (shd.replicated(mesh), shd.replicated(mesh))
-        _PROGRAMS[key] = jax.jit(_logps, static_argnames=("graphdef", "adapters", "chunk_size"),
-                                 out_shardings=out, compiler_options=dict(key[0]) or None)
-    return _PROGRAMS[key]
-
-
 def sequence_logps_all(model, arrays: dict, *, adapters: bool, batch_size: int, chunk_size: int = 512,
                        mesh=None, compile_options: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
     """(chosen_logps [N], rejected_logps [N]) of every pair in `arrays` (dpo_data.ARRAY_KEYS, [N, T]) under
-    `model` with its adapters on or off; one jitted program, `batch_size` pairs a call (the last batch is
-    padded with copies of row 0, whose results are discarded)."""
-    program = _logps_program(compile_options, mesh)
+    `model` with its adapters on or off; one jitted program, `batch_size` pairs a call
+    (jaxrl.train.inference.map_batches)."""
+    program = inference.jit_program(_logps, ("graphdef", "adapters", "chunk_size"), compile_options, mesh)
     graphdef, state = nnx.split(model)
-    n = arrays["chosen_input_ids"].shape[0]
-    if mesh is not None:
-        batch_size = -(-batch_size // shd.batch_shards(mesh)) * shd.batch_shards(mesh)
-    out_c, out_r = [], []
-    for start in range(0, n, batch_size):
-        rows = np.arange(start, start + batch_size)
-        rows = np.where(rows < n, rows, 0)
-        batch = {k: np.asarray(arrays[k][rows]) for k in dpo_data.ARRAY_KEYS}
-        if mesh is not None:
-            batch = {k: jax.make_array_from_callback(v.shape, shd.batch_sharding(mesh, v.ndim),
-                                                     lambda idx, v=v: v[idx]) for k, v in batch.items()}
-        c, r = program(graphdef, state, batch, adapters=adapters, chunk_size=chunk_size)
-        c, r = jax.device_get((c, r))
-        keep = min(batch_size, n - start)
-        out_c.append(np.asarray(c[:keep], np.float32))
-        out_r.append(np.asarray(r[:keep], np.float32))
-    return np.concatenate(out_c), np.concatenate(out_r)
+    chosen, rejected = inference.map_batches(
+        lambda batch: program(graphdef, state, batch, adapters=adapters, chunk_size=chunk_size), arrays,
+        dpo_data.ARRAY_KEYS, batch_size=batch_size, mesh=mesh)
+    return chosen, rejected
 
 
 def preference_summary(chosen, rejected, ref_chosen, ref_rejected, objective: DPOObjective,
@@ -276,19 +215,34 @@ def preference_summary(chosen, rejected, ref_chosen, ref_rejected, objective: DP
     return {prefix + k: float(v) for k, v in out.items()}
 
 
+def check_pair_coupled_losses(loss_types: Sequence[str], micro_batch_size: int, grad_accum: int) -> None:
+    """Losses that sort the pairs of a micro-batch (aot, aot_unpaired) see only that micro-batch.
+
+    With one pair there is nothing to sort and they silently become smoothed sigmoid DPO, which is never what a
+    user asked for: refused. From two pairs on they are what TRL computes (it sorts within a device batch), but
+    the update then depends on the split of the global batch, not only on the batch itself: a warning.
+    """
+    coupled = [n for n in loss_types if n != "sft" and dpo_lib.loss_spec(n).across_pairs]
+    if not coupled:
+        return
+    if micro_batch_size < 2:
+        total = micro_batch_size * grad_accum
+        raise ValueError(
+            f"dpo.loss_type={','.join(loss_types)!r}: {' and '.join(coupled)} sorts the pairs of each micro-batch, "
+            f"and batch.micro_batch_size={micro_batch_size} leaves one pair to sort, so it would be plain smoothed "
+            f"sigmoid DPO. Use batch.micro_batch_size >= 2 (batch.micro_batch_size={total} batch.grad_accum=1 keeps "
+            f"the global batch of {total} pairs), or loss_type 'sigmoid' / 'robust' with dpo.label_smoothing")
+    warnings.warn(f"dpo.loss_type {' and '.join(coupled)} sorts the {micro_batch_size} pairs of each micro-batch: the "
+                  f"update depends on batch.micro_batch_size, not only on the global batch (as in TRL, which sorts "
+                  f"within a device batch)", UserWarning, stacklevel=3)
+
+
 # ------------------------------------------------------------------------------------------------- data
-
-
-def _as_dict(block) -> dict:
-    if block is None:
-        return {}
-    return block.to_dict() if hasattr(block, "to_dict") else dict(block)
 
 
 def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
     """(the pairs file, the cohort manifest or None). A folder with `manifest.json` (or `cohort/manifest.json`)
     is a frozen cohort and is verified; so is a pairs file that a manifest beside it names."""
-    from jaxrl.data.pairs import verify_cohort
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"data.pairs={path!r}: no such file or folder")
@@ -313,8 +267,6 @@ def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
 
 def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[list, Optional[dict]]:
     """Encoded pairs of a pairs file / cohort (text or pre-tokenised) and the cohort manifest, if any."""
-    from jaxrl.data.jsonl import read_jsonl
-    from jaxrl.data.pairs import read_pairs, read_problem_messages
     file, manifest = resolve_pairs_path(path)
     records = read_jsonl(file)
     if not records:
@@ -325,7 +277,6 @@ def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[
     if not tokenizer_path:
         raise ValueError(f"{file} holds text pairs: set data.tokenizer or model_path to a folder with a tokenizer "
                          "and chat template")
-    from jaxrl.rollout.chat import load_tokenizer
     tokenizer = load_tokenizer(tokenizer_path)
     problems = data_cfg.get("problems") or ""
     messages = read_problem_messages(problems) if problems else None
@@ -334,13 +285,13 @@ def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[
 
 def _model_identity(config) -> dict:
     """What identifies the base weights, for the reference cache's fingerprint."""
-    path = config.get("model_path", "")
+    path = config.model_path
     if path:
         files = sorted(Path(path).glob("*.safetensors")) + sorted(Path(path).glob("config.json"))
         return {"model_path": os.path.abspath(path),
                 "files": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
-    return {"model_preset": config.get("model_preset", ""), "model_seed": int(config.get("model_seed", 0)),
-            "model_overrides": _as_dict(config.get("model_overrides", None))}
+    return {"model_preset": config.model_preset, "model_seed": int(config.model_seed),
+            "model_overrides": to_plain(config.model_overrides) or {}}
 
 
 # ------------------------------------------------------------------------------------------------- task
@@ -351,16 +302,17 @@ class DPOTask:
 
     def __init__(self, config, model, mesh):
         self.config, self.mesh = config, mesh
-        dcfg = {k: _get(config.get("dpo", None), k, DPO_DEFAULTS) for k in DPO_DEFAULTS}
-        self.data_cfg = {k: _get(config.get("data", None), k, DATA_DEFAULTS) for k in DATA_DEFAULTS}
+        dcfg = DPO.resolve(config.get("dpo", None), "dpo")
+        self.data_cfg = DPO_DATA.resolve(config.get("data", None), "data")
         self.seed = int(config.seed)
         self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.chunk_size = int(config.logprob_chunk_size)
         self.ref_batch_size = int(dcfg["ref_batch_size"]) or int(config.batch.micro_batch_size)
-        options = config.get("compile_options", None) or {}
-        self.compile_options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+        self.compile_options = inference.compile_options(config)
 
         self.objective = self._build_objective(dcfg)  # first: a broken plug-in or loss fails before data work
+        check_pair_coupled_losses(self.objective.loss_types, int(config.batch.micro_batch_size),
+                                  int(config.batch.grad_accum))
         self.precompute = self.objective.reference == "batch"
 
         self.train, self.eval = self._build_data(model)
@@ -375,10 +327,8 @@ class DPOTask:
     def _build_objective(self, dcfg: dict) -> DPOObjective:
         """The objective from the `dpo` block: plug-ins registered, loss names and weights checked, the
         reference source chosen (batch / adapters_off / none for reference-free losses)."""
-        for spec in (s.strip() for s in str(dcfg["plugin"] or "").split(",")):
-            if spec:
-                fn = loss_registry.load_plugin(spec, kind="dpo_loss")
-                logging.info("dpo.plugin %s registered as loss_type %r", spec, fn.__name__)
+        for p in plugins.load_plugins(plugins.dpo_plugin_entries(dcfg["plugin"])):
+            logging.info("dpo.plugin %s registered as loss_type %r", p["path"], p["name"])
         loss_types = parse_loss_types(dcfg["loss_type"])
         for name in loss_types:
             if name != "sft":
@@ -449,7 +399,7 @@ class DPOTask:
 
     # ---------------------------------------------------------------------------------------------- loading
     def _tokenizer_path(self) -> str:
-        return self.data_cfg["tokenizer"] or self.config.get("model_path", "")
+        return self.data_cfg["tokenizer"] or self.config.model_path
 
     def _load(self, model):
         source = self.data_cfg["source"]
@@ -476,13 +426,12 @@ class DPOTask:
         return {"data_sha256": seqs.digest(), "num_pairs": len(seqs),
                 "pair_ids_sha256": hashlib.sha256("\n".join(seqs.pair_ids).encode()).hexdigest(),
                 "max_length": self.seq_cfg.max_length, "seq_len": int(seqs.arrays["chosen_input_ids"].shape[1]),
-                "dtype": str(self.config.get("dtype", "float32")), "logprob_chunk_size": self.chunk_size,
+                "dtype": str(self.config.dtype), "logprob_chunk_size": self.chunk_size,
                 "model": _model_identity(self.config)}
 
     def _reference(self, trainer, seqs: dpo_data.PairSequences, name: str) -> dict[str, np.ndarray]:
         """Reference log-probs of `seqs` from `<workdir>/<name>` when its fingerprint matches, else computed
         with the adapters off and written there (atomically)."""
-        from jaxrl.data.jsonl import atomic_write_bytes
         path = os.path.join(trainer.workdir, name)
         want = json.loads(json.dumps(self.fingerprint(seqs), sort_keys=True))  # as read back (tuples -> lists)
         if os.path.exists(path):
@@ -521,7 +470,6 @@ class DPOTask:
             if self.eval is not None:
                 self.eval_ref = self._reference(trainer, self.eval, "eval_" + REF_CACHE)
         if is_main_process():
-            from jaxrl.data.jsonl import atomic_write_json
             info = {**self.stats, "train_pairs": len(self.train), "eval_pairs": 0 if self.eval is None else
                     len(self.eval), "global_batch": self.global_batch,
                     "steps_per_epoch": len(self.train) / self.global_batch,
@@ -535,15 +483,7 @@ class DPOTask:
     def rows(self, step: int) -> np.ndarray:
         """Training pair indices of `step`: positions step*B ... step*B+B-1 of the stream of epoch-wise seeded
         permutations (epoch e: permutation(seed, e))."""
-        n = len(self.train)
-        out = np.empty(self.global_batch, np.int64)
-        perms: dict[int, np.ndarray] = {}
-        for j, i in enumerate(range(step * self.global_batch, (step + 1) * self.global_batch)):
-            epoch, offset = divmod(i, n)
-            if epoch not in perms:
-                perms[epoch] = np.random.default_rng([self.seed, epoch, 6121]).permutation(n)
-            out[j] = perms[epoch][offset]
-        return out
+        return epoch_stream(len(self.train), step * self.global_batch, self.global_batch, seed=self.seed, salt=6121)
 
     def batch(self, step: int, trainer=None):
         if not self._prepared:
@@ -599,6 +539,5 @@ class DPOTask:
         return out
 
 
-@register_trainer("dpo")
 def build_dpo(config, model, mesh) -> DPOTask:
     return DPOTask(config, model, mesh)

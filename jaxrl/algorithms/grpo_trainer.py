@@ -14,8 +14,9 @@ one optimizer update each.
 Old log-probs (the ratio's denominator): with a single update per rollout (num_iterations = 1 and N = B_global)
 the update is on-policy and the ratio is `exp(logp - stop_gradient(logp))` = 1 exactly (TRL). Otherwise the
 sampler's behaviour log-probs (same weights, decode path; equal to a teacher-forced pass to ~1e-5 in fp32), or,
-with `recompute_old_logprobs` (forced when temperature != 1: the sampler reports untempered log-probs), a
-teacher-forced pass at the sampling temperature right after sampling.
+with `recompute_old_logprobs` (forced when temperature != 1: the sampler reports untempered log-probs; and when
+the compute dtype is not float32: in bf16 the decode drifts by ~1e-2), a teacher-forced pass at the sampling
+temperature right after sampling.
 
 Objective (`GRPOObjective`, micro-batch contract of jaxrl.train.objective): per completion token
 clipped surrogate (`epsilon_low`, `epsilon_high`, optional two-sided `delta`) + beta x KL(`kl_estimator`: k1 | k2
@@ -46,39 +47,11 @@ from absl import logging
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import online
-from jaxrl.train.registry import register_trainer
-
-GRPO_DEFAULTS = dict(
-    num_generations=8,  # K samples per prompt (a group)
-    prompts_per_step=20,  # prompts per rollout (= per optimizer step when N = B_global)
-    max_new_tokens=4096,  # C: the completion cap
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    num_iterations=1,  # passes over each rollout (TRL num_iterations, "mu")
-    scale_rewards="group",  # group | batch | none (Dr. GRPO)
-    advantage_estimator="grpo",  # grpo (honours scale_rewards) | rloo | dr_grpo | grpo_batch_std | a plug-in
-    epsilon_low=0.2,
-    epsilon_high=0.2,  # DAPO clip-higher: 0.28
-    delta=0.0,  # > 0: two-sided clipping, the ratio is also capped at delta (INTELLECT-2; e.g. 4.0)
-    importance_sampling_level="token",  # token | sequence (GSPO)
-    beta=0.04,  # KL coefficient; 0 skips the reference pass
-    kl_estimator="k3",  # k1 | k2 | k3 | low_var_kl | abs | k3+ | a plug-in
-    aggregation="sequence_mean",  # sequence_mean (grpo) | token_mean (dapo) | dr_grpo
-    mask_truncated=False,  # truncated completions give no gradient (still counted as sequences)
-    drop_zero_variance_groups=False,  # groups whose rewards are all equal leave the loss and its normalisers
-    overlong_buffer=0,  # > 0: DAPO soft overlong penalty over the last `overlong_buffer` tokens of the cap
-    overlong_penalty=1.0,  # its maximum
-    recompute_old_logprobs=False,  # teacher-forced old log-probs instead of the sampler's
-    entropy_coef=0.0,
-    log_entropy=True,  # the `entropy` metric (one more reduction over the vocab per chunk)
-    rollout_batch_size=0,  # sampler rows per compiled call; 0 = the whole rollout
-    logprob_batch_size=8,  # rows per reference / old-log-prob pass
-)
+from jaxrl.utils.schema import GRPO
 
 
 def _cfg(config) -> dict:
-    return online.block_dict(config.get("grpo", None), GRPO_DEFAULTS)
+    return GRPO.resolve(config.get("grpo", None), "grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,14 +129,19 @@ class GRPOTask(online.OnlineTask):
         self.temperature = float(g["temperature"])
         self.C = int(g["max_new_tokens"])
         self.on_policy = self.schedule.steps_per_rollout == 1
-        self.recompute = bool(g["recompute_old_logprobs"]) or self.temperature != 1.0
-        if self.temperature != 1.0 and not g["recompute_old_logprobs"] and not self.on_policy:
-            logging.info("grpo.temperature=%s: old log-probs are recomputed at that temperature (the sampler "
-                         "reports untempered ones)", self.temperature)
+        # The sampler's log-probs match a teacher-forced pass to ~1e-6 in float32 only; in bf16 its KV-cache
+        # decode drifts (4e-3 mean, 4e-2 max on a 2-layer model), so the first update's ratio would not be 1.
+        compute_dtype = jnp.dtype(getattr(model, "dtype", None) or config.get("dtype", "float32"))
+        low_precision = compute_dtype != jnp.float32
+        self.recompute = bool(g["recompute_old_logprobs"]) or self.temperature != 1.0 or low_precision
+        if self.recompute and not g["recompute_old_logprobs"] and not self.on_policy:
+            why = (f"grpo.temperature={self.temperature}: the sampler reports untempered log-probs"
+                   if self.temperature != 1.0 else f"dtype={compute_dtype.name}: the sampler's log-probs drift")
+            logging.info("old log-probs are recomputed teacher-forced (%s)", why)
         delta = float(g["delta"])
         if delta and delta <= 1.0 + float(g["epsilon_high"]):
             raise ValueError(f"grpo.delta={delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
-        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.chunk_size = int(config.logprob_chunk_size)
         self.objective = GRPOObjective(
             max_completion_length=self.C, aggregation=g["aggregation"], beta=self.beta,
             kl_estimator=g["kl_estimator"], epsilon_low=float(g["epsilon_low"]),
@@ -224,11 +202,10 @@ class GRPOTask(online.OnlineTask):
         if not self.on_policy:
             buffer["old_logp"] = old
         if self.beta != 0.0 and old is not None:
-            kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], self.g["kl_estimator"]))
+            kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], self.g["kl_estimator"], mask=s.completion_mask))
             metrics["rollout/kl_ref"] = float((kl * s.completion_mask).sum() / max(s.completion_mask.sum(), 1.0))
         return buffer, metrics
 
 
-@register_trainer("grpo")
 def build_grpo(config, model, mesh) -> GRPOTask:
     return GRPOTask(config, model, mesh)

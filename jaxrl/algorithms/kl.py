@@ -30,10 +30,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxrl.algorithms import registry
+from jaxrl.algorithms import checks
+from jaxrl.utils.registry import Registry
 
-__all__ = ["kl", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_abs", "kl_k3_plus", "expm1_minus_x", "ESTIMATORS"]
+__all__ = ["kl", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_abs", "kl_k3_plus", "expm1_minus_x", "ESTIMATORS",
+           "KL_ESTIMATORS"]
 
 # Below this |d| the series (through d^9) is used: its truncation error is < 2e-9 relative there, while the
 # direct form's rounding error, ~1.2e-7 / |d| relative, is already small above it.
@@ -57,30 +60,48 @@ def expm1_minus_x(d: jax.Array) -> jax.Array:
     return jnp.where(small, series, direct)
 
 
+KL_SIGNATURE = "fn(logp: float array [B, T], ref_logp: float array [B, T]) -> per-token KL, float array [B, T]"
+
+
+def check_kl_plugin(label: str, fn) -> None:
+    """A user's KL estimator on example log-probs [2, 5]: eagerly, under jit and under grad (w.r.t. logp)."""
+    checks.check_signature(label, fn, KL_SIGNATURE, 2)
+    rng = np.random.default_rng(1)
+    logp = -3.0 + rng.standard_normal((2, 5))
+    ref = jnp.asarray(logp + 0.3 * rng.standard_normal((2, 5)), jnp.float32)
+    logp = jnp.asarray(logp, jnp.float32)
+    checks.run_checks(label, KL_SIGNATURE, fn, (logp, ref), (2, 5), grad_argnums=(0,))
+
+
+KL_ESTIMATORS = Registry("kl", signature=KL_SIGNATURE, validate=check_kl_plugin,
+                         hint="A function of your own can be added with "
+                              "jaxrl.algorithms.registry.load_plugin('file.py:fn', kind='kl')")
+
+
 def _d(logp, ref_logp):
     return jnp.asarray(ref_logp, jnp.float32) - jnp.asarray(logp, jnp.float32)
 
 
-@registry.register("kl", "k1")
+@KL_ESTIMATORS.register("k1")
 def kl_k1(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     """``logp - ref_logp``  [B, T] -> [B, T]."""
     return -_d(logp, ref_logp)
 
 
-@registry.register("kl", "k2")
+@KL_ESTIMATORS.register("k2")
 def kl_k2(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     """``0.5 * (logp - ref_logp)**2``  [B, T] -> [B, T]."""
     d = _d(logp, ref_logp)
     return 0.5 * d * d
 
 
-@registry.register("kl", "k3")
+@KL_ESTIMATORS.register("k3")
 def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     """``exp(d) - 1 - d`` with ``d = ref_logp - logp``, stable in float32, >= 0  [B, T] -> [B, T]."""
     return expm1_minus_x(_d(logp, ref_logp))
 
 
-@registry.register("kl", "low_var_kl")
+@KL_ESTIMATORS.register("low_var_kl")
 def kl_low_var(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     """verl's ``low_var_kl``: k3 on d clamped to [-20, 20], result clamped to [-10, 10]  [B, T] -> [B, T].
 
@@ -90,13 +111,13 @@ def kl_low_var(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     return jnp.clip(expm1_minus_x(d), -10.0, 10.0)
 
 
-@registry.register("kl", "abs")
+@KL_ESTIMATORS.register("abs")
 def kl_abs(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     """``|logp - ref_logp|``  [B, T] -> [B, T]."""
     return jnp.abs(_d(logp, ref_logp))
 
 
-@registry.register("kl", "k3+")
+@KL_ESTIMATORS.register("k3+")
 def kl_k3_plus(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     """Value of k3, gradient of k2 (unbiased gradient of KL in expectation)  [B, T] -> [B, T]."""
     k2 = kl_k2(logp, ref_logp)
@@ -106,7 +127,19 @@ def kl_k3_plus(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "k3+")
 
 
-def kl(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
-    """Per-token KL estimate by registry name (built-ins above, or a loaded ``kl`` plug-in)  -> [B, T] float32."""
-    out = registry.get("kl", estimator)(logp, ref_logp)
+def kl(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3", mask: jax.Array | None = None) -> jax.Array:
+    """Per-token KL estimate by registry name (built-ins above, or a loaded ``kl`` plug-in)  -> [B, T] float32.
+
+    ``mask`` (same shape, 0 = padding): the estimator sees ``logp == ref_logp == 0`` at padded positions, so the
+    result is 0 there and so is its gradient. Masking only the result is not enough: padding may hold any
+    log-prob (k3's ``exp(ref_logp - logp)`` overflows once ``logp`` < ~-88), and an inf there turns the zero
+    cotangent of the masked loss into a NaN gradient.
+    """
+    if mask is not None:
+        keep = jnp.asarray(mask) != 0
+        logp = jnp.where(keep, jnp.asarray(logp, jnp.float32), 0.0)
+        ref_logp = jnp.where(keep, jnp.asarray(ref_logp, jnp.float32), 0.0)
+    out = KL_ESTIMATORS.get(estimator)(logp, ref_logp)
+    if mask is not None:
+        out = jnp.where(keep, out, 0.0)
     return jnp.asarray(out, jnp.float32)

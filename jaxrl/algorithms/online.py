@@ -33,138 +33,39 @@ import json
 import os
 import re
 import time
-import zlib
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
 
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
+from jaxrl.data.stream import epoch_stream
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
-from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
-from jaxrl.rewards import RewardResult, get_reward, register_reward
-from jaxrl.rewards.base import check_batch, problem_field
+from jaxrl.rewards import get_reward
+from jaxrl.rewards.toy import TokenTask
+from jaxrl.rollout.backends import JaxBackend, SamplingParams
+from jaxrl.rollout.collect import Collector
+from jaxrl.rollout.keys import problem_key
+from jaxrl.train import inference
+from jaxrl.utils.io import atomic_write_bytes
+from jaxrl.utils.schema import ONLINE_DATA, REWARD
 
 ROLLOUT_DIR = "rollouts"
-
-# `data` block of the online algorithms (configs start from these; a config without them gets them).
-DATA_DEFAULTS = dict(
-    source="problems",  # problems (problems.jsonl + tokenizer + chat template) | token_task (synthetic ids)
-    problems="",  # problems.jsonl (jaxrl.data.problems schema)
-    tokenizer="",  # HF tokenizer folder; "" = model_path
-    enable_thinking=False,  # the chat template's generation prompt
-    max_prompt_len=2048,  # P: prompts are left-padded to it; longer prompts follow on_overlong
-    on_overlong="skip",  # skip (logged and counted) | error; prompts are never cut
-    # source = token_task (the CPU learning task, `TokenTask`)
-    prompt_len=6,
-    num_classes=2,
-    score_tokens=0,  # completion tokens scored; 0 = all max_new_tokens
-)
-# `reward` block: `name` for jaxrl.rewards.get_reward, `score` which RewardResult field is the scalar reward;
-# every other key is passed to the reward's constructor.
-REWARD_DEFAULTS = dict(name="code", score="partial")
-
-
-def block_get(block, key: str, defaults: dict):
-    return block.get(key, defaults[key]) if block is not None else defaults[key]
-
-
-def block_dict(block, defaults: dict) -> dict:
-    """defaults overlaid with the keys present in a ConfigDict block."""
-    out = dict(defaults)
-    if block is not None:
-        out.update(block.to_dict() if hasattr(block, "to_dict") else dict(block))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------- toy task
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenTask:
-    """A verifiable task on raw token ids that a random tiny model starts at chance on (CPU learning tests).
-
-    Token ids [first, first + num_classes) are instruction tokens; the rest of [first, vocab) is split into
-    `num_classes` contiguous blocks. A prompt is `prompt_len - 1` random tokens from the blocks, then the
-    instruction token of a random class c; the completion should consist of tokens of block c. Reward: the
-    fraction of the first `score_tokens` completion tokens inside block c (a missing or stop token is a miss),
-    so chance is 1 / num_classes. `first` = 2 skips the tiny vocabulary's pad (0) and eos (1).
-    """
-
-    vocab_size: int
-    prompt_len: int = 6
-    num_classes: int = 2
-    score_tokens: int = 8
-    first: int = 2
-
-    def __post_init__(self):
-        if self.prompt_len < 1 or self.num_classes < 2 or self.score_tokens < 1:
-            raise ValueError(f"TokenTask: prompt_len ({self.prompt_len}) >= 1, num_classes ({self.num_classes}) "
-                             f">= 2 and score_tokens ({self.score_tokens}) >= 1 are required")
-        if self.vocab_size - self.first - self.num_classes < self.num_classes:
-            raise ValueError(f"TokenTask: vocab_size {self.vocab_size} too small for {self.num_classes} classes")
-
-    def block(self, c: int) -> tuple[int, int]:
-        """[lo, hi) of class c's target tokens."""
-        start = self.first + self.num_classes
-        span = self.vocab_size - start
-        return start + c * span // self.num_classes, start + (c + 1) * span // self.num_classes
-
-    def prompts(self, seed: int, rollout: int, count: int) -> tuple[list[list[int]], list[dict]]:
-        """`count` prompts of rollout `rollout` (a function of (seed, rollout) only) and their problem records."""
-        rng = np.random.default_rng([int(seed), int(rollout), 4211])
-        start = self.first + self.num_classes
-        ids, problems = [], []
-        for j in range(count):
-            c = int(rng.integers(self.num_classes))
-            filler = rng.integers(start, self.vocab_size, size=self.prompt_len - 1).tolist()
-            lo, hi = self.block(c)
-            ids.append([int(t) for t in filler] + [self.first + c])
-            problems.append({"id": f"token_task/{rollout}/{j}", "lo": lo, "hi": hi, "score_tokens": self.score_tokens})
-        return ids, problems
-
-
-def token_text(tokens: Sequence[int]) -> str:
-    """Completion token ids as text ("17 42 1"): what the Reward protocol scores for tokenizer-less tasks."""
-    return " ".join(str(int(t)) for t in tokens)
-
-
-class TokenBlockReward:
-    """Reward of `TokenTask` behind the Reward protocol: completions are `token_text` strings, problems carry
-    `lo`, `hi`, `score_tokens`. Truncation is ignored: the task asks for exactly the generation cap."""
-
-    def score(self, completions: Sequence[str], problems: Sequence[Any],
-              truncated: Sequence[bool | str] | None = None) -> list[RewardResult]:
-        del truncated
-        check_batch(completions, problems)
-        out = []
-        for text, problem in zip(completions, problems):
-            lo, hi = int(problem_field(problem, "lo")), int(problem_field(problem, "hi"))
-            k = int(problem_field(problem, "score_tokens"))
-            toks = [int(t) for t in text.split()][:k]
-            hits = sum(lo <= t < hi for t in toks)
-            out.append(RewardResult(partial=hits / k, strict=hits == k, tests=[]))
-        return out
-
-
-register_reward("token_block", TokenBlockReward)
-
 
 # ------------------------------------------------------------------------------------------------- prompts
 
 
 class PromptSource:
-    """Prompts of rollout r: `prompts(r, count) -> (ids, problems, group_ids)` (a function of (seed, r)), and
-    `texts(tokens, finish_reasons)` for the reward."""
+    """Prompts of rollout r: `prompts(r, count) -> (ids, problems, group_ids)` (a function of (seed, r)).
+    `tokenizer` decodes completions for the reward (None: token-id text, `jaxrl.rewards.toy.token_text`)."""
+
+    tokenizer = None
 
     def prompts(self, rollout: int, count: int):
-        raise NotImplementedError
-
-    def texts(self, tokens, finish_reasons) -> list[str]:
         raise NotImplementedError
 
 
@@ -174,10 +75,7 @@ class TokenTaskPrompts(PromptSource):
 
     def prompts(self, rollout: int, count: int):
         ids, problems = self.task.prompts(self.seed, rollout, count)
-        return ids, problems, [zlib.crc32(p["id"].encode()) for p in problems]
-
-    def texts(self, tokens, finish_reasons) -> list[str]:
-        return [token_text(t) for t in tokens]
+        return ids, problems, [problem_key(p["id"]) for p in problems]
 
 
 class ProblemPrompts(PromptSource):
@@ -186,8 +84,6 @@ class ProblemPrompts(PromptSource):
 
     def __init__(self, path: str, tokenizer, *, enable_thinking: bool, max_prompt_len: int, on_overlong: str,
                  seed: int):
-        from jaxrl.data.problems import load_problems
-        from jaxrl.rollout.chat import encode_prompts
         if not path:
             raise ValueError("data.problems is empty: set it to a problems.jsonl (or data.source='token_task')")
         problems = load_problems(path)
@@ -205,55 +101,41 @@ class ProblemPrompts(PromptSource):
         logging.info("%s: %d problems (%d skipped as over-long)", path, len(self.problems), self.skipped)
 
     def indices(self, rollout: int, count: int) -> np.ndarray:
-        n = len(self.problems)
-        out = np.empty(count, np.int64)
-        perms: dict[int, np.ndarray] = {}
-        for j, i in enumerate(range(rollout * count, (rollout + 1) * count)):
-            epoch, offset = divmod(i, n)
-            if epoch not in perms:
-                perms[epoch] = np.random.default_rng([self.seed, epoch, 7817]).permutation(n)
-            out[j] = perms[epoch][offset]
-        return out
+        return epoch_stream(len(self.problems), rollout * count, count, seed=self.seed, salt=7817)
 
     def prompts(self, rollout: int, count: int):
-        from jaxrl.rollout.runner import problem_key
         idx = self.indices(rollout, count)
         problems = [self.problems[i] for i in idx]
         return [self.ids[i] for i in idx], problems, [problem_key(p.id) for p in problems]
 
-    def texts(self, tokens, finish_reasons) -> list[str]:
-        from jaxrl.rollout.generate import decode_texts
-        return decode_texts(self.tokenizer, tokens, finish_reasons)
-
 
 def make_prompt_source(config, model) -> tuple[PromptSource, tuple[int, ...], int]:
     """(prompt source, stop ids, pad id) from `config.data` (and the tokenizer of data.tokenizer / model_path)."""
-    data = config.get("data", None)
-    source = block_get(data, "source", DATA_DEFAULTS)
+    data = ONLINE_DATA.resolve(config.get("data", None), "data")
+    source = data["source"]
     seed = int(config.seed)
-    max_prompt_len = int(block_get(data, "max_prompt_len", DATA_DEFAULTS))
+    max_prompt_len = int(data["max_prompt_len"])
     eos = model.config.eos_token_id
     eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
     pad = model.config.pad_token_id
     pad = 0 if pad is None else int(pad)
     if source == "token_task":
-        prompt_len = int(block_get(data, "prompt_len", DATA_DEFAULTS))
+        prompt_len = int(data["prompt_len"])
         if prompt_len > max_prompt_len:
             raise ValueError(f"data.prompt_len={prompt_len} exceeds data.max_prompt_len={max_prompt_len}")
-        score_tokens = int(block_get(data, "score_tokens", DATA_DEFAULTS)) or int(max_new_tokens_of(config))
+        score_tokens = int(data["score_tokens"]) or int(max_new_tokens_of(config))
         task = TokenTask(vocab_size=int(model.config.vocab_size), prompt_len=prompt_len,
-                         num_classes=int(block_get(data, "num_classes", DATA_DEFAULTS)), score_tokens=score_tokens)
+                         num_classes=int(data["num_classes"]), score_tokens=score_tokens)
         return TokenTaskPrompts(task, seed), eos, pad
     if source == "problems":
-        from jaxrl.rollout.chat import chat_stop_ids, load_tokenizer
-        tok_dir = block_get(data, "tokenizer", DATA_DEFAULTS) or config.get("model_path", "")
+        tok_dir = data["tokenizer"] or config.model_path
         if not tok_dir:
             raise ValueError("data.source='problems' needs a tokenizer: set data.tokenizer or model_path")
         tokenizer = load_tokenizer(tok_dir)
-        prompts = ProblemPrompts(block_get(data, "problems", DATA_DEFAULTS), tokenizer,
-                                 enable_thinking=bool(block_get(data, "enable_thinking", DATA_DEFAULTS)),
+        prompts = ProblemPrompts(data["problems"], tokenizer,
+                                 enable_thinking=bool(data["enable_thinking"]),
                                  max_prompt_len=max_prompt_len,
-                                 on_overlong=block_get(data, "on_overlong", DATA_DEFAULTS), seed=seed)
+                                 on_overlong=data["on_overlong"], seed=seed)
         if tokenizer.pad_token_id is not None:
             pad = int(tokenizer.pad_token_id)
         return prompts, chat_stop_ids(tokenizer, model.config.eos_token_id), pad
@@ -267,7 +149,7 @@ def max_new_tokens_of(config) -> int:
 
 def make_reward(config):
     """(Reward, field) from `config.reward`: `name`, `score` (partial | strict), the rest constructor kwargs."""
-    spec = block_dict(config.get("reward", None), REWARD_DEFAULTS)
+    spec = REWARD.resolve(config.get("reward", None), "reward")
     name, field = spec.pop("name"), spec.pop("score")
     if field not in ("partial", "strict"):
         raise ValueError(f"reward.score={field!r}; choose 'partial' or 'strict'")
@@ -316,53 +198,52 @@ def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]],
 
 
 class RolloutEngine:
-    """Prompts -> samples from the current policy -> rewards, as `Sampled` arrays. Holds one Sampler (compiled
-    once per bucket; the policy's weights are an argument of every call)."""
+    """Prompts -> samples from the current policy -> rewards, as `Sampled` arrays, through the one generation path
+    (`jaxrl.rollout.collect.Collector` over a `JaxBackend` holding the policy; its programs compile once per bucket
+    and the policy's current weights are an argument of every call)."""
 
     def __init__(self, config, model, mesh, *, max_new_tokens: int, num_generations: int, prompts_per_rollout: int,
                  temperature: float, top_p: float, top_k: int = 0, rollout_batch_size: int = 0):
         self.source, self.stop_ids, self.pad_id = make_prompt_source(config, model)
         self.reward, self.reward_field = make_reward(config)
-        self.prompt_len = int(block_get(config.get("data", None), "max_prompt_len", DATA_DEFAULTS))
+        self.prompt_len = int(ONLINE_DATA.resolve(config.get("data", None), "data")["max_prompt_len"])
         self.max_new_tokens, self.n = int(max_new_tokens), int(num_generations)
         self.count = int(prompts_per_rollout)
-        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
         self.rows = self.count * self.n
-        self.batch_size = int(rollout_batch_size) or self.rows
-        self.mesh = mesh
         self.seed = int(config.seed)
-        self._sampler = None
+        self.sampling = SamplingParams(n=self.n, max_new_tokens=self.max_new_tokens, temperature=float(temperature),
+                                       top_p=float(top_p), top_k=int(top_k), seed=0)
+        self.mesh = mesh
+        self.batch_size = int(rollout_batch_size) or self.rows
+        self.collector: Optional[Collector] = None
 
-    def sampler(self, model):
-        from jaxrl.rollout.sampler import Sampler
-        if self._sampler is None:
-            self._sampler = Sampler(model, max_new_tokens=self.max_new_tokens, max_prompt_len=self.prompt_len,
-                                    batch_size=self.batch_size, eos_token_ids=self.stop_ids, pad_token_id=self.pad_id,
-                                    mesh=self.mesh)
-        return self._sampler
+    def collector_for(self, model) -> Collector:
+        """Built at the first rollout from the live policy (`trainer.current_model()`), not from the model the
+        task factory saw: the backend keeps its model, and the trainer's copy of the frozen base (resharded) is
+        the one that must stay alive. Later rollouts pass the current weights; nothing recompiles."""
+        if self.collector is None:
+            backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size, max_prompt_len=self.prompt_len,
+                                 stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh)
+            self.collector = Collector(backend, self.reward, tokenizer=self.source.tokenizer, stop_ids=self.stop_ids)
+        return self.collector
 
     def sample_seed(self, rollout: int) -> int:
         return (self.seed * 1_000_003 + rollout * 7919 + 17) % 2 ** 32
 
     def run(self, model, rollout: int) -> Sampled:
         prompts, problems, group_ids = self.source.prompts(rollout, self.count)
-        sampler = self.sampler(model)
-        t0 = time.perf_counter()
-        out = sampler.sample(prompts, params=nnx.state(model), n=self.n, temperature=self.temperature,
-                             top_p=self.top_p, top_k=self.top_k, seed=self.sample_seed(rollout), group_ids=group_ids)
-        t1 = time.perf_counter()
-        texts = self.source.texts(out.tokens, out.finish_reasons)
-        results = self.reward.score(texts, [problems[j] for j in out.prompt_indices], truncated=out.finish_reasons)
-        t2 = time.perf_counter()
-        arrays = to_arrays(prompts, out.tokens, out.logprobs, out.prompt_indices, self.prompt_len,
-                           self.max_new_tokens, self.pad_id)
-        rewards = np.asarray([np.nan if r.masked else float(getattr(r, self.reward_field)) for r in results],
-                             np.float32)
-        return Sampled(**arrays, lengths=np.asarray(out.num_tokens, np.int32),
-                       truncated=np.asarray(out.truncated, bool), rewards=rewards,
-                       strict=np.asarray([float(r.strict) for r in results], np.float32),
-                       prompt_lengths=np.asarray(out.prompt_lengths, np.int32),
-                       times={"sample_s": t1 - t0, "score_s": t2 - t1})
+        collector = self.collector_for(model)
+        samples = collector.collect(prompts, group_ids, problems, self.sampling.replace(seed=self.sample_seed(rollout)),
+                                    params=nnx.state(model))
+        arrays = to_arrays(prompts, [s.tokens for s in samples], [s.logprobs for s in samples],
+                           [s.prompt_index for s in samples], self.prompt_len, self.max_new_tokens, self.pad_id)
+        rewards = np.asarray([np.nan if s.result.masked else float(getattr(s.result, self.reward_field))
+                              for s in samples], np.float32)
+        return Sampled(**arrays, lengths=np.asarray([len(s.tokens) for s in samples], np.int32),
+                       truncated=np.asarray([s.truncated for s in samples], bool), rewards=rewards,
+                       strict=np.asarray([float(s.result.strict) for s in samples], np.float32),
+                       prompt_lengths=np.asarray([len(prompts[s.prompt_index]) for s in samples], np.int32),
+                       times=dict(collector.last_times))
 
 
 def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:
@@ -420,48 +301,21 @@ def _pass(graphdef, state, input_ids, attention_mask, *, completion_len, adapter
     return out
 
 
-_PROGRAMS: dict = {}
-
-
-def _program(compile_options: Optional[dict]):
-    key = tuple(sorted((compile_options or {}).items()))
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = jax.jit(_pass, static_argnames=("graphdef", "completion_len", "adapters", "temperature",
-                                                         "chunk_size", "values"),
-                                 compiler_options=dict(key) or None)
-    return _PROGRAMS[key]
-
-
 def teacher_forced(model, arrays: dict, *, completion_len: int, adapters: bool, batch_size: int,
                    temperature: float = 1.0, chunk_size: int = 512, values: bool = False, mesh=None,
                    compile_options: Optional[dict] = None) -> dict[str, np.ndarray]:
     """{"logp": [N, C] (+ "values": [N, C])} of every row of `arrays` (input_ids, attention_mask) under `model`
-    with its adapters on or off: one jitted program, `batch_size` rows per call (the last call is padded with
-    copies of row 0, discarded)."""
-    program = _program(compile_options)
+    with its adapters on or off: one jitted program, `batch_size` rows per call (jaxrl.train.inference)."""
+    program = inference.jit_program(_pass, ("graphdef", "completion_len", "adapters", "temperature", "chunk_size",
+                                            "values"), compile_options, mesh)
     graphdef, state = nnx.split(model)
-    n = arrays["input_ids"].shape[0]
-    if mesh is not None:
-        shards = shd.batch_shards(mesh)
-        batch_size = -(-batch_size // shards) * shards
-    batch_size = max(1, min(batch_size, n)) if mesh is None else batch_size
-    outs: dict[str, list] = {}
-    for start in range(0, n, batch_size):
-        rows = np.arange(start, start + batch_size)
-        rows = np.where(rows < n, rows, 0)
-        batch = {k: np.asarray(arrays[k][rows]) for k in ("input_ids", "attention_mask")}
-        if mesh is not None:
-            batch = {k: jax.make_array_from_callback(v.shape, shd.batch_sharding(mesh, v.ndim),
-                                                     lambda idx, v=v: v[idx]) for k, v in batch.items()}
-        res = jax.device_get(program(graphdef, state, batch["input_ids"], batch["attention_mask"],
-                                     completion_len=completion_len, adapters=adapters, temperature=float(temperature),
-                                     chunk_size=chunk_size, values=values))
-        keep = min(batch_size, n - start)
-        for k, v in res.items():
-            outs.setdefault(k, []).append(np.asarray(v[:keep], np.float32))
+    out = inference.map_batches(
+        lambda b: program(graphdef, state, b["input_ids"], b["attention_mask"], completion_len=completion_len,
+                          adapters=adapters, temperature=float(temperature), chunk_size=chunk_size, values=values),
+        arrays, ("input_ids", "attention_mask"), batch_size=batch_size, mesh=mesh)
     mask = np.asarray(arrays["completion_mask"]) > 0
     # Padding positions hold whatever the model computed there; zero them so buffers are clean.
-    return {k: np.where(mask, np.concatenate(v), 0.0).astype(np.float32) for k, v in outs.items()}
+    return {k: np.where(mask, v, 0.0).astype(np.float32) for k, v in out.items()}
 
 
 # ------------------------------------------------------------------------------------------------- schedule
@@ -529,7 +383,6 @@ class RolloutStore:
 
     def save(self, rollout: int, arrays: dict, meta: dict) -> str:
         if is_main_process():
-            from jaxrl.data.jsonl import atomic_write_bytes
             atomic_write_bytes(self.path(rollout), _npz_bytes(arrays, meta))
         return os.path.basename(self.path(rollout))
 
@@ -568,19 +421,13 @@ class OnlineTask:
 
     def __init__(self, config, schedule: Schedule):
         self.config, self.schedule = config, schedule
-        self.compile_options = self._compile_options(config)
+        self.compile_options = inference.compile_options(config) or None
         self.buffer: Optional[dict] = None
         self.buffer_rollout = -1
         self.rollout_metrics: dict = {}
         self.loaded_state: dict = {}
         self.store: Optional[RolloutStore] = None
         self.position = 0
-
-    @staticmethod
-    def _compile_options(config) -> Optional[dict]:
-        options = config.get("compile_options", None) or {}
-        options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
-        return options or None
 
     # subclasses -------------------------------------------------------------------------------------------
     def make_rollout(self, rollout: int, model, trainer) -> tuple[dict, dict]:
@@ -648,7 +495,7 @@ class OnlineTask:
         when s is inside it)."""
         if self.store is None or self.schedule.steps_per_rollout == 1:
             return None
-        keep = trainer.config.get("keep_checkpoints", 2)
+        keep = trainer.config.keep_checkpoints
         steps = sorted(self._state_steps(trainer))
         if keep is None or not steps:
             return None
@@ -658,7 +505,7 @@ class OnlineTask:
 
     @staticmethod
     def _state_steps(trainer) -> list[int]:
-        state_dir = os.path.join(trainer.workdir, "checkpoints", "state")
+        state_dir = trainer.ckpt.state_dir
         if not os.path.isdir(state_dir):
             return []
         return [int(d) for d in os.listdir(state_dir) if d.isdigit()]

@@ -122,7 +122,7 @@ def kl_penalty_rewards(
     completion token gets no score.
     """
     m = jnp.asarray(mask) > 0
-    kl = jnp.where(m, kl_lib.kl(logp, ref_logp, estimator), 0.0)
+    kl = kl_lib.kl(logp, ref_logp, estimator, mask=m)
     rewards = -kl_coef * kl
     T = m.shape[-1]
     # Index of the last masked-in position (right padding or holes alike).

@@ -14,8 +14,9 @@ sampling temperature, old values) and one with them off (reference log-probs) ->
 whitening (scale only) -> GAE (`gamma`, `lam`) -> advantage whitening over the rollout. The rollout is then
 trained on for `epochs` passes of `minibatches` minibatches (each one global batch, one optimizer update), so
 N = minibatches x B_global. The KL coefficient starts at `init_kl_coef` and, with `adaptive_kl`, follows the
-Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout from its mean per-token KL,
-n_steps = N); it is host state saved with every checkpoint.
+Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout from the mean over sequences
+of each sequence's token-mean KL, as verl and OpenRLHF; n_steps = N); it is host state saved with every
+checkpoint.
 
 Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
 `vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. A NaN/inf
@@ -24,7 +25,8 @@ loss or gradient skips the update (the training core's non-finite masking, count
 Metrics per step: from the loss `pg_loss`, `vf_loss`, `clip_fraction`, `vf_clip_fraction`, `approx_kl` (to the
 behaviour policy), `ratio`, `entropy`; from the rollout `reward/*`, `completion/*`, `advantage/*` (before
 whitening), `value/mean`, `return/mean`, `explained_variance` (old values vs returns), `rollout/kl` (token mean
-of the KL estimate to the reference), `rollout/kl_sequence` (its per-sequence sum, averaged), `kl_coef` (the
+of the KL estimate to the reference), `rollout/kl_sequence` (its per-sequence sum, averaged),
+`rollout/kl_sequence_mean` (its per-sequence mean, averaged: what the adaptive controller steers), `kl_coef` (the
 coefficient the rollout used), and on the rollout's first step `time/{sample_s,score_s,policy_pass_s,
 ref_logp_s,rollout_s}`.
 """
@@ -46,40 +48,11 @@ from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import online
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.models.lora import LoRAParam
-from jaxrl.train.registry import register_trainer
-
-PPO_DEFAULTS = dict(
-    prompts_per_rollout=32,
-    num_generations=1,  # samples per prompt
-    max_new_tokens=1024,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    init_kl_coef=0.05,
-    adaptive_kl=False,  # TRL: fixed; True: Ziegler et al. (verl / OpenRLHF)
-    kl_target=0.1,  # per-token KL the adaptive controller steers to
-    kl_horizon=10000.0,
-    kl_estimator="k1",  # k1 | k3 (or any registered kl)
-    gamma=1.0,
-    lam=0.95,
-    whiten_rewards=False,
-    whiten_advantages=True,
-    cliprange=0.2,
-    cliprange_value=0.2,  # 0 = unclipped value loss
-    vf_coef=0.1,
-    epochs=4,  # passes over each rollout
-    minibatches=1,  # global batches per pass: prompts_per_rollout x num_generations = minibatches x B_global
-    value_head_detach=False,  # True: the value loss trains only the head (no gradient into the LoRA factors)
-    value_learning_rate=0.0,  # the value head's (peak) learning rate; 0 = optimizer.learning_rate (ValueHead)
-    entropy_coef=0.0,
-    log_entropy=True,
-    rollout_batch_size=0,  # sampler rows per compiled call; 0 = the whole rollout
-    logprob_batch_size=8,  # rows per teacher-forced pass
-)
+from jaxrl.utils.schema import PPO
 
 
 def _cfg(config) -> dict:
-    return online.block_dict(config.get("ppo", None), PPO_DEFAULTS)
+    return PPO.resolve(config.get("ppo", None), "ppo")
 
 
 def _lr_scaled(x: jax.Array, scale: float) -> jax.Array:
@@ -201,7 +174,7 @@ class PPOTask(online.OnlineTask):
                                                         float(p["kl_horizon"])) if p["adaptive_kl"]
                            else ppo_lib.FixedKLController(float(p["init_kl_coef"])))
         self.kl_coef = float(self.controller.init())
-        self.chunk_size = int(config.get("logprob_chunk_size", 512))
+        self.chunk_size = int(config.logprob_chunk_size)
         self.objective = PPOObjective(
             cliprange=float(p["cliprange"]), cliprange_value=float(p["cliprange_value"]), vf_coef=float(p["vf_coef"]),
             temperature=self.temperature, value_head_detach=bool(p["value_head_detach"]),
@@ -250,10 +223,16 @@ class PPOTask(online.OnlineTask):
         m = mask > 0
         n_tok = max(int(m.sum()), 1)
         token_kl = float(np.where(m, kl, 0.0).sum() / n_tok)
+        lengths = m.sum(-1)
+        has_tokens = lengths > 0
+        # verl and OpenRLHF: each sequence's token mean, averaged over the sequences (with a token under the loss)
+        sequence_kl = float((np.where(m, kl, 0.0).sum(-1)[has_tokens] / lengths[has_tokens]).mean()
+                            if has_tokens.any() else 0.0)
         metrics.update({
             "kl_coef": kl_coef,
             "rollout/kl": token_kl,
             "rollout/kl_sequence": float(np.where(m, kl, 0.0).sum(-1).mean()),
+            "rollout/kl_sequence_mean": sequence_kl,
             "advantage/mean": float(raw_adv[m].mean()) if m.any() else 0.0,
             "advantage/std": float(raw_adv[m].std()) if m.any() else 0.0,
             "advantage/min": float(raw_adv[m].min()) if m.any() else 0.0,
@@ -262,8 +241,9 @@ class PPOTask(online.OnlineTask):
             "return/mean": float(ret[m].mean()) if m.any() else 0.0,
             "explained_variance": float(ppo_lib.explained_variance(cur["values"], ret, mask)),
         })
-        # The controller sees the mean per-token KL of this rollout (verl); n_steps = samples in it.
-        self.kl_coef = float(self.controller.update(np.float32(kl_coef), np.float32(token_kl), len(scores)))
+        # The controller sees the mean over sequences of each one's token-mean KL (verl, OpenRLHF), so a few long
+        # completions do not dominate it; n_steps = samples in the rollout.
+        self.kl_coef = float(self.controller.update(np.float32(kl_coef), np.float32(sequence_kl), len(scores)))
         if not np.isfinite(self.kl_coef):
             logging.warning("rollout %d: the KL controller produced %s; keeping %s", rollout, self.kl_coef, kl_coef)
             self.kl_coef = kl_coef
@@ -273,6 +253,5 @@ class PPOTask(online.OnlineTask):
         return buffer, metrics
 
 
-@register_trainer("ppo")
 def build_ppo(config, model, mesh) -> PPOTask:
     return PPOTask(config, model, mesh)

@@ -35,6 +35,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxrl.data.chat import format_chat
+from jaxrl.data.pairs import pair_id as make_pair_id
+
 OVERLONG_POLICIES = ("truncate_prompt", "drop")
 SIDES = ("chosen", "rejected")
 ARRAY_KEYS = tuple(f"{s}_{k}" for s in SIDES for k in ("input_ids", "attention_mask", "loss_mask"))
@@ -146,9 +149,8 @@ def tokenize_pairs(pairs: Sequence[Mapping], tokenizer, enable_thinking: bool,
                    format_fn: Optional[Callable] = None) -> list[EncodedPair]:
     """Text pairs (pairs.jsonl records) -> token ids. `messages_by_problem` supplies the prompt of pairs whose
     `messages` is null (a problems.jsonl, `data.problems`). Prompts of the same problem are tokenised once."""
-    from jaxrl.data.pairs import pair_id as make_pair_id
     if format_fn is None:
-        from jaxrl.rollout.chat import format_chat as format_fn
+        format_fn = format_chat
     end = turn_end_id(tokenizer)
     cache: dict[str, tuple[int, ...]] = {}
     out = []

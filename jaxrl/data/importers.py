@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from jaxrl.data.problems import Problem, ProblemFormatError, TestCase, _open_text
+from jaxrl.data.problems import Problem, ProblemFormatError, TestCase, iter_records
 
 # LiveCodeBench's own prompt (lcb_runner/prompts/code_generation.py), so scores are comparable with theirs.
 LCB_SYSTEM_PROMPT = ("You are an expert Python programmer. You will be given a question (problem specification) "
@@ -49,14 +49,8 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         for row, record in enumerate(datasets.Dataset.from_parquet(str(path), keep_in_memory=True)):
             yield f"{path} row {row}", record
         return
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except ValueError as exc:
-                yield f"{path}:{lineno}", ProblemFormatError(f"{path}:{lineno}", None, f"invalid JSON: {exc}")
+    for lineno, record in iter_records(path, skip_malformed=True):
+        yield f"{path}:{lineno}", record
 
 
 def _require(record: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:

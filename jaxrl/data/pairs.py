@@ -59,7 +59,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jaxrl.data.jsonl import atomic_write_json, iter_jsonl, read_jsonl, sha256_file, write_jsonl
+from jaxrl.utils.io import atomic_write_json, iter_jsonl, read_jsonl, sha256_file, write_jsonl
 
 __all__ = [
     "PairConfig",

@@ -15,18 +15,18 @@ JSON value; both are checked to parse at load time.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import io
 import json
 import logging
 import os
-import tempfile
 from decimal import Decimal
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from jaxrl.utils.io import atomic_write_bytes, iter_json_lines
 
 logger = logging.getLogger(__name__)
 
@@ -209,25 +209,6 @@ class LoadResult:
     skipped: list[str] = field(default_factory=list)  # one message per skipped record (file:line: why)
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded JSON) for every non-blank line; a JSON error names the file and line."""
-    path = Path(path)
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except ValueError as exc:
-                raise ProblemFormatError(f"{path}:{lineno}", None, f"invalid JSON: {exc}") from None
-
-
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
     import datasets  # heavy import: only for parquet
 
@@ -246,7 +227,7 @@ def read_problems(path: str | os.PathLike, skip_malformed: bool = False) -> Load
     if path.suffix == ".parquet":
         records: Iterable[tuple[str, Any]] = _iter_parquet(path)
     else:
-        records = ((f"{path}:{lineno}", rec) for lineno, rec in _iter_jsonl_lenient(path, skip_malformed))
+        records = ((f"{path}:{lineno}", rec) for lineno, rec in iter_records(path, skip_malformed))
     result = LoadResult(problems=[])
     seen: dict[str, str] = {}
     for where, record in records:
@@ -269,18 +250,17 @@ def read_problems(path: str | os.PathLike, skip_malformed: bool = False) -> Load
     return result
 
 
-def _iter_jsonl_lenient(path: Path, skip_malformed: bool) -> Iterator[tuple[int, Any]]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except ValueError as exc:
-                error = ProblemFormatError(f"{path}:{lineno}", None, f"invalid JSON: {exc}")
-                if not skip_malformed:
-                    raise error from None
-                yield lineno, error
+def iter_records(path: str | os.PathLike, skip_malformed: bool = False) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded JSON) for every non-blank line of a JSONL / JSONL.gz file. A line that is not JSON
+    raises ProblemFormatError naming the file and line, or with ``skip_malformed`` comes as that error."""
+    for line in iter_json_lines(path):
+        if line.error is None:
+            yield line.lineno, line.value
+            continue
+        error = ProblemFormatError(f"{path}:{line.lineno}", None, f"invalid JSON: {line.error}")
+        if not skip_malformed:
+            raise error from None
+        yield line.lineno, error
 
 
 def load_problems(path: str | os.PathLike, skip_malformed: bool = False) -> list[Problem]:
@@ -305,25 +285,6 @@ def problems_to_dataset(problems: Sequence[Problem]):
 
 
 # ------------------------------------------------------------------------------------------------------------
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over the target."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def problems_jsonl_bytes(problems: Iterable[Problem]) -> bytes:
     return "".join(p.to_json() + "\n" for p in problems).encode("utf-8")
 

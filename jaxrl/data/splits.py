@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from jaxrl.data.problems import Problem, atomic_write_bytes, load_problems, problems_jsonl_bytes
+from jaxrl.data.problems import Problem, load_problems, problems_jsonl_bytes
+from jaxrl.utils.io import atomic_write_bytes, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxrl.splits/1"
@@ -57,14 +58,6 @@ def _check_fractions(fractions: Mapping[str, float]) -> None:
     for name in fractions:
         if not name or "/" in name or name.startswith(".") or name == Path(MANIFEST).stem:
             raise ValueError(f"bad split name {name!r}")
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def freeze_splits(problems: Sequence[Problem], out_dir: str | os.PathLike,

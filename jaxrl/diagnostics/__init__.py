@@ -2,8 +2,8 @@
 
 Modules (import the one you need; ``report`` pulls in matplotlib, ``drift`` jax only when a model is used):
 
-* ``formats``: the files read here (metrics.jsonl, eval/results.json, eval/samples/NAME.jsonl, diagnostics/)
-  -- their single definition, readers and validators;
+* the files read here (metrics.jsonl, eval/results.json, eval/samples/NAME.jsonl, diagnostics/) are defined,
+  read and validated in ``jaxrl.data.formats``;
 * ``drift``: KL to the base and LoRA update norms per checkpoint;
 * ``pair_audit``: length bias, filters and a semantic re-run of the verifier on a pairs file;
 * ``generation_diff``: two models' samples side by side, changes tagged termination/format/algorithm/...;
@@ -15,4 +15,4 @@ Command line: ``python -m launchers.diagnose --what=drift|pairs|diff|termination
 ``python -m launchers.report --workdir=DIR``.
 """
 
-__all__ = ["formats", "drift", "pair_audit", "generation_diff", "termination", "curves", "flags", "plots", "report"]
+__all__ = ["drift", "pair_audit", "generation_diff", "termination", "curves", "flags", "plots", "report"]

@@ -5,9 +5,13 @@ The interval of a checkpoint is its results.json comparison row against the base
 and the per-sample files are given, it is computed with ``jaxrl.evaluation.stats.compare`` (the same paired
 bootstrap the evaluator uses).
 
-Selecting the best of m checkpoints and quoting its 95% interval overstates the evidence. When samples are
-available, the best checkpoint also gets a Bonferroni-adjusted interval (confidence ``1 - (1 - c) / m``) and
-``flags.early_gain_not_significant`` uses it.
+Selecting the best of m checkpoints and quoting its 95% interval overstates the evidence. Every point carries
+the results file's simultaneous interval (max-T over every comparison of the file, ``simultaneous_ci_low`` /
+``simultaneous_ci_high``); the best checkpoint's adjusted interval (``ci_low_adjusted`` / ``ci_high_adjusted``) is
+that one, or, for results without it and with samples, a Bonferroni interval over every checkpoint x flagged
+metric (confidence ``1 - (1 - c) / (m * len(flag_metrics))``). ``flags.early_gain_not_significant`` uses it,
+whether or not the best checkpoint is the last one. With samples, the non-monotonic flag also compares the last
+checkpoint with the best one, paired (``best_vs_last``), and says whether the fall is more than noise.
 
 Output (``curves.json``)::
 
@@ -15,8 +19,11 @@ Output (``curves.json``)::
      "metrics": {METRIC: {"higher_is_better": bool,
                           "points": [{"step", "model", "value", "n_prompts", "n_samples",
                                       "diff", "ci_low", "ci_high", "n_pairs", "confidence", "ci_crosses_zero",
+                                      "p_value", "simultaneous_ci_low", "simultaneous_ci_high", "family_size",
                                       optional "ci_low_adjusted", "ci_high_adjusted", "adjusted_confidence",
-                                      "n_checkpoints"}, ...]}},     # sorted by step; the base is step 0, diff 0
+                                      "adjustment", "n_checkpoints"}, ...],
+                          "best_vs_last": {"diff", "ci_low", "ci_high", "n_pairs", ...} | None}},
+                                    # points sorted by step; the base is step 0, diff 0
      "flags": [Flag.to_dict(), ...]}
 """
 
@@ -26,8 +33,8 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from jaxrl.data.formats import BASE_MODEL, available_samples, model_step, read_results, read_samples
 from jaxrl.diagnostics import flags as F
-from jaxrl.diagnostics.formats import BASE_MODEL, available_samples, model_step, read_results, read_samples
 from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.stats import compare
 
@@ -88,9 +95,9 @@ def checkpoint_curves(
             per_prompt[name] = per_prompt_values(samples[name])
         return per_prompt[name]
 
-    def computed(name, metric, conf):
-        rows = compare({name: pp(name), baseline: pp(baseline)}, baseline=baseline, metrics=[metric],
-                       n_resamples=n_resamples, confidence=conf, seed=seed)
+    def computed(name, metric, conf, against=baseline):
+        rows = compare({name: pp(name), against: pp(against)}, baseline=against, metrics=[metric],
+                       n_resamples=n_resamples, confidence=conf, seed=seed, family=False)
         return rows[0]
 
     out_metrics = {}
@@ -111,27 +118,46 @@ def checkpoint_curves(
                 row = computed(name, metric, confidence)
             pt = {"step": step, "model": name, "value": e[metric], "n_prompts": e["n_prompts"],
                   "n_samples": e["n_samples"], "diff": None, "ci_low": None, "ci_high": None, "n_pairs": None,
-                  "confidence": None, "ci_crosses_zero": None}
+                  "confidence": None, "ci_crosses_zero": None, "p_value": None, "simultaneous_ci_low": None,
+                  "simultaneous_ci_high": None, "family_size": None}
             if row is not None:
                 pt.update(diff=row["diff"], ci_low=row["ci_low"], ci_high=row["ci_high"], n_pairs=row["n_pairs"],
                           confidence=row.get("confidence", confidence),
-                          ci_crosses_zero=bool(row["ci_low"] <= 0.0 <= row["ci_high"]))
+                          ci_crosses_zero=bool(row["ci_low"] <= 0.0 <= row["ci_high"]),
+                          **{k: row.get(k) for k in ("p_value", "simultaneous_ci_low", "simultaneous_ci_high",
+                                                     "family_size")})
             points.append(pt)
         higher = metric not in _LOWER_IS_BETTER
         with_ci = [p for p in points[1:] if p["diff"] is not None]
         if metric in flag_metrics and with_ci and m > 1:
             best = max(with_ci, key=lambda p: p["diff"])
             best["n_checkpoints"] = m
-            if best["diff"] > 0 and best["model"] in samples and baseline in samples:
-                adj = 1.0 - (1.0 - confidence) / m
+            if best.get("simultaneous_ci_low") is not None:
+                best.update(ci_low_adjusted=best["simultaneous_ci_low"],
+                            ci_high_adjusted=best["simultaneous_ci_high"], adjusted_confidence=best["confidence"],
+                            adjustment=f"after the {best['family_size']} comparisons of the evaluation (max-T)")
+            elif best["diff"] > 0 and best["model"] in samples and baseline in samples:
+                family = m * len(flag_metrics)  # every checkpoint x every metric a checkpoint may be chosen on
+                adj = 1.0 - (1.0 - confidence) / family
                 row = computed(best["model"], metric, adj)
                 best.update(ci_low_adjusted=row["ci_low"], ci_high_adjusted=row["ci_high"],
-                            adjusted_confidence=adj)
-        out_metrics[metric] = {"higher_is_better": higher, "points": points}
+                            adjusted_confidence=adj, adjustment=f"Bonferroni over {family} comparisons")
+        best_vs_last = None
+        by_value = [p for p in points if p["value"] is not None]
+        if metric in flag_metrics and len(by_value) >= 3:
+            top = max(by_value, key=lambda p: (p["value"] if higher else -p["value"], -p["step"]))
+            last = by_value[-1]
+            if top is not last and top["model"] in samples and last["model"] in samples:
+                row = computed(last["model"], metric, confidence, against=top["model"])
+                best_vs_last = {k: row[k] for k in ("diff", "ci_low", "ci_high", "n_pairs", "p_value", "test",
+                                                    "confidence")}
+                best_vs_last.update(best=top["model"], last=last["model"])
+        out_metrics[metric] = {"higher_is_better": higher, "points": points, "best_vs_last": best_vs_last}
         if metric in flag_metrics:
             flags.append(F.non_monotonic_checkpoints(metric, [p["step"] for p in points],
                                                      [p["value"] for p in points], tol=tol,
-                                                     n_prompts=base_entry["n_prompts"], higher_is_better=higher))
+                                                     n_prompts=base_entry["n_prompts"], higher_is_better=higher,
+                                                     best_vs_last=best_vs_last))
             flags.extend(F.early_gain_not_significant(metric, with_ci))
     return {"baseline": baseline, "confidence": confidence, "n_checkpoints": m, "metrics": out_metrics,
             "flags": [f.to_dict() for f in F.sort_flags(flags)]}

@@ -43,7 +43,16 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
+from jaxrl.models import qwen35
+from jaxrl.rollout import generate
 
 __all__ = ["Adapter", "lora_delta_norm", "update_norms", "token_kl", "checkpoint_drift", "parse_peft_tensors",
            "load_peft_adapter", "find_peft_checkpoints", "ModelLogprobs", "model_checkpoint_drift",
@@ -216,8 +225,6 @@ def parse_peft_tensors(tensors: Mapping[str, Any], scale: float, where: str = "a
 def load_peft_adapter(folder: str | os.PathLike) -> dict:
     """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) as ``{module: (A, B,
     scale)}``."""
-    from safetensors.numpy import load_file
-
     folder = Path(folder)
     cfg_path, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     for p in (cfg_path, weights):
@@ -273,12 +280,7 @@ class ModelLogprobs:
     def __init__(self, model_dir: Optional[str], adapters: AdapterSource,
                  sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch_size: int = 4,
                  dtype=None, model=None):
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
         if model is None:
-            from jaxrl.models import qwen35
             model = qwen35.from_pretrained(model_dir, dtype=dtype or jnp.float32)
         self.model, self.adapters = model, adapters
         self.sequences = [(list(p), list(c)) for p, c in sequences]
@@ -306,8 +308,6 @@ class ModelLogprobs:
 
     def _apply(self, adapter: Adapter, step: int) -> list:
         """Merges ``W + scale * B @ A`` into every touched weight; returns [(variable, original array)]."""
-        import jax.numpy as jnp
-
         saved = []
         try:
             for module, (A, B, scale) in adapter.items():
@@ -367,13 +367,10 @@ def model_checkpoint_drift(model_dir: Optional[str], adapters: AdapterSource, se
             raise ValueError("model_checkpoint_drift: pass steps when adapters is a callable")
         steps = sorted(adapters)
     if model is None:
-        import jax.numpy as jnp
-        from jaxrl.models import qwen35
         model = qwen35.from_pretrained(model_dir, dtype=dtype or jnp.float32)
     if sequences is None:
         if not prompts:
             raise ValueError("model_checkpoint_drift: give sequences or prompts")
-        from jaxrl.rollout import generate
         out = generate(model, [list(p) for p in prompts], max_new_tokens=max_new_tokens, temperature=0.0,
                        eos_token_ids=tuple(eos_token_ids))
         sequences = [(list(p), list(t)) for p, t in zip(prompts, out.tokens) if len(t)]
@@ -393,10 +390,6 @@ def fixed_sequences(model, model_dir: str, problems, *, n_prompts: int = 8, max_
     ``problems``: a problems.jsonl path or a list of ``Problem``. Prompts over ``max_prompt_len`` are skipped;
     a prompt whose continuation is empty (immediate stop) is dropped (it has no position to measure).
     """
-    from jaxrl.data.problems import load_problems
-    from jaxrl.rollout import generate
-    from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
-
     if isinstance(problems, (str, os.PathLike)):
         problems = load_problems(problems)
     tok = load_tokenizer(model_dir)

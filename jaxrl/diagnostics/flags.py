@@ -12,13 +12,16 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional, Sequence
 
+import scipy.stats
+
 from jaxrl.evaluation.stats import truncation_warning
 
 __all__ = [
     "Flag", "SEVERITIES", "is_rate", "fmt_value", "fmt_diff", "fmt_interval", "interval_crosses_zero",
     "truncation_censoring", "kl_rising_reward_falling", "non_monotonic_checkpoints",
     "early_gain_not_significant", "length_bias_in_pairs", "semantic_failures_in_pairs", "nonfinite_updates",
-    "termination_only_change", "sort_flags",
+    "termination_only_change", "sort_flags", "not_significant_after_selection", "underpowered",
+    "selection_adjusted_gain", "gain_from_finishing", "confirmation_result",
 ]
 
 SEVERITIES = ("error", "warning", "info")
@@ -89,12 +92,133 @@ def interval_crosses_zero(comparison: Mapping) -> Optional[Flag]:
     if not _crosses(lo, hi):
         return None
     m, metric = comparison["model"], comparison["metric"]
+    p = comparison.get("p_value")
+    test = f" (p = {p:.3g}, {comparison.get('test', comparison.get('p_value_test', 'test'))})" if p is not None else ""
     return Flag("warning", "interval_crosses_zero",
                 f"{m} vs {comparison['baseline']}, {metric}: {fmt_diff(metric, comparison['diff'])}, "
                 f"{fmt_interval(metric, lo, hi, comparison.get('confidence', 0.95))} over "
-                f"{comparison['n_pairs']} prompts: interval crosses zero, so this is no evidence of a difference.",
+                f"{comparison['n_pairs']} prompts{test}: interval crosses zero, so this is no evidence of a "
+                "difference.",
                 {k: comparison.get(k) for k in ("model", "baseline", "metric", "diff", "ci_low", "ci_high",
-                                                "n_pairs")})
+                                                "n_pairs", "p_value")})
+
+
+def not_significant_after_selection(comparison: Mapping) -> Optional[Flag]:
+    """A difference whose own interval excludes 0 but whose simultaneous interval (over every comparison of the
+    results file) does not: it would not survive having been picked among the others."""
+    if comparison.get("simultaneous_ci_low") is None:
+        return None
+    lo, hi = float(comparison["ci_low"]), float(comparison["ci_high"])
+    slo, shi = float(comparison["simultaneous_ci_low"]), float(comparison["simultaneous_ci_high"])
+    if _crosses(lo, hi) or not _crosses(slo, shi):
+        return None
+    m, metric, fam = comparison["model"], comparison["metric"], comparison.get("family_size")
+    conf = comparison.get("confidence", 0.95)
+    return Flag("warning", "not_significant_after_selection",
+                f"{m} vs {comparison['baseline']}, {metric}: {fmt_diff(metric, comparison['diff'])}, "
+                f"{fmt_interval(metric, lo, hi, conf)} over {comparison['n_pairs']} prompts excludes zero alone, but "
+                f"not among the {fam} comparisons of this evaluation (simultaneous "
+                f"{fmt_interval(metric, slo, shi, conf)}, adjusted p = "
+                f"{comparison.get('simultaneous_p_value', float('nan')):.3g}). Picked as the best of several, it is "
+                "no evidence of a difference: confirm it on fresh prompts.",
+                {k: comparison.get(k) for k in ("model", "baseline", "metric", "diff", "ci_low", "ci_high",
+                                                "simultaneous_ci_low", "simultaneous_ci_high", "family_size",
+                                                "n_pairs", "simultaneous_p_value")})
+
+
+def underpowered(comparison: Mapping, min_power: float = 0.8) -> Optional[Flag]:
+    """An evaluation too small for the effect it reports: the observed difference is below the smallest effect
+    these prompts detect with ``min_power`` probability (``comparison["power"]``, jaxrl.evaluation.planning)."""
+    pw = comparison.get("power")
+    if not pw or comparison.get("diff") in (None, 0) or pw.get("n_for_diff") is None:
+        return None
+    diff, mde, n = float(comparison["diff"]), float(pw["mde"]), int(comparison["n_pairs"])
+    if abs(diff) >= mde:
+        return None
+    m, metric = comparison["model"], comparison["metric"]
+    fam = pw.get("family_size") or 1
+    fam_txt = (f" ({pw['n_for_diff_family']} with the correction for the {fam} comparisons)" if fam > 1 else "")
+    return Flag("info", "underpowered",
+                f"{m} vs {comparison['baseline']}, {metric}: {fmt_diff(metric, diff)} on {n} prompts is below the "
+                f"smallest effect {n} prompts detect with {pw['power']:.0%} power ({fmt_diff(metric, mde).lstrip('+')}; SD of "
+                f"the per-prompt differences {fmt_diff(metric, pw.get('sd', comparison.get('sd_diff'))).lstrip('+')}). A true "
+                f"effect of this size needs about {pw['n_for_diff']} prompts{fam_txt} "
+                "(python -m launchers.plan).",
+                {"model": m, "metric": metric, "diff": diff, "n_pairs": n, "mde": mde,
+                 "n_for_diff": pw["n_for_diff"], "n_for_diff_family": pw.get("n_for_diff_family")})
+
+
+def selection_adjusted_gain(selection: Mapping) -> Optional[Flag]:
+    """The best of several models: its naive gain beside the cross-fitted (selection-adjusted) one
+    (``results["selection"][metric]``, jaxrl.evaluation.selection), when the naive gain looks significant. A
+    warning when the naive gain is above the adjusted gain's interval (the choice inflated it), else info. Whether
+    the best model itself beats the baseline after the selection is ``not_significant_after_selection``'s
+    question (simultaneous intervals); this one is how large a gain "keep the best" really delivers."""
+    nv, cf, metric = selection["naive"], selection["cross_fit"], selection["metric"]
+    if nv.get("ci_low") is None:
+        return None
+    naive_sig = not _crosses(nv["ci_low"], nv["ci_high"]) and nv["diff"] > 0
+    adj_sig = not _crosses(cf["ci_low"], cf["ci_high"]) and cf["diff"] > 0
+    conf = cf.get("confidence", 0.95)
+    msg = (f"{metric}: the best of {selection['n_candidates']} models, {nv['model']}, shows "
+           f"{fmt_diff(metric, nv['diff'])} ({fmt_interval(metric, nv['ci_low'], nv['ci_high'], conf)}) over "
+           f"{selection['n_pairs']} prompts; chosen on one half of the prompts and measured on the other "
+           f"(cross-fit), the gain of keeping the best is {fmt_diff(metric, cf['diff'])} "
+           f"({fmt_interval(metric, cf['ci_low'], cf['ci_high'], conf)}, n={cf['n_pairs']}); the halves chose "
+           f"{cf['chosen_on_half'][0]} and {cf['chosen_on_half'][1]}.")
+    if not naive_sig:
+        return None
+    ev = {"metric": metric, "naive": dict(nv), "cross_fit": dict(cf)}
+    if nv["diff"] > cf["ci_high"]:
+        return Flag("warning", "selection_adjusted_gain",
+                    msg + " The naive gain lies above the selection-adjusted interval: the choice inflated it"
+                    + ("." if adj_sig else ", and the adjusted gain is not significant."), ev)
+    return Flag("info", "selection_adjusted_gain",
+                msg + ("" if adj_sig else " The adjusted gain's interval contains 0: with this many prompts the "
+                                          "choice itself is noisy."), ev)
+
+
+def confirmation_result(row: Mapping, protocol: Mapping) -> Optional[Flag]:
+    """The one confirmatory claim of a held-out confirmation (``row``: its comparison, ``claim ==
+    "confirmatory"``): info when the selected model's gain replicates (interval above 0), a warning when not."""
+    if row.get("claim") != "confirmatory":
+        return None
+    m, metric = row["model"], row["metric"]
+    sel = protocol.get("selection") or {}
+    naive = sel.get("naive") or {}
+    chosen = (f" (chosen among {sel.get('n_candidates')} on split {(sel.get('split') or {}).get('split')!r} with "
+              f"{fmt_diff(metric, naive.get('diff'))})" if naive.get("diff") is not None else "")
+    text = (f"Confirmation on held-out split {((protocol.get('split') or {}).get('split'))!r}: {m}{chosen} vs "
+            f"{row['baseline']}, {metric}: {fmt_diff(metric, row['diff'])}, "
+            f"{fmt_interval(metric, row['ci_low'], row['ci_high'], row.get('confidence', 0.95))} over "
+            f"{row['n_pairs']} prompts (p = {row['p_value']:.3g}).")
+    ev = {k: row.get(k) for k in ("model", "metric", "diff", "ci_low", "ci_high", "n_pairs", "p_value")}
+    if row["ci_low"] > 0:
+        return Flag("info", "confirmation_result", text + " The selected checkpoint's gain replicates: a "
+                    "confirmatory claim.", ev)
+    return Flag("warning", "confirmation_result", text + " The gain did not replicate on fresh prompts: do not "
+                "claim it.", ev)
+
+
+def gain_from_finishing(model: str, metric: str, entry: Mapping) -> Optional[Flag]:
+    """Most of a difference comes from finishing more often (the finish part of the censoring decomposition is
+    significant, the quality part is not): the model stops earlier, it does not solve more."""
+    dec = entry.get("decomposition") or {}
+    fin, qual = dec.get("finish"), dec.get("quality")
+    if not fin or not qual or fin.get("diff") in (None, 0):
+        return None
+    fin_sig = not _crosses(fin["ci_low"], fin["ci_high"])
+    qual_sig = not _crosses(qual["ci_low"], qual["ci_high"])
+    if not fin_sig or qual_sig:
+        return None
+    return Flag("warning", "gain_from_finishing",
+                f"{model}, {metric}: the finish-rate part of the difference is {fmt_diff(metric, fin['diff'])} "
+                f"({fmt_interval(metric, fin['ci_low'], fin['ci_high'], None)}, n={fin['n_pairs']}) while the "
+                f"quality-when-finished part is {fmt_diff(metric, qual['diff'])} "
+                f"({fmt_interval(metric, qual['ci_low'], qual['ci_high'], None)}): the model "
+                f"{'finishes more often' if fin['diff'] > 0 else 'finishes less often'}, it is not significantly "
+                "better (or worse) at the task when it finishes.",
+                {"model": model, "metric": metric, "finish": dict(fin), "quality": dict(qual)})
 
 
 def truncation_censoring(model: str, rate: Optional[float], n_samples: int, threshold: float = 0.10,
@@ -145,10 +269,13 @@ def kl_rising_reward_falling(steps: Sequence[int], kl: Sequence[Optional[float]]
 
 def non_monotonic_checkpoints(metric: str, steps: Sequence[int], values: Sequence[float], *,
                               n_prompts: Optional[int] = None, tol: float = 0.0,
-                              higher_is_better: bool = True) -> Optional[Flag]:
+                              higher_is_better: bool = True,
+                              best_vs_last: Optional[Mapping] = None) -> Optional[Flag]:
     """A checkpoint curve that changes direction (moves of at most ``tol`` are ignored as flat).
 
-    A rise then a fall (for a higher-is-better metric) is the overtraining shape and says so.
+    A rise then a fall (for a higher-is-better metric) is the overtraining shape and says so. ``best_vs_last``:
+    the paired comparison last - best (``diff, ci_low, ci_high, n_pairs``); with it the flag says whether the fall
+    is more than noise, and is only ``info`` when its interval contains 0.
     """
     pts = sorted(zip(steps, values))
     if len(pts) < 3:
@@ -166,17 +293,26 @@ def non_monotonic_checkpoints(metric: str, steps: Sequence[int], values: Sequenc
     s_last, v_last = pts[-1]
     size = f" ({n_prompts} prompts per checkpoint)" if n_prompts else ""
     values_txt = ", ".join(f"{s}: {fmt_value(metric, v)}" for s, v in pts)
+    severity = "warning"
     if i_best not in (0, len(pts) - 1):
         msg = (f"{metric} is not monotonic over checkpoints{size}: best at step {s_best} "
                f"({fmt_value(metric, v_best)}), then {fmt_value(metric, v_last)} at step {s_last} "
                f"({fmt_diff(metric, v_last - v_best)}). Later training overwrites an earlier gain, or the "
                f"differences are noise. Values: {values_txt}.")
+        if best_vs_last is not None and best_vs_last.get("ci_low") is not None:
+            lo, hi = best_vs_last["ci_low"], best_vs_last["ci_high"]
+            verdict = ("within noise" if _crosses(lo, hi) else "more than noise")
+            msg += (f" Step {s_last} vs step {s_best}, paired: {fmt_diff(metric, best_vs_last['diff'])}, "
+                    f"{fmt_interval(metric, lo, hi, best_vs_last.get('confidence', 0.95))} over "
+                    f"{best_vs_last['n_pairs']} prompts: the fall is {verdict}.")
+            severity = "info" if _crosses(lo, hi) else "warning"
     else:
         msg = (f"{metric} changes direction {changes} time(s) over checkpoints{size}; the curve is noisy. "
                f"Values: {values_txt}.")
-    return Flag("warning", "non_monotonic_checkpoints", msg,
+    return Flag(severity, "non_monotonic_checkpoints", msg,
                 {"metric": metric, "steps": [s for s, _ in pts], "values": [v for _, v in pts],
-                 "direction_changes": changes, "best_step": s_best, "last_step": s_last})
+                 "direction_changes": changes, "best_step": s_best, "last_step": s_last,
+                 "best_vs_last": dict(best_vs_last) if best_vs_last else None})
 
 
 def early_gain_not_significant(metric: str, points: Sequence[Mapping]) -> list[Flag]:
@@ -208,17 +344,19 @@ def early_gain_not_significant(metric: str, points: Sequence[Mapping]) -> list[F
                  "ci_high": p["ci_high"], "n_pairs": p["n_pairs"], "last_step": last}))
     best = max(pts, key=lambda p: p["diff"])
     m = best.get("n_checkpoints", len(pts))
-    if best["diff"] > 0 and best["step"] != last and not _crosses(best["ci_low"], best["ci_high"]) and m > 1:
+    # The best checkpoint is a selection among m whether or not it is the last one.
+    if best["diff"] > 0 and not _crosses(best["ci_low"], best["ci_high"]) and m > 1:
         lo_a, hi_a = best.get("ci_low_adjusted"), best.get("ci_high_adjusted")
         nominal = fmt_interval(metric, best["ci_low"], best["ci_high"], best.get("confidence", 0.95))
         ev = {"metric": metric, "step": best["step"], "diff": best["diff"], "ci_low": best["ci_low"],
               "ci_high": best["ci_high"], "n_pairs": best["n_pairs"], "n_checkpoints": m,
               "ci_low_adjusted": lo_a, "ci_high_adjusted": hi_a}
+        how = best.get("adjustment") or "corrected for that choice"
         if lo_a is not None and _crosses(lo_a, hi_a):
             out.append(Flag(
                 "warning", "early_gain_not_significant",
                 f"{metric} at step {best['step']}: {fmt_diff(metric, best['diff'])} vs base, {nominal} over "
-                f"{best['n_pairs']} prompts, but it is the best of {m} checkpoints: corrected for that choice "
+                f"{best['n_pairs']} prompts, but it is the best of {m} checkpoints: {how} "
                 f"({fmt_interval(metric, lo_a, hi_a, best.get('adjusted_confidence'))}) the interval crosses zero.",
                 ev))
         elif lo_a is None:
@@ -275,11 +413,13 @@ def semantic_failures_in_pairs(audit: Mapping, max_fraction: float = 0.0) -> Opt
     bad = sem["n_failed"]
     if bad / n <= max_fraction:
         return None
+    lo = float(scipy.stats.beta.ppf(0.025, bad, n - bad + 1)) if bad > 0 else 0.0
+    hi = float(scipy.stats.beta.ppf(0.975, bad + 1, n - bad)) if bad < n else 1.0
     return Flag("warning" if bad / n < 0.2 else "error", "semantic_failures_in_pairs",
                 f"Semantic audit: {bad} of {n} sampled chosen solutions fail a re-run of the verifier "
-                f"({bad / n:.0%}); {sem.get('n_not_strict', 0)} of them are not full solutions. These pairs prefer "
-                "a wrong program.",
-                {"n_checked": n, "n_failed": bad})
+                f"({bad / n:.0%}, 95% Clopper-Pearson interval {lo:.0%}-{hi:.0%} of all pairs); "
+                f"{sem.get('n_not_strict', 0)} of them are not full solutions. These pairs prefer a wrong program.",
+                {"n_checked": n, "n_failed": bad, "ci_low": lo, "ci_high": hi})
 
 
 # --------------------------------------------------------------------------------------------- training

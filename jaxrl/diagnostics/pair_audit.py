@@ -42,6 +42,7 @@ from jaxrl.data.problems import Problem, load_problems
 from jaxrl.diagnostics import flags as F
 from jaxrl.diagnostics.generation_diff import trim_text
 from jaxrl.evaluation.stats import mcnemar_exact, paired_bootstrap
+from jaxrl.rewards.code import CodeVerifier
 
 __all__ = ["audit_pairs", "length_bias", "semantic_audit"]
 
@@ -100,7 +101,6 @@ def semantic_audit(pairs: Sequence[Mapping], problems, *, verifier=None, sample_
     checked = [i for i in picks if str(pairs[i]["problem_id"]) in index]
     own = verifier is None
     if own:
-        from jaxrl.rewards.code import CodeVerifier
         verifier = CodeVerifier(timeout_s=timeout_s, workers=workers)
     try:
         results = verifier.score([pairs[i]["chosen"] for i in checked],

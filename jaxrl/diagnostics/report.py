@@ -16,24 +16,26 @@ file is given). Drift needs a model and the semantic pair audit runs code, so th
 
 from __future__ import annotations
 
-import base64
 import datetime
-import html
 import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_text
+from jaxrl.data.formats import (BASE_MODEL, EVAL_DIR, METRICS_FILE, REPORT_FILE, diagnostics_path, model_step,
+                                read_config, read_diagnostic, read_results, read_training_metrics)
 from jaxrl.diagnostics import flags as F
 from jaxrl.diagnostics import plots
 from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples
-from jaxrl.diagnostics.formats import (BASE_MODEL, EVAL_DIR, METRICS_FILE, REPORT_FILE, diagnostics_path,
-                                       model_step, read_config, read_diagnostic, read_results,
-                                       read_training_metrics)
 from jaxrl.diagnostics.generation_diff import diff_generations
+from jaxrl.diagnostics.page import CSS, escape, img, table
 from jaxrl.diagnostics.pair_audit import audit_pairs
 from jaxrl.diagnostics.termination import termination_analysis
+from jaxrl.evaluation.censoring import censoring_section
+from jaxrl.evaluation.metrics import per_prompt_values
+from jaxrl.evaluation.protocol import read_protocol
+from jaxrl.evaluation.selection import selection_summary
+from jaxrl.utils.io import atomic_write_text
 
 __all__ = ["collect", "render_html", "build_report", "default_diff_pairs"]
 
@@ -59,6 +61,44 @@ def default_diff_pairs(results: Mapping, samples: Mapping[str, Any]) -> list[tup
     elif others:
         names = others[:1]
     return [(BASE_MODEL, n) for n in names]
+
+
+_TASK_METRICS = ("partial_reward_mean", "strict_rate")
+
+
+def _confirmations(workdir: Path, eval_dir: Path) -> list[dict]:
+    """Held-out confirmations (``launchers.evaluate --confirm``) in folders beside the evaluation: their protocol
+    and their one confirmatory comparison row."""
+    out = []
+    for folder in sorted({p for base in (workdir, eval_dir.parent) if base.is_dir() for p in base.iterdir()
+                          if p.is_dir() and p != eval_dir}):
+        if not (folder / "results.json").is_file() or not (folder / "protocol.json").is_file():
+            continue
+        proto = read_protocol(folder)
+        if (proto or {}).get("role") != "confirmation":
+            continue
+        res = read_results(folder)
+        row = next((c for c in res.get("comparisons", []) if c.get("claim") == "confirmatory"), None)
+        if row is not None:
+            out.append({"dir": os.fspath(folder), "protocol": proto, "row": row, "results": res})
+    return out
+
+
+def _complete_from_samples(results: Mapping, samples: Mapping[str, Sequence[Mapping]]) -> dict:
+    """The selection and censoring sections for a results.json written without them (an older evaluator, or
+    ``stats.write_results`` called directly), computed from the sample files when they are all there."""
+    if (results.get("selection") is not None and results.get("censoring") is not None) or \
+            BASE_MODEL not in samples or any(n not in samples for n in results["models"]):
+        return {}
+    recs = {n: samples[n] for n in results["models"]}
+    try:
+        per_prompt = {n: per_prompt_values(r) for n, r in recs.items()}
+        sel = {m: selection_summary(per_prompt, BASE_MODEL, m, rows=results.get("comparisons") or [],
+                                    n_resamples=2000) for m in _TASK_METRICS}
+        return {"selection": {m: v for m, v in sel.items() if v is not None} or None,
+                "censoring": censoring_section(recs, BASE_MODEL, n_resamples=2000)}
+    except (ValueError, KeyError):  # samples on other prompts than each other: nothing paired to add
+        return {}
 
 
 def _kl_reward_flag(drift: Optional[Mapping], curves: Optional[Mapping], metrics: Sequence[Mapping]):
@@ -125,8 +165,19 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
             cap = results.get("max_new_tokens") or term_models.get(name, {}).get("max_new_tokens")
             flags.append(F.truncation_censoring(name, m["truncation_rate"], m["n_samples"], max_new_tokens=cap))
         for c in results.get("comparisons", []):
-            if c["metric"] in ("partial_reward_mean", "strict_rate"):
-                flags.append(F.interval_crosses_zero(c))
+            if c["metric"] in _TASK_METRICS:
+                flags += [F.interval_crosses_zero(c), F.not_significant_after_selection(c), F.underpowered(c)]
+        extra_sections = _complete_from_samples(results, samples)
+        data["selection"] = results.get("selection") or extra_sections.get("selection")
+        data["censoring"] = results.get("censoring") or extra_sections.get("censoring")
+        for sel in (data["selection"] or {}).values():
+            flags.append(F.selection_adjusted_gain(sel))
+        for name, by_metric in ((data["censoring"] or {}).get("models") or {}).items():
+            for metric, entry in by_metric.items():
+                flags.append(F.gain_from_finishing(name, metric, entry))
+    data["confirmations"] = _confirmations(workdir, eval_dir)
+    for conf in data["confirmations"]:
+        flags.append(F.confirmation_result(conf["row"], conf["protocol"]))
     flags.append(_kl_reward_flag(data["drift"], data["curves"], data["metrics"]))
     as_flags = [f for f in F.sort_flags(flags)]
     # Flags the diagnostics computed themselves (dicts); truncation from results.json already covers termination.
@@ -145,39 +196,11 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
 
 # ---------------------------------------------------------------------------------------------- rendering
 
-_CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;color:#222;
-line-height:1.4;padding:0 12px}
-h1{font-size:24px;margin-bottom:4px}h2{font-size:19px;border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:34px}
-h3{font-size:15px;margin-top:18px}
-table{border-collapse:collapse;margin:8px 0 14px;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 7px;text-align:right;vertical-align:top}
-th{background:#f2f2f2}td.l,th.l{text-align:left}
-img{max-width:100%;border:1px solid #eee;margin:6px 0}
-.flag{padding:7px 10px;margin:5px 0;border-left:6px solid;border-radius:3px;font-size:14px}
-.error{background:#fdecea;border-color:#c62828}.warning{background:#fff8e1;border-color:#f9a825}
-.info{background:#e8f1fb;border-color:#1e88e5}.sev{font-weight:bold;text-transform:uppercase;font-size:11px;
-margin-right:6px}.code{font-family:monospace;font-size:12px;color:#555}
-.muted{color:#777;font-size:13px}pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-size:12px;
-white-space:pre-wrap;word-break:break-word;max-height:420px}
-.sbs{display:grid;grid-template-columns:1fr 1fr;gap:10px}.sbs pre{margin:0}
-.tag{display:inline-block;padding:1px 6px;border-radius:3px;background:#eee;font-family:monospace;font-size:12px}
-nav a{margin-right:12px;font-size:13px}
-"""
+
 
 _SECTIONS = (("flags", "Flags"), ("summary", "Run summary"), ("training", "Training curves"),
              ("evaluation", "Evaluation"), ("curves", "Checkpoint curves"), ("termination", "Termination"),
              ("pairs", "Pair audit"), ("diffs", "Generation diffs"), ("drift", "Drift"))
-
-
-def _e(x: Any) -> str:
-    return html.escape(str(x), quote=True)
-
-
-def _img(png: Optional[bytes], alt: str) -> str:
-    if not png:
-        return ""
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
 
 
 def _num(v: Any, spec: str = ".4f") -> str:
@@ -189,28 +212,20 @@ def _num(v: Any, spec: str = ".4f") -> str:
         return str(v)
     if isinstance(v, float):
         return format(v, spec)
-    return _e(v)
+    return escape(v)
 
 
 def _pct(v: Optional[float]) -> str:
     return "–" if v is None else f"{100 * v:.2f}%"
 
 
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
-    """Cells are already-escaped HTML; the first ``left`` columns are left-aligned."""
-    th = "".join(f'<th class="{"l" if i < left else ""}">{_e(h)}</th>' for i, h in enumerate(head))
-    body = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{c}</td>' for i, c in enumerate(r))
-                   + "</tr>" for r in rows)
-    return f"<table><tr>{th}</tr>{body}</table>"
-
-
 def _missing(what: str, how: str) -> str:
-    return f'<p class="muted">No {_e(what)}: {_e(how)}</p>'
+    return f'<p class="muted">No {escape(what)}: {escape(how)}</p>'
 
 
 def _flag_html(f: Mapping) -> str:
-    return (f'<div class="flag {_e(f["severity"])}"><span class="sev">{_e(f["severity"])}</span>'
-            f'{_e(f["message"])} <span class="code">[{_e(f["code"])}]</span></div>')
+    return (f'<div class="flag {escape(f["severity"])}"><span class="sev">{escape(f["severity"])}</span>'
+            f'{escape(f["message"])} <span class="code">[{escape(f["code"])}]</span></div>')
 
 
 def _flags_section(flags: Sequence[Mapping]) -> str:
@@ -225,8 +240,8 @@ def _flags_section(flags: Sequence[Mapping]) -> str:
             out += [_flag_html(f) for f in group]
         else:
             inner = "".join(_flag_html(f) for f in group)
-            out.append(f'<div class="flag {_e(sev)}"><span class="sev">{_e(sev)}</span>{len(group)} × '
-                       f'<span class="code">{_e(code)}</span>, e.g.: {_e(group[0]["message"])}'
+            out.append(f'<div class="flag {escape(sev)}"><span class="sev">{escape(sev)}</span>{len(group)} × '
+                       f'<span class="code">{escape(code)}</span>, e.g.: {escape(group[0]["message"])}'
                        f'<details><summary>all {len(group)}</summary>{inner}</details></div>')
     return "".join(out)
 
@@ -234,10 +249,10 @@ def _flags_section(flags: Sequence[Mapping]) -> str:
 def _summary_section(data: Mapping) -> str:
     cfg = data.get("config") or {}
     m = data.get("metrics") or []
-    rows = [["workdir", _e(data["workdir"])]]
+    rows = [["workdir", escape(data["workdir"])]]
     for key in ("algorithm", "model_path", "steps", "seed", "checkpoint_every"):
         if key in cfg:
-            rows.append([key, _e(cfg[key])])
+            rows.append([key, escape(cfg[key])])
     if m:
         rows.append(["logged steps", f"{len(m)} (steps {m[0]['step']}–{m[-1]['step']})"])
         last = m[-1]
@@ -246,10 +261,10 @@ def _summary_section(data: Mapping) -> str:
                 rows.append([f"last {key} (step {last['step']}, one batch)", _num(last[key])])
     res = data.get("results")
     if res:
-        rows.append(["evaluated models", _e(", ".join(res["models"]))])
-    html_ = _table(["", ""], rows)
+        rows.append(["evaluated models", escape(", ".join(res["models"]))])
+    html_ = table(["", ""], rows)
     if cfg:
-        html_ += f"<details><summary>config.json</summary><pre>{_e(json.dumps(cfg, indent=2))}</pre></details>"
+        html_ += f"<details><summary>config.json</summary><pre>{escape(json.dumps(cfg, indent=2))}</pre></details>"
     else:
         html_ += _missing("config.json", "the trainer writes DIR/config.json")
     return html_
@@ -264,11 +279,11 @@ def _training_section(data: Mapping) -> str:
         for k in keys:
             vals = [r[k] for r in m if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
             if vals:
-                rows.append([_e(k), str(len(vals)), _num(float(vals[0])), _num(float(vals[-1])),
+                rows.append([escape(k), str(len(vals)), _num(float(vals[0])), _num(float(vals[-1])),
                              _num(float(min(vals))), _num(float(max(vals)))])
-    return (_img(plots.training_curves(m), "training curves")
+    return (img(plots.training_curves(m), "training curves")
             + "<details><summary>values table</summary>"
-            + _table(["metric", "n steps", "first", "last", "min", "max"], rows) + "</details>")
+            + table(["metric", "n steps", "first", "last", "min", "max"], rows) + "</details>")
 
 
 def _evaluation_section(data: Mapping) -> str:
@@ -279,15 +294,22 @@ def _evaluation_section(data: Mapping) -> str:
     rows = []
     for name, m in res["models"].items():
         u = m.get("untruncated") or {}
-        rows.append([_e(name), _num(model_step(name, m)), str(m["n_prompts"]), str(m["n_samples"]),
-                     _pct(m["partial_reward_mean"]), _pct(m["strict_rate"])]
-                    + [_pct(m["pass_at_k"].get(k)) for k in ks]
-                    + [_pct(m["truncation_rate"]), _num(m["mean_completion_tokens"], ".1f"),
+        iv = m.get("intervals") or {}
+
+        def with_ci(v, ci):
+            return _pct(v) + (f" <span class='muted'>[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]</span>" if ci else "")
+        rows.append([escape(name), _num(model_step(name, m)), str(m["n_prompts"]), str(m["n_samples"]),
+                     with_ci(m["partial_reward_mean"], iv.get("partial_reward_mean")),
+                     with_ci(m["strict_rate"], iv.get("strict_rate"))]
+                    + [with_ci(m["pass_at_k"].get(k), (iv.get("pass_at_k") or {}).get(k)) for k in ks]
+                    + [with_ci(m["truncation_rate"], iv.get("truncation_rate")),
+                       _num(m["mean_completion_tokens"], ".1f"),
                        _pct(u.get("partial_reward_mean")), _pct(u.get("strict_rate")),
                        f"{u.get('n_prompts', '–')} / {u.get('n_samples', '–')}"])
-    out = ("<p class='muted'>Means are per prompt first, then over prompts. The untruncated columns leave out "
-           "completions that hit the cap (conditional on finishing).</p>"
-           + _table(["model", "step", "prompts", "samples", "partial reward", "strict"] + [f"pass@{k}" for k in ks]
+    out = ("<p class='muted'>Means are per prompt first, then over prompts; brackets: 95% interval over prompts. The "
+           "untruncated columns leave out completions that hit the cap (conditional on finishing, each model on its "
+           "own prompts; the paired version is under Termination).</p>"
+           + table(["model", "step", "prompts", "samples", "partial reward", "strict"] + [f"pass@{k}" for k in ks]
                     + ["truncated", "mean tokens", "untrunc. partial", "untrunc. strict", "untrunc. prompts / samples"],
                     rows))
     comps = res.get("comparisons") or []
@@ -296,15 +318,126 @@ def _evaluation_section(data: Mapping) -> str:
         for c in comps:
             crosses = c["ci_low"] <= 0.0 <= c["ci_high"]
             p = c.get("p_value")
-            crow.append([_e(c["model"]), _e(c["baseline"]), _e(c["metric"]), _e(F.fmt_diff(c["metric"], c["diff"])),
-                         _e(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
-                         str(c["n_pairs"]), "–" if p is None else f"{p:.3g}",
-                         "<b>yes</b>" if crosses else "no"])
-        out += ("<h3>Paired comparisons (model − baseline, bootstrap over prompts)</h3>"
-                + _table(["model", "baseline", "metric", "diff", "interval", "n prompts", "p", "crosses 0"], crow, 3))
+            after = c.get("significant_after_selection")
+            sim = ("–" if c.get("simultaneous_ci_low") is None else
+                   escape(F.fmt_interval(c["metric"], c["simultaneous_ci_low"], c["simultaneous_ci_high"], None)))
+            crow.append([escape(c["model"]), escape(c["baseline"]), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                         escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
+                         sim, str(c["n_pairs"]),
+                         "–" if p is None else f"{p:.3g} ({escape(c.get('test', c.get('p_value_test', '')))})",
+                         _num(c.get("simultaneous_p_value"), ".3g"), "<b>yes</b>" if crosses else "no",
+                         "–" if after is None else ("<b>yes</b>" if after else "no"),
+                         escape(c.get("claim", "exploratory"))])
+        fam = res.get("family") or {}
+        size = fam.get("size") or comps[0].get("family_size")
+        note = ("<p class='muted'>Each interval comes from the same test as its p-value, so it excludes 0 exactly "
+                "when p &lt; 0.05." + (f" This evaluation makes {size} comparisons: the simultaneous intervals "
+                                       "(max-T bootstrap over all of them) hold for every row at once; read "
+                                       "<b>significant after selection</b> when choosing among models." if size
+                                       else "") + "</p>")
+        out += ("<h3>Paired comparisons (model − baseline, over prompts)</h3>" + note
+                + table(["model", "baseline", "metric", "diff", "interval", "simultaneous interval", "n prompts",
+                          "p (test)", "adj. p", "crosses 0", "significant after selection", "claim"], crow, 3))
+    out += _selection_html(data.get("selection"))
+    out += _power_html(comps)
+    proto = res.get("protocol")
+    if proto:
+        split = proto.get("split")
+        where = f"split {split['split']} of {split['manifest']}" if split else "problems that are not a frozen split"
+        out += (f"<p class='muted'>Protocol: <b>{escape(proto['role'])}</b> evaluation on {escape(where)}; a claim is "
+                "confirmatory only for the selected model on a one-time held-out confirmation.</p>")
+    rows = []
+    for conf in data.get("confirmations") or []:
+        c, pr = conf["row"], conf["protocol"]
+        rows.append([escape(os.path.basename(conf["dir"])), escape((pr.get("split") or {}).get("split")), escape(c["model"]),
+                     escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                     escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
+                     str(c["n_pairs"]), f"{c['p_value']:.3g} ({escape(c.get('test', ''))})", "<b>confirmatory</b>"])
+    if rows:
+        out += ("<h3>Confirmation on held-out (once per checkpoint and split)</h3>"
+                + table(["folder", "split", "selected model", "metric", "diff vs base", "interval", "n prompts",
+                          "p (test)", "claim"], rows, 4))
     for w in res.get("warnings") or []:
         if "truncation" not in w:  # truncation warnings are already flags at the top
-            out += f'<div class="flag warning"><span class="sev">evaluator</span>{_e(w)}</div>'
+            out += f'<div class="flag warning"><span class="sev">evaluator</span>{escape(w)}</div>'
+    return out
+
+
+def _selection_html(selection: Optional[Mapping]) -> str:
+    if not selection:
+        return ""
+    rows = []
+    for metric, sel in selection.items():
+        nv, cf = sel["naive"], sel["cross_fit"]
+        naive_iv = ("–" if nv.get("ci_low") is None else
+                    escape(F.fmt_interval(metric, nv["ci_low"], nv["ci_high"], None)))
+        sim_iv = ("–" if nv.get("simultaneous_ci_low") is None else
+                  escape(F.fmt_interval(metric, nv["simultaneous_ci_low"], nv["simultaneous_ci_high"], None)))
+        rows.append([escape(metric), f"{escape(nv['model'])} (of {sel['n_candidates']})", escape(F.fmt_diff(metric, nv["diff"])),
+                     naive_iv, sim_iv, escape(F.fmt_diff(metric, cf["diff"])),
+                     escape(F.fmt_interval(metric, cf["ci_low"], cf["ci_high"], None)), str(cf["n_pairs"]),
+                     escape(" / ".join(cf["chosen_on_half"]))])
+    return ("<h3>Selection: the best model's gain, naive and selection-adjusted</h3><p class='muted'>Cross-fit: the "
+            "best model chosen on one half of the prompts, its difference measured on the other half, and the other "
+            "way round; unlike the naive gain it is not inflated by the choice.</p>"
+            + table(["metric", "best", "naive gain", "interval", "simultaneous", "selection-adjusted gain",
+                      "interval", "n prompts", "chosen on halves"], rows, 2))
+
+
+def _power_html(comps: Sequence[Mapping]) -> str:
+    rows = []
+    for c in comps:
+        pw = c.get("power")
+        if not pw or c["metric"] not in _TASK_METRICS:
+            continue
+        rows.append([escape(c["model"]), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                     f"{100 * pw.get('sd', c['sd_diff']):.1f} pp", str(c["n_pairs"]), f"{100 * pw['mde']:.2f} pp",
+                     f"{100 * pw['mde_family']:.2f} pp", _num(pw["n_for_diff"]), _num(pw["n_for_diff_family"])])
+    if not rows:
+        return ""
+    return (f"<h3>Power ({comps[0]['power']['power']:.0%})</h3><p class='muted'>MDE: the smallest true effect these "
+            "prompts detect at this power, alone and after the family's correction; prompts needed: for a true "
+            "effect of the observed size (python -m launchers.plan).</p>"
+            + table(["model", "metric", "diff", "SD of per-prompt diffs", "n prompts", "MDE", "MDE (family)",
+                      "prompts needed", "(family)"], rows, 2))
+
+
+def _censoring_html(data: Mapping, termination: Optional[Mapping]) -> str:
+    cen = data.get("censoring") or {}
+    out = ""
+    if cen.get("models"):
+        rows = []
+        for name, by_metric in cen["models"].items():
+            for metric, e in by_metric.items():
+                fin, b, dec = e["finished"], e["bounds"], e["decomposition"]
+
+                def part(r):
+                    if r.get("diff") is None:
+                        return "–"
+                    return escape(f"{F.fmt_diff(metric, r['diff'])} {F.fmt_interval(metric, r['ci_low'], r['ci_high'], None)}"
+                              f" (n={r['n_pairs']})")
+                rows.append([escape(name), escape(metric), part(fin),
+                             escape(F.fmt_interval(metric, b["ci_low"], b["ci_high"], None)),
+                             part(dec["finish"]), part(dec["quality"]),
+                             f"{_pct(e['finish_rate_model'])} / {_pct(e['finish_rate_baseline'])}"])
+        out += ("<h3>Censoring-aware comparison with the baseline</h3><p class='muted'>Finished only: prompts both "
+                "models finished at least once (paired). Bounds: truncated samples scored 0 vs as their prompt's "
+                "finished mean. Finish part + quality part = the observed difference: finishing more often vs "
+                "doing better when finished.</p>"
+                + table(["model", "metric", "finished only", "bounds", "finish part", "quality part",
+                          "finish rate model / base"], rows, 2))
+    ext = cen.get("extended_cap") or (termination or {}).get("extended_cap")
+    if ext:
+        rows = []
+        for name, m in ext["models"].items():
+            for c in m["comparisons"]:
+                rows.append([escape(name), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                             escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))),
+                             f"{c['p_value']:.3g} ({escape(c['test'])})", str(c["n_pairs"]),
+                             f"{_pct(m['truncation_rate'])} / {_pct(m['baseline_truncation_rate'])}"])
+        out += (f"<h3>Model vs base, both re-sampled at {ext['max_new_tokens']} tokens</h3>"
+                + table(["model", "metric", "diff", "interval", "p (test)", "n prompts",
+                          "truncated model / base"], rows, 2))
     return out
 
 
@@ -312,21 +445,30 @@ def _curves_section(data: Mapping) -> str:
     cur = data.get("curves")
     if not cur or not cur.get("metrics"):
         return _missing("checkpoint curves", "evaluate base and step_<N> checkpoints into DIR/eval/")
-    out = _img(plots.checkpoint_curves_plot(cur), "checkpoint curves")
+    out = img(plots.checkpoint_curves_plot(cur), "checkpoint curves")
     for metric, mc in cur["metrics"].items():
         rows = []
         for p in mc["points"]:
-            interval = "–" if p["diff"] is None or p["model"] == cur["baseline"] else _e(
+            interval = "–" if p["diff"] is None or p["model"] == cur["baseline"] else escape(
                 F.fmt_interval(metric, p["ci_low"], p["ci_high"], p.get("confidence")))
             adj = ""
             if p.get("ci_low_adjusted") is not None:
-                adj = _e(F.fmt_interval(metric, p["ci_low_adjusted"], p["ci_high_adjusted"],
+                adj = escape(F.fmt_interval(metric, p["ci_low_adjusted"], p["ci_high_adjusted"],
                                         p.get("adjusted_confidence")))
-            rows.append([str(p["step"]), _e(p["model"]), _e(F.fmt_value(metric, p["value"])),
-                         "–" if p["diff"] is None else _e(F.fmt_diff(metric, p["diff"])), interval, adj,
+            sim = ("" if p.get("simultaneous_ci_low") is None else
+                   escape(F.fmt_interval(metric, p["simultaneous_ci_low"], p["simultaneous_ci_high"], None)))
+            rows.append([str(p["step"]), escape(p["model"]), escape(F.fmt_value(metric, p["value"])),
+                         "–" if p["diff"] is None else escape(F.fmt_diff(metric, p["diff"])), interval, sim, adj,
                          str(p["n_prompts"])])
-        out += f"<h3>{_e(metric)}</h3>" + _table(
-            ["step", "model", "value", "diff vs base", "interval", "best-of-m adjusted", "n prompts"], rows, 2)
+        out += f"<h3>{escape(metric)}</h3>" + table(
+            ["step", "model", "value", "diff vs base", "interval", "simultaneous", "best-of-m adjusted",
+             "n prompts"], rows, 2)
+        bvl = mc.get("best_vs_last")
+        if bvl:
+            out += (f"<p class='muted'>{escape(bvl['last'])} vs {escape(bvl['best'])} (last vs best, paired): "
+                    f"{escape(F.fmt_diff(metric, bvl['diff']))}, "
+                    f"{escape(F.fmt_interval(metric, bvl['ci_low'], bvl['ci_high'], bvl.get('confidence')))} over "
+                    f"{bvl['n_pairs']} prompts.</p>")
     return out
 
 
@@ -337,22 +479,23 @@ def _termination_section(data: Mapping) -> str:
     rows = []
     for name, m in t["models"].items():
         u = m["metrics"].get("untruncated") or {}
-        rows.append([_e(name), str(m["n_samples"]), f"{m['n_truncated']} ({_pct(m['truncation_rate'])})",
+        rows.append([escape(name), str(m["n_samples"]), f"{m['n_truncated']} ({_pct(m['truncation_rate'])})",
                      _num(m["max_new_tokens"]), _pct(m["metrics"]["partial_reward_mean"]),
                      _pct(m["reward_finished_mean"]), _pct(m["reward_truncated_mean"]),
                      _pct(u.get("partial_reward_mean")), _pct(u.get("strict_rate")),
                      f"{u.get('n_prompts', '–')} / {u.get('n_samples', '–')}"])
-    out = (_img(plots.termination_plot(t), "termination")
-           + _table(["model", "samples", "truncated", "cap", "partial (all)", "partial (finished samples)",
+    out = (img(plots.termination_plot(t), "termination")
+           + table(["model", "samples", "truncated", "cap", "partial (all)", "partial (finished samples)",
                      "partial (truncated samples)", "partial excl. truncated", "strict excl. truncated",
                      "excl. truncated: prompts / samples"], rows))
+    out += _censoring_html(data, t)
     for name, r in (t.get("resampled") or {}).items():
-        crow = [[_e(c["metric"]), _e(F.fmt_diff(c["metric"], c["diff"])),
-                 _e(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))), str(c["n_pairs"])]
+        crow = [[escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+                 escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))), str(c["n_pairs"])]
                 for c in r["comparisons"]]
-        out += (f"<h3>{_e(name)}: truncated samples re-sampled at {r['max_new_tokens']} tokens "
+        out += (f"<h3>{escape(name)}: truncated samples re-sampled at {r['max_new_tokens']} tokens "
                 f"({r['n_resampled']} re-sampled, {r['still_truncated']} still truncated)</h3>"
-                + _table(["metric", "after − before", "interval", "n prompts"], crow))
+                + table(["metric", "after − before", "interval", "n prompts"], crow))
     return out
 
 
@@ -362,7 +505,7 @@ def _pairs_section(data: Mapping) -> str:
         return _missing("pair audit", "run `python -m launchers.diagnose --what=pairs --pairs=PAIRS.jsonl "
                                       "--problems=PROBLEMS.jsonl --workdir=DIR`, or pass --pairs to the report")
     lb = a["length_bias"]
-    out = _img(plots.pair_audit_plot(a), "pair audit")
+    out = img(plots.pair_audit_plot(a), "pair audit")
     f = a["filters"]
     rows = [["pairs", str(a["n_pairs"])]]
     if lb.get("n_pairs"):
@@ -381,17 +524,17 @@ def _pairs_section(data: Mapping) -> str:
               f"{a['truncation']['chosen_length_finish']} / {a['truncation']['rejected_length_finish']}"],
              ["would be dropped by the default filters", f"{f['dropped']} of {f['candidates']}" + "".join(
                  f"; {k} {v}" for k, v in f["fail_counts"].items() if v)]]
-    out += _table(["", ""], rows)
+    out += table(["", ""], rows)
     sem = a.get("semantic")
     if sem:
         out += (f"<h3>Semantic audit: {sem['n_failed']} of {sem['n_checked']} sampled chosen solutions fail a "
                 f"re-run (seed {sem['seed']})</h3>")
         if sem.get("missing_problems"):
-            out += f"<p class='muted'>problems not in the problems file: {_e(', '.join(sem['missing_problems']))}</p>"
+            out += f"<p class='muted'>problems not in the problems file: {escape(', '.join(sem['missing_problems']))}</p>"
         for x in sem["failures"][:10]:
-            out += (f"<p><b>{_e(x['problem_id'])}</b> recorded {x['recorded_reward']:.2f}, re-run "
-                    f"{x['partial']:.2f} (strict {_num(x['strict'])}; reason {_e(x['reason'])}; tests "
-                    f"{_e(', '.join(x['tests']))})</p><pre>{_e(x['chosen'])}</pre>")
+            out += (f"<p><b>{escape(x['problem_id'])}</b> recorded {x['recorded_reward']:.2f}, re-run "
+                    f"{x['partial']:.2f} (strict {_num(x['strict'])}; reason {escape(x['reason'])}; tests "
+                    f"{escape(', '.join(x['tests']))})</p><pre>{escape(x['chosen'])}</pre>")
     else:
         out += _missing("semantic audit", "pass --problems to re-run the verifier on sampled chosen solutions")
     return out
@@ -404,21 +547,21 @@ def _diffs_section(data: Mapping) -> str:
     out = ""
     for d in diffs:
         s = d["summary"]
-        out += (f"<h3>{_e(d['model_b'])} vs {_e(d['model_a'])}: {s['n_changed']} of {s['n_compared']} samples "
+        out += (f"<h3>{escape(d['model_b'])} vs {escape(d['model_a'])}: {s['n_changed']} of {s['n_compared']} samples "
                 f"changed reward ({s['n_prompts_changed']} of {s['n_prompts']} prompts; "
                 f"{s['improved']} improved, {s['worsened']} worsened; mean partial "
                 f"{100 * s['mean_partial_diff']:+.2f} pp)</h3>")
-        out += _img(plots.diff_plot(d), f"diff {d['model_a']} {d['model_b']}")
-        rows = [[f'<span class="tag">{_e(t)}</span>', str(v["n"]), str(v["improved"]), str(v["worsened"]),
+        out += img(plots.diff_plot(d), f"diff {d['model_a']} {d['model_b']}")
+        rows = [[f'<span class="tag">{escape(t)}</span>', str(v["n"]), str(v["improved"]), str(v["worsened"]),
                  f"{100 * v['net_delta']:+.2f} pp"] for t, v in s["by_tag"].items() if v["n"]]
-        out += _table(["tag", "changed", "improved", "worsened", "net contribution"], rows)
+        out += table(["tag", "changed", "improved", "worsened", "net contribution"], rows)
         for c in [c for c in d["changes"] if c.get("text_a") is not None][:6]:
             sim = "" if c["similarity"] is None else f", code similarity {c['similarity']:.2f}"
-            out += (f"<p><b>{_e(c['problem_id'])}</b> #{c['sample_index']} <span class='tag'>{_e(c['tag'])}</span> "
-                    f"reward {c['reward_a']:.2f} → {c['reward_b']:.2f}; finish {_e(c['finish_a'])} → "
-                    f"{_e(c['finish_b'])}; tokens {c['tokens_a']} → {c['tokens_b']}{_e(sim)}</p>"
-                    f"<div class='sbs'><pre>{_e(d['model_a'])}:\n{_e(c['text_a'])}</pre>"
-                    f"<pre>{_e(d['model_b'])}:\n{_e(c['text_b'])}</pre></div>")
+            out += (f"<p><b>{escape(c['problem_id'])}</b> #{c['sample_index']} <span class='tag'>{escape(c['tag'])}</span> "
+                    f"reward {c['reward_a']:.2f} → {c['reward_b']:.2f}; finish {escape(c['finish_a'])} → "
+                    f"{escape(c['finish_b'])}; tokens {c['tokens_a']} → {c['tokens_b']}{escape(sim)}</p>"
+                    f"<div class='sbs'><pre>{escape(d['model_a'])}:\n{escape(c['text_a'])}</pre>"
+                    f"<pre>{escape(d['model_b'])}:\n{escape(c['text_b'])}</pre></div>")
     return out
 
 
@@ -433,9 +576,9 @@ def _drift_section(data: Mapping) -> str:
         top = sorted((un.get("layers") or {}).items(), key=lambda kv: -kv[1])[:3]
         rows.append([str(r["step"]), _num(r.get("kl_to_base"), ".5f"), _num(r.get("kl_max_token"), ".4f"),
                      f"{r.get('n_tokens', '–')} / {r.get('n_sequences', '–')}", _num(un.get("total"), ".4g"),
-                     _e(", ".join(f"{k} {v:.3g}" for k, v in top))])
-    return (_img(plots.drift_plot(d), "drift")
-            + _table(["step", "KL per token", "max token KL", "tokens / sequences", "update norm",
+                     escape(", ".join(f"{k} {v:.3g}" for k, v in top))])
+    return (img(plots.drift_plot(d), "drift")
+            + table(["step", "KL per token", "max token KL", "tokens / sequences", "update norm",
                       "largest layers"], rows))
 
 
@@ -448,13 +591,13 @@ def render_html(data: Mapping, title: Optional[str] = None) -> str:
     """The report page for :func:`collect`'s output."""
     title = title or f"jaxrl report: {Path(data['workdir']).name}"
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    nav = "".join(f'<a href="#{k}">{_e(v)}</a>' for k, v in _SECTIONS)
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
-             f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
-             f"<p class='muted'>generated {when} from {_e(data['workdir'])}</p><nav>{nav}</nav>",
+    nav = "".join(f'<a href="#{k}">{escape(v)}</a>' for k, v in _SECTIONS)
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title>"
+             f"<style>{CSS}</style></head><body><h1>{escape(title)}</h1>"
+             f"<p class='muted'>generated {when} from {escape(data['workdir'])}</p><nav>{nav}</nav>",
              f"<h2 id='flags'>Flags</h2>{_flags_section(data.get('flags') or [])}"]
     for key, name in _SECTIONS[1:]:
-        parts.append(f"<h2 id='{key}'>{_e(name)}</h2>{_RENDER[key](data)}")
+        parts.append(f"<h2 id='{key}'>{escape(name)}</h2>{_RENDER[key](data)}")
     parts.append("</body></html>")
     return "\n".join(parts)
 

@@ -6,7 +6,10 @@ high truncation rate censors the metrics. Three views:
 * reward vs completion length (binned), and truncation rate per model;
 * the metrics with truncated samples excluded (``model_metrics(...)["untruncated"]``, conditional on finishing);
 * the metrics after re-sampling only the truncated prompts at a larger cap (:func:`resample_truncated`, given a
-  ``resample_fn`` the evaluator provides), compared with the original on the same prompts.
+  ``resample_fn`` the evaluator provides), compared with the original on the same prompts, and -- the
+  comparison that matters -- every model against the baseline with BOTH re-sampled at the larger cap
+  (``extended_cap``, from ``jaxrl.evaluation.censoring``; the merged records are kept on disk by the evaluator
+  under ``eval/resampled/<cap>/``, so this can be rebuilt).
 
 Output of :func:`termination_analysis` (``termination.json``)::
 
@@ -17,7 +20,8 @@ Output of :func:`termination_analysis` (``termination.json``)::
                        "reasons": {reason: count},
                        "reward_vs_length": [{"lo", "hi", "n", "partial_mean", "strict_rate",
                                              "truncated_fraction"}, ...]}},
-     "resampled": {NAME: resample_truncated(...) without "records"},     # only when given
+     "resampled": {NAME: resample_truncated(...) without "records" (+ "records_file" when kept)},  # when given
+     "extended_cap": censoring_section(...)["extended_cap"],   # when the baseline was re-sampled too
      "flags": [Flag.to_dict(), ...]}
 """
 
@@ -28,12 +32,15 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxrl.data import formats
+from jaxrl.data.formats import validate_sample
 from jaxrl.diagnostics import flags as F
-from jaxrl.diagnostics.formats import validate_sample
+from jaxrl.evaluation.censoring import censoring_section, save_resampled
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare
+from jaxrl.utils.io import atomic_write_json
 
-__all__ = ["reward_vs_length", "termination_analysis", "resample_truncated", "ResampleFn"]
+__all__ = ["reward_vs_length", "termination_analysis", "resample_truncated", "resample_evaluation", "ResampleFn"]
 
 # resample_fn(problem_ids, max_new_tokens) -> one SAMPLES record per id, in order. An id repeats when several
 # samples of that prompt were truncated.
@@ -92,14 +99,17 @@ def _model_summary(records: Sequence[Mapping], n_bins: int) -> dict:
 
 
 def termination_analysis(samples: Mapping[str, Sequence[Mapping]], *, n_bins: int = 8, threshold: float = 0.10,
-                         resampled: Optional[Mapping[str, Mapping]] = None) -> dict:
+                         resampled: Optional[Mapping[str, Mapping]] = None, baseline: str = "base",
+                         n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> dict:
     """Per-model termination view (module docstring) with ``truncation_censoring`` flags.
 
     Args:
       samples: ``{model: SAMPLES records}``.
       n_bins: length bins of ``reward_vs_length``.
       threshold: truncation rate above which a model's results are flagged as censored.
-      resampled: ``{model: resample_truncated(...)}`` to include (their ``records`` are dropped here).
+      resampled: ``{model: resample_truncated(...)}`` to include (their ``records`` are not copied into the
+        output; the evaluator keeps them in ``records_file``). With the baseline among them, ``extended_cap``
+        compares every model with the baseline, both at the larger cap.
     """
     models = {name: _model_summary(recs, n_bins) for name, recs in samples.items()}
     flags = [F.truncation_censoring(name, m["truncation_rate"], m["n_samples"], threshold, m["max_new_tokens"])
@@ -107,6 +117,12 @@ def termination_analysis(samples: Mapping[str, Sequence[Mapping]], *, n_bins: in
     out = {"threshold": threshold, "models": models, "flags": [f.to_dict() for f in F.sort_flags(flags)]}
     if resampled:
         out["resampled"] = {n: {k: v for k, v in r.items() if k != "records"} for n, r in resampled.items()}
+        caps = {int(r["max_new_tokens"]) for r in resampled.values()}
+        if baseline in resampled and len(resampled) > 1 and len(caps) == 1:
+            section = censoring_section({n: samples[n] for n in resampled}, baseline,
+                                        resampled={caps.pop(): {n: r["records"] for n, r in resampled.items()}},
+                                        n_resamples=n_resamples, confidence=confidence, seed=seed)
+            out["extended_cap"] = section["extended_cap"] if section else None
     return out
 
 
@@ -156,3 +172,24 @@ def resample_truncated(records: Sequence[Mapping], resample_fn: ResampleFn, max_
             "still_truncated": sum(1 for r in replaced.values() if r["finish_reason"] == "length"),
             "before": model_metrics(records), "after": model_metrics(merged), "comparisons": comps,
             "records": merged}
+
+
+def resample_evaluation(ev, cap: int) -> str:
+    """Re-draws the truncated samples of every model of a finished evaluation at the larger ``cap``.
+
+    ``ev``: a ``jaxrl.evaluation.runner.Evaluator`` whose ``run()`` has written its samples. Keeps the merged
+    records under ``<out>/resampled/<cap>/<model>.jsonl`` (``censoring.save_resampled``), writes
+    ``<out>/termination.json`` (with every model vs the baseline, both at ``cap``) and rewrites results.json /
+    results.md, whose ``censoring.extended_cap`` reads the kept records back. Returns termination.json's path.
+    """
+    samples = {name: formats.read_samples(formats.samples_path(ev.out, name)) for name in ev.specs}
+    resampled = {}
+    for name, recs in samples.items():
+        resampled[name] = resample_truncated(recs, ev.resample_fn(name), cap, seed=ev.cfg.seed,
+                                             n_resamples=ev.cfg.n_resamples, confidence=ev.cfg.confidence)
+        resampled[name]["records_file"] = str(save_resampled(ev.out, cap, name, resampled[name]["records"]))
+    report = termination_analysis(samples, threshold=ev.cfg.truncation_threshold, resampled=resampled,
+                                  baseline=ev.cfg.baseline, n_resamples=ev.cfg.n_resamples,
+                                  confidence=ev.cfg.confidence, seed=ev.cfg.seed)
+    ev.write(samples, ev.run_audit())
+    return str(atomic_write_json(ev.out / "termination.json", report))

@@ -28,6 +28,9 @@ __all__ = [
     "default_ks",
     "model_metrics",
     "per_prompt_values",
+    "per_prompt_pass_at_k",
+    "per_prompt_finished",
+    "identical_copies",
 ]
 
 # Per-prompt metrics that ``per_prompt_values`` returns and ``stats.compare`` can compare.
@@ -205,3 +208,46 @@ def per_prompt_values(records: Iterable[Mapping]) -> dict[str, dict[str, float]]
     means = {pid: g.mean(axis=0) for pid, g in groups.items()}
     return {name: {pid: float(m[col]) for pid, m in means.items()} for col, name in
             zip((0, 1, 2, 3), ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens"))}
+
+
+def per_prompt_pass_at_k(records: Iterable[Mapping], ks: Optional[Sequence[int]] = None) -> dict[str, dict[str, float]]:
+    """``{str(k): {problem_id: unbiased pass@k of that prompt}}`` for each k up to the smallest samples-per-prompt
+    (default :func:`default_ks`); their mean is ``model_metrics(...)["pass_at_k"][str(k)]``."""
+    groups = _group(records)
+    ids = list(groups)
+    n = np.array([len(groups[p]) for p in ids])
+    c = np.array([int(groups[p][:, 1].sum()) for p in ids])
+    ks = default_ks(int(n.min())) if ks is None else [int(k) for k in ks if int(k) <= int(n.min())]
+    return {str(k): dict(zip(ids, pass_at_k_per_problem(n, c, k).tolist())) for k in ks}
+
+
+def per_prompt_finished(records: Iterable[Mapping]) -> dict[str, dict[str, float]]:
+    """Per prompt: ``finish_rate`` (share of samples that did not hit the cap) for every prompt, and the means of
+    ``partial_reward_mean`` / ``strict_rate`` over the FINISHED samples for prompts that have one; plus
+    ``truncated_partial`` / ``truncated_strict``, the means over the truncated samples where there are some (0 for
+    the rewards of :mod:`jaxrl.rewards`, which score a truncated completion 0)."""
+    groups = _group(records)
+    out: dict[str, dict[str, float]] = {k: {} for k in ("finish_rate", "partial_reward_mean", "strict_rate",
+                                                        "truncated_partial", "truncated_strict")}
+    for pid, g in groups.items():
+        done, cut = g[g[:, 2] == 0], g[g[:, 2] == 1]
+        out["finish_rate"][pid] = float(len(done) / len(g))
+        if len(done):
+            out["partial_reward_mean"][pid] = float(done[:, 0].mean())
+            out["strict_rate"][pid] = float(done[:, 1].mean())
+        if len(cut):
+            out["truncated_partial"][pid] = float(cut[:, 0].mean())
+            out["truncated_strict"][pid] = float(cut[:, 1].mean())
+    return out
+
+
+def identical_copies(records: Iterable[Mapping]) -> tuple[int, int]:
+    """(prompts with more than one sample whose completions are all the same text, prompts with more than one
+    sample). Records without ``completion`` count as distinct. Greedy decoding makes every copy identical, and
+    then n samples a prompt are one sample counted n times (pass@k and n_samples overstate the evidence)."""
+    texts: dict[str, list] = {}
+    for rec in records:
+        texts.setdefault(str(rec["problem_id"]), []).append(rec.get("completion", object()))
+    multi = [t for t in texts.values() if len(t) > 1]
+    same = sum(1 for t in multi if all(isinstance(x, str) and x == t[0] for x in t))
+    return same, len(multi)

@@ -6,22 +6,29 @@
                      num_samples=1, temperature=0.0, max_new_tokens=8192)
     results = Evaluator(cfg).run()
 
-Outputs under `out/` (formats: jaxrl/diagnostics/formats.py):
+Outputs under `out/` (formats: jaxrl/data/formats.py):
 
-    results.json, results.md     metrics per model (+ "untruncated"), comparisons with the baseline (paired
-                                 bootstrap interval over prompts; McNemar / sign test on strict passes), warnings
-                                 (truncation above the threshold, skipped prompts, models with identical weights)
+    results.json, results.md     metrics per model (+ "untruncated", intervals), comparisons with the baseline
+                                 (paired over prompts, each interval agreeing with its test; simultaneous intervals
+                                 over the file's family; jaxrl.evaluation.analysis), the selection-adjusted gain,
+                                 censoring, power, the protocol's claims, warnings (truncation above the
+                                 threshold, skipped prompts, models with identical weights)
     samples/<name>.jsonl         every scored completion (formats.write_samples)
     audit.json                   the weight audit (jaxrl.export.audit) of every model against the base
     cache/<name>.jsonl           completions as they are scored, appended one problem at a time (the resume state)
+    resampled/<cap>/<name>.jsonl the samples with the truncated ones re-drawn at a larger cap (launchers.evaluate
+                                 --resample_max_new_tokens; jaxrl.evaluation.censoring), read back by write()
+    protocol.json, selection.json  the evaluation's role (select on dev / confirm on held-out; .protocol)
 
 Honesty rules this module enforces:
 
 * Every model is scored on the same prompts, tokenised once with the base's tokenizer and chat template, with the
   same sample keys (seed, problem id, sample index): differences are paired, and random streams are shared.
-* Every model's weights are fingerprinted (sha256 of its language tower as served; `jaxrl.export.audit`) and the
+* Every model's weights are fingerprinted (sha256 of its language tower, an adapter merged in the stored dtype:
+  a label of base + adapter, which every backend serves unmerged; `jaxrl.export.audit`) and the
   fingerprint is stored in results.json; the digest of the adapter the backend REALLY carries is read back from
-  the loaded model and must equal the file's. Two models with identical language weights raise a warning.
+  the loaded model and must equal the file's. Two models with identical language weights raise a warning, and so
+  does a merged export whose merge rounded its adapter's update away (`merge_fidelity`, jaxrl.export.merge).
 * Resumable: a killed evaluation continues where it stopped. The cache of a model is bound to its fingerprint,
   the sampling settings, the reward and the backend (`CACHE_KEYS`); resuming with other values is refused, so
   samples of different weights or settings are never mixed. A cached sample whose problem changed (tests
@@ -32,6 +39,7 @@ Honesty rules this module enforces:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -39,46 +47,36 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text, iter_jsonl
-from jaxrl.diagnostics import formats
-from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
-from jaxrl.evaluation.stats import compare, write_results
+from tqdm import tqdm
+
+from jaxrl.data import formats
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
+from jaxrl.evaluation.analysis import COMPARED, analyze, sampling_warning  # [stats]
+from jaxrl.evaluation.censoring import load_resampled
+from jaxrl.evaluation.protocol import read_protocol
+from jaxrl.evaluation.stats import write_results
+from jaxrl.export.audit import FolderSource, MergedSource, audit
+from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
+from jaxrl.export.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
+from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS, CheckpointNotFound, adapter_steps
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.rewards import get_reward
+from jaxrl.rollout.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
+from jaxrl.rollout.collect import Collector, Sample
+from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.writer import ResumableJsonl, ResumeError
+from jaxrl.utils.io import atomic_write_json, atomic_write_text, sha256_file
+
+__all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_KINDS", "ModelSpec", "ResumeError",
+           "checkpoint_specs", "default_reward_kwargs", "run_evaluation", "summarize"]
 
 logger = logging.getLogger(__name__)
 
 BASE = formats.BASE_MODEL
-COMPARED = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
 # Settings a model's cached samples depend on; resuming with any other value is refused.
 CACHE_KEYS = ("fingerprint", "adapter_digest", "temperature", "top_p", "top_k", "max_new_tokens", "enable_thinking",
               "reward", "reward_kwargs", "seed", "backend", "dtype", "tokenizer")
-MODEL_KINDS = ("base", "adapter", "hf")
-
-
-class ResumeError(ValueError):
-    """A cache that cannot be continued with these settings (names the file and the differing keys)."""
-
-
-@dataclasses.dataclass
-class ModelSpec:
-    """One model to evaluate.
-
-    kind: "base" (the base folder), "adapter" (base + a trainer adapter checkpoint or a PEFT folder at `path`),
-      "hf" (a full HF folder at `path`, e.g. a merged export).
-    step: optimizer step of a checkpoint (results.json "step"; the name is usually `step_<step>`).
-    """
-
-    name: str
-    kind: str
-    path: Optional[str] = None
-    step: Optional[int] = None
-
-    def __post_init__(self):
-        if self.kind not in MODEL_KINDS:
-            raise ValueError(f"model {self.name!r}: kind must be one of {MODEL_KINDS}, got {self.kind!r}")
-        if self.kind != "base" and not self.path:
-            raise ValueError(f"model {self.name!r}: kind {self.kind!r} needs a path")
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise ValueError(f"model name {self.name!r} is not usable as a file name")
 
 
 @dataclasses.dataclass
@@ -119,8 +117,6 @@ def default_reward_kwargs(name: str) -> dict:
 
 def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> list[ModelSpec]:
     """`step_<N>` specs for every adapter checkpoint of a run (or the listed steps, which must exist)."""
-    from jaxrl.export.adapters import adapter_steps
-    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
     available = adapter_steps(workdir)
     chosen = available if not steps else [int(s) for s in steps]
     missing = sorted(set(chosen) - set(available))
@@ -133,18 +129,6 @@ def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> lis
             for s in sorted(chosen)]
 
 
-def _problem_key(problem_id: str) -> int:
-    from jaxrl.rollout.runner import problem_key
-    return problem_key(problem_id)
-
-
-def _decode(tokenizer, tokens: Sequence[int], reason: str, stop_ids) -> str:
-    # The final stop token (when it is one) is not part of the answer; special tokens are skipped, the
-    # <think> tags are ordinary tokens and stay (the rewards strip reasoning themselves).
-    body = list(tokens[:-1]) if reason == "stop" and tokens and tokens[-1] in stop_ids else list(tokens)
-    return tokenizer.decode(body, skip_special_tokens=True)
-
-
 class Evaluator:
     """One evaluation (module docstring). `run()` does everything; the pieces are public for tools and tests.
 
@@ -153,11 +137,9 @@ class Evaluator:
     """
 
     def __init__(self, cfg: EvalConfig, *, model=None, tokenizer=None, reward=None, backend=None):
-        from jaxrl.data.problems import load_problems
-        from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
-
-        if cfg.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {cfg.num_samples}")
+        # bad sampling values fail here, before anything is loaded or written
+        self.sampling = SamplingParams(n=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,
+                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
         if not 0.0 <= cfg.truncation_threshold < 1.0:
             raise ValueError(f"truncation_threshold must be in [0, 1), got {cfg.truncation_threshold}")
         self.cfg = cfg
@@ -180,7 +162,6 @@ class Evaluator:
         if len(set(ids)) != len(ids):
             raise ValueError(f"{cfg.problems}: problem ids repeat")
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.base)
-        from jaxrl.models.qwen35.config import load_hf_config
         base_cfg, self.base_layout, _ = load_hf_config(cfg.base)
         self.stop_ids = chat_stop_ids(self.tokenizer, base_cfg.eos_token_id)
         enc = encode_prompts(self.tokenizer, [p.messages for p in problems], cfg.enable_thinking,
@@ -194,12 +175,10 @@ class Evaluator:
         self.by_id = {p.id: p for p in self.problems}
 
         if reward is None:
-            from jaxrl.rewards import get_reward
             reward = get_reward(cfg.reward, **{**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs})
         self.reward = reward
         self.reward_kwargs = {**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs}
         if backend is None:
-            from jaxrl.evaluation.backends import make_backend
             pad = self.tokenizer.pad_token_id
             backend = make_backend(cfg.backend, base_dir=cfg.base, out_dir=str(self.out), dtype=cfg.dtype,
                                    batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
@@ -207,11 +186,11 @@ class Evaluator:
                                    pad_id=pad, model=model, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
                                    **cfg.backend_kwargs)
         self.backend = backend
+        self.collector = Collector(backend, reward, tokenizer=self.tokenizer, stop_ids=self.stop_ids)
         self._adapters: dict = {}
         self.audit_report: Optional[dict] = None
         self._loaded: Optional[str] = None
-        from jaxrl.data.jsonl import sha256_file
-        self.tokenizer_digest = _tokenizer_digest(cfg.base, sha256_file)
+        self.tokenizer_digest = _tokenizer_digest(cfg.base)
 
     # --------------------------------------------------------------------------------------------------- weights
     def adapter(self, name: str):
@@ -220,9 +199,7 @@ class Evaluator:
         if spec.kind != "adapter":
             return None
         if name not in self._adapters:
-            from jaxrl.export.adapters import is_peft_folder, read_adapter
             if is_peft_folder(spec.path):
-                from jaxrl.export.peft import LayoutError, mismatch_message, read_peft_adapter
                 adapter, layout = read_peft_adapter(spec.path)
                 if layout != self.base_layout.kind:
                     raise LayoutError(mismatch_message(layout, self.base_layout.kind, spec.path))
@@ -233,7 +210,6 @@ class Evaluator:
 
     def source(self, name: str):
         """The audit source of model `name` (what its fingerprint is computed from)."""
-        from jaxrl.export.audit import FolderSource, MergedSource
         spec = self.specs[name]
         if spec.kind == "base":
             return FolderSource(self.cfg.base)
@@ -243,7 +219,6 @@ class Evaluator:
 
     def run_audit(self) -> dict:
         """Fingerprints every model and compares it with the base; writes `out/audit.json`."""
-        from jaxrl.export.audit import audit
         if self.audit_report is None:
             t0 = time.perf_counter()
             self.audit_report = audit({n: self.source(n) for n in self.specs}, reference=BASE)
@@ -285,104 +260,86 @@ class Evaluator:
     def cache_path(self, name: str) -> Path:
         return self.out / "cache" / f"{name}.jsonl"
 
-    def _open_cache(self, name: str) -> dict[tuple[str, int], dict]:
-        """Checks the cache's settings, repairs a torn last line, returns the usable cached records."""
-        from jaxrl.rollout.runner import repair_tail
-        path = self.cache_path(name)
-        meta_path = path.with_name(path.name + ".meta.json")
-        settings = self.settings(name)
-        if meta_path.exists():
-            old = json.loads(meta_path.read_text()).get("settings", {})
-            diffs = [k for k in CACHE_KEYS if old.get(k) != settings.get(k)]
-            if diffs:
-                detail = "; ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diffs)
-                raise ResumeError(f"{path} holds samples drawn with other weights or settings ({detail}). Mixing "
-                                  "them would corrupt the statistics: evaluate into another --out, or delete "
-                                  "this model's cache to start it over")
-        elif path.exists() and path.stat().st_size:
-            raise ResumeError(f"{path} exists without {meta_path.name}, so its settings are unknown; delete it")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(meta_path, {"settings": settings})
-        removed = repair_tail(path)
-        if removed:
-            logger.warning("%s: removed a partially written last line (%d bytes)", path, removed)
+    def cache(self, name: str) -> ResumableJsonl:
+        """Model `name`'s resume cache (its settings are the ones its samples depend on, CACHE_KEYS)."""
+        return ResumableJsonl(self.cache_path(name), self.settings(name), compare=CACHE_KEYS, what="samples",
+                              hint="evaluate into another --out, or delete this model's cache to start it over")
+
+    def cached_records(self, log: ResumableJsonl) -> dict[tuple[str, int], dict]:
+        """The usable records of a model's cache: of this evaluation's problems, drawn for their current version."""
         cached: dict[tuple[str, int], dict] = {}
         stale = 0
-        if path.exists():
-            for _, rec in iter_jsonl(path):
-                problem = self.by_id.get(rec.get("problem_id"))
-                if problem is None:
-                    continue  # another --limit / problems subset: kept in the file, unused here
-                if rec.get("problem_fingerprint") != problem.fingerprint:
-                    stale += 1  # the problem (e.g. its tests) changed: the score is void, draw again
-                    continue
-                cached[(rec["problem_id"], int(rec["sample_index"]))] = rec  # a later line wins
+        for _, rec in log.read():
+            problem = self.by_id.get(rec.get("problem_id"))
+            if problem is None:
+                continue  # another --limit / problems subset: kept in the file, unused here
+            if rec.get("problem_fingerprint") != problem.fingerprint:
+                stale += 1  # the problem (e.g. its tests) changed: the score is void, draw again
+                continue
+            cached[(rec["problem_id"], int(rec["sample_index"]))] = rec  # a later line wins
         if stale:
             logger.warning("%s: %d cached samples belong to problems that changed since; drawing them again",
-                           path, stale)
+                           log.path, stale)
         return cached
 
     # ---------------------------------------------------------------------------------------------- generation
-    def _score(self, gens, problem_ids: Sequence[str], max_new_tokens: int) -> list[dict]:
-        """Decodes and scores generations (gens[i] answers problem_ids[i]); returns SAMPLES records (+ extras)."""
-        texts = [_decode(self.tokenizer, g.tokens, g.finish_reason, self.stop_ids) for g in gens]
-        problems = [self.by_id[pid] for pid in problem_ids]
-        scores = self.reward.score(texts, problems, truncated=[g.finish_reason for g in gens])
-        records = []
-        for g, pid, text, s in zip(gens, problem_ids, texts, scores):
-            records.append({
-                "problem_id": pid, "sample_index": int(g.sample_index), "completion": text,
-                "completion_tokens": len(g.tokens), "finish_reason": g.finish_reason,
-                "partial": float(s.partial), "strict": bool(s.strict), "tests": list(s.tests), "reason": s.reason,
-                "max_new_tokens": int(max_new_tokens), "prompt_tokens": len(self.prompts[pid]),
-                "problem_fingerprint": self.by_id[pid].fingerprint})
-        return records
+    def record(self, sample: Sample, problem_id: str, max_new_tokens: int) -> dict:
+        """One SAMPLES record (jaxrl.data.formats) of a scored sample."""
+        r = sample.result
+        return {"problem_id": problem_id, "sample_index": sample.sample_index, "completion": sample.text,
+                "completion_tokens": len(sample.tokens), "finish_reason": sample.finish_reason,
+                "partial": float(r.partial), "strict": bool(r.strict), "tests": list(r.tests), "reason": r.reason,
+                "max_new_tokens": int(max_new_tokens), "prompt_tokens": len(self.prompts[problem_id]),
+                "problem_fingerprint": self.by_id[problem_id].fingerprint}
+
+    def collect(self, problem_ids: Sequence[str], sampling: SamplingParams,
+                wanted=None) -> list[dict]:
+        """Samples, decodes and scores `sampling.n` completions of each problem with the loaded model."""
+        samples = self.collector.collect([self.prompts[pid] for pid in problem_ids],
+                                         [problem_key(pid) for pid in problem_ids],
+                                         [self.by_id[pid] for pid in problem_ids], sampling, wanted=wanted)
+        return [self.record(s, problem_ids[s.prompt_index], sampling.max_new_tokens) for s in samples]
 
     def sample_model(self, name: str, on_batch: Optional[Callable[[dict], None]] = None) -> list[dict]:
         """Draws (or resumes) model `name`'s samples; returns its records in problem order, then sample index."""
         cfg = self.cfg
-        cached = self._open_cache(name)
+        log = self.cache(name)
+        cached = self.cached_records(log)
         n = cfg.num_samples
         todo = [p.id for p in self.problems if any((p.id, i) not in cached for i in range(n))]
-        if todo:
-            self.load(name)
-            per_batch = max(1, cfg.batch_size // n)
-            path = self.cache_path(name)
-            bar = None
-            if cfg.progress:
-                from tqdm import tqdm
-                bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
-                           desc=name, dynamic_ncols=True)
-            with open(path, "a", encoding="utf-8") as f:
+        log.start()
+        try:
+            if todo:
+                self.load(name)
+                per_batch = max(1, cfg.batch_size // n)
+                bar = None
+                if cfg.progress:
+                    bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
+                               desc=name, dynamic_ncols=True)
                 for b in range(0, len(todo), per_batch):
                     chunk = todo[b: b + per_batch]
-                    gens = self.backend.generate([self.prompts[pid] for pid in chunk],
-                                                 [_problem_key(pid) for pid in chunk], n=n,
-                                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
-                    gens = [g for g in gens if (chunk[g.prompt_index], g.sample_index) not in cached]
-                    records = self._score(gens, [chunk[g.prompt_index] for g in gens], cfg.max_new_tokens)
-                    # One problem's samples at a time, flushed and fsync'ed: a kill loses at most the problems
-                    # of the batch in flight, never a half-written record (a torn line is cut on resume).
+                    records = self.collect(chunk, self.sampling,
+                                           wanted=lambda j, i: (chunk[j], i) not in cached)
+                    # One problem's samples at a time, fsync'ed: a kill loses at most the problems of the batch in
+                    # flight, never a half-written record (a torn line is cut on resume).
                     for pid in chunk:
                         lines = [r for r in records if r["problem_id"] == pid]
-                        f.write("".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in lines))
-                        f.flush()
-                        os.fsync(f.fileno())
+                        log.append(lines)
                         for r in lines:
                             cached[(pid, r["sample_index"])] = r
                     if bar is not None:
                         bar.update(len(chunk))
                     if on_batch is not None:
                         on_batch({"model": name, "problems_done": len(chunk)})
-            if bar is not None:
-                bar.close()
+                if bar is not None:
+                    bar.close()
+        finally:
+            log.close()
         return [cached[(p.id, i)] for p in self.problems for i in range(n)]
 
     # ------------------------------------------------------------------------------------------------- results
     def run(self, on_batch: Optional[Callable[[dict], None]] = None) -> dict:
         """Audit, sample every model (resuming), write samples, results.json and results.md; returns results."""
-        cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         report = self.run_audit()
         records = {}
@@ -405,8 +362,16 @@ class Evaluator:
         evaluation's folder); returns the validated results."""
         cfg = self.cfg
         report = report or self.run_audit()
-        metrics, comps = self.summarize(records)
-        warnings = []
+        out_dir = Path(out) if out else self.out
+        # [stats] The statistics of results.json (jaxrl.evaluation.analysis): comparisons with simultaneous
+        # intervals, the selection-adjusted gain, censoring (using re-sampled records kept under
+        # out/resampled/<cap>/, see launchers.evaluate --resample_max_new_tokens), power, and the claim labels
+        # of out/protocol.json (select on dev, confirm once on held-out).
+        stats = analyze(records, cfg.baseline, n_resamples=cfg.n_resamples, confidence=cfg.confidence,
+                        seed=cfg.seed, resampled=load_resampled(out_dir), protocol=read_protocol(self.out),
+                        problems=cfg.problems)
+        metrics, comps = stats.pop("models"), stats.pop("comparisons")
+        warnings = [w for w in [sampling_warning(cfg.temperature, cfg.num_samples)] if w] + stats.pop("warnings")
         if self.skipped:
             warnings.append(f"{len(self.skipped)} of {self.n_problems_total} problems were skipped (prompt over "
                             f"max_prompt_len={cfg.max_prompt_len} tokens); every model was scored on the other "
@@ -417,6 +382,15 @@ class Evaluator:
         for name, m in metrics.items():
             spec = self.specs[name]
             entry = report["models"][name]
+            lossy = self._merge_fidelity(name)
+            if lossy is not None:
+                m["merge_fidelity"] = lossy
+                if lossy["lossy"]:
+                    warnings.append(
+                        f"model {name} is a merged export that kept its adapter's update only approximately "
+                        f"(update_rel_error {lossy['update_rel_error']:.3g}, merged in "
+                        f"{lossy['merge_dtype']}; {spec.path}/jaxrl_export.json): its scores are those of the "
+                        f"rounded model, not of the checkpoint it was merged from")
             m["step"] = spec.step
             m["fingerprint"] = entry["fingerprint"]
             m["adapter_digest"] = self.adapter(name).digest() if spec.kind == "adapter" else None
@@ -436,19 +410,30 @@ class Evaluator:
                                 "truncation_threshold": cfg.truncation_threshold,
                                 "bootstrap": {"n_resamples": cfg.n_resamples, "confidence": cfg.confidence,
                                               "seed": cfg.seed, "unit": "prompt"}},
-                 "audit": "audit.json"}
-        json_path, md_path = write_results(Path(out) if out else self.out, metrics, comps, warnings=warnings,
+                 "audit": "audit.json", **stats}  # [stats] family, selection, censoring, protocol
+        json_path, md_path = write_results(out_dir, metrics, comps, warnings=warnings,
                                            max_new_tokens=cfg.max_new_tokens,
                                            truncation_threshold=cfg.truncation_threshold, extra=extra)
         results = formats.read_results(json_path)
         atomic_write_text(md_path, md_path.read_text(encoding="utf-8") + self._md_details(results))
         return results
 
+    def _merge_fidelity(self, name: str) -> Optional[dict]:
+        """What a merged export (a model of kind "hf" with jaxrl_export.json) kept of its adapter, else None."""
+        spec = self.specs[name]
+        info = read_provenance(spec.path) if spec.kind == "hf" else None
+        fidelity = (info or {}).get("merge_fidelity")
+        if not fidelity:
+            return None
+        return {"update_rel_error": fidelity["update_rel_error"], "zeroed_fraction": fidelity.get("zeroed_fraction"),
+                "merge_dtype": info.get("merge_dtype", "stored"), "threshold": FIDELITY_WARN,
+                "lossy": is_lossy(info), "logits_rel_error": (fidelity.get("logits") or {}).get("rel_error")}
+
     def _md_details(self, results: Mapping) -> str:
         ev = results["evaluation"]
         lines = ["", "## Weights (audit.json)", "",
-                 "Fingerprint: sha256 of the language tower as served (base + merged adapter). Equal fingerprints "
-                 "mean the same weights.", "",
+                 "Fingerprint: sha256 of the language tower of base + adapter merged in the stored dtype (a label "
+                 "of the weights; adapters are sampled unmerged). Equal fingerprints mean the same weights.", "",
                  "| model | step | fingerprint | adapter digest | tensors changed vs base | max abs diff | "
                  "rel. delta norm |", "|---|---|---|---|---|---|---|"]
         for name, m in results["models"].items():
@@ -465,8 +450,9 @@ class Evaluator:
                   f"{ev['temperature']} (top_p {ev['top_p']}, top_k {ev['top_k']}), cap "
                   f"{results['max_new_tokens']} new tokens, thinking {'on' if ev['enable_thinking'] else 'off'}; "
                   f"reward `{ev['reward']}` {json.dumps(ev['reward_kwargs'])}; backend {ev['backend']} "
-                  f"({ev['dtype']}); seed {ev['seed']}. Intervals: paired bootstrap over prompts, "
-                  f"{ev['bootstrap']['n_resamples']} resamples, {ev['bootstrap']['confidence']:.0%}.", ""]
+                  f"({ev['dtype']}); seed {ev['seed']}. Intervals: paired over prompts, "
+                  f"{ev['bootstrap']['confidence']:.0%}; sign-flip patterns and max-T bootstrap resamples: "
+                  f"{ev['bootstrap']['n_resamples']}.", ""]
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------------- termination analysis
@@ -479,7 +465,6 @@ class Evaluator:
         (greedy: the very same completion, only longer). Ids beyond the known truncated samples take indices
         0, 1, ... Nothing is cached: re-sampling is an analysis, not part of the evaluation.
         """
-        cfg = self.cfg
         truncated: dict[str, list[int]] = {}
         path = formats.samples_path(self.out, name)
         if path.exists():
@@ -499,40 +484,34 @@ class Evaluator:
                 wanted.append((pid, known[k] if k < len(known) else k))
             if not wanted:
                 return []
+            wanted_set = set(wanted)
             self.load(name)
             unique = list(dict.fromkeys(pid for pid, _ in wanted))
             n = max(i for _, i in wanted) + 1
-            gens = self.backend.generate([self.prompts[pid] for pid in unique], [_problem_key(p) for p in unique],
-                                         n=n, max_new_tokens=int(max_new_tokens), temperature=cfg.temperature,
-                                         top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
-            by_key = {(unique[g.prompt_index], g.sample_index): g for g in gens}
-            chosen = [by_key[key] for key in wanted]
-            return self._score(chosen, [pid for pid, _ in wanted], int(max_new_tokens))
+            sampling = self.sampling.replace(n=n, max_new_tokens=int(max_new_tokens))
+            by_key = {(r["problem_id"], r["sample_index"]): r for r in self.collect(
+                unique, sampling, wanted=lambda j, i: (unique[j], i) in wanted_set)}
+            return [by_key[key] for key in wanted]
 
         return resample
 
     def close(self) -> None:
-        close = getattr(self.reward, "close", None)
-        if close is not None:
-            close()
-        self.backend.close()
+        self.collector.close()
 
 
 def summarize(records: Mapping[str, Sequence[Mapping]], baseline: str = BASE, *, metrics: Sequence[str] = COMPARED,
               n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> tuple[dict, list]:
     """(per-model metrics, comparisons with the baseline) from {model: SAMPLES records}: the metric path of
-    results.json (`model_metrics` per model; `compare` = paired bootstrap over prompts + McNemar / sign test on
-    strict), usable on any records, e.g. a fixed set of completions."""
-    out = {name: model_metrics(recs) for name, recs in records.items()}
-    per_prompt = {name: per_prompt_values(recs) for name, recs in records.items()}
-    comps = compare(per_prompt, baseline=baseline, metrics=list(metrics), n_resamples=n_resamples,
-                    confidence=confidence, seed=seed)
-    return out, comps
+    results.json (`jaxrl.evaluation.analysis.analyze`: per-model metrics with intervals; comparisons whose interval
+    agrees with their test, with the family's simultaneous intervals), usable on any records, e.g. a fixed set of
+    completions."""
+    # [stats] one statistics path for summarize() and write()
+    out = analyze(records, baseline, metrics=metrics, n_resamples=n_resamples, confidence=confidence, seed=seed)
+    return out["models"], out["comparisons"]
 
 
-def _tokenizer_digest(folder: str, sha256_file) -> str:
+def _tokenizer_digest(folder: str) -> str:
     """sha256 over the tokenizer / chat-template files of the base (they define the prompts)."""
-    import hashlib
     h = hashlib.sha256()
     for fname in sorted(os.listdir(folder)):
         if fname.startswith("tokenizer") or fname.startswith("chat_template") or fname in (

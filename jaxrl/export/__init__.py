@@ -2,11 +2,12 @@
 
     from jaxrl.export import export_checkpoint
     export_checkpoint("run", base="Qwen3.5-4B", out="run/export/peft_28", step=28)              # PEFT folder
-    export_checkpoint("run", base="Qwen3.5-4B", out="run/export/merged_28", step=28, merge=True)  # for vLLM
+    export_checkpoint("run", base="Qwen3.5-4B", out="run/export/merged_28", step=28, merge=True)  # full folder
 
-Modules: `adapters` (one in-memory Adapter for trainer checkpoints and PEFT folders; attach / detach on the JAX
-model), `peft` (PEFT layout, export and import, layout checks), `merge` (LoRA merged into the full container),
-`audit` (fingerprints and tensor-level comparisons of any set of checkpoints).
+Modules: `peft` (PEFT layout, export and import, layout checks; `read_adapter` of any adapter folder), `audit`
+(fingerprints and tensor-level comparisons of any set of checkpoints), `merge` (LoRA merged into the full
+container). The in-memory Adapter (trainer checkpoints, attach / detach on the JAX model) is
+`jaxrl.models.adapters`.
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from jaxrl.export.merge import export_merged
+from jaxrl.export.peft import export_peft, read_adapter
+
 
 def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: Optional[int] = None,
                       merge: bool = False, layout: str = "auto", allow_layout_mismatch: bool = False,
-                      overwrite: bool = False) -> dict:
+                      overwrite: bool = False, merge_dtype: Optional[str] = None) -> dict:
     """What `python -m launchers.export` does; returns the provenance record written to `out/jaxrl_export.json`.
 
     checkpoint: a run workdir, its checkpoints/ or adapters/ folder, one adapters/<step> folder, or a PEFT folder.
     base: the base HF folder; None = the model_path recorded in the adapter checkpoint.
     layout: PEFT key layout, "auto" (the base's), "container" or "text" (see `jaxrl.export.peft`).
+    merge_dtype: merged exports only: None (the base's stored dtype) or "float32" (`jaxrl.export.merge`).
     """
-    from jaxrl.export.adapters import read_adapter
     adapter = read_adapter(checkpoint, step)
     base = base or adapter.model_path  # the trainer records the base it trained on
     if not base or not os.path.isfile(os.path.join(base, "config.json")):
@@ -33,8 +37,8 @@ def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: O
     if merge:
         if layout != "auto":
             raise ValueError("--layout applies to PEFT exports; a merged export keeps the base's layout")
-        from jaxrl.export.merge import export_merged
-        return export_merged(adapter, base, out, overwrite=overwrite)
-    from jaxrl.export.peft import export_peft
+        return export_merged(adapter, base, out, overwrite=overwrite, merge_dtype=merge_dtype)
+    if merge_dtype is not None:
+        raise ValueError("--merge_dtype applies to merged exports (--merge); a PEFT export keeps the fp32 factors")
     return export_peft(adapter, out, base, None if layout == "auto" else layout,
                        allow_layout_mismatch=allow_layout_mismatch, overwrite=overwrite)

@@ -10,9 +10,11 @@ The users' evaluation once scored the wrong weights (the loader dropped the adap
 catches it. A *source* is anything that yields tensors by canonical name:
 
 * `FolderSource(hf_dir)`: an HF folder (container or text-only, one file or shards);
-* `MergedSource(base_dir, adapter)`: base + adapter merged exactly as `export_merged` writes it, computed on the
-  fly, so `fingerprint(MergedSource(b, a)) == fingerprint(FolderSource(export_merged(a, b, out)))`: the weights
-  the JAX backend evaluates with the adapter attached are provably the ones a vLLM run of the merged folder serves.
+* `MergedSource(base_dir, adapter)`: base + adapter merged exactly as `export_merged` writes it (in the stored
+  dtype), computed on the fly, so `fingerprint(MergedSource(b, a)) == fingerprint(FolderSource(export_merged(a, b,
+  out)))`: the fingerprint names base + adapter. It is a label, not the weights every backend computes with: the
+  jax backend and vLLM LoRA apply the adapter unmerged, while a bf16 merged folder holds bf16(W + s*B*A), which
+  loses most of a small update (`jaxrl.export.merge`, merge_fidelity).
 
 Canonical names drop the tower prefix (`layers.3.mlp.up_proj.weight`, `embed_tokens.weight`, `norm.weight`,
 `lm_head.weight`), so container and text-only folders of the same weights compare equal; other tensors keep their
@@ -36,8 +38,15 @@ import sys
 from typing import Iterator, Mapping, Optional
 
 import numpy as np
+from flax import nnx
+from safetensors import safe_open
 
-from jaxrl.export.adapters import Adapter, check_against_model
+from jaxrl.export.peft import read_adapter
+from jaxrl.models.adapters import Adapter, check_against_model, merged_weight
+from jaxrl.models.qwen35.checkpoint import read_weight_map
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.models.qwen35.model import Qwen35
+from jaxrl.utils.io import atomic_write_json
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -53,11 +62,9 @@ class FolderSource:
     """Tensors of an HF folder, read lazily one at a time (a 9B model never sits in memory twice)."""
 
     def __init__(self, folder: str):
-        from jaxrl.models.qwen35.checkpoint import _weight_map
-        from jaxrl.models.qwen35.config import load_hf_config
         self.folder = os.path.abspath(folder)
         self.config, self.layout, _ = load_hf_config(folder)
-        self._files = _weight_map(folder)  # hf key -> file
+        self._files = read_weight_map(folder)  # hf key -> file
         self._canon = {canonical(k, self.layout.tower_prefix): k for k in self._files
                        if not k.endswith("rotary_emb.inv_freq")}
         self._handles: dict = {}
@@ -70,7 +77,6 @@ class FolderSource:
         return self._canon[name]
 
     def get(self, name: str) -> np.ndarray:
-        from safetensors import safe_open
         key = self._canon[name]
         fname = self._files[key]
         if fname not in self._handles:
@@ -79,12 +85,10 @@ class FolderSource:
 
 
 class MergedSource:
-    """`base + adapter` merged as `jaxrl.export.merge.export_merged` writes it, computed on the fly."""
+    """`base + adapter` merged as `jaxrl.export.merge.export_merged` writes it (`merged_weight`), computed on
+    the fly."""
 
     def __init__(self, base_dir: str, adapter: Adapter):
-        from flax import nnx
-
-        from jaxrl.models.qwen35.model import Qwen35
         self.base = FolderSource(base_dir)
         self.adapter = adapter
         self.config, self.layout = self.base.config, self.base.layout
@@ -96,7 +100,6 @@ class MergedSource:
         return self.base.keys()
 
     def get(self, name: str) -> np.ndarray:
-        from jaxrl.export.merge import merged_weight
         value = self.base.get(name)
         module = self._modules.get(name)
         return value if module is None else merged_weight(value, self.adapter, module)
@@ -300,7 +303,6 @@ def source_for(path: str, base_dir: str, step: Optional[int] = None):
     """FolderSource for an HF folder (config.json), else MergedSource(base, adapter at `path`)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return FolderSource(path)
-    from jaxrl.export.adapters import read_adapter
     return MergedSource(base_dir, read_adapter(path, step))
 
 
@@ -324,7 +326,6 @@ def main(argv=None) -> int:
         sources[name] = source_for(path, args.base)
     report = audit(sources, "base", pairwise=args.pairwise)
     if args.out:
-        from jaxrl.data.jsonl import atomic_write_json
         atomic_write_json(args.out, report)
     print(format_audit(report))
     return 0

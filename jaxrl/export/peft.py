@@ -3,6 +3,7 @@
     export_peft(adapter, out_dir, base_dir, layout=None)      # adapter_model.safetensors + adapter_config.json
     adapter, layout = read_peft_adapter(folder)                # -> our Adapter (+ the layout its keys use)
     load_peft_adapter(folder, model, layout="container")       # read + check the layout + attach to the model
+    adapter = read_adapter(path, step=None)                    # a PEFT folder or a trainer adapter checkpoint
 
 Layouts (docs/qwen35-architecture.md §6-7). PEFT saves the *module path* of the class the adapter was built on:
 
@@ -11,26 +12,34 @@ Layouts (docs/qwen35-architecture.md §6-7). PEFT saves the *module path* of the
     text       base_model.model.model.layers.N....lora_A.weight                   (Qwen3_5ForCausalLM, including
                                                                                    AutoModelForCausalLM on a container)
 
-Neither PEFT nor vLLM remaps them: an adapter in the wrong layout loads "successfully" and changes nothing
-(PEFT warns about missing keys, vLLM activates zero modules). So both directions here check the layout and
-refuse a mismatch with an error that names it, instead of producing a silent no-op.
+PEFT does not remap them: an adapter in the wrong layout loads "successfully" and changes nothing (PEFT only warns
+about missing keys). vLLM 0.33 remaps both ways (container-layout adapters on a text-only model,
+vllm/model_executor/models/qwen3_5.py:327-329; text-layout adapters on the container,
+vllm/lora/model_manager.py:1269-1287); vLLM 0.30 has no text-layout remap and serves such an adapter as the base.
+So both directions here check the layout and refuse a mismatch with an error that names it, instead of producing
+a silent no-op in PEFT. vLLM 0.33 packs every target list of ours but one (`jaxrl.models.lora.vllm_unpackable`:
+in_proj_z without in_proj_qkv); `export_peft` warns about that one.
 
 Export is a rename: our `A [r, in]` / `B [out, r]` are PEFT's tensors (fp32), no numeric rewrite.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from typing import Optional
 
 import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
 
-from jaxrl.export.adapters import A_SUFFIX, B_SUFFIX, Adapter, AdapterError, attach, module_names
+from jaxrl.models.adapters import (A_SUFFIX, B_SUFFIX, Adapter, AdapterError, attach, check_against_model,
+                                   module_names, read_trainer_adapter)
+from jaxrl.models.lora import linears, vllm_unpackable
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.models.qwen35.model import Qwen35
+from jaxrl.utils.io import atomic_folder
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +59,6 @@ class LayoutError(AdapterError):
 
 def layout_of(base_dir: str) -> str:
     """"container" or "text": the layout of an HF folder, from its config.json."""
-    from jaxrl.models.qwen35.config import load_hf_config
     return load_hf_config(base_dir)[1].kind
 
 
@@ -63,9 +71,9 @@ def _check_layout_name(layout: str) -> str:
 def mismatch_message(adapter_layout: str, model_layout: str, what: str) -> str:
     return (f"{what}: the adapter's keys are in the {adapter_layout} layout ({LAYOUT_PREFIXES[adapter_layout]}"
             f"layers...) but the model is a {model_layout} checkpoint ({LAYOUT_PREFIXES[model_layout]}layers...). "
-            "PEFT and vLLM do not remap these: the adapter would load without error and change nothing "
-            "(docs/qwen35-architecture.md §6-7). Export with the model's layout (launchers.export "
-            f"--layout={model_layout}) instead.")
+            "PEFT does not remap these: the adapter would load without error and change nothing (vLLM 0.33 "
+            "remaps them, vLLM 0.30 does not; docs/vllm.md). Export with the model's layout "
+            f"(launchers.export --layout={model_layout}) instead.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -84,12 +92,8 @@ def peft_state_dict(adapter: Adapter, layout: str) -> dict[str, np.ndarray]:
 
 def _all_modules_with_names(model_config, names) -> list[str]:
     """Every projection path of a model with `model_config` whose last component is in `names`."""
-    from flax import nnx
-
-    from jaxrl.models.lora import _linears
-    from jaxrl.models.qwen35.model import Qwen35
     abstract = nnx.eval_shape(lambda: Qwen35(model_config, rngs=nnx.Rngs(0)))
-    return [p for p, _ in _linears(abstract) if p != "lm_head" and p.rsplit(".", 1)[-1] in names]
+    return [p for p, _ in linears(abstract) if p != "lm_head" and p.rsplit(".", 1)[-1] in names]
 
 
 def target_modules(adapter: Adapter, model_config, layout: str) -> list[str]:
@@ -115,31 +119,6 @@ def adapter_config(adapter: Adapter, targets: list[str], base_model_name_or_path
     }
 
 
-@contextlib.contextmanager
-def atomic_folder(out_dir: str, overwrite: bool = False):
-    """Yields a temp sibling folder of `out_dir`, renamed onto `out_dir` when the block succeeds (removed when it
-    fails), so `out_dir` is always absent, the old complete export or the new complete one."""
-    out = os.path.abspath(out_dir)
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if os.path.exists(out):
-            old = tmp.replace(".tmp-", ".old-")
-            os.replace(out, old)  # two renames: the old export disappears only once the new one is complete
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[str] = None, *,
                 allow_layout_mismatch: bool = False, overwrite: bool = False,
                 base_model_name_or_path: Optional[str] = None) -> dict:
@@ -150,12 +129,6 @@ def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[
       AutoModelForCausalLM, which builds Qwen3_5ForCausalLM and its `model.layers` paths).
     The factors are checked against the base's projection shapes first (an adapter of another model is refused).
     """
-    from flax import nnx
-
-    from jaxrl.export.adapters import check_against_model
-    from jaxrl.models.qwen35.config import load_hf_config
-    from jaxrl.models.qwen35.model import Qwen35
-
     cfg, base_layout, _ = load_hf_config(base_dir)
     layout = base_layout.kind if layout is None else _check_layout_name(layout)
     if layout != base_layout.kind and not allow_layout_mismatch:
@@ -164,6 +137,11 @@ def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[
                            "are model.layers..., pass allow_layout_mismatch / --allow_layout_mismatch.)"
                            if layout == "text" else ""))
     check_against_model(adapter, nnx.eval_shape(lambda: Qwen35(cfg, rngs=nnx.Rngs(0))))
+    unpackable = vllm_unpackable(adapter.modules)
+    if unpackable:  # still a valid PEFT adapter (PEFT and jaxrl load it), so a warning, not a refusal
+        logger.warning("%s: vLLM 0.33 cannot serve this adapter (it raises when the adapter is activated): %d "
+                       "module(s), e.g. %s; it packs in_proj_z only together with in_proj_qkv", out_dir,
+                       len(unpackable), unpackable[0])
     tensors = peft_state_dict(adapter, layout)
     targets = target_modules(adapter, cfg, layout)
     config = adapter_config(adapter, targets, base_model_name_or_path or os.path.abspath(base_dir))
@@ -171,7 +149,6 @@ def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[
                   "source": adapter.source, "step": adapter.step, "adapter_digest": adapter.digest(),
                   "modules": len(adapter.modules), "rank": adapter.rank, "alpha": adapter.alpha,
                   "use_rslora": adapter.use_rslora, "scale": adapter.scale}
-    from safetensors.numpy import save_file
     with atomic_folder(out_dir, overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
@@ -212,8 +189,6 @@ def read_peft_adapter(folder: str) -> tuple[Adapter, str]:
     Vision-tower factors (`...model.visual.`) are dropped with a warning (they cannot change text generation);
     any other key that is not a language-tower LoRA factor is an error naming it.
     """
-    from safetensors.numpy import load_file
-
     cfg_path = os.path.join(folder, ADAPTER_CONFIG)
     try:
         with open(cfg_path) as f:
@@ -273,3 +248,16 @@ def load_peft_adapter(folder: str, model, layout: str) -> Adapter:
         raise LayoutError(mismatch_message(found, layout, folder))
     attach(model, adapter)
     return adapter
+
+
+def is_peft_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def read_adapter(path: str, step: Optional[int] = None) -> Adapter:
+    """A trainer adapter checkpoint or a PEFT adapter folder (detected by its adapter_config.json)."""
+    if is_peft_folder(path):
+        if step is not None:
+            raise AdapterError(f"{path}: a PEFT folder holds one adapter; --step does not apply")
+        return read_peft_adapter(path)[0]
+    return read_trainer_adapter(path, step)

@@ -43,6 +43,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.layers import Linear
+from jaxrl.utils.schema import LORA
+from jaxrl.utils.tree import dotted
 
 # The 12 projections of the Qwen3.5 language tower (PEFT's `all-linear` minus the vision tower and lm_head).
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -150,13 +152,9 @@ def kaiming_uniform(key: jax.Array, rank: int, in_features: int) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Targeting
 
-def _module_path(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
-
-def _linears(model: nnx.Module) -> list[tuple[str, Linear]]:
+def linears(model: nnx.Module) -> list[tuple[str, Linear]]:
     """Every `Linear` of the model with its dotted path, in graph order."""
-    return [(_module_path(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, Linear)]
+    return [(dotted(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, Linear)]
 
 
 def _parse_targets(targets) -> tuple[str, Union[tuple[str, ...], re.Pattern]]:
@@ -188,10 +186,10 @@ def resolve_targets(model: nnx.Module, targets) -> list[str]:
     """Module paths of the `Linear`s that `targets` selects (see the module docstring); raises LoRAError when a
     name or the regex matches nothing, or when `lm_head` is selected."""
     kind, spec = _parse_targets(targets)
-    linears = [p for p, _ in _linears(model)]
-    valid = sorted({p.rsplit(".", 1)[-1] for p in linears if p != "lm_head"})
+    paths = [p for p, _ in linears(model)]
+    valid = sorted({p.rsplit(".", 1)[-1] for p in paths if p != "lm_head"})
     if kind == "all-linear":  # a preset: whichever of the 12 projections this model has
-        chosen = [p for p in linears if p.rsplit(".", 1)[-1] in spec]
+        chosen = [p for p in paths if p.rsplit(".", 1)[-1] in spec]
         if not chosen:
             raise LoRAError("lora.targets='all-linear' matches no module of this model")
     elif kind == "names":
@@ -200,17 +198,17 @@ def resolve_targets(model: nnx.Module, targets) -> list[str]:
                             "head weight directly); valid names: " + ", ".join(valid))
         chosen = []
         for name in spec:
-            hits = [p for p in linears if _name_matches(p, name)]
+            hits = [p for p in paths if _name_matches(p, name)]
             if not hits:
                 raise LoRAError(f"lora.targets: {name!r} matches no module of this model; valid names: "
                                 + ", ".join(valid))
             chosen.extend(hits)
-        chosen = [p for p in linears if p in set(chosen)]  # graph order, no duplicates
+        chosen = [p for p in paths if p in set(chosen)]  # graph order, no duplicates
     else:
-        chosen = [p for p in linears if _regex_matches(p, spec)]
+        chosen = [p for p in paths if _regex_matches(p, spec)]
         if not chosen:
             raise LoRAError(f"lora.targets: the regex {spec.pattern!r} matches no module path (paths look like "
-                            f"{linears[0]!r}, also tried with the prefixes {list(_HF_TOWER_PREFIXES)}); valid "
+                            f"{paths[0]!r}, also tried with the prefixes {list(_HF_TOWER_PREFIXES)}); valid "
                             f"names: " + ", ".join(valid))
         if "lm_head" in chosen:
             raise LoRAError(f"lora.targets: the regex {spec.pattern!r} selects lm_head, which cannot carry an "
@@ -226,7 +224,7 @@ def apply_lora(model: nnx.Module, targets="all-linear", rank: int = 16, alpha: f
     and targets give the same adapters.
     """
     chosen = set(resolve_targets(model, targets))
-    selected = [(path, linear) for path, linear in _linears(model) if path in chosen]
+    selected = [(path, linear) for path, linear in linears(model) if path in chosen]
     for path, linear in selected:
         if linear.lora is not None:
             raise LoRAError(f"{path} already carries an adapter; apply_lora was called twice")
@@ -244,21 +242,51 @@ def apply_lora(model: nnx.Module, targets="all-linear", rank: int = 16, alpha: f
     return lora_targets_report(model)
 
 
+# vLLM 0.33 fuses a GDN layer's in_proj_qkv and in_proj_z into one in_proj_qkvz layer; an adapter of that layer is
+# split by `expand_packed_lora` (vllm/lora/layers/column_parallel_linear.py:265-318), which gives a missing leading
+# in_proj_qkv all four output slices (:290) and then raises "Cannot determine how to split lora_b" on the in_proj_z
+# factor (:303-308) when the adapter is activated. Every other partial group (q/k/v, gate/up, b/a, qkv without z)
+# packs. {module: the module of the same layer it needs}.
+VLLM_REQUIRES = {"in_proj_z": "in_proj_qkv"}
+
+
+def vllm_unpackable(paths) -> list[str]:
+    """Messages for the targeted module paths vLLM 0.33 cannot pack (see VLLM_REQUIRES); [] when it can."""
+    chosen = set(paths)
+    out = []
+    for path in paths:
+        prefix, _, name = path.rpartition(".")
+        need = VLLM_REQUIRES.get(name)
+        if need and f"{prefix}.{need}" not in chosen:
+            out.append(f"{path} without {prefix}.{need}")
+    return out
+
+
 def apply_lora_from_config(model: nnx.Module, lora_cfg, seed: int = 0) -> dict:
-    """`apply_lora` from a config block with keys rank, alpha, targets, use_rslora, dropout (configs/base.py)."""
-    targets = lora_cfg.targets
+    """`apply_lora` from a `lora` config block (keys and defaults: jaxrl.utils.schema.LORA).
+
+    Refuses (LoRAError) targets whose adapter vLLM 0.33 could not serve (`vllm_unpackable`), before any training,
+    unless `lora.allow_vllm_unpackable` is true (the adapter still works in jaxrl and PEFT).
+    """
+    cfg = LORA.resolve(lora_cfg, "lora")
+    targets = cfg["targets"]
     if isinstance(targets, (list, tuple)):
         targets = tuple(targets)
-    return apply_lora(model, targets=targets, rank=int(lora_cfg.rank), alpha=float(lora_cfg.alpha),
-                      use_rslora=bool(lora_cfg.get("use_rslora", False)),
-                      dropout=float(lora_cfg.get("dropout", 0.0)), seed=seed)
+    unpackable = vllm_unpackable(resolve_targets(model, targets))
+    if unpackable and not cfg["allow_vllm_unpackable"]:
+        raise LoRAError(f"lora.targets={cfg['targets']!r}: vLLM 0.33 cannot serve this adapter ({len(unpackable)} "
+                        f"module(s), e.g. {unpackable[0]}: it packs in_proj_z only together with in_proj_qkv). "
+                        "Add in_proj_qkv to lora.targets, drop in_proj_z, or set lora.allow_vllm_unpackable=True "
+                        "if the adapter will never be served by vLLM")
+    return apply_lora(model, targets=targets, rank=int(cfg["rank"]), alpha=float(cfg["alpha"]),
+                      use_rslora=bool(cfg["use_rslora"]), dropout=float(cfg["dropout"]), seed=seed)
 
 
 def iter_lora(model: nnx.Module) -> Iterator[tuple[str, LoRA]]:
     """(path of the owning Linear, adapter) for every attached adapter, in graph order."""
     for path, m in nnx.iter_modules(model):
         if isinstance(m, LoRA):
-            yield _module_path(path[:-1]), m
+            yield dotted(path[:-1]), m
 
 
 def lora_targets_report(model: nnx.Module) -> dict:
@@ -327,13 +355,9 @@ def split_lora(model: nnx.Module, trainable=LoRAParam):
     return nnx.split(model, trainable, ...)
 
 
-def param_name(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
-
 def lora_state(model: nnx.Module) -> dict[str, jax.Array]:
     """Flat {name: array} of every LoRA factor, names like `layers.0.linear_attn.in_proj_qkv.lora.lora_A`."""
-    return {param_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
+    return {dotted(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
 
 
 def peft_key(name: str, layout_prefix: str = "base_model.model.model.language_model.") -> str:

@@ -13,9 +13,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.parallel.sharding import MESH_AXES, make_mesh as _make_mesh_exact
+from jaxrl.utils.schema import MESH
+
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
 
 
 class MeshConfigError(ValueError):
@@ -50,11 +54,9 @@ def make_mesh(shape: Sequence[int], devices: Optional[Sequence[jax.Device]] = No
             raise MeshConfigError(f"mesh.shape={tuple(shape)} uses {total} of {len(devices)} devices; with "
                                   f"{jax.process_count()} processes the mesh must span every device")
         devices = devices[:total]
-    return _make_mesh_exact(resolved, devices)
+    return Mesh(np.array(devices).reshape(resolved), MESH_AXES)
 
 
 def mesh_from_config(config) -> Mesh:
-    """`config.mesh.shape` (default (1, -1, 1)) -> Mesh."""
-    mesh_cfg = config.get("mesh", None)
-    shape = (1, -1, 1) if mesh_cfg is None else tuple(mesh_cfg.get("shape", (1, -1, 1)))
-    return make_mesh(shape)
+    """`config.mesh.shape` (jaxrl.utils.schema.MESH) -> Mesh."""
+    return make_mesh(tuple(MESH.resolve(config.get("mesh", None), "mesh")["shape"]))

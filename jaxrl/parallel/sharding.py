@@ -8,7 +8,8 @@ match gives a PartitionSpec per dimension. The scheme:
   * FSDP over the other (hidden) dimension of each matrix;
   * vectors (norms, A_log, dt_bias) are replicated; the conv is split over its channels like in_proj_qkv.
 A dimension is only sharded when the mesh axis size divides it; otherwise that dimension falls back to
-replication, so tiny test models and odd head counts still run on any mesh.
+replication, so tiny test models and odd head counts still run on any mesh. Every placement helper takes
+the rules table as `rules=` (default: `PARAM_RULES`, the table of the one model family here).
 
 Training (jaxrl.train): the trainable LoRA factors follow the rules above, the optimizer state mirrors the
 parameter it belongs to (`train_state_shardings`), scalars are replicated, and a global batch split into
@@ -24,8 +25,8 @@ from typing import Optional, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
-MESH_AXES = (DATA, FSDP, TENSOR)
+from jaxrl.parallel.mesh import DATA, FSDP, TENSOR
+from jaxrl.utils.tree import dotted
 
 # (pattern, spec for the weight's dims). Linear weights are [out, in].
 PARAM_RULES: Sequence[tuple[str, tuple]] = (
@@ -45,29 +46,13 @@ PARAM_RULES: Sequence[tuple[str, tuple]] = (
 )
 
 
-def make_mesh(shape: Sequence[int], devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh; -1 in one position takes the remaining devices."""
-    devices = list(devices if devices is not None else jax.devices())
-    shape = list(shape)
-    if len(shape) != 3:
-        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor), got {shape}")
-    if shape.count(-1) > 1:
-        raise ValueError(f"mesh shape {shape}: at most one -1")
-    if -1 in shape:
-        known = 1
-        for s in shape:
-            known *= s if s != -1 else 1
-        shape[shape.index(-1)] = len(devices) // known
-    total = shape[0] * shape[1] * shape[2]
-    if total != len(devices):
-        raise ValueError(f"mesh shape {tuple(shape)} needs {total} devices; {len(devices)} are available")
-    import numpy as np
-    return Mesh(np.array(devices).reshape(shape), MESH_AXES)
+Rules = Sequence[tuple[str, tuple]]
 
 
-def partition_spec(name: str, shape: Sequence[int], mesh: Optional[Mesh] = None) -> P:
+def partition_spec(name: str, shape: Sequence[int], mesh: Optional[Mesh] = None, rules: Rules = PARAM_RULES) -> P:
     """PartitionSpec for the parameter `name` of `shape`, dropping axes that do not divide the dimension."""
-    for pattern, spec in PARAM_RULES:
+    spec = ()
+    for pattern, spec in rules:
         if re.search(pattern, name):
             break
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
@@ -78,8 +63,8 @@ def partition_spec(name: str, shape: Sequence[int], mesh: Optional[Mesh] = None)
     return P(*spec)
 
 
-def named_sharding(name: str, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(name, shape, mesh))
+def named_sharding(name: str, shape: Sequence[int], mesh: Mesh, rules: Rules = PARAM_RULES) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(name, shape, mesh, rules))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -106,19 +91,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _dotted(keypath) -> str:
-    from jaxrl.train.state import path_name  # local: parallel must not import train at module load
-    return path_name(keypath)
-
-
-def nnx_state_shardings(state, mesh: Mesh):
+def nnx_state_shardings(state, mesh: Mesh, rules: Rules = PARAM_RULES):
     """The same pytree as `state` (an nnx.State or a {name: array} dict), every leaf a NamedSharding from the
     rules, by the leaf's dotted name."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: named_sharding(_dotted(path), getattr(x, "shape", ()), mesh), state)
+        lambda path, x: named_sharding(dotted(path), getattr(x, "shape", ()), mesh, rules), state)
 
 
-def train_state_shardings(state, mesh: Mesh):
+def train_state_shardings(state, mesh: Mesh, rules: Rules = PARAM_RULES):
     """Shardings for a `jaxrl.train.state.TrainState`: `params[name]` by the rules; every optimizer-state leaf
     that sits under a parameter name (Adam's mu/nu) like that parameter; everything else replicated."""
     names = set(state.params)
@@ -128,7 +108,7 @@ def train_state_shardings(state, mesh: Mesh):
         for entry in path:
             key = getattr(entry, "key", None)
             if isinstance(key, str) and key in names:
-                return named_sharding(key, shape, mesh)
+                return named_sharding(key, shape, mesh, rules)
         return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(leaf, state)

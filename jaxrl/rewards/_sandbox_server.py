@@ -98,19 +98,14 @@ def build_private_root(cfg: dict) -> None:
     simply does not exist inside. Writable places: /tmp (a size-capped tmpfs, wiped after every test).
     """
     root = cfg["root"]
+    under_tmp = binds_under_tmp(cfg["ro_binds"])
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount leaks back to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
     for link, target in cfg["root_symlinks"].items():  # e.g. /bin -> usr/bin on merged-/usr systems
         os.symlink(target, root + link)
     for path in cfg["ro_binds"]:
-        target = root + path
-        if os.path.isdir(path):
-            os.makedirs(target, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            open(target, "a").close()
-        _mount(path, target, None, MS_BIND | MS_REC)
-        _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        if path not in under_tmp:
+            _bind_read_only(path, root + path)
     os.makedirs(root + "/dev", exist_ok=True)
     for dev in ("null", "zero", "random", "urandom", "full"):
         target = f"{root}/dev/{dev}"
@@ -125,10 +120,36 @@ def build_private_root(cfg: dict) -> None:
     os.makedirs(root + "/tmp", exist_ok=True)
     tmp_bytes = cfg["limits"]["tmpfs_bytes"]
     _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},nr_inodes=4096,mode=1777")
+    # A venv under the host's /tmp: bound on top of the private /tmp, or the tmpfs above would hide it. The
+    # folders leading to it belong to root (0755), so programs can neither write there nor remove them.
+    previous_umask = os.umask(0o022)
+    try:
+        for path in under_tmp:
+            _bind_read_only(path, root + path)
+    finally:
+        os.umask(previous_umask)
     # Read-only from here: nothing but /tmp is writable, even for code that finds a way to be root again.
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chroot(root)
     os.chdir("/")
+
+
+def _bind_read_only(path: str, target: str) -> None:
+    if os.path.isdir(path):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    _mount(path, target, None, MS_BIND | MS_REC)
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def binds_under_tmp(binds: list[str]) -> list[str]:
+    """Read-only binds that live inside the private /tmp (e.g. a venv under the host's /tmp)."""
+    found = [b for b in binds if b == "/tmp" or b.startswith("/tmp/")]
+    if "/tmp" in found:
+        raise RuntimeError("cannot bind the host's /tmp itself into the sandbox (site-packages at /tmp?)")
+    return found
 
 
 def only_loopback_network() -> bool:
@@ -150,7 +171,16 @@ class ForkServer:
         self.gid: int | None = cfg.get("gid")
         self.limits: dict = cfg["limits"]
         self.tmp_dir: str = "/tmp" if self.mode == "namespaces" else cfg["tmp_dir"]
-        self.work_dir = os.path.join(self.tmp_dir, "work")
+        # Top-level entries of the private /tmp that hold read-only binds: the per-test wipe leaves them.
+        self.kept_in_tmp: set[str] = set()
+        if self.mode == "namespaces":
+            self.kept_in_tmp = {b.split("/")[2] for b in binds_under_tmp(cfg["ro_binds"])}
+        work, suffix = "work", 0
+        while work in self.kept_in_tmp:
+            work, suffix = f"work-{suffix}", suffix + 1
+        if ".shm" in self.kept_in_tmp:
+            raise RuntimeError("a bound path lies under /tmp/.shm, which the sandbox's /dev/shm needs")
+        self.work_dir = os.path.join(self.tmp_dir, work)
         self.is_root = os.geteuid() == 0
         self.own_processes = 0  # processes the (unprivileged) user already runs, plus slack; set in setup()
         self.preamble_code = compile(cfg["preamble"], "<preamble>", "exec") if cfg["preamble"] else None
@@ -241,6 +271,8 @@ class ForkServer:
         """Empty the writable area; in namespaces mode that is all of /tmp (nothing survives a test)."""
         if self.mode == "namespaces":
             for name in os.listdir(self.tmp_dir):
+                if name in self.kept_in_tmp:
+                    continue
                 path = os.path.join(self.tmp_dir, name)
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path, ignore_errors=True)
@@ -629,8 +661,8 @@ def main() -> None:
     cfg, _ = receive(sock)
     if cfg is None:
         return
-    server = ForkServer(cfg, sock)
     try:
+        server = ForkServer(cfg, sock)
         hello = server.setup()
     except BaseException as exc:  # noqa: BLE001 - report why, the verifier decides whether to degrade
         sock.send(json.dumps({"fatal": f"{type(exc).__name__}: {exc}"}).encode())

@@ -7,11 +7,14 @@ the output of the problem's first test (canonical coding problems). Reasoning is
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import operator
 import re
 from fractions import Fraction
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from jaxrl.rewards.base import (RewardResult, TruncationPolicy, check_batch, normalize_truncated,
                                 problem_field, truncated_result)
@@ -194,3 +197,75 @@ class FunctionReward(_PerSampleReward):
                     raise ValueError(f"{self.fn!r} returned {value!r}; rewards are in [0, 1]")
                 results.append(RewardResult(partial=partial, strict=partial >= 1.0, tests=[]))
         return results
+
+
+# ------------------------------------------------------------------------------------------------- token task
+# The CPU learning task of the online algorithms (GRPO / PPO tests and configs/grpo_tiny.py): raw token ids, no
+# tokenizer.
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTask:
+    """A verifiable task on raw token ids that a random tiny model starts at chance on (CPU learning tests).
+
+    Token ids [first, first + num_classes) are instruction tokens; the rest of [first, vocab) is split into
+    `num_classes` contiguous blocks. A prompt is `prompt_len - 1` random tokens from the blocks, then the
+    instruction token of a random class c; the completion should consist of tokens of block c. Reward: the
+    fraction of the first `score_tokens` completion tokens inside block c (a missing or stop token is a miss),
+    so chance is 1 / num_classes. `first` = 2 skips the tiny vocabulary's pad (0) and eos (1).
+    """
+
+    vocab_size: int
+    prompt_len: int = 6
+    num_classes: int = 2
+    score_tokens: int = 8
+    first: int = 2
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.num_classes < 2 or self.score_tokens < 1:
+            raise ValueError(f"TokenTask: prompt_len ({self.prompt_len}) >= 1, num_classes ({self.num_classes}) "
+                             f">= 2 and score_tokens ({self.score_tokens}) >= 1 are required")
+        if self.vocab_size - self.first - self.num_classes < self.num_classes:
+            raise ValueError(f"TokenTask: vocab_size {self.vocab_size} too small for {self.num_classes} classes")
+
+    def block(self, c: int) -> tuple[int, int]:
+        """[lo, hi) of class c's target tokens."""
+        start = self.first + self.num_classes
+        span = self.vocab_size - start
+        return start + c * span // self.num_classes, start + (c + 1) * span // self.num_classes
+
+    def prompts(self, seed: int, rollout: int, count: int) -> tuple[list[list[int]], list[dict]]:
+        """`count` prompts of rollout `rollout` (a function of (seed, rollout) only) and their problem records."""
+        rng = np.random.default_rng([int(seed), int(rollout), 4211])
+        start = self.first + self.num_classes
+        ids, problems = [], []
+        for j in range(count):
+            c = int(rng.integers(self.num_classes))
+            filler = rng.integers(start, self.vocab_size, size=self.prompt_len - 1).tolist()
+            lo, hi = self.block(c)
+            ids.append([int(t) for t in filler] + [self.first + c])
+            problems.append({"id": f"token_task/{rollout}/{j}", "lo": lo, "hi": hi, "score_tokens": self.score_tokens})
+        return ids, problems
+
+
+def token_text(tokens: Sequence[int]) -> str:
+    """Completion token ids as text ("17 42 1"): what the Reward protocol scores for tokenizer-less tasks."""
+    return " ".join(str(int(t)) for t in tokens)
+
+
+class TokenBlockReward:
+    """Reward of `TokenTask` behind the Reward protocol: completions are `token_text` strings, problems carry
+    `lo`, `hi`, `score_tokens`. Truncation is ignored: the task asks for exactly the generation cap."""
+
+    def score(self, completions: Sequence[str], problems: Sequence[Any],
+              truncated: Sequence[bool | str] | None = None) -> list[RewardResult]:
+        del truncated
+        check_batch(completions, problems)
+        out = []
+        for text, problem in zip(completions, problems):
+            lo, hi = int(problem_field(problem, "lo")), int(problem_field(problem, "hi"))
+            k = int(problem_field(problem, "score_tokens"))
+            toks = [int(t) for t in text.split()][:k]
+            hits = sum(lo <= t < hi for t in toks)
+            out.append(RewardResult(partial=hits / k, strict=hits == k, tests=[]))
+        return out

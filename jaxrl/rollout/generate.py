@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.rollout.collect import decode_completion
 from jaxrl.rollout.sampler import MIN_PROMPT_BUCKET, GenerationOutput, Sampler
 
 DEFAULT_BATCH_SIZE = 32
@@ -29,17 +30,11 @@ def _as_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def decode_texts(tokenizer: Any, tokens: Sequence[Sequence[int]], finish_reasons: Sequence[str]) -> list[str]:
-    """Completion texts: the final stop token (EOS / <|im_end|>) is dropped, special tokens are skipped.
-
-    `<think>`/`</think>` are ordinary added tokens in Qwen3.5 tokenizers, so reasoning markers stay in the text
-    (the verifier strips reasoning itself).
-    """
-    texts = []
-    for toks, reason in zip(tokens, finish_reasons):
-        body = list(toks[:-1]) if reason == "stop" and toks else list(toks)
-        texts.append(tokenizer.decode(body, skip_special_tokens=True))
-    return texts
+def decode_texts(tokenizer: Any, tokens: Sequence[Sequence[int]], stop_ids: Sequence[int]) -> list[str]:
+    """Completion texts by `jaxrl.rollout.collect.decode_completion` (the final stop id dropped, special tokens
+    skipped), the one decoding every part of the project uses."""
+    stop = frozenset(int(t) for t in stop_ids)
+    return [decode_completion(tokenizer, toks, stop) for toks in tokens]
 
 
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
@@ -79,5 +74,5 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], max_new_tokens
     out = sampler.sample(prompts, params=params, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed)
     if tokenizer is not None:
-        out.texts = decode_texts(tokenizer, out.tokens, out.finish_reasons)
+        out.texts = decode_texts(tokenizer, out.tokens, _as_ids(eos_token_ids) + _as_ids(stop_token_ids))
     return out

@@ -22,23 +22,32 @@ stop the run (`"error"`); never cut.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
-import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
-import jax.numpy as jnp
+from tqdm import tqdm
 
-from jaxrl.data.jsonl import atomic_write_json, iter_jsonl
+from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.problems import load_problems
+from jaxrl.export.peft import read_adapter
+from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.rewards import get_reward
+from jaxrl.rollout.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
+from jaxrl.rollout.backends.jax_backend import DTYPES
+from jaxrl.rollout.collect import Collector, Sample
+from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.writer import ResumableJsonl, ResumeError
+
+__all__ = ["RolloutConfig", "ResumeError", "record_of", "run_rollouts", "sampling_of"]
 
 logger = logging.getLogger(__name__)
 
 # Settings that must match for a resumed run to continue an existing rollouts file.
 _RESUME_KEYS = ("problems", "model", "adapter", "num_samples", "temperature", "top_p", "top_k", "max_new_tokens",
-                "max_prompt_len", "enable_thinking", "reward", "seed", "dtype", "model_name")
+                "max_prompt_len", "enable_thinking", "reward", "seed", "dtype", "model_name", "backend")
 
 
 @dataclasses.dataclass
@@ -56,7 +65,7 @@ class RolloutConfig:
     prompt_buckets: tuple = ()  # prompt lengths with their own compiled program; () = 32, 64, ... max_prompt_len
     enable_thinking: bool = False
     reward: str = "code"
-    batch_size: int = 64  # rows (samples) per compiled call
+    batch_size: int = 64  # rows (samples) per compiled call; server backends: samples in flight at once
     seed: int = 0
     on_overlong: str = "skip"
     dtype: str = "bfloat16"
@@ -64,77 +73,8 @@ class RolloutConfig:
     model_name: str = ""  # the "model" field; default: the model folder's name (+ adapter)
     save_logprobs: bool = False
     progress: bool = True
-
-
-class ResumeError(ValueError):
-    """An existing rollouts file that this run cannot continue (different settings, foreign records)."""
-
-
-def problem_key(problem_id: str) -> int:
-    """The 32-bit id a problem's sample keys derive from (stable across runs, orderings and machines)."""
-    return zlib.crc32(problem_id.encode("utf-8"))
-
-
-def load_adapter(model, path: str):
-    """Attaches the adapter checkpoint at `path` (a run workdir, its checkpoints/ or adapters/ folder, or one
-    step folder; `jaxrl.train.checkpoints` format) to `model` in place and returns it.
-
-    The checkpoint's meta names the adapted modules, rank, alpha and rsLoRA flag; the factors must match the
-    attached adapters name for name and shape (an error names the first that does not).
-    """
-    from flax import nnx
-
-    from jaxrl.models import lora
-    from jaxrl.train.checkpoints import load_adapter as read_adapter
-
-    params, meta = read_adapter(path)
-    spec = meta.get("lora") or {}
-    for key in ("modules", "rank", "alpha"):
-        if key not in spec:
-            raise ValueError(f"{path}: adapter meta has no lora.{key}; cannot rebuild the adapters")
-    lora.apply_lora(model, targets=tuple(spec["modules"]), rank=int(spec["rank"]), alpha=float(spec["alpha"]),
-                    use_rslora=bool(spec.get("use_rslora", False)))
-    slots = {lora.param_name(p): v for p, v in nnx.to_flat_state(nnx.state(model, lora.LoRAParam))}
-    missing, unexpected = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
-    if missing or unexpected:
-        raise ValueError(f"{path}: adapter factors do not match the model: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
-    for name, var in slots.items():
-        value = params[name]
-        if tuple(value.shape) != tuple(var[...].shape):
-            raise ValueError(f"{path}: {name} has shape {tuple(value.shape)}, the model expects "
-                             f"{tuple(var[...].shape)}")
-        var[...] = jnp.asarray(value, var[...].dtype)
-    return model
-
-
-def repair_tail(path: Path) -> int:
-    """Cuts a partially written last line (no trailing newline) off `path`; returns the bytes removed."""
-    if not path.exists():
-        return 0
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    with open(path, "rb+") as f:
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return 0
-        # Walk back to the last newline (files are appended whole lines at a time, so this is the torn record).
-        pos, block = size, 1 << 16
-        keep = 0
-        while pos > 0:
-            start = max(0, pos - block)
-            f.seek(start)
-            chunk = f.read(pos - start)
-            idx = chunk.rfind(b"\n")
-            if idx >= 0:
-                keep = start + idx + 1
-                break
-            pos = start
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    return size - keep
+    backend: str = "jax"  # jax | vllm | server (jaxrl.rollout.backends)
+    backend_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {"url": ...}, vLLM's parallel sizes
 
 
 def _validate_record(rec: dict) -> None:
@@ -145,12 +85,10 @@ def _validate_record(rec: dict) -> None:
         raise TypeError("sample_index must be an integer")
 
 
-def read_done(path: Path, num_samples: int) -> dict[str, set[int]]:
-    """{problem_id: sample indices already written} of an existing rollouts file."""
+def done_samples(existing: list[tuple[int, dict]], path: Path, num_samples: int) -> dict[str, set[int]]:
+    """{problem_id: sample indices already written} of an existing rollouts file (its (line, record) pairs)."""
     done: dict[str, set[int]] = {}
-    if not path.exists():
-        return done
-    for lineno, rec in iter_jsonl(path, validate=_validate_record):
+    for lineno, rec in existing:
         sidx = rec["sample_index"]
         if not 0 <= sidx < num_samples:
             raise ResumeError(f"{path}:{lineno}: sample_index {sidx} is outside [0, num_samples={num_samples})")
@@ -165,78 +103,64 @@ def _settings(cfg: RolloutConfig) -> dict:
     for k in ("problems", "model", "adapter"):  # the same files named another way are the same settings
         if settings[k]:
             settings[k] = os.path.abspath(settings[k])
+    # Other backends draw other streams: their samples must not mix with the jax backend's. The jax backend is
+    # recorded as None, the value meta files written before this key existed hold.
+    settings["backend"] = None if cfg.backend == "jax" else cfg.backend
     return settings
 
 
-def _check_meta(meta_path: Path, out: Path, settings: dict) -> None:
-    if not meta_path.exists():
-        if out.exists() and out.stat().st_size > 0:
-            raise ResumeError(f"{out} exists but {meta_path} does not, so its settings are unknown; move it away "
-                              "or delete it to start over")
-        return
-    with open(meta_path) as f:
-        old = json.load(f).get("settings", {})
-    diffs = [k for k in _RESUME_KEYS if k in old and old[k] != settings[k]]
-    if diffs:
-        detail = ", ".join(f"{k}: {old[k]!r} -> {settings[k]!r}" for k in diffs)
-        raise ResumeError(f"{out} was written with other settings ({detail}); resume with the same settings or "
-                          "write to another --out")
+def sampling_of(cfg: RolloutConfig) -> SamplingParams:
+    return SamplingParams(n=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                          top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
 
 
-def _append_group(f, records: list[dict]) -> None:
-    f.write("".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in records))
-    f.flush()
-    os.fsync(f.fileno())
+def record_of(sample: Sample, problem, prompt_len: int, cfg: RolloutConfig, model_name: str) -> dict:
+    """One rollouts.jsonl line (module docstring)."""
+    rec = {"problem_id": problem.id, "sample_index": sample.sample_index, "completion": sample.text,
+           "completion_tokens": len(sample.tokens), "finish_reason": sample.finish_reason,
+           "reward": {"partial": float(sample.result.partial), "strict": bool(sample.result.strict),
+                      "reason": sample.result.reason},
+           "model": model_name, "messages": [dict(m) for m in problem.messages],
+           "max_new_tokens": cfg.max_new_tokens, "truncated": sample.truncated, "prompt_tokens": prompt_len}
+    if cfg.save_logprobs:
+        rec["token_ids"] = list(sample.tokens)
+        rec["logprobs"] = [float(x) for x in sample.logprobs or ()]
+    return rec
 
 
 def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
                  on_batch: Optional[Callable[[dict], None]] = None) -> dict:
     """Runs (or resumes) the rollouts of `cfg`; returns a summary (also stored in `<out>.meta.json`).
 
-    model / tokenizer / reward: already loaded objects, to skip loading them from cfg (tests, trainers).
+    model / tokenizer / reward: already loaded objects, to skip loading them from cfg (tests, trainers); a given
+    model is used as it is (cfg.adapter is not applied to it).
     on_batch: called after each written batch with running counts (progress reporting, fault injection).
     """
-    from jaxrl.data.problems import load_problems
-    from jaxrl.models import qwen35
-    from jaxrl.rollout.chat import chat_stop_ids, encode_prompts, load_tokenizer
-    from jaxrl.rollout.generate import decode_texts
-    from jaxrl.rollout.sampler import Sampler
-
-    if cfg.num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {cfg.num_samples}")
+    sampling = sampling_of(cfg)  # bad sampling values fail here, before anything is loaded or written
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
     out = Path(cfg.out)
-    meta_path = out.with_name(out.name + ".meta.json")
-    settings = _settings(cfg)
-    _check_meta(meta_path, out, settings)
+    log = ResumableJsonl(out, _settings(cfg), compare=_RESUME_KEYS, what="rollouts",
+                         hint="write to another --out")
+    log.check()
 
     problems = load_problems(cfg.problems)
     if cfg.limit:
         problems = problems[:cfg.limit]
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
-    if model is None:
-        dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-        if cfg.dtype not in dtypes:
-            raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {cfg.dtype!r}")
-        model = qwen35.from_pretrained(cfg.model, dtype=dtypes[cfg.dtype])
-        if cfg.adapter:
-            model = load_adapter(model, cfg.adapter)
-    if reward is None:
-        from jaxrl.rewards import get_reward
-        reward = get_reward(cfg.reward)
-    model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name + (f"+{cfg.adapter}" if cfg.adapter else "")
-
     encoded = encode_prompts(tokenizer, [p.messages for p in problems], cfg.enable_thinking, cfg.max_prompt_len,
                              on_overlong=cfg.on_overlong, names=[p.id for p in problems])
     skipped = [{"problem_id": problems[i].id, "prompt_tokens": n} for i, n in encoded.skipped]
     for s in skipped:
         logger.warning("skipping problem %s: %d prompt tokens > max_prompt_len=%d", s["problem_id"],
                        s["prompt_tokens"], cfg.max_prompt_len)
-
-    removed = repair_tail(out)
-    if removed:
-        logger.warning("%s: removed a partially written last line (%d bytes)", out, removed)
-    done = read_done(out, cfg.num_samples)
+    existing = log.read(validate=_validate_record)
+    done = done_samples(existing, out, cfg.num_samples)
     kept_ids = {problems[i].id for i in encoded.kept}
     foreign = sorted(set(done) - kept_ids)
     if foreign:
@@ -245,67 +169,68 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
     todo = [(problems[i], ids) for i, ids in zip(encoded.kept, encoded.ids)
             if len(done.get(problems[i].id, ())) < cfg.num_samples]
     already = sum(len(v) for v in done.values())
-    atomic_write_json(meta_path, {"settings": settings, "status": "running"})
 
-    stop_ids = chat_stop_ids(tokenizer, model.config.eos_token_id)
-    sampler = Sampler(model, max_new_tokens=cfg.max_new_tokens, max_prompt_len=cfg.max_prompt_len,
-                      prompt_buckets=tuple(cfg.prompt_buckets) or None, batch_size=cfg.batch_size,
-                      eos_token_ids=stop_ids,
-                      pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None)
-    per_batch = max(1, sampler.batch_size // cfg.num_samples)
+    adapter = read_adapter(cfg.adapter) if cfg.adapter and (model is None or cfg.backend != "jax") else None
+    if reward is None:
+        reward = get_reward(cfg.reward)
+    model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name + (f"+{cfg.adapter}" if cfg.adapter else "")
+    eos = model.config.eos_token_id if model is not None else load_hf_config(cfg.model)[0].eos_token_id
+    stop_ids = chat_stop_ids(tokenizer, eos)
+    if cfg.backend == "jax":
+        backend = JaxBackend(cfg.model, model=model, dtype=None if model is not None else cfg.dtype,
+                             batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
+                             prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=stop_ids,
+                             pad_id=tokenizer.pad_token_id)
+    else:  # a server: the adapter is served as LoRA from a PEFT folder exported next to the output
+        backend = make_backend(cfg.backend, base_dir=cfg.model, out_dir=str(out.parent / f"{out.name}.backend"),
+                               stop_ids=stop_ids, max_prompt_len=cfg.max_prompt_len,
+                               max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, dtype=cfg.dtype,
+                               **cfg.backend_kwargs)
+    if model is None or cfg.backend != "jax":
+        backend.load(ModelSpec("rollout", "adapter" if adapter is not None else "base", cfg.adapter), adapter)
+    collector = Collector(backend, reward, tokenizer=tokenizer, stop_ids=stop_ids)
+
+    log.start()
+    # samples per collect call: the jax backend's compiled batch, a server's requests in flight (its own batching)
+    per_batch = max(1, getattr(backend, "batch_size", cfg.batch_size) // cfg.num_samples)
     total = len(encoded.kept) * cfg.num_samples
     bar = None
     if cfg.progress:
-        from tqdm import tqdm
         bar = tqdm(total=total, initial=already, unit="sample", desc="rollouts", dynamic_ncols=True)
     written, truncated, generated_tokens, start = 0, 0, 0, time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a", encoding="utf-8") as f:
+    try:
         for b in range(0, len(todo), per_batch):
             chunk = todo[b:b + per_batch]
-            result = sampler.sample([ids for _, ids in chunk], n=cfg.num_samples, temperature=cfg.temperature,
-                                    top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed,
-                                    group_ids=[problem_key(p.id) for p, _ in chunk])
-            texts = decode_texts(tokenizer, result.tokens, result.finish_reasons)
-            rows = [i for i in range(len(result)) if result.sample_indices[i] not in
-                    done.get(chunk[result.prompt_indices[i]][0].id, ())]
-            scores = reward.score([texts[i] for i in rows], [chunk[result.prompt_indices[i]][0] for i in rows],
-                                  truncated=[result.finish_reasons[i] for i in rows])
+            samples = collector.collect(
+                [ids for _, ids in chunk], [problem_key(p.id) for p, _ in chunk], [p for p, _ in chunk], sampling,
+                wanted=lambda j, i: i not in done.get(chunk[j][0].id, ()))
             by_problem: dict[int, list[dict]] = {}
-            for i, score in zip(rows, scores):
-                problem, prompt = chunk[result.prompt_indices[i]]
-                rec = {"problem_id": problem.id, "sample_index": result.sample_indices[i], "completion": texts[i],
-                       "completion_tokens": len(result.tokens[i]), "finish_reason": result.finish_reasons[i],
-                       "reward": {"partial": float(score.partial), "strict": bool(score.strict),
-                                  "reason": score.reason},
-                       "model": model_name, "messages": [dict(m) for m in problem.messages],
-                       "max_new_tokens": cfg.max_new_tokens, "truncated": result.finish_reasons[i] == "length",
-                       "prompt_tokens": len(prompt)}
-                if cfg.save_logprobs:
-                    rec["token_ids"] = result.tokens[i]
-                    rec["logprobs"] = [float(x) for x in result.logprobs[i]]
-                by_problem.setdefault(result.prompt_indices[i], []).append(rec)
+            for s in samples:
+                problem, prompt = chunk[s.prompt_index]
+                by_problem.setdefault(s.prompt_index, []).append(record_of(s, problem, len(prompt), cfg, model_name))
             for j in sorted(by_problem):
-                _append_group(f, by_problem[j])
-            written += len(rows)
-            truncated += sum(result.finish_reasons[i] == "length" for i in rows)
-            generated_tokens += sum(result.num_tokens)
+                log.append(by_problem[j])
+            written += len(samples)
+            truncated += sum(s.truncated for s in samples)
+            generated_tokens += sum(len(s.tokens) for s in samples)
             elapsed = max(time.perf_counter() - start, 1e-9)
             if bar is not None:
-                bar.update(len(rows))
+                bar.update(len(samples))
                 bar.set_postfix({"samples/s": f"{written / elapsed:.2f}",
                                  "tokens/s": f"{generated_tokens / elapsed:.1f}"})
             if on_batch is not None:
                 on_batch({"written": written, "generated_tokens": generated_tokens})
-    if bar is not None:
-        bar.close()
+    finally:
+        log.close()
+        if bar is not None:
+            bar.close()
+        if cfg.backend != "jax":
+            backend.close()  # stops a server this run started (a given jax model stays the caller's)
     elapsed = time.perf_counter() - start
-    summary = {"settings": settings, "status": "complete", "problems": len(problems),
-               "skipped_overlong": skipped, "samples_total": total, "samples_resumed": already,
-               "samples_written": written, "truncated_written": truncated,
+    summary = {"problems": len(problems), "skipped_overlong": skipped, "samples_total": total,
+               "samples_resumed": already, "samples_written": written, "truncated_written": truncated,
                "truncation_rate_written": truncated / written if written else None,
                "generated_tokens": generated_tokens, "seconds": round(elapsed, 3),
                "samples_per_s": written / elapsed if elapsed > 0 else None,
                "tokens_per_s": generated_tokens / elapsed if elapsed > 0 else None}
-    atomic_write_json(meta_path, summary)
-    return summary
+    return log.finish(summary)

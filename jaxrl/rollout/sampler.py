@@ -51,8 +51,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.models.qwen35.model import Cache
-from jaxrl.parallel.sharding import DATA, FSDP, partition_spec
+from jaxrl.parallel.mesh import DATA, FSDP
+from jaxrl.parallel.sharding import partition_spec
 from jaxrl.rollout.sampling import SamplingMode, row_keys, sample_tokens, sampling_mode, step_keys
+from jaxrl.utils.tree import dotted
 
 # (program, static key) -> number of times it was traced. A trace is what precedes a compilation, so tests use
 # this to prove that a bucket compiles once (Python side effects run only while tracing).
@@ -106,20 +108,10 @@ def _constrain_rows(tree, mesh: Optional[Mesh]):
         x, NamedSharding(mesh, _batch_spec(x.ndim) if x.ndim else P())), tree)
 
 
-def _param_name(path) -> str:
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-    return ".".join(parts)
-
-
 def shard_params(params, mesh: Mesh):
     """Places every parameter leaf by the partition rules (a no-op for leaves already placed that way)."""
     def put(path, x):
-        return jax.device_put(x, NamedSharding(mesh, partition_spec(_param_name(path), x.shape, mesh)))
+        return jax.device_put(x, NamedSharding(mesh, partition_spec(dotted(path), x.shape, mesh)))
     return jax.tree_util.tree_map_with_path(put, params)
 
 

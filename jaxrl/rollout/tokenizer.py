@@ -27,6 +27,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
+from jaxrl.utils.io import atomic_write_json
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|im_start|>", "<think>", "</think>")
 # Qwen marks the think tags as ordinary added tokens (kept by decode(skip_special_tokens=True)).
 NON_SPECIAL = ("<think>", "</think>")
@@ -121,7 +123,7 @@ def build_tiny_tokenizer(out_dir: str, corpus_texts: Iterable[str], vocab_size: 
     for entry in data["added_tokens"]:
         if entry["content"] in NON_SPECIAL:
             entry["special"] = False
-    _atomic_json(path, data)
+    atomic_write_json(path, data)
     config = {
         "tokenizer_class": "Qwen3_5Tokenizer",
         "eos_token": "<|im_end|>",
@@ -133,7 +135,7 @@ def build_tiny_tokenizer(out_dir: str, corpus_texts: Iterable[str], vocab_size: 
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
-    _atomic_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+    atomic_write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
     return out_dir
 
 
@@ -146,7 +148,3 @@ def check_encodable(tokenizer, text: str) -> None:
         raise ValueError(f"the tokenizer cannot encode this text faithfully (first difference at character "
                          f"{first}: {text[first:first + 20]!r})")
 
-
-def _atomic_json(path: str, obj) -> None:
-    from jaxrl.data.jsonl import atomic_write_json
-    atomic_write_json(path, obj)

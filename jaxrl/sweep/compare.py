@@ -3,7 +3,7 @@ checkpoint and each difference to the baseline point with a paired interval; sor
 column; written as Markdown, CSV and JSON, and as an HTML report with the metric plotted against each axis.
 
     table = build_table(load_points("runs/sweep"), baseline="dpo.beta=0.1", sort="-eval_preference_accuracy@4")
-    write_comparison("runs/sweep")            # comparison.{md,csv,json} + report.html in the sweep folder
+    to_markdown(table), to_csv(table)         # jaxrl.sweep.report.write_comparison writes them all + report.html
 
 Columns (names are what --sort / --filter take):
 
@@ -16,11 +16,24 @@ Columns (names are what --sort / --filter take):
                                                       `eval_*` keys the trainer logged at its checkpoints (DPO
                                                       held-out pairs) and eval/results.json metrics
                                                       (partial_reward_mean, strict_rate, ...)
-    diff:<metric>@<step>, ci_low:..., ci_high:...     point - its baseline at the same step; the interval is a
-                                                      paired bootstrap over prompts (jaxrl.evaluation.stats) when
-                                                      both points have per-sample files of that checkpoint
+    diff:<metric>@<step>, ci_low:..., ci_high:...     point - its baseline at the same step; the interval is the
+                                                      paired one over prompts (jaxrl.evaluation.stats: it agrees
+                                                      with the test whose p-value is p:...) when both points
+                                                      have per-sample files of that checkpoint
                                                       (eval/samples/step_<N>.jsonl) on the same prompts, else
                                                       empty (held-out DPO metrics come without per-pair values)
+    p:..., sim_low:..., sim_high:..., sim_p:...       the p-value, and the simultaneous interval over EVERY diff
+                                                      cell of the table that has one (max-T bootstrap, prompts
+                                                      resampled jointly): sorting a grid by diff and taking the top
+                                                      row is a selection among all of them; a cell is significant
+                                                      after that selection when sim_low..sim_high excludes 0
+                                                      (marked * in the Markdown / HTML)
+
+Step 0 is the base model: where both points evaluated the same base weights (equal fingerprints) its difference
+is 0 by construction, not an estimate, and it is left out of the family.
+
+Over seeds (``over_seeds``): the mean and SD of every column over a recipe's seeds, and for each diff cell the
+recipe-level interval of jaxrl.evaluation.seeds (seeds, then prompts, resampled), with ``n_seeds``.
 
 The baseline: a point slug, or a selector {axis: value} ("dpo.beta=0.1,dpo.loss_type=sigmoid"; short names
 such as `beta` work when unambiguous). A selector that leaves some axes open pairs each point with the baseline
@@ -40,14 +53,20 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, atomic_write_text
-from jaxrl.sweep.runner import CONFIG_FILE, EVAL_DIR, STATUS_FILE, SWEEP_FILE, merged_metrics, read_json
+import numpy as np
+
+from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, EVAL_DIR, checkpoint_name, model_step, read_results,
+                                read_samples, samples_path)
+from jaxrl.evaluation.metrics import per_prompt_values
+from jaxrl.evaluation.seeds import seeds_then_prompts
+from jaxrl.evaluation.selection import selection_summary
+from jaxrl.evaluation.stats import compare, simultaneous
+from jaxrl.sweep.runner import STATUS_FILE, SWEEP_FILE, merged_metrics, read_json
 from jaxrl.sweep.spec import SEED, fmt, short_key
 
 LAST_K = 5
 RESULTS_METRICS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
 DEFAULT_METRICS = ("partial_reward_mean", "strict_rate", "eval_preference_accuracy", "eval_reward_margin")
-FILES = {"md": "comparison.md", "csv": "comparison.csv", "json": "comparison.json", "html": "report.html"}
 
 
 @dataclasses.dataclass
@@ -76,7 +95,6 @@ def load_points(sweep_dir: str | os.PathLike) -> tuple[dict, list[PointData]]:
         status = read_json(d / STATUS_FILE) or {"state": "new"}
         results = None
         if (d / EVAL_DIR / "results.json").is_file():
-            from jaxrl.diagnostics.formats import read_results
             results = read_results(d / EVAL_DIR)
         points.append(PointData(p["slug"], p["name"], p["labels"], p.get("values", {}), status.get("state", "new"),
                                 status, read_json(d / CONFIG_FILE) or {}, merged_metrics(d / "metrics.jsonl"),
@@ -123,7 +141,6 @@ def checkpoint_evals(point: PointData) -> dict[int, dict[str, float]]:
         if vals:
             out.setdefault(int(r["step"]), {}).update(vals)
     if point.results:
-        from jaxrl.diagnostics.formats import model_step
         for name, entry in point.results["models"].items():
             step = model_step(name, entry)
             if step is None:
@@ -134,7 +151,6 @@ def checkpoint_evals(point: PointData) -> dict[int, dict[str, float]]:
 
 
 def _samples(point: PointData, step: int):
-    from jaxrl.diagnostics.formats import BASE_MODEL, checkpoint_name, read_samples, samples_path
     path = samples_path(point.dir / EVAL_DIR, BASE_MODEL if step == 0 else checkpoint_name(step))
     return read_samples(path) if path.is_file() else None
 
@@ -220,6 +236,7 @@ class Table:
     steps: list[int]
     notes: list[str]
     baseline: Any
+    per_prompt: dict = dataclasses.field(default_factory=dict)  # (point, "metric@step") -> {prompt: diff}
 
     def numeric(self, col: str) -> list[Optional[float]]:
         return [_num(r.get(col)) for r in self.rows]
@@ -233,8 +250,6 @@ def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = N
                 metrics: Optional[Sequence[str]] = None, steps: Optional[Sequence[int]] = None,
                 last_k: int = LAST_K, sort: Optional[str] = None, filters: Sequence[str] = (),
                 n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> Table:
-    from jaxrl.evaluation.metrics import per_prompt_values
-    from jaxrl.evaluation.stats import compare
     axes = [a["name"] for a in meta["axes"]]
     evals = {p.slug: checkpoint_evals(p) for p in points}
     present = {m for e in evals.values() for vals in e.values() for m in vals}
@@ -257,6 +272,7 @@ def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = N
             sample_cache[(p.slug, s)] = _samples(p, s)
         return sample_cache[(p.slug, s)]
 
+    family: list[tuple[dict, str, dict, dict]] = []  # (row, cell, {prompt: diff}, comparison row)
     for p in points:
         row: dict[str, Any] = {"point": p.slug, **{a: p.labels.get(a) for a in axes}, "state": p.state,
                                "baseline": partners.get(p.slug)}
@@ -267,29 +283,98 @@ def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = N
                 v = evals[p.slug].get(s, {}).get(m)
                 row[f"{m}@{s}"] = v
                 b = evals[partner.slug].get(s, {}).get(m) if partner else None
-                row[f"diff:{m}@{s}"] = v - b if v is not None and b is not None else None
-                row[f"ci_low:{m}@{s}"] = row[f"ci_high:{m}@{s}"] = None
+                cell = f"{m}@{s}"
+                row[f"diff:{cell}"] = v - b if v is not None and b is not None else None
+                for key in ("ci_low", "ci_high", "p", "sim_low", "sim_high", "sim_p"):
+                    row[f"{key}:{cell}"] = None
                 if partner is None or partner is p or v is None or b is None or m not in RESULTS_METRICS:
+                    continue
+                if s == 0 and _same_base(p, partner):  # the same base weights: 0 by construction
+                    row[f"diff:{cell}"] = 0.0
+                    row[f"ci_low:{cell}"] = row[f"ci_high:{cell}"] = 0.0
                     continue
                 mine, theirs = samples(p, s), samples(partner, s)
                 if not mine or not theirs:
                     continue
+                mine_pp, theirs_pp = per_prompt_values(mine), per_prompt_values(theirs)
                 try:
-                    comp = compare({"point": per_prompt_values(mine), "baseline": per_prompt_values(theirs)},
-                                   "baseline", [m], n_resamples=n_resamples, confidence=confidence, seed=seed)[0]
+                    comp = compare({"point": mine_pp, "baseline": theirs_pp}, "baseline", [m],
+                                   n_resamples=n_resamples, confidence=confidence, seed=seed, family=False)[0]
                 except ValueError as e:  # not the same prompts: no paired interval, say why
                     notes.append(f"{p.slug} vs {partner.slug} at step {s}: {e}")
                     continue
-                row[f"diff:{m}@{s}"] = comp["diff"]
-                row[f"ci_low:{m}@{s}"], row[f"ci_high:{m}@{s}"] = comp["ci_low"], comp["ci_high"]
+                row[f"diff:{cell}"] = comp["diff"]
+                row[f"ci_low:{cell}"], row[f"ci_high:{cell}"] = comp["ci_low"], comp["ci_high"]
+                row[f"p:{cell}"] = comp["p_value"]
+                family.append((row, cell, {i: mine_pp[m][i] - theirs_pp[m][i] for i in theirs_pp[m]}, comp))
         rows.append(row)
+    if family:
+        _simultaneous_cells(family, confidence=confidence, n_resamples=n_resamples, seed=seed)
+        notes.append(f"{len(family)} differences with a paired interval: the simultaneous intervals (sim_low / "
+                     f"sim_high) hold for all {len(family)} at once; * marks the cells still significant after "
+                     "choosing among them (sorting by diff and reading the top row is such a choice).")
+        notes += _best_cells_cross_fit(family, confidence=confidence, n_resamples=n_resamples, seed=seed)
     columns = list(rows[0]) if rows else ["point", *axes, "state", "baseline"]
-    table = Table(columns, rows, axes, list(metrics), steps, notes, baseline)
+    table = Table(columns, rows, axes, list(metrics), steps, notes, baseline,
+                  per_prompt={(r["point"], cell): d for r, cell, d, _ in family})
     for f in filters:
         table.rows = [r for r in table.rows if _match(table, f, r)]
     if sort:
         sort_rows(table, sort)
     return table
+
+
+def _same_base(a: PointData, b: PointData) -> bool:
+    """Both points evaluated bit-identical base weights (results.json fingerprints)."""
+    fa = ((a.results or {}).get("models") or {}).get("base", {}).get("fingerprint")
+    fb = ((b.results or {}).get("models") or {}).get("base", {}).get("fingerprint")
+    return fa is not None and fa == fb
+
+
+def _simultaneous_cells(family, *, confidence: float, n_resamples: int, seed: int) -> None:
+    """Adds sim_low / sim_high / sim_p to every cell of the family (max-T over all of them, prompts resampled
+    jointly over the union of their prompt ids)."""
+    ids = sorted({i for _, _, d, _ in family for i in d})
+    pos = {i: k for k, i in enumerate(ids)}
+    diffs = np.zeros((len(family), len(ids)))
+    masks = np.zeros((len(family), len(ids)), bool)
+    for j, (_, _, d, _) in enumerate(family):
+        for i, v in d.items():
+            diffs[j, pos[i]] = v
+            masks[j, pos[i]] = True
+    comps = [c for _, _, _, c in family]
+    sim = simultaneous(diffs, [c["diff"] for c in comps], [c["ci_low"] for c in comps],
+                       [c["ci_high"] for c in comps], masks=masks, p_values=[c["p_value"] for c in comps],
+                       confidence=confidence, n_resamples=n_resamples, seed=seed, bounds=[(-1.0, 1.0)] * len(comps))
+    for j, (row, cell, _, _) in enumerate(family):
+        row[f"sim_low:{cell}"] = float(sim["ci_low"][j])
+        row[f"sim_high:{cell}"] = float(sim["ci_high"][j])
+        row[f"sim_p:{cell}"] = float(sim["p_value"][j])
+
+
+def _best_cells_cross_fit(family, *, confidence: float, n_resamples: int, seed: int) -> list[str]:
+    """Per metric@step cell: the naive best point's diff beside its cross-fitted gain (points on the same prompts)."""
+    notes = []
+    by_cell: dict[str, list] = {}
+    for row, cell, d, comp in family:
+        by_cell.setdefault(cell, []).append((row["point"], d, comp))
+    for cell, members in by_cell.items():
+        ids = list(members[0][1])
+        if len(members) < 2 or any(set(d) != set(ids) for _, d, _ in members):
+            continue
+        metric = cell.rsplit("@", 1)[0]
+        per_prompt = {"__baseline__": {metric: {i: 0.0 for i in ids}}}
+        per_prompt.update({slug: {metric: d} for slug, d, _ in members})
+        rows = [{**comp, "model": slug, "metric": metric} for slug, _, comp in members]
+        sel = selection_summary(per_prompt, "__baseline__", metric, rows=rows, confidence=confidence,
+                                n_resamples=n_resamples, seed=seed)
+        if sel is None:
+            continue
+        nv, cf = sel["naive"], sel["cross_fit"]
+        notes.append(f"{cell}: the best of {len(members)} points by diff is {nv['model']} ({nv['diff']:+.4g}); "
+                     f"selection-adjusted (chosen on one half of the prompts, measured on the other): "
+                     f"{cf['diff']:+.4g} [{cf['ci_low']:+.4g}, {cf['ci_high']:+.4g}] over {cf['n_pairs']} prompts.")
+    return notes
 
 
 _OPS = (">=", "<=", "!=", "==", ">", "<", "~")
@@ -349,9 +434,9 @@ def over_seeds(table: Table) -> Optional[Table]:
     for r in table.rows:
         groups.setdefault(tuple(r.get(a) for a in others), []).append(r)
     skip = {"point", "state", "baseline", SEED, *others}
-    numeric = [c for c in table.columns if c not in skip and not c.startswith("ci_")
+    numeric = [c for c in table.columns if c not in skip and not c.startswith(("ci_", "p:", "sim_"))
                and any(_num(r.get(c)) is not None for r in table.rows)]
-    rows = []
+    rows, notes, recipe_cols = [], [], []
     for key, members in groups.items():
         row: dict[str, Any] = dict(zip(others, key))
         row["seeds"] = ",".join(str(m.get(SEED)) for m in members)
@@ -361,9 +446,24 @@ def over_seeds(table: Table) -> Optional[Table]:
             row[c] = sum(vals) / len(vals) if vals else None
             row[f"std:{c}"] = (math.sqrt(sum((v - row[c]) ** 2 for v in vals) / (len(vals) - 1))
                                if len(vals) > 1 else None)
+            if not c.startswith("diff:"):
+                continue
+            # The recipe's effect: seeds, then prompts, resampled (every seed's point on the same prompts).
+            cells = [table.per_prompt.get((m["point"], c[5:])) for m in members]
+            if len(cells) > 1 and all(cells) and all(set(d) == set(cells[0]) for d in cells):
+                ids = list(cells[0])
+                r = seeds_then_prompts([[d[i] for i in ids] for d in cells])
+                row[f"ci_low:{c[5:]}"], row[f"ci_high:{c[5:]}"] = r["ci_low"], r["ci_high"]
+                row[f"p:{c[5:]}"], row[f"n_seeds:{c[5:]}"] = r["p_value"], r["n_seeds"]
+                for col in (f"ci_low:{c[5:]}", f"ci_high:{c[5:]}", f"p:{c[5:]}", f"n_seeds:{c[5:]}"):
+                    if col not in recipe_cols:
+                        recipe_cols.append(col)
+                if r["n_seeds"] < 5 and not notes:
+                    notes.append(f"recipe-level intervals (seeds, then prompts, resampled) rest on {r['n_seeds']} "
+                                 "seeds: with fewer than 5 the seed-to-seed spread is poorly known.")
         rows.append(row)
-    cols = others + ["seeds"] + [x for c in numeric for x in (c, f"std:{c}")]
-    return Table(cols, rows, others, table.metrics, table.steps, [], table.baseline)
+    cols = others + ["seeds"] + [x for c in numeric for x in (c, f"std:{c}")] + recipe_cols
+    return Table(cols, rows, others, table.metrics, table.steps, notes, table.baseline)
 
 
 # ----------------------------------------------------------------------------------------------- writers
@@ -386,9 +486,12 @@ def to_csv(table: Table) -> str:
     return buf.getvalue()
 
 
+_HIDDEN = ("ci_low:", "ci_high:", "std:", "p:", "sim_low:", "sim_high:", "sim_p:", "n_seeds:")
+
+
 def display_columns(table: Table) -> list[str]:
     """The columns shown in Markdown / HTML: diff and interval share one cell; empty columns are left out."""
-    return [c for c in table.columns if not c.startswith(("ci_low:", "ci_high:", "std:"))
+    return [c for c in table.columns if not c.startswith(_HIDDEN)
             and (c in ("point", "state", "baseline") or c in table.axes
                  or any(r.get(c) is not None for r in table.rows))]
 
@@ -399,8 +502,13 @@ def display_cell(table: Table, row: Mapping, col: str) -> str:
         return "(self)"
     if col.startswith("diff:") and v is not None:
         lo, hi = row.get("ci_low:" + col[5:]), row.get("ci_high:" + col[5:])
-        text = f"{v:+.4g}"
-        return text + (f" [{lo:+.4g}, {hi:+.4g}]" if lo is not None and hi is not None else "")
+        slo, shi = row.get("sim_low:" + col[5:]), row.get("sim_high:" + col[5:])
+        text = f"{v:+.4g}" + (f" [{lo:+.4g}, {hi:+.4g}]" if lo is not None and hi is not None else "")
+        if slo is not None and shi is not None and not slo <= 0.0 <= shi:
+            text += "*"  # significant after the selection among every cell with an interval
+        if row.get("n_seeds:" + col[5:]):
+            text += f" (n_seeds={row['n_seeds:' + col[5:]]})"
+        return text
     if f"std:{col}" in row and v is not None:
         sd = row.get(f"std:{col}")
         return format(v, ".4g") + (f" ± {sd:.2g}" if sd is not None else "")
@@ -425,44 +533,3 @@ def default_plot_metric(table: Table) -> Optional[str]:
     cands += [c for c in table.columns if c.startswith(("preference_accuracy_last", "reward_mean_last"))]
     cands += ["loss"]
     return next((c for c in cands if c in table.columns and any(v is not None for v in table.numeric(c))), None)
-
-
-def write_comparison(sweep_dir: str | os.PathLike, out: Optional[str | os.PathLike] = None, *,
-                     plot_metric: Optional[str] = None, **kwargs) -> dict[str, Path]:
-    """Build the table (build_table kwargs) and write comparison.md / .csv / .json and report.html into `out`
-    (default: the sweep folder); returns their paths."""
-    meta, points = load_points(sweep_dir)
-    table = build_table(meta, points, **kwargs)
-    seeds = over_seeds(table)
-    out = Path(out) if out else Path(sweep_dir)
-    plot_metric = plot_metric or default_plot_metric(table)
-    if plot_metric is not None:
-        column(table, plot_metric)
-    head = (f"# Sweep {meta.get('name', '')}: {len(table.rows)} point(s)\n\n"
-            f"Base config `{meta.get('base')}`; axes: {', '.join(table.axes) or '(none)'}; baseline: "
-            f"{kwargs.get('baseline') or meta.get('baseline') or 'first value of each axis'} (each point's "
-            "baseline is in the `baseline` column). `diff` = point - baseline at the same step, with a 95% paired "
-            "bootstrap interval over prompts where per-sample files exist.\n\n")
-    md = head + to_markdown(table, "Points")
-    if seeds is not None:
-        md += "\n" + to_markdown(seeds, "Mean ± std over seeds")
-    if table.notes:
-        md += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in table.notes) + "\n"
-    paths = {"md": atomic_write_text(out / FILES["md"], md),
-             "csv": atomic_write_text(out / FILES["csv"], to_csv(table))}
-    if seeds is not None:
-        paths["csv_seeds"] = atomic_write_text(out / "comparison_seeds.csv", to_csv(seeds))
-    paths["json"] = atomic_write_json(out / FILES["json"], _jsonable_table(meta, table, seeds))
-    from jaxrl.sweep.report import render_sweep_html
-    paths["html"] = atomic_write_text(out / FILES["html"], render_sweep_html(meta, points, table, seeds,
-                                                                             plot_metric))
-    return paths
-
-
-def _jsonable_table(meta, table: Table, seeds: Optional[Table]) -> dict:
-    clean = lambda rows: [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)  # noqa: E731
-                           for k, v in r.items()} for r in rows]
-    return {"sweep": meta.get("sweep"), "name": meta.get("name"), "axes": table.axes, "metrics": table.metrics,
-            "steps": table.steps, "baseline": table.baseline if table.baseline is not None else meta.get("baseline"),
-            "columns": table.columns, "rows": clean(table.rows), "notes": table.notes,
-            "over_seeds": None if seeds is None else {"columns": seeds.columns, "rows": clean(seeds.rows)}}

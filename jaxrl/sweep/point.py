@@ -19,6 +19,13 @@ import sys
 import threading
 import time
 
+import ml_collections
+from absl import app, logging
+
+from jaxrl.algorithms.run import run_training
+from jaxrl.train.loop import NonFiniteError
+from jaxrl.utils.registry import PluginError
+
 
 def start_watchdog(interval_s: float = 0.5) -> None:
     parent = os.getppid()
@@ -38,7 +45,6 @@ class _QuietOrbax:
     """Drop Orbax's INFO chatter (several lines per file written) from the log, as launchers.train does."""
 
     def filter(self, record) -> bool:
-        from absl import logging
         return record.levelno > logging.converter.STANDARD_INFO or "orbax" not in record.pathname
 
 
@@ -62,16 +68,10 @@ def _debug_pause_hook():
 
 def train(point_dir: str) -> int:
     """run_training on the point's resolved config; runs under absl's app.run (logging set up as launchers.train)."""
-    from absl import app
     code = []
 
     def run(argv):
         del argv
-        import ml_collections
-        from absl import logging
-
-        from jaxrl.algorithms.registry import PluginError
-        from jaxrl.train.loop import NonFiniteError, run_training
         logging.get_absl_handler().addFilter(_QuietOrbax())
         with open(os.path.join(point_dir, "config.json"), encoding="utf-8") as f:
             config = ml_collections.ConfigDict(json.load(f))

@@ -1,16 +1,26 @@
-"""The sweep's HTML report (OUT/report.html): the comparison table, the mean over seeds, the chosen metric against
-each varied axis, failed points with their errors, links to the points' own reports. Self-contained like the run
-report (jaxrl.diagnostics.report, whose CSS and table helpers it uses): inline CSS, PNG plots as data URIs."""
+"""The sweep's outputs: comparison.md / .csv / .json (the table of jaxrl.sweep.compare) and the HTML report
+(OUT/report.html): the comparison table, the mean over seeds, the chosen metric against each varied axis, failed
+points with their errors, links to the points' own reports. Self-contained like the run report
+(jaxrl.diagnostics.page): inline CSS, PNG plots as data URIs.
+
+    write_comparison("runs/sweep")            # comparison.{md,csv,json} + report.html in the sweep folder
+"""
 
 from __future__ import annotations
 
 import datetime
 import math
+import os
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.diagnostics import plots
-from jaxrl.diagnostics.report import _CSS, _e, _img, _table
+from jaxrl.diagnostics import page, plots
+from jaxrl.sweep.compare import (Table, build_table, column, default_plot_metric, display_cell, display_columns,
+                                 load_points, over_seeds, to_csv, to_markdown)
 from jaxrl.sweep.spec import SEED
+from jaxrl.utils.io import atomic_write_json, atomic_write_text
+
+FILES = {"md": "comparison.md", "csv": "comparison.csv", "json": "comparison.json", "html": "report.html"}
 
 plt = plots.plt  # matplotlib with the Agg backend (set by jaxrl.diagnostics.plots)
 
@@ -72,10 +82,9 @@ def axis_plot(table, axes_meta: Sequence[Mapping], metric: str) -> Optional[byte
 
 
 def _html_table(table) -> str:
-    from jaxrl.sweep.compare import display_cell, display_columns
     cols = display_columns(table)
-    rows = [[_e(display_cell(table, r, c)) for c in cols] for r in table.rows]
-    return _table(cols, rows, left=1 + len(table.axes))
+    rows = [[page.escape(display_cell(table, r, c)) for c in cols] for r in table.rows]
+    return page.table(cols, rows, left=1 + len(table.axes))
 
 
 def render_sweep_html(meta: Mapping, points: Sequence, table, seeds, metric: Optional[str]) -> str:
@@ -84,15 +93,15 @@ def render_sweep_html(meta: Mapping, points: Sequence, table, seeds, metric: Opt
     states: dict[str, int] = {}
     for p in points:
         states[p.state] = states.get(p.state, 0) + 1
-    axes_rows = [[_e(a["name"]), _e(a["kind"]), _e(", ".join(a["labels"])), _e(", ".join(a.get("keys", [])))]
+    axes_rows = [[page.escape(a["name"]), page.escape(a["kind"]), page.escape(", ".join(a["labels"])), page.escape(", ".join(a.get("keys", [])))]
                  for a in meta["axes"]]
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
-             f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
-             f"<p class='muted'>generated {when} from {_e(meta.get('sweep'))}; base config "
-             f"<code>{_e(meta.get('base'))}</code></p>"
-             f"<p>{_e(meta.get('description') or '')}</p>"
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{page.escape(title)}</title>"
+             f"<style>{page.CSS}</style></head><body><h1>{page.escape(title)}</h1>"
+             f"<p class='muted'>generated {when} from {page.escape(meta.get('sweep'))}; base config "
+             f"<code>{page.escape(meta.get('base'))}</code></p>"
+             f"<p>{page.escape(meta.get('description') or '')}</p>"
              f"<p>{len(points)} points: " + ", ".join(f"{n} {s}" for s, n in sorted(states.items())) + "</p>",
-             "<h2 id='axes'>Axes</h2>" + _table(["axis", "kind", "values", "config keys"], axes_rows)]
+             "<h2 id='axes'>Axes</h2>" + page.table(["axis", "kind", "values", "config keys"], axes_rows)]
     parts.append("<h2 id='table'>Comparison</h2><p class='muted'>diff = point − its baseline point at the same "
                  "step (the <i>baseline</i> column), with a 95% paired bootstrap interval over prompts where both "
                  "points have per-sample evaluation files. Steps after @ are checkpoints (0 = the base model). "
@@ -100,18 +109,63 @@ def render_sweep_html(meta: Mapping, points: Sequence, table, seeds, metric: Opt
     if seeds is not None:
         parts.append("<h2 id='seeds'>Mean ± std over seeds</h2>" + _html_table(seeds))
     if metric:
-        parts.append(f"<h2 id='plots'>{_e(metric)} against each axis</h2>"
-                     + (_img(axis_plot(table, meta["axes"], metric), f"{metric} vs axes")
+        parts.append(f"<h2 id='plots'>{page.escape(metric)} against each axis</h2>"
+                     + (page.img(axis_plot(table, meta["axes"], metric), f"{metric} vs axes")
                         or "<p class='muted'>nothing to plot (no varied axis or no values)</p>"))
     failed = [p for p in points if p.state == "failed"]
     if failed:
         parts.append("<h2 id='failed'>Failed points</h2>" + "".join(
-            f"<h3>{_e(p.slug)}</h3><pre>{_e(p.status.get('error') or '')}</pre>" for p in failed))
+            f"<h3>{page.escape(p.slug)}</h3><pre>{page.escape(p.status.get('error') or '')}</pre>" for p in failed))
     for n in table.notes:
-        parts.append(f'<div class="flag warning"><span class="sev">note</span>{_e(n)}</div>')
-    links = [f"<li><a href='{_e(p.slug)}/report.html'>{_e(p.slug)}</a></li>" for p in points
+        parts.append(f'<div class="flag warning"><span class="sev">note</span>{page.escape(n)}</div>')
+    links = [f"<li><a href='{page.escape(p.slug)}/report.html'>{page.escape(p.slug)}</a></li>" for p in points
              if (p.dir / "report.html").is_file()]
     if links:
         parts.append("<h2 id='points'>Point reports</h2><ul>" + "".join(links) + "</ul>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def write_comparison(sweep_dir: str | os.PathLike, out: Optional[str | os.PathLike] = None, *,
+                     plot_metric: Optional[str] = None, **kwargs) -> dict[str, Path]:
+    """Build the table (build_table kwargs) and write comparison.md / .csv / .json and report.html into `out`
+    (default: the sweep folder); returns their paths."""
+    meta, points = load_points(sweep_dir)
+    table = build_table(meta, points, **kwargs)
+    seeds = over_seeds(table)
+    out = Path(out) if out else Path(sweep_dir)
+    plot_metric = plot_metric or default_plot_metric(table)
+    if plot_metric is not None:
+        column(table, plot_metric)
+    head = (f"# Sweep {meta.get('name', '')}: {len(table.rows)} point(s)\n\n"
+            f"Base config `{meta.get('base')}`; axes: {', '.join(table.axes) or '(none)'}; baseline: "
+            f"{kwargs.get('baseline') or meta.get('baseline') or 'first value of each axis'} (each point's "
+            "baseline is in the `baseline` column). `diff` = point - baseline at the same step, with a 95% paired "
+            "interval over prompts where per-sample files exist (it agrees with the test whose p-value is in the "
+            "`p:` column of comparison.csv); `*` = still significant after choosing among every such cell of the "
+            "table (simultaneous intervals `sim_low:` / `sim_high:`). Sorting by diff picks the largest of many "
+            "noisy numbers: read the `*` and the selection-adjusted gains in the notes.\n\n")
+    md = head + to_markdown(table, "Points")
+    if seeds is not None:
+        md += ("\n" + to_markdown(seeds, "Mean ± std over seeds")
+               + "\nIn this table a diff's interval is the recipe's: seeds, then prompts, resampled.\n")
+    notes = table.notes + (seeds.notes if seeds is not None else [])
+    if notes:
+        md += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    paths = {"md": atomic_write_text(out / FILES["md"], md),
+             "csv": atomic_write_text(out / FILES["csv"], to_csv(table))}
+    if seeds is not None:
+        paths["csv_seeds"] = atomic_write_text(out / "comparison_seeds.csv", to_csv(seeds))
+    paths["json"] = atomic_write_json(out / FILES["json"], _jsonable_table(meta, table, seeds))
+    paths["html"] = atomic_write_text(out / FILES["html"], render_sweep_html(meta, points, table, seeds,
+                                                                             plot_metric))
+    return paths
+
+
+def _jsonable_table(meta, table: Table, seeds: Optional[Table]) -> dict:
+    clean = lambda rows: [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)  # noqa: E731
+                           for k, v in r.items()} for r in rows]
+    return {"sweep": meta.get("sweep"), "name": meta.get("name"), "axes": table.axes, "metrics": table.metrics,
+            "steps": table.steps, "baseline": table.baseline if table.baseline is not None else meta.get("baseline"),
+            "columns": table.columns, "rows": clean(table.rows), "notes": table.notes,
+            "over_seeds": None if seeds is None else {"columns": seeds.columns, "rows": clean(seeds.rows)}}

@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -47,15 +46,16 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from jaxrl.data.jsonl import atomic_write_json, iter_jsonl
+from jaxrl.algorithms.plugins import REFERENCES
+from jaxrl.data.formats import CONFIG_FILE, EVAL_DIR
+from jaxrl.evaluation import cli as evaluate_cli
 from jaxrl.sweep.spec import Point, SweepError, SweepSpec
+from jaxrl.utils.io import atomic_copy, atomic_write_json, iter_jsonl
 
 SWEEP_FILE = "sweep.json"
-CONFIG_FILE = "config.json"
 POINT_FILE = "point.json"
 STATUS_FILE = "status.json"
 LOG_DIR = "logs"
-EVAL_DIR = "eval"
 CACHE_DIR = ".jax_cache"
 STATES = ("pending", "running", "done", "failed")
 _EVAL_RESERVED = ("checkpoints", "out")  # the runner sets these
@@ -139,16 +139,10 @@ def _error_summary(log_path: Path, max_chars: int = 1500) -> str:
     return (last_exc + "\n---\n" if last_exc else "") + tail
 
 
-def evaluate_flag_names() -> set[str]:
-    """The flags launchers.evaluate defines (read from its source: importing it would define them here)."""
-    import launchers
-    src = Path(launchers.__file__).with_name("evaluate.py").read_text()
-    return set(re.findall(r"flags\.DEFINE_\w+\(\s*\"(\w+)\"", src))
-
-
 def evaluate_args(evaluate: dict, where: str) -> list[str]:
-    """launchers.evaluate command-line flags from a sweep's `evaluate` dict (checked against its flags)."""
-    known = evaluate_flag_names()
+    """launchers.evaluate command-line flags from a sweep's `evaluate` dict (checked against its flags,
+    jaxrl.evaluation.cli)."""
+    known = set(evaluate_cli.NAMES)
     args = []
     for key, value in evaluate.items():
         if key in _EVAL_RESERVED:
@@ -255,10 +249,9 @@ class SweepRunner:
 
     def check_plugins(self, planned: Sequence[PlannedPoint]) -> None:
         """Check the points' plug-ins and the objective names they use (`dpo.loss_type`, `grpo.kl_estimator`,
-        `reward.name`, ...; jaxrl.train.plugins) on the CPU in a subprocess: this process never touches the
+        `reward.name`, ...; jaxrl.algorithms.plugins) on the CPU in a subprocess: this process never touches the
         accelerator, so the points get the whole device. A malformed plug-in or an unknown name stops the sweep
         before any point trains."""
-        from jaxrl.train.plugins import REFERENCES
         seen: dict[str, tuple] = {}
         for pp in planned:
             c = pp.config
@@ -279,7 +272,7 @@ class SweepRunner:
                 with open(os.path.join(tmp, f"point{i}.json"), "w") as f:
                     json.dump(part, f)
             # one process for all of them: its start (jax import) is most of the cost
-            proc = subprocess.run([self.python, "-m", "jaxrl.train.plugins", *paths], capture_output=True,
+            proc = subprocess.run([self.python, "-m", "jaxrl.algorithms.plugins", *paths], capture_output=True,
                                   text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         if proc.returncode != 0:
             msg = proc.stderr.strip().splitlines()
@@ -365,9 +358,7 @@ class SweepRunner:
                 continue
             dst.parent.mkdir(parents=True, exist_ok=True)
             for s, d in ((src, dst), (meta, dst.with_name(meta.name))):
-                tmp = d.with_name(f".{d.name}.tmp")
-                shutil.copyfile(s, tmp)
-                os.replace(tmp, d)
+                atomic_copy(s, d)
             self.echo(f"      {pp.point.slug}: base-model samples reused from {other.point.slug}")
             return
 

@@ -34,13 +34,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import importlib.util
 import inspect
 import itertools
 import json
 import os
 import re
 from typing import Any, Optional, Sequence
+
+import ml_collections
+
+from jaxrl.algorithms.plugins import absolute_paths
+from jaxrl.utils import schema
+from jaxrl.utils.config import ConfigKeyError
+from jaxrl.utils.registry import import_file
 
 SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "name", "description")
 OPEN_BLOCKS = ("model_overrides", "compile_options", "reward")  # blocks whose keys are free-form
@@ -187,9 +193,12 @@ class SweepSpec:
         for key, value in {**self.fixed, **point.settings}.items():
             if not key.startswith(ARG_PREFIX):
                 set_key(config, key, value, where=f"{self.where} ({point.name})")
+        try:  # every key at its default where the base config has none, as the trainer will write it
+            schema.resolve(config, strict=config.get("algorithm", None) in schema.ALGORITHMS)
+        except ConfigKeyError as e:
+            raise SweepError(f"{self.where} ({point.name}): {e}") from None
         resolved = json.loads(config.to_json_best_effort())  # what the trainer writes as config.json
         if resolved.get("plugins"):
-            from jaxrl.train.plugins import absolute_paths
             resolved["plugins"] = absolute_paths(resolved["plugins"], os.getcwd())
         return resolved
 
@@ -295,14 +304,10 @@ def _find(path: str, rel_to: Sequence[str]) -> str:
 
 
 def _import_file(path: str, prefix: str):
-    digest = hashlib.sha1(path.encode()).hexdigest()[:10]
-    modname = f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', os.path.splitext(os.path.basename(path))[0])}_{digest}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    if spec is None or spec.loader is None:
-        raise SweepError(f"{path}: cannot import")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    try:
+        return import_file(path, prefix)
+    except ImportError as e:
+        raise SweepError(str(e)) from None
 
 
 def _call(fn, arg: str, where: str):
@@ -368,7 +373,6 @@ def load_config(base: str, extra_args: Sequence[tuple] = (), where: str = "sweep
 
 def set_key(config, key: str, value: Any, where: str = "sweep") -> None:
     """`config[key] = value` for a dotted key, refusing unknown keys (with suggestions) and wrong types."""
-    import ml_collections
     parts = key.split(".")
     node = config
     for i, part in enumerate(parts[:-1]):

@@ -22,7 +22,8 @@ re-created, identically, as training reaches them again).
     ckpt.save(step, state, state_meta, adapter_params, adapter_meta)
     step = ckpt.latest_step()                        # newest complete training state, or None
     state, meta = ckpt.restore(step, abstract_state)
-    params, meta = load_adapter(path)                # a workdir, its checkpoints/ or adapters/ folder, or a step
+
+Reading an adapter checkpoint back: `jaxrl.models.adapters.load_adapter(path, step)`.
 """
 
 from __future__ import annotations
@@ -31,18 +32,11 @@ import os
 import shutil
 from typing import Optional
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-CHECKPOINTS = "checkpoints"
-ADAPTERS = "adapters"
+from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS
+
 STATE = "state"
-
-
-class CheckpointNotFound(FileNotFoundError):
-    """No adapter / state checkpoint where one was asked for; names the folder."""
-
 
 def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, async_save: bool
              ) -> ocp.CheckpointManager:
@@ -106,39 +100,6 @@ class RunCheckpoints:
         self.wait()
         self.states.close()
         self.adapters.close()
-
-
-def _adapter_root_and_step(path: str, step: Optional[int]) -> tuple[str, Optional[int]]:
-    path = os.path.abspath(path)
-    base = os.path.basename(path.rstrip("/"))
-    if base.isdigit() and os.path.basename(os.path.dirname(path)) == ADAPTERS:
-        return os.path.dirname(path), int(base) if step is None else step
-    for candidate in (path, os.path.join(path, ADAPTERS), os.path.join(path, CHECKPOINTS, ADAPTERS)):
-        if os.path.basename(candidate) == ADAPTERS and os.path.isdir(candidate):
-            return candidate, step
-    raise CheckpointNotFound(f"{path}: not a run workdir, its checkpoints/ or adapters/ folder, or an adapter "
-                             f"step folder (expected .../{CHECKPOINTS}/{ADAPTERS}/<step>)")
-
-
-def load_adapter(path: str, step: Optional[int] = None) -> tuple[dict[str, np.ndarray], dict]:
-    """(params {name: np.float32 array}, meta) of one adapter checkpoint; `step` None = the newest there."""
-    root, step = _adapter_root_and_step(path, step)
-    mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
-                                options=ocp.CheckpointManagerOptions(read_only=True))
-    try:
-        steps = sorted(mgr.all_steps())
-        if not steps:
-            raise CheckpointNotFound(f"{root}: no complete adapter checkpoint")
-        if step is None:
-            step = steps[-1]
-        if step not in steps:
-            raise CheckpointNotFound(f"{root}: no adapter for step {step}; steps present: {steps}")
-        restored = mgr.restore(step, args=ocp.args.Composite(adapter=ocp.args.StandardRestore(),
-                                                             meta=ocp.args.JsonRestore()))
-    finally:
-        mgr.close()
-    params = {k: np.asarray(jax.device_get(v)) for k, v in restored.adapter.items()}
-    return params, dict(restored.meta)
 
 
 def remove_run_checkpoints(workdir: str) -> None:

@@ -1,9 +1,10 @@
 """The one training loop every algorithm runs on.
 
-    task = get_trainer(config.algorithm)(config, model, mesh)      # an algorithm's Task
+    task = get_trainer(config.algorithm)(config, model, mesh)      # an algorithm's Task (jaxrl.algorithms)
     Trainer(config, model, task, workdir, mesh=mesh).run()          # resumes from workdir by itself
 
-or all of it from a config: `run_training(config, workdir)` (what `launchers/train.py` calls).
+or all of it from a config: `jaxrl.algorithms.run.run_training(config, workdir)` (what `launchers/train.py`
+calls).
 
 A `Task` (what an algorithm provides; only `objective` and `batch` are required):
 
@@ -41,17 +42,19 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from jaxrl.data.formats import CONFIG_FILE
 from jaxrl.models.lora import LoRAParam, lora_targets_report
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.train import checkpoints as ckpt_lib
+from jaxrl.train.inference import compile_options
 from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
+from jaxrl.utils import schema
 
-CONFIG_FILE = "config.json"
 
 
 class NonFiniteError(RuntimeError):
@@ -99,6 +102,7 @@ class Trainer:
     def __init__(self, config, model: nnx.Module, task, workdir: str, *, mesh=None,
                  fault_fn: Optional[Callable] = None, fault_group: Optional[str] = None,
                  on_step_end: Optional[Callable] = None):
+        schema.CORE.resolve(config, strict=False)  # the core's keys at their one default when missing
         self.config, self.task, self.workdir = config, task, workdir
         self.mesh = mesh if mesh is not None else mesh_from_config(config)
         self.fault_fn, self.on_step_end = fault_fn, on_step_end
@@ -108,12 +112,11 @@ class Trainer:
         if self.steps <= 0 or self.micro_batch_size <= 0 or self.grad_accum <= 0:
             raise ValueError(f"steps ({self.steps}), batch.micro_batch_size ({self.micro_batch_size}) and "
                              f"batch.grad_accum ({self.grad_accum}) must be positive")
-        self.checkpoint_every = int(config.get("checkpoint_every", 4))
+        self.checkpoint_every = int(config.checkpoint_every)
         if self.checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
-        self.max_nonfinite = int(config.get("max_consecutive_nonfinite", 0))
-        options = config.get("compile_options", None) or {}
-        self.compile_options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+        self.max_nonfinite = int(config.max_consecutive_nonfinite)
+        self.compile_options = compile_options(config)
 
         trainable = getattr(task, "trainable", LoRAParam)
         self.graphdef, trainable_state, frozen = nnx.split(model, trainable, ...)
@@ -138,8 +141,8 @@ class Trainer:
         model_cfg = getattr(model, "config", None)
         self.model_config = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else None
         self.main = is_main_process()
-        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.get("keep_checkpoints", 2),
-                                            async_save=bool(config.get("checkpoint_async", True)))
+        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.keep_checkpoints,
+                                            async_save=bool(config.checkpoint_async))
 
     # ------------------------------------------------------------------------------------------------------------
     def current_model(self) -> nnx.Module:
@@ -175,7 +178,7 @@ class Trainer:
     def _adapter_meta(self, step: int) -> dict:
         cfg = self.config
         return {"step": step, "lora": self.lora_report, "model": self.model_config,
-                "model_path": cfg.get("model_path", ""), "algorithm": cfg.get("algorithm", "")}
+                "model_path": cfg.model_path, "algorithm": cfg.algorithm}
 
     def save(self, step: int) -> None:
         """Checkpoint after `step` train steps (asynchronous when checkpoint_async)."""
@@ -244,10 +247,10 @@ class Trainer:
         os.makedirs(self.workdir, exist_ok=True)
         start = self.restore_latest()
         self._write_config()
-        writer = MetricsWriter(self.workdir, tensorboard=bool(self.config.get("tensorboard", True)),
+        writer = MetricsWriter(self.workdir, tensorboard=bool(self.config.tensorboard),
                                enabled=self.main)
         writer.truncate_after(start)
-        progress = Progress(self.steps, initial=start, log_every=int(self.config.get("log_every", 1)),
+        progress = Progress(self.steps, initial=start, log_every=int(self.config.log_every),
                             enabled=self.main)
         records = []
         try:
@@ -323,90 +326,3 @@ class Trainer:
         for k, v in host_metrics.items():
             record[k] = v
         return record
-
-
-# ----------------------------------------------------------------------------------------------------------------
-def init_model_jit(cfg, dtype=jnp.float32, seed: int = 0, remat: str = "none", mesh=None):
-    """A random-init model built in one jitted program (instead of one eager op per weight), placed straight
-    onto its shards when a mesh is given."""
-    from jaxrl.models import qwen35
-
-    def make():
-        return qwen35.Qwen35(cfg, dtype=dtype, rngs=nnx.Rngs(seed), remat=remat)
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    out_sh = None if mesh is None else shd.nnx_state_shardings(abstract, mesh)
-    # Runs once: on CPU a low LLVM optimisation level compiles the random-number code ~3x faster.
-    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-    init = jax.jit(lambda: nnx.split(make())[1], out_shardings=out_sh).lower().compile(compiler_options=options)
-    return nnx.merge(graphdef, init())
-
-
-def build_model(config, mesh=None):
-    """The base model from `model_path` (HF folder) or `model_preset` (+ `model_overrides`, random init with
-    `model_seed`), in `dtype`, with `remat`; then LoRA from `config.lora` (A drawn with `seed`)."""
-    from jaxrl.models import qwen35
-    from jaxrl.models.lora import apply_lora_from_config
-    dtype = jnp.dtype(config.get("dtype", "float32"))
-    remat = config.get("remat", "none")
-    path = config.get("model_path", "")
-    if path:
-        model = qwen35.from_pretrained(path, dtype=dtype, mesh=mesh, remat=remat)
-    else:
-        preset = config.get("model_preset", "")
-        if preset not in qwen35.PRESETS:
-            raise ValueError(f"model_path is empty and model_preset={preset!r}; set model_path to an HF folder or "
-                             f"model_preset to one of {sorted(qwen35.PRESETS)}")
-        overrides = config.get("model_overrides", None) or {}
-        overrides = overrides.to_dict() if hasattr(overrides, "to_dict") else dict(overrides)
-        if "layer_types" in overrides:
-            overrides["layer_types"] = tuple(overrides["layer_types"])
-        try:
-            model_cfg = dataclasses.replace(qwen35.PRESETS[preset](), **overrides)
-        except TypeError as e:
-            raise ValueError(f"model_overrides={overrides}: {e}") from e
-        model = init_model_jit(model_cfg, dtype, int(config.get("model_seed", 0)), remat, mesh)
-    model.set_compute(**{k: config[k] for k in qwen35.COMPUTE_FIELDS if k in config})
-    report = apply_lora_from_config(model, config.lora, seed=int(config.seed))
-    logging.info("LoRA on %d modules (%s): %d trainable of %d parameters", len(report["modules"]),
-                 ", ".join(f"{k} x{v}" for k, v in report["by_name"].items()), report["trainable_params"],
-                 report["total_params"])
-    return model
-
-
-def fit_micro_batch_to_mesh(config, mesh) -> bool:
-    """Make batch.micro_batch_size a multiple of the data-parallel size (data x fsdp), keeping the global batch.
-
-    The users' runs use micro-batch 1 with accumulation 8 (a memory setting on their machine); on 8 devices a
-    micro-batch of 1 cannot be split. The update does not depend on the split (token-weighted accumulation,
-    tested), so the smallest micro-batch that divides over the mesh and the global batch is taken instead, with
-    a warning; the resolved config.json records it. Returns whether it changed anything; raises when no split
-    fits (the global batch is not a multiple of data x fsdp).
-    """
-    dp = int(mesh.shape.get("data", 1)) * int(mesh.shape.get("fsdp", 1))
-    mb, accum = int(config.batch.micro_batch_size), int(config.batch.grad_accum)
-    if mb <= 0 or accum <= 0 or mb % dp == 0:
-        return False
-    total = mb * accum
-    fitted = math.lcm(mb, dp)
-    if total % fitted:
-        raise ValueError(f"batch.micro_batch_size={mb} x batch.grad_accum={accum} = {total} rows per step cannot be "
-                         f"split over data x fsdp = {dp} devices (mesh {dict(mesh.shape)}); make the global batch a "
-                         f"multiple of {dp}, or change mesh.shape")
-    logging.warning("batch.micro_batch_size=%d does not divide over data x fsdp = %d devices: using micro-batch %d x "
-                    "accumulation %d (the same %d rows per update; the update does not depend on the split)", mb, dp,
-                    fitted, total // fitted, total)
-    config.batch.micro_batch_size, config.batch.grad_accum = fitted, total // fitted
-    return True
-
-
-def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunResult:
-    """Build the model and the algorithm's task from the config and run (resuming from the workdir)."""
-    from jaxrl.train.plugins import load_config_plugins
-    from jaxrl.train.registry import get_trainer
-    load_config_plugins(config)  # `plugins`: user objectives checked before any model or data work (fail fast)
-    mesh = mesh if mesh is not None else mesh_from_config(config)
-    fit_micro_batch_to_mesh(config, mesh)
-    model = build_model(config, mesh)
-    task = get_trainer(config.algorithm)(config, model, mesh)
-    return Trainer(config, model, task, workdir, mesh=mesh, **trainer_kwargs).run()

@@ -16,12 +16,14 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 from absl import logging
+from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from jaxrl.data.formats import METRICS_FILE
+from jaxrl.utils.io import atomic_write_text, iter_json_lines, read_jsonl
+
 TB_DIR = "tensorboard"
 
 
@@ -33,17 +35,6 @@ def _clean(value):
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class MetricsWriter:
@@ -69,18 +60,8 @@ class MetricsWriter:
         if not self.enabled or not os.path.exists(self.path):
             return
         self.close()
-        kept = []
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line torn by a kill mid-write
-                    continue
-                if int(record.get("step", 0)) <= step:
-                    kept.append(line)
+        kept = [line.text.strip() for line in iter_json_lines(self.path)  # a line torn by a kill is dropped
+                if line.error is None and int(line.value.get("step", 0)) <= step]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
@@ -113,9 +94,7 @@ class MetricsWriter:
 
 def read_metrics(workdir: str) -> list[dict]:
     """Every record of `<workdir>/metrics.jsonl`, in order."""
-    path = os.path.join(workdir, METRICS_FILE)
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(os.path.join(workdir, METRICS_FILE))
 
 
 class Progress:
@@ -128,7 +107,6 @@ class Progress:
         self._start_time = time.time()
         self._start_step = initial
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, record: dict) -> None:

@@ -24,6 +24,8 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
+from jaxrl.utils.schema import OPTIMIZER
+
 SCHEDULES = ("linear", "constant_with_warmup", "cosine", "constant")
 
 
@@ -32,11 +34,12 @@ class OptimizerConfigError(ValueError):
 
 
 def warmup_steps(opt_cfg, total_steps: int) -> int:
-    steps = int(opt_cfg.get("warmup_steps", 0) or 0)
+    opt = OPTIMIZER.resolve(opt_cfg, "optimizer")
+    steps = int(opt["warmup_steps"] or 0)
     if steps < 0:
         raise OptimizerConfigError(f"optimizer.warmup_steps must be >= 0, got {steps}")
     if steps == 0:
-        ratio = float(opt_cfg.get("warmup_ratio", 0.0) or 0.0)
+        ratio = float(opt["warmup_ratio"] or 0.0)
         if not (0.0 <= ratio <= 1.0):
             raise OptimizerConfigError(f"optimizer.warmup_ratio must be in [0, 1], got {ratio}")
         steps = math.ceil(ratio * total_steps)
@@ -45,10 +48,11 @@ def warmup_steps(opt_cfg, total_steps: int) -> int:
 
 def make_schedule(opt_cfg, total_steps: int) -> Callable:
     """learning rate as a function of the optimizer step count s (int array or int) -> fp32 scalar."""
-    name = opt_cfg.get("schedule", "linear")
+    opt = OPTIMIZER.resolve(opt_cfg, "optimizer")
+    name = opt["schedule"]
     if name not in SCHEDULES:
         raise OptimizerConfigError(f"optimizer.schedule={name!r}; choose one of {SCHEDULES}")
-    lr = float(opt_cfg.learning_rate)
+    lr = float(opt["learning_rate"])
     if not lr >= 0:
         raise OptimizerConfigError(f"optimizer.learning_rate must be >= 0, got {lr}")
     w = warmup_steps(opt_cfg, total_steps)
@@ -72,17 +76,16 @@ def make_schedule(opt_cfg, total_steps: int) -> Callable:
 
 
 def make_optimizer(opt_cfg, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """(gradient transformation, schedule). Keys: learning_rate, schedule, warmup_steps / warmup_ratio,
-    weight_decay, b1, b2, eps, max_grad_norm (<= 0 disables clipping)."""
-    name = opt_cfg.get("name", "adamw")
-    if name != "adamw":
-        raise OptimizerConfigError(f"optimizer.name={name!r}; only 'adamw' is implemented")
+    """(gradient transformation, schedule). Keys (jaxrl.utils.schema.OPTIMIZER): learning_rate, schedule,
+    warmup_steps / warmup_ratio, weight_decay, b1, b2, eps, max_grad_norm (<= 0 disables clipping)."""
+    opt = OPTIMIZER.resolve(opt_cfg, "optimizer")
+    if opt["name"] != "adamw":
+        raise OptimizerConfigError(f"optimizer.name={opt['name']!r}; only 'adamw' is implemented")
     schedule = make_schedule(opt_cfg, total_steps)
     parts = []
-    max_norm = float(opt_cfg.get("max_grad_norm", 0.0) or 0.0)
+    max_norm = float(opt["max_grad_norm"] or 0.0)
     if max_norm > 0:
         parts.append(optax.clip_by_global_norm(max_norm))
-    parts.append(optax.adamw(schedule, b1=float(opt_cfg.get("b1", 0.9)), b2=float(opt_cfg.get("b2", 0.999)),
-                             eps=float(opt_cfg.get("eps", 1e-8)),
-                             weight_decay=float(opt_cfg.get("weight_decay", 0.0))))
+    parts.append(optax.adamw(schedule, b1=float(opt["b1"]), b2=float(opt["b2"]), eps=float(opt["eps"]),
+                             weight_decay=float(opt["weight_decay"])))
     return optax.chain(*parts), schedule

@@ -21,7 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+from jaxrl.parallel.sharding import train_state_shardings
+from jaxrl.utils.tree import dotted
 
 
 class TrainState(NamedTuple):
@@ -50,26 +52,10 @@ def create_train_state(params: dict, optimizer: optax.GradientTransformation, se
     state fed to the jitted step: a state on another layout would make it compile a second time. Parameters are
     copied: the step donates the state, and the caller's arrays (the model's own) must survive that."""
     if shardings is None and mesh is not None:
-        from jaxrl.parallel.sharding import train_state_shardings
         abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed), params)
         shardings = train_state_shardings(abstract, mesh)
     fn = jax.jit(lambda p: init_train_state(jax.tree.map(jnp.copy, p), optimizer, seed), out_shardings=shardings)
     return fn(params)
-
-
-def _key_name(entry) -> str | None:
-    if isinstance(entry, DictKey):
-        return str(entry.key)
-    if isinstance(entry, SequenceKey):
-        return str(entry.idx)
-    if isinstance(entry, GetAttrKey):
-        return None if entry.name == "value" else entry.name
-    return str(entry)
-
-
-def path_name(keypath) -> str:
-    """A jax key path inside an nnx.State -> the dotted parameter name (the Variable's `.value` dropped)."""
-    return ".".join(n for n in (_key_name(e) for e in keypath) if n is not None)
 
 
 class ParamCodec:
@@ -77,7 +63,7 @@ class ParamCodec:
 
     def __init__(self, template_state):
         leaves_with_path, self.treedef = jax.tree_util.tree_flatten_with_path(template_state)
-        self.names = [path_name(p) for p, _ in leaves_with_path]
+        self.names = [dotted(p) for p, _ in leaves_with_path]
         if len(set(self.names)) != len(self.names):
             raise ValueError("ParamCodec: duplicate parameter names in the trainable state")
 

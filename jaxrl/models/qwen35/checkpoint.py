@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import Callable, Iterator, Optional
 
 import jax
@@ -31,6 +30,9 @@ from safetensors.numpy import save_file
 
 from jaxrl.models.qwen35.config import CONTAINER, TEXT_ONLY, HFLayout, Qwen35Config, load_hf_config
 from jaxrl.models.qwen35.model import Qwen35
+from jaxrl.parallel.sharding import named_sharding
+from jaxrl.utils.io import atomic_copy, atomic_path, atomic_write_text, is_temp_name
+from jaxrl.utils.tree import dotted
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,10 +46,6 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Names
-
-def param_name(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
-
 
 def hf_key(name: str, layout: HFLayout) -> str:
     """Our parameter name -> the full HF state-dict key in `layout`."""
@@ -66,13 +64,13 @@ def is_base_param(path: tuple) -> bool:
 def base_params(model: nnx.Module) -> Iterator[tuple[str, nnx.Variable]]:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if is_base_param(path):
-            yield param_name(path), var
+            yield dotted(path), var
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reading
 
-def _weight_map(model_dir: str) -> dict[str, str]:
+def read_weight_map(model_dir: str) -> dict[str, str]:
     """key -> file name, from the index json or the single file."""
     index_path = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index_path):
@@ -105,7 +103,7 @@ def from_pretrained(model_dir: str, dtype=jnp.float32, mesh: Optional[jax.shardi
     cfg, layout, _ = load_hf_config(model_dir)
     abstract = nnx.eval_shape(lambda: Qwen35(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=remat))
     graphdef, state = nnx.split(abstract)
-    weight_map = _weight_map(model_dir)
+    weight_map = read_weight_map(model_dir)
 
     expected = {}  # hf key -> (our name, variable)
     for name, var in base_params(abstract):
@@ -149,7 +147,6 @@ def from_pretrained(model_dir: str, dtype=jnp.float32, mesh: Optional[jax.shardi
 def _load_tensor(tensor, name: str, shape: tuple, dtype, mesh) -> jax.Array:
     if mesh is None:
         return jnp.asarray(np.asarray(tensor[:]), dtype=dtype)
-    from jaxrl.parallel.sharding import named_sharding
     sharding = named_sharding(name, shape, mesh)
     np_dtype = jnp.dtype(dtype)
     # Each device asks only for its own slice, which safetensors reads lazily from the file.
@@ -165,24 +162,15 @@ def _to_numpy(x, np_dtype) -> np.ndarray:
     return host.astype(np_dtype) if host.dtype != np_dtype else host
 
 
-def _atomic_copy(src: str, dst: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dst), prefix=".tmp-")
-    os.close(fd)
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 def _atomic_save_safetensors(tensors: dict, path: str, metadata: Optional[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
 
 
 def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
                     tensor_transform: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
                     layout: str = "container", extra_tensors: Optional[dict] = None,
-                    extra_config: Optional[dict] = None) -> str:
+                    extra_config: Optional[dict] = None, keep_transform_dtype: bool = False) -> str:
     """Write `model`'s language tower as an HF folder.
 
     With `base_dir` (the usual case): same layout, same shard files and index, same dtype per tensor as the base;
@@ -190,7 +178,8 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
     Without `base_dir`: a fresh folder (`layout` "container" or "text") with a generated config.json, plus
     `extra_tensors` (e.g. a vision tower) and `extra_config` keys merged into config.json; used to create test and
     demo checkpoints without torch (see `jaxrl.models.qwen35.tiny_checkpoint`).
-    `tensor_transform(hf_key, array)` may replace a tower tensor just before it is written (merged LoRA export).
+    `tensor_transform(hf_key, array)` may replace a tower tensor just before it is written (merged LoRA export);
+    its result is cast to the base tensor's dtype unless `keep_transform_dtype` (an fp32 merge into a bf16 base).
     """
     os.makedirs(out_dir, exist_ok=True)
     if base_dir is None:
@@ -200,7 +189,7 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
                               "to overwrite the base checkpoint")
     cfg, base_layout, _ = load_hf_config(base_dir)
     _check_same_shape(model.config, cfg, base_dir)
-    weight_map = _weight_map(base_dir)
+    weight_map = read_weight_map(base_dir)
     ours = {hf_key(name, base_layout): var for name, var in base_params(model)}
     missing = [k for k in ours if k not in weight_map]
     if missing:
@@ -212,7 +201,7 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
         src = os.path.join(base_dir, fname)
         keys_here = [k for k, f in weight_map.items() if f == fname]
         if not any(k in ours for k in keys_here):  # nothing of the tower: byte-identical copy
-            _atomic_copy(src, os.path.join(out_dir, fname))
+            atomic_copy(src, os.path.join(out_dir, fname))
             continue
         tensors = {}
         with safe_open(src, framework="numpy") as f:
@@ -225,7 +214,8 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
                         raise CheckpointError(f"{src}: tensor {key!r} has unsupported dtype {original.get_dtype()}")
                     value = _to_numpy(ours[key][...], np.dtype(np_dtype))
                     if tensor_transform is not None:
-                        value = np.asarray(tensor_transform(key, value)).astype(np_dtype)
+                        value = np.asarray(tensor_transform(key, value))
+                        value = value if keep_transform_dtype else value.astype(np_dtype)
                     if tuple(value.shape) != tuple(original.get_shape()):
                         raise CheckpointError(f"{src}: tensor {key!r} is {tuple(original.get_shape())} in the base "
                                               f"but {tuple(value.shape)} in the model")
@@ -238,14 +228,14 @@ def save_pretrained(model: Qwen35, out_dir: str, base_dir: Optional[str] = None,
     for entry in sorted(os.listdir(base_dir)):
         src = os.path.join(base_dir, entry)
         dst = os.path.join(out_dir, entry)
-        if entry in shard_files or entry.startswith(".tmp-"):
+        if entry in shard_files or is_temp_name(entry):
             continue
         if os.path.isdir(src):
             if os.path.exists(dst):
                 shutil.rmtree(dst)
             shutil.copytree(src, dst)
         else:
-            _atomic_copy(src, dst)
+            atomic_copy(src, dst)
     return out_dir
 
 
@@ -300,8 +290,5 @@ def _save_fresh(model: Qwen35, out_dir: str, layout_kind: str, tensor_transform,
         config = {"model_type": "qwen3_5", "architectures": list(CONTAINER.architectures),
                   "tie_word_embeddings": model.config.tie_word_embeddings, "text_config": text}
     config.update(extra_config)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, "config.json"))
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2))
     return out_dir

@@ -29,7 +29,8 @@ from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import apply_partial_rotary
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    """N(0, std^2) drawn in fp32 and cast: the random init of the weight matrices."""
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
 
 
@@ -38,7 +39,7 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = False):
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+        self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else nnx.data(None)
         self.lora = nnx.data(None)  # a jaxrl.models.lora.LoRA once attached
 
@@ -142,6 +143,7 @@ class GatedAttention(nnx.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype=dtype, rngs=rngs, use_bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.implementation = cfg.attention_implementation
 
     def __call__(self, x: jax.Array, ctx: StepContext, state: Optional[KVState],
                  cache_length: Optional[int] = None):
@@ -165,10 +167,10 @@ class GatedAttention(nnx.Module):
             o = cache_attention(q, k_all, v_all, ctx.key_valid, ctx.q_slots, scale,
                                 filled=ctx.write_index + seq_len)
         elif ctx.order is None:
-            o = causal_attention(q, k, v, None, scale)
+            o = causal_attention(q, k, v, None, scale, self.implementation)
         else:  # any padding layout -> right padding, the fused kernel, and back
             o = uncompact(causal_attention(compact(q, ctx.order), compact(k, ctx.order), compact(v, ctx.order),
-                                           ctx.lengths, scale), ctx.dest)
+                                           ctx.lengths, scale, self.implementation), ctx.dest)
         o = checkpoint_name(o, "attention_core")
         if state is None and cache_length is not None:
             slots = ((0, 0), (0, 0), (0, cache_length - seq_len), (0, 0))
@@ -192,7 +194,7 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_b = Linear(h, self.num_v_heads, dtype=dtype, rngs=rngs)
         self.in_proj_a = Linear(h, self.num_v_heads, dtype=dtype, rngs=rngs)
         kernel = cfg.linear_conv_kernel_dim
-        self.conv1d = nnx.Param(_normal(rngs, (cfg.linear_conv_dim, 1, kernel), dtype, std=0.2))  # HF [C, 1, K]
+        self.conv1d = nnx.Param(normal_init(rngs, (cfg.linear_conv_dim, 1, kernel), dtype, std=0.2))  # HF [C, 1, K]
         a_init = jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
         self.A_log = nnx.Param(jnp.log(a_init).astype(dtype))
         self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), dtype))

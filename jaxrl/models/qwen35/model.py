@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.qwen35.config import COMPUTE_FIELDS, LINEAR, Qwen35Config
-from jaxrl.models.qwen35.layers import (DecoderLayer, KVState, Linear, LinearState, RMSNorm, StepContext, _normal)
+from jaxrl.models.qwen35.layers import (DecoderLayer, KVState, Linear, LinearState, RMSNorm, StepContext, normal_init)
 from jaxrl.ops.attention import compaction, resolve_implementation
 from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import rotary_cos_sin
@@ -77,7 +77,7 @@ class Qwen35(nnx.Module):
         self.config = cfg
         self.dtype = dtype
         self.remat = remat
-        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.embed_tokens = nnx.Param(normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (nnx.data(None) if cfg.tie_word_embeddings
@@ -164,7 +164,7 @@ class Qwen35(nnx.Module):
 
     def set_compute(self, **settings) -> "Qwen35":
         """Change computation settings in place (before jitting): `remat`, and the config's COMPUTE_FIELDS
-        (gdn_chunk_size, gdn_state_dtype). Weights are untouched. Returns the model."""
+        (gdn_chunk_size, gdn_state_dtype, attention_implementation). Weights are untouched. Returns the model."""
         remat = settings.pop("remat", None)
         unknown = sorted(set(settings) - set(COMPUTE_FIELDS))
         if unknown:
@@ -179,6 +179,8 @@ class Qwen35(nnx.Module):
             for layer in self.layers:
                 if layer.layer_type == LINEAR:
                     layer.linear_attn.cfg = cfg
+                else:
+                    layer.self_attn.implementation = cfg.attention_implementation
         return self
 
     # ------------------------------------------------------------------------------------------------------------
@@ -223,7 +225,7 @@ def activation_bytes(cfg: Qwen35Config, policy: str, tokens: float, seq_len: int
     hv, dk, dv, C = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                      cfg.gdn_chunk_size)
     attn_q, attn_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    fused = resolve_implementation("auto", jnp.bfloat16 if dtype_bytes == 2 else jnp.float32, cfg.head_dim)
+    fused = resolve_implementation(cfg.attention_implementation, jnp.bfloat16 if dtype_bytes == 2 else jnp.float32, cfg.head_dim)
     per_layer = []  # (projection outputs, core output, core internals) in bytes per token
     for layer_type in cfg.layer_types:
         mlp = 2 * inter + h

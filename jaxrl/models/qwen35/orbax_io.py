@@ -20,6 +20,8 @@ from flax import nnx
 from jaxrl.models.qwen35.checkpoint import CheckpointError, base_params
 from jaxrl.models.qwen35.config import Qwen35Config
 from jaxrl.models.qwen35.model import Qwen35
+from jaxrl.parallel.sharding import named_sharding
+from jaxrl.utils.io import atomic_write_text
 
 META_FILE = "jaxrl_model.json"
 
@@ -35,10 +37,7 @@ def save_orbax_params(model: Qwen35, out_dir: str, hf_source: Optional[str] = No
     checkpointer.save(params_dir, tree)  # Orbax writes to a temp folder and renames: atomic
     checkpointer.wait_until_finished()
     meta = {"config": model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name, "hf_source": hf_source}
-    tmp = os.path.join(out_dir, META_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, META_FILE))
+    atomic_write_text(os.path.join(out_dir, META_FILE), json.dumps(meta, indent=2))
     return out_dir
 
 
@@ -57,7 +56,6 @@ def load_orbax_params(folder: str, dtype=None, mesh: Optional[jax.sharding.Mesh]
     for name, var in base_params(abstract_model):
         sharding = None
         if mesh is not None:
-            from jaxrl.parallel.sharding import named_sharding
             sharding = named_sharding(name, var.shape, mesh)
         targets[name] = jax.ShapeDtypeStruct(var.shape, dtype, sharding=sharding)
     restored = ocp.StandardCheckpointer().restore(os.path.join(folder, "params"), targets)

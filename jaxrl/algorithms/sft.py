@@ -17,8 +17,9 @@ from typing import Optional
 
 import numpy as np
 
+from jaxrl.data.stream import epoch_stream
 from jaxrl.train.objective import NextToken
-from jaxrl.train.registry import register_trainer
+from jaxrl.utils.schema import SFT_DATA
 
 
 def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab_size: int, seed: int,
@@ -80,13 +81,7 @@ class JsonlTokens:
         self.attention_mask = (np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
 
     def rows(self, start: int, count: int) -> dict[str, np.ndarray]:
-        n = len(self.ids)
-        index = []
-        for i in range(start, start + count):
-            epoch, offset = divmod(i, n)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n)
-            index.append(order[offset])
-        index = np.asarray(index)
+        index = epoch_stream(len(self.ids), start, count, seed=self.seed)
         return {"input_ids": self.ids[index], "attention_mask": self.attention_mask[index],
                 "loss_mask": self.loss_mask[index]}
 
@@ -95,20 +90,20 @@ class SFTTask:
     """Next-token objective over synthetic or JSON Lines token data."""
 
     def __init__(self, config, vocab_size: int, pad_id: int = 0):
-        data = config.data
-        self.objective = NextToken(chunk_size=int(config.get("logprob_chunk_size", 512)))
+        data = SFT_DATA.resolve(config.get("data", None), "data")
+        self.objective = NextToken(chunk_size=int(config.logprob_chunk_size))
         self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        self.seq_len = int(data.seq_len)
+        self.seq_len = int(data["seq_len"])
         self.seed = int(config.seed)
         self.vocab_size, self.pad_id = vocab_size, pad_id
         self.position = 0
-        source = data.get("source", "synthetic")
+        source = data["source"]
         if source == "synthetic":
             self.source: Optional[JsonlTokens] = None
         elif source == "jsonl":
-            if not data.get("path"):
+            if not data["path"]:
                 raise ValueError("data.source='jsonl' needs data.path")
-            self.source = JsonlTokens(data.path, self.seq_len, self.seed, pad_id)
+            self.source = JsonlTokens(data["path"], self.seq_len, self.seed, pad_id)
         else:
             raise ValueError(f"data.source={source!r}; choose 'synthetic' or 'jsonl'")
 
@@ -126,7 +121,6 @@ class SFTTask:
         self.position = int(state.get("position", 0))
 
 
-@register_trainer("sft")
 def build_sft(config, model, mesh) -> SFTTask:
     pad = model.config.pad_token_id
     return SFTTask(config, vocab_size=model.config.vocab_size, pad_id=0 if pad is None else int(pad))

@@ -9,31 +9,32 @@ model is built, then used by name from any algorithm's config.
     c.dpo.loss_type = "margin_dpo"          # or grpo.advantage_estimator=centered, grpo.kl_estimator=squared,
                                             # reward.name=my_reward
 
-Kinds: `dpo_loss`, `advantage`, `kl` (checked by `jaxrl.algorithms.registry.load_plugin`: signature, output
-shape, finiteness, under jax.jit and jax.grad) and `reward` (registered with `jaxrl.rewards.register_reward`; a
-function `fn(completion, problem, **kwargs) -> bool | float in [0, 1] | RewardResult` is called on two example
-completions of a toy problem; a Reward class must have `score`). Anything wrong raises
-`jaxrl.algorithms.registry.PluginError` naming the entry (`plugins[i]`), the file and what was wrong.
+Kinds (`jaxrl.algorithms.registry`): `dpo_loss`, `advantage`, `kl` (checked: signature, output shape,
+finiteness, under jax.jit and jax.grad) and `reward` (a function `fn(completion, problem, **kwargs) -> bool |
+float in [0, 1] | RewardResult` is called on two example completions of a toy problem; a Reward class must have
+`score`). Anything wrong raises `jaxrl.utils.registry.PluginError` naming the entry (`plugins[i]`), the file and
+what was wrong. The DPO block's `dpo.plugin` ("file.py:fn,...") goes through the same loader
+(`dpo_plugin_entries`).
 
 `run_training` calls `load_config_plugins(config)` first thing, so `launchers.train`, the sweep runner and any
-script get the same fail-fast behaviour. `python -m jaxrl.train.plugins CONFIG.json` checks a resolved config's
-plug-ins on the CPU (what `launchers.sweep` runs before it starts any point).
+script get the same fail-fast behaviour. `python -m jaxrl.algorithms.plugins CONFIG.json` checks a resolved
+config's plug-ins on the CPU (what `launchers.sweep` runs before it starts any point).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from jaxrl.algorithms.registry import PluginError
+from absl import logging
 
-KINDS = ("dpo_loss", "advantage", "kl", "reward")
-REWARD_SIGNATURE = "fn(completion: str, problem: jaxrl.data.problems.Problem, **kwargs) -> bool | float in [0, 1] " \
-                   "| RewardResult, or a Reward class (with score(completions, problems, truncated))"
+from jaxrl.algorithms import registry
+from jaxrl.utils.registry import PluginError
+
+KINDS = registry.kinds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,82 +108,11 @@ def absolute_paths(value: Any, base_dir: str) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ rewards
-
-
-def _example_problem():
-    """The first toy problem shipped with the package (a real Problem, so user rewards see the real type)."""
-    from jaxrl.data.problems import load_problems
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tasks", "problems.jsonl")
-    return load_problems(path)[0]
-
-
-def _check_reward(label: str, target: Any) -> Callable:
-    """A factory for jaxrl.rewards.register_reward, after checking `target` (PluginError when unfit)."""
-    from jaxrl.rewards import FunctionReward, RewardResult
-    if isinstance(target, type):
-        if not callable(getattr(target, "score", None)):
-            raise PluginError(f"{label}: class {target.__name__} has no score(completions, problems, truncated); "
-                              f"expected {REWARD_SIGNATURE}")
-        return target
-    if not callable(target):
-        raise PluginError(f"{label}: {type(target).__name__} is not callable; expected {REWARD_SIGNATURE}")
-    try:
-        inspect.signature(target).bind("completion", "problem")
-    except TypeError as e:
-        raise PluginError(f"{label}: wrong signature {inspect.signature(target)}; expected {REWARD_SIGNATURE} "
-                          f"({e})") from None
-    except ValueError:
-        pass  # builtins without a signature: the call below decides
-    problem = _example_problem()
-    for completion in ("", "```python\nprint(input())\n```"):
-        try:
-            value = target(completion, problem)
-        except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in
-            raise PluginError(f"{label}: raised {type(e).__name__} on the example completion {completion!r} of toy "
-                              f"problem {problem.id!r}; expected {REWARD_SIGNATURE}. Error: {e}") from e
-        if isinstance(value, RewardResult):
-            value = value.partial
-        if isinstance(value, bool):
-            continue
-        if getattr(value, "ndim", 0) != 0 or isinstance(value, (list, tuple, dict, str)):
-            raise PluginError(f"{label}: returned {type(value).__name__} {value!r}, not one number; expected "
-                              f"{REWARD_SIGNATURE}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise PluginError(f"{label}: returned {type(value).__name__} {value!r}; expected "
-                              f"{REWARD_SIGNATURE}") from None
-        if not 0.0 <= number <= 1.0:  # also false for NaN
-            raise PluginError(f"{label}: returned {number!r} on the example completion {completion!r}; rewards "
-                              f"are in [0, 1]: {REWARD_SIGNATURE}")
-
-    def factory(**kwargs):
-        return FunctionReward(target, **kwargs)
-
-    return factory
-
-
-_REWARD_PLUGINS: dict[str, str] = {}  # reward name -> plug-in path, of the rewards registered here
-
-
-def _load_reward(entry: PluginEntry, check: bool) -> str:
-    from jaxrl.algorithms.registry import _import_plugin
-    from jaxrl.rewards import FunctionReward, available_rewards, register_reward
-    target = _import_plugin(entry.path)
-    name = entry.name or getattr(target, "__name__", "")
-    label = f"{entry.where}: reward plug-in {name!r} ({entry.path})"
-    # Loading the same plug-in again (a resumed run, a second config) is fine; taking another reward's name is not.
-    if name in available_rewards() and _REWARD_PLUGINS.get(name) != entry.path:
-        raise PluginError(f"{label}: the name {name!r} is already taken (registered rewards: "
-                          f"{', '.join(available_rewards())}); choose another name")
-    if check:
-        build = _check_reward(label, target)
-    else:
-        build = target if isinstance(target, type) else (lambda **kw: FunctionReward(target, **kw))
-    register_reward(name, build)
-    _REWARD_PLUGINS[name] = entry.path
-    return name
+def dpo_plugin_entries(value: Any, where: str = "dpo.plugin") -> list[PluginEntry]:
+    """The DPO block's own plug-in key, "my_losses.py:fn[,other.py:fn2]": DPO losses registered under their
+    function names (the older spelling of `plugins` entries of kind dpo_loss)."""
+    specs = [s.strip() for s in str(value or "").split(",") if s.strip()]
+    return [PluginEntry("dpo_loss", "", spec, where) for spec in specs]
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -190,19 +120,14 @@ def _load_reward(entry: PluginEntry, check: bool) -> str:
 
 def load_plugins(entries: list[PluginEntry], check: bool = True) -> list[dict]:
     """Import, check and register every entry; returns [{"kind", "name", "path"}] of what was registered."""
-    from jaxrl.algorithms import registry
     loaded = []
     for e in entries:
         try:
-            if e.kind == "reward":
-                name = _load_reward(e, check)
-            else:
-                fn = registry.load_plugin(e.path, kind=e.kind, name=e.name or None, check=check)
-                name = e.name or fn.__name__
+            fn = registry.load_plugin(e.path, kind=e.kind, name=e.name or None, check=check)
         except PluginError as err:
             msg = str(err)
             raise PluginError(msg if msg.startswith(e.where) else f"{e.where}: {msg}") from err
-        loaded.append({"kind": e.kind, "name": name, "path": e.path})
+        loaded.append({"kind": e.kind, "name": e.name or fn.__name__, "path": e.path})
     return loaded
 
 
@@ -213,12 +138,8 @@ def load_config_plugins(config, check: bool = True) -> list[dict]:
     if not entries:
         return []
     loaded = load_plugins(entries, check=check)
-    try:
-        from absl import logging
-        for p in loaded:
-            logging.info("plug-in %s %r loaded from %s", p["kind"], p["name"], p["path"])
-    except ImportError:
-        pass
+    for p in loaded:
+        logging.info("plug-in %s %r loaded from %s", p["kind"], p["name"], p["path"])
     return loaded
 
 
@@ -231,23 +152,17 @@ REFERENCES = (("dpo.loss_type", "dpo_loss"), ("grpo.advantage_estimator", "advan
 def check_references(cfg: dict) -> None:
     """Every objective a resolved config names (REFERENCES) exists -- built in, or loaded from `plugins` /
     `dpo.plugin` first -- so a typo fails before any model is loaded. PluginError naming the key otherwise."""
-    from jaxrl.algorithms import registry
-    for spec in (s.strip() for s in str((cfg.get("dpo") or {}).get("plugin") or "").split(",")):
-        if spec:  # the DPO trainer's own plug-in key: registered under the function's name
-            registry.load_plugin(spec, kind="dpo_loss")
+    load_plugins(dpo_plugin_entries((cfg.get("dpo") or {}).get("plugin")))
     for key, kind in REFERENCES:
         block, leaf = key.split(".")
         value = (cfg.get(block) or {}).get(leaf) if isinstance(cfg.get(block), dict) else None
         if value in (None, ""):
             continue
         names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if str(n).strip()]
+        known = set(registry.names(kind))
         if kind == "reward":
-            import jaxrl.algorithms.online  # noqa: F401 - registers the online tasks' rewards (token_block)
-            from jaxrl.rewards import available_rewards
-            known = set(available_rewards())
             missing = [n for n in names if ":" not in n and n not in known]
         else:
-            known = set(registry.names(kind))
             missing = [n for n in names if n not in known and not (kind == "dpo_loss" and n == "sft")]
         if missing:
             raise PluginError(f"{key}={value!r}: no {kind} named {', '.join(repr(m) for m in missing)}; known: "
@@ -256,11 +171,11 @@ def check_references(cfg: dict) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m jaxrl.train.plugins CONFIG.json [...]`: check the plug-ins of resolved configs and the objective
+    """`python -m jaxrl.algorithms.plugins CONFIG.json [...]`: check the plug-ins of resolved configs and the objective
     names they refer to (check_references); exit 2 with the PluginError message on stderr when one is unfit."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: python -m jaxrl.train.plugins CONFIG.json [CONFIG.json ...]", file=sys.stderr)
+        print("usage: python -m jaxrl.algorithms.plugins CONFIG.json [CONFIG.json ...]", file=sys.stderr)
         return 1
     for path in argv:
         with open(path, encoding="utf-8") as f:

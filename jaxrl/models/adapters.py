@@ -1,13 +1,16 @@
-"""One in-memory form for every LoRA adapter this project reads: trainer checkpoints and PEFT folders.
+"""LoRA adapters in memory and in the trainer's checkpoint folders: one form for every adapter this project
+reads, and attaching it to the JAX model.
 
-    adapter = read_adapter(path, step=None)   # trainer: a workdir, its checkpoints/, adapters/ or adapters/<step>
-                                              # PEFT:    a folder with adapter_config.json (any layout, see peft.py)
-    attach(model, adapter)                    # in place; replaces whatever adapters the model carried
-    detach(model)                             # back to the bare base model
-    adapter.delta(module)                     # s * B @ A, [out, in] fp32: what a merge adds to the base weight
+    params, meta = load_adapter(path, step=None)  # a workdir, its checkpoints/, adapters/ or adapters/<step>
+    adapter = read_trainer_adapter(path, step)    # the same as an Adapter (PEFT folders: jaxrl.export.peft)
+    attach(model, adapter)                        # in place; replaces whatever adapters the model carried
+    detach(model)                                 # back to the bare base model
+    adapter.delta(module)                         # s * B @ A, [out, in] fp32: what a merge adds to the base weight
 
 Names are ours (`layers.0.linear_attn.in_proj_qkv.lora.lora_A` [r, in], `...lora_B` [out, r]), fp32, exactly
 PEFT's tensors under another name (docs/qwen35-architecture.md §6), so every conversion is a rename.
+
+Checkpoint layout (written by jaxrl.train.checkpoints): `<workdir>/checkpoints/adapters/<step>/{adapter,meta}`.
 """
 
 from __future__ import annotations
@@ -18,9 +21,21 @@ import math
 import os
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
+from jaxrl.models import lora
 from jaxrl.models.lora import ALL_LINEAR
+
+CHECKPOINTS = "checkpoints"
+ADAPTERS = "adapters"
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """No adapter / state checkpoint where one was asked for; names the folder."""
+
 
 A_SUFFIX = ".lora.lora_A"
 B_SUFFIX = ".lora.lora_B"
@@ -115,15 +130,61 @@ def module_names(modules) -> list[str]:
     return [n for n in ALL_LINEAR if n in names] + sorted(names - set(ALL_LINEAR))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Reading
+def merged_weight(base_value: np.ndarray, adapter: Adapter, module: str,
+                  merge_dtype: Optional[str] = None) -> np.ndarray:
+    """`W + scale * B @ A` in fp32, cast to `base_value`'s dtype (or to `merge_dtype`, e.g. "float32", which keeps
+    a small update that rounding to bf16 would erase: jaxrl.export.merge)."""
+    delta = adapter.delta(module)
+    if delta.shape != base_value.shape:
+        raise AdapterError(f"{adapter.source}: {module}: delta {delta.shape} does not fit the weight "
+                           f"{base_value.shape}")
+    return (base_value.astype(np.float32) + delta).astype(merge_dtype or base_value.dtype)
 
-def is_peft_folder(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trainer checkpoints
+
+def _adapter_root_and_step(path: str, step: Optional[int]) -> tuple[str, Optional[int]]:
+    path = os.path.abspath(path)
+    base = os.path.basename(path.rstrip("/"))
+    if base.isdigit() and os.path.basename(os.path.dirname(path)) == ADAPTERS:
+        return os.path.dirname(path), int(base) if step is None else step
+    for candidate in (path, os.path.join(path, ADAPTERS), os.path.join(path, CHECKPOINTS, ADAPTERS)):
+        if os.path.basename(candidate) == ADAPTERS and os.path.isdir(candidate):
+            return candidate, step
+    raise CheckpointNotFound(f"{path}: not a run workdir, its checkpoints/ or adapters/ folder, or an adapter "
+                             f"step folder (expected .../{CHECKPOINTS}/{ADAPTERS}/<step>)")
+
+
+def load_adapter(path: str, step: Optional[int] = None) -> tuple[dict[str, np.ndarray], dict]:
+    """(params {name: np.float32 array}, meta) of one adapter checkpoint; `step` None = the newest there."""
+    root, step = _adapter_root_and_step(path, step)
+    mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
+                                options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        steps = sorted(mgr.all_steps())
+        if not steps:
+            raise CheckpointNotFound(f"{root}: no complete adapter checkpoint")
+        if step is None:
+            step = steps[-1]
+        if step not in steps:
+            raise CheckpointNotFound(f"{root}: no adapter for step {step}; steps present: {steps}")
+        restored = mgr.restore(step, args=ocp.args.Composite(adapter=ocp.args.StandardRestore(),
+                                                             meta=ocp.args.JsonRestore()))
+    finally:
+        mgr.close()
+    params = {k: np.asarray(jax.device_get(v)) for k, v in restored.adapter.items()}
+    return params, dict(restored.meta)
+
+
+def read_trainer_adapter(path: str, step: Optional[int] = None) -> Adapter:
+    """The adapter checkpoint at `path` (see `load_adapter`) as an Adapter."""
+    params, meta = load_adapter(path, step)
+    return from_trainer(params, meta, f"{os.path.abspath(path)} (step {meta.get('step')})")
 
 
 def from_trainer(params: dict, meta: dict, source: str = "") -> Adapter:
-    """An Adapter from `jaxrl.train.checkpoints.load_adapter`'s (params, meta)."""
+    """An Adapter from `load_adapter`'s (params, meta)."""
     spec = meta.get("lora") or {}
     for key in ("rank", "alpha"):
         if key not in spec:
@@ -142,26 +203,10 @@ def from_trainer(params: dict, meta: dict, source: str = "") -> Adapter:
     return adapter
 
 
-def read_adapter(path: str, step: Optional[int] = None) -> Adapter:
-    """A trainer adapter checkpoint or a PEFT adapter folder (detected by its adapter_config.json)."""
-    if is_peft_folder(path):
-        if step is not None:
-            raise AdapterError(f"{path}: a PEFT folder holds one adapter; --step does not apply")
-        from jaxrl.export.peft import read_peft_adapter
-        return read_peft_adapter(path)[0]
-    from jaxrl.train.checkpoints import load_adapter
-    params, meta = load_adapter(path, step)
-    where = f"{os.path.abspath(path)} (step {meta.get('step')})"
-    return from_trainer(params, meta, where)
-
-
 def write_adapter_checkpoint(workdir: str, step: int, adapter: Adapter, model_config=None) -> str:
     """Writes `adapter` as the trainer's adapter checkpoint `workdir/checkpoints/adapters/<step>` (the format
-    `jaxrl.train.checkpoints.load_adapter` reads), e.g. to evaluate or continue from a PEFT adapter trained
+    `load_adapter` reads), e.g. to evaluate or continue from a PEFT adapter trained
     elsewhere; returns the step folder."""
-    import orbax.checkpoint as ocp
-
-    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS
     root = os.path.join(os.path.abspath(workdir), CHECKPOINTS, ADAPTERS)
     by_name: dict[str, int] = {}
     for m in adapter.modules:
@@ -184,9 +229,6 @@ def write_adapter_checkpoint(workdir: str, step: int, adapter: Adapter, model_co
 
 def adapter_steps(workdir: str) -> list[int]:
     """Complete adapter checkpoint steps of a run (a workdir, its checkpoints/ or adapters/ folder)."""
-    import orbax.checkpoint as ocp
-
-    from jaxrl.train.checkpoints import ADAPTERS, CHECKPOINTS, CheckpointNotFound
     path = os.path.abspath(workdir)
     for root in (os.path.join(path, CHECKPOINTS, ADAPTERS), os.path.join(path, ADAPTERS), path):
         if os.path.basename(root) == ADAPTERS and os.path.isdir(root):
@@ -202,15 +244,10 @@ def adapter_steps(workdir: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------
 # Attaching to the JAX model
 
-def _linears(model) -> dict:
-    from jaxrl.models.lora import _linears as linears
-    return dict(linears(model))
-
-
 def check_against_model(adapter: Adapter, model) -> None:
     """Every adapted module exists in `model` with matching in/out features (an error names the first that
     does not): an adapter for another model shape is refused, never half-applied."""
-    linears = _linears(model)
+    linears = dict(lora.linears(model))
     for module in adapter.modules:
         linear = linears.get(module)
         if linear is None or module == "lm_head":
@@ -225,23 +262,20 @@ def check_against_model(adapter: Adapter, model) -> None:
 
 def detach(model) -> None:
     """Removes every adapter: the model computes its base weights again."""
-    for linear in _linears(model).values():
+    for linear in dict(lora.linears(model)).values():
         linear.lora = None
 
 
 def attach(model, adapter: Adapter) -> None:
     """Attaches `adapter` to `model` in place (after removing any adapter it carried); dropout is off (the
     model is for evaluation / export, where PEFT and vLLM never drop)."""
-    import jax.numpy as jnp
-
-    from jaxrl.models.lora import LoRA
     check_against_model(adapter, model)
     detach(model)
-    linears = _linears(model)
+    linears = dict(lora.linears(model))
     for module in adapter.modules:
         a, b = adapter.factors(module)
         linear = linears[module]
-        lo = LoRA(linear.in_features, linear.out_features, rank=adapter.rank, alpha=adapter.alpha,
+        lo = lora.LoRA(linear.in_features, linear.out_features, rank=adapter.rank, alpha=adapter.alpha,
                   use_rslora=adapter.use_rslora, dropout=0.0, lora_A=jnp.asarray(a))
         lo.lora_B[...] = jnp.asarray(b)
         linear.lora = lo
@@ -250,11 +284,10 @@ def attach(model, adapter: Adapter) -> None:
 def attached_digest(model) -> Optional[str]:
     """`Adapter.digest()` of what the model carries NOW (read back from its parameters), None without adapters:
     proof of which adapter an evaluation ran with, independent of the files it was read from."""
-    from jaxrl.models.lora import iter_lora, lora_state
-    adapters = list(iter_lora(model))
+    adapters = list(lora.iter_lora(model))
     if not adapters:
         return None
     first = adapters[0][1]
-    params = {k: np.asarray(v) for k, v in lora_state(model).items()}
+    params = {k: np.asarray(v) for k, v in lora.lora_state(model).items()}
     return Adapter(params=params, rank=first.rank, alpha=first.alpha, use_rslora=first.use_rslora,
                    source="attached").digest()

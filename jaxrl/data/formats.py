@@ -45,6 +45,24 @@ RESULTS (``eval/results.json``, written by ``jaxrl.evaluation.stats.write_result
      "max_new_tokens": int                                   # optional: the evaluation's generation cap
     }
 
+Optional keys the evaluator adds (``jaxrl.evaluation.analysis``; readers must not require them):
+
+* per model: ``"intervals": {"confidence", "partial_reward_mean": [lo, hi], "strict_rate": [lo, hi],
+  "truncation_rate": [lo, hi], "pass_at_k": {"k": [lo, hi]}}``;
+* per comparison: ``"p_value"`` (always; the test ``"test"`` = ``"mcnemar_midp" | "sign_flip" | "zero_spread"``,
+  also under the older name ``"p_value_test"``; ``"p_value_exact"``: plain exact McNemar on binary rows),
+  ``"significant"`` (p < 1 - confidence, exactly when [ci_low, ci_high] excludes 0), ``"ci_method"``,
+  ``"b01"``, ``"b10"``, ``"n_discordant"``, ``"sd_diff"`` (SD of the per-prompt differences),
+  ``"simultaneous_ci_low"``, ``"simultaneous_ci_high"``, ``"simultaneous_p_value"``, ``"family_size"``,
+  ``"significant_after_selection"`` (max-T over every row of the file), ``"claim"`` =
+  ``"exploratory" | "confirmatory"``, ``"power": {"power", "mde", "mde_family", "family_size", "n_for_diff",
+  "n_for_diff_family"}``;
+* top level: ``"family"`` (``size``, ``models``, ``metrics``, ``baseline``, ``critical_value``, ``method``),
+  ``"selection"`` (``{metric: {"naive": {...}, "cross_fit": {"diff", "ci_low", "ci_high", "p_value",
+  "chosen_on_half", ...}}}``), ``"censoring"`` (``{"models": {name: {metric: {"finished", "bounds",
+  "decomposition"}}}, "extended_cap": {...} | null}``), ``"protocol"`` (``{"role": "exploratory" | "selection" |
+  "confirmation", "split": {...} | null, ...}``).
+
 Model names: ``base`` for the base model and ``step_<N>`` for the checkpoint after N optimizer steps (so curves
 over steps are recoverable even without ``"step"``); any other name is a free-standing model (no step).
 ``diff = model - baseline`` in the metric's units (rates are fractions, not percent).
@@ -70,12 +88,12 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from jaxrl.data.jsonl import JsonlError, atomic_write_json, iter_jsonl, read_jsonl, write_jsonl
+from jaxrl.utils.io import JsonlError, atomic_write_json, iter_jsonl, read_jsonl, write_jsonl
 
 __all__ = [
     "FormatError", "CONFIG_FILE", "METRICS_FILE", "EVAL_DIR", "RESULTS_FILE", "SAMPLES_DIR", "DIAGNOSTICS_DIR",
     "REPORT_FILE", "TRAIN_KEYS", "COMMON_KEYS", "DPO_KEYS", "RL_KEYS", "MODEL_KEYS", "COMPARISON_KEYS",
-    "SAMPLE_KEYS", "FINISH_REASONS", "TEST_STATUSES", "BASE_MODEL", "model_step", "checkpoint_name",
+    "SAMPLE_KEYS", "CLAIMS", "FINISH_REASONS", "TEST_STATUSES", "BASE_MODEL", "model_step", "checkpoint_name",
     "read_training_metrics", "read_config", "read_results", "validate_results", "validate_sample",
     "read_samples", "write_samples", "samples_path", "available_samples", "diagnostics_path",
     "write_diagnostic", "read_diagnostic", "DIAGNOSTICS", "group_by_prompt", "model_order",
@@ -107,6 +125,7 @@ RL_ALIASES = (("reward_mean", "reward/mean"), ("reward_std", "reward/std"),
 MODEL_KEYS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens", "pass_at_k",
               "n_prompts", "n_samples")
 COMPARISON_KEYS = ("model", "baseline", "metric", "diff", "ci_low", "ci_high", "n_pairs")
+CLAIMS = ("exploratory", "confirmatory")
 SAMPLE_KEYS = ("problem_id", "sample_index", "completion", "completion_tokens", "finish_reason", "partial",
                "strict", "tests", "reason", "max_new_tokens")
 FINISH_REASONS = ("stop", "length")
@@ -259,6 +278,17 @@ def validate_results(results: Any, where: str = RESULTS_FILE) -> dict:
         for key in ("model", "baseline"):
             if c[key] not in models:
                 raise FormatError(f"{w}: {key} {c[key]!r} is not among the models {sorted(models)}")
+        if "simultaneous_ci_low" in c or "simultaneous_ci_high" in c:
+            for key in ("simultaneous_ci_low", "simultaneous_ci_high"):
+                _require_number(c, key, w)
+            if c["simultaneous_ci_low"] > c["simultaneous_ci_high"]:
+                raise FormatError(f"{w}: simultaneous_ci_low {c['simultaneous_ci_low']} > simultaneous_ci_high "
+                                  f"{c['simultaneous_ci_high']}")
+        for key in ("p_value", "simultaneous_p_value"):
+            if c.get(key) is not None:
+                _require_number(c, key, w, lo=0.0, hi=1.0)
+        if c.get("claim") is not None and c["claim"] not in CLAIMS:
+            raise FormatError(f"{w}: claim must be one of {CLAIMS}, got {c['claim']!r}")
     return dict(results)
 
 

@@ -1,0 +1,28 @@
+"""The order in which a task walks its rows: epoch after epoch, each a seeded permutation of all rows.
+
+    rows = epoch_stream(n, start=step * B, count=B, seed=seed, salt=6121)     # positions start ... start+B-1
+
+Position i lies in epoch i // n at offset i % n; epoch e is `permutation(n)` of a generator seeded by
+(seed, e[, salt]). A batch is a pure function of (seed, position), so a resumed run needs only the position.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+def epoch_stream(n: int, start: int, count: int, *, seed: int, salt: Optional[int] = None) -> np.ndarray:
+    """int64 [count]: the row indices at positions start ... start + count - 1 of the stream (module docstring)."""
+    if n <= 0:
+        raise ValueError(f"epoch_stream: no rows to draw from (n={n})")
+    out = np.empty(count, np.int64)
+    perms: dict[int, np.ndarray] = {}
+    for j, i in enumerate(range(start, start + count)):
+        epoch, offset = divmod(i, n)
+        if epoch not in perms:
+            key = [int(seed), epoch] if salt is None else [int(seed), epoch, int(salt)]
+            perms[epoch] = np.random.default_rng(key).permutation(n)
+        out[j] = perms[epoch][offset]
+    return out

@@ -1,0 +1,395 @@
+"""A generation backend that talks to an OpenAI-compatible completions server: vLLM 0.33 (`vllm serve`, in its own
+environment, docs/vllm.md) or jaxrl's own JAX server (`python -m launchers.serve`).
+
+    backend = ServerBackend(HF_DIR, url="http://127.0.0.1:8000", out_dir="run/eval", stop_ids=stop_ids)
+    backend.load(ModelSpec("step_28", "adapter", "run/checkpoints/adapters/28"), adapter)   # served as LoRA
+    gens = backend.generate(prompts, group_ids, SamplingParams(n=8, max_new_tokens=4096, temperature=1.0))
+
+Token ids in, token ids out: each prompt is one POST /v1/completions with `prompt` = our token ids (our chat
+template, our stop ids), `n` samples, `max_tokens`, the sampling controls, `stop_token_ids`, `logprobs: 0` (the
+sampled token's log-probability; vLLM 0.33's default logprobs mode is raw_logprobs, vllm/config/model.py:291,
+i.e. temperature 1 and unfiltered, as ours) and `return_token_ids: true`.
+
+Seeds: a request's `seed` packs (seed, group id, sample index 0) into one int64 (`request_seed`). vLLM gives
+sample i of a request the seed `seed + i` (vllm/v1/engine/parallel_sampling.py:69-81), which is the packed seed of
+(seed, group id, i): so sample i of a prompt is drawn from a seed that depends on (seed, group id, i) only, never
+on its batch or on n. The JAX server reads the same packing back and samples with the jax backend's own keys
+(`fold_in(fold_in(key(seed), group id), sample index)`), so its samples equal the in-process jax backend's.
+
+Adapters are served unmerged, as LoRA: a PEFT folder (the given one when it is a PEFT export in the base's
+layout, else exported once under `<out_dir>/peft/<name>`) loaded through POST /v1/load_lora_adapter (vLLM needs
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) unless the server already lists it (e.g. `--lora-modules` at start-up).
+`loaded_digest()` re-reads what the server reports it serves (/v1/models: the adapter folder, or the digest the
+JAX server reads back from its parameters). A full HF folder (`kind="hf"`, e.g. a merged export) needs a server of
+that folder: a launched vLLM is restarted on it; a server given by URL must already serve it.
+
+Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
+serves another base, or when it rejects an adapter or a request (the server's own message is quoted).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import re
+import urllib.error
+import urllib.request
+from typing import Optional, Sequence
+
+from jaxrl.export.merge import read_provenance
+from jaxrl.export.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
+from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+TARGET_VLLM = (0, 33)  # the vLLM version this module's requests, seeds and LoRA handling are written against
+# packed seed: group id (32 bits) | seed (SEED_BITS) | sample index (SAMPLE_BITS), 63 bits: always a non-negative
+# int64 (vLLM reads seed -1 as "no seed", vllm/sampling_params.py:570-571)
+SEED_BITS, SAMPLE_BITS = 19, 12
+JAXRL_SERVER = "jaxrl"  # the "server" field of the JAX server's /version (vLLM's has only "version")
+
+
+class ServerError(RuntimeError):
+    """A server that is missing, too old, serving something else, or refusing a request; says what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Seeds
+
+def request_seed(seed: int, group_id: int, sample_index: int = 0) -> int:
+    """The int64 `seed` of a request whose sample 0 is sample `sample_index` of (seed, group id): bits
+    group id (32) | seed (SEED_BITS) | sample index (SAMPLE_BITS), in [0, 2**63)."""
+    seed, group_id, sample_index = int(seed), int(group_id) % 2 ** 32, int(sample_index)
+    if not 0 <= seed < 2 ** SEED_BITS:
+        raise ValueError(f"seed {seed}: server backends pack the seed into {SEED_BITS} bits of the request seed "
+                         f"(with the problem key and the sample index), so it must be in [0, {2 ** SEED_BITS})")
+    if not 0 <= sample_index < 2 ** SAMPLE_BITS:
+        raise ValueError(f"sample index {sample_index}: server backends draw at most {2 ** SAMPLE_BITS} samples "
+                         "per prompt (SAMPLE_BITS of the request seed)")
+    return (group_id << (SEED_BITS + SAMPLE_BITS)) | (seed << SAMPLE_BITS) | sample_index
+
+
+def split_request_seed(value: int) -> tuple[int, int, int]:
+    """(seed, group id, sample index) of a request seed (`request_seed` inverted; any integer maps to one)."""
+    value = int(value) % 2 ** 63
+    return ((value >> SAMPLE_BITS) & (2 ** SEED_BITS - 1), value >> (SEED_BITS + SAMPLE_BITS),
+            value & (2 ** SAMPLE_BITS - 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HTTP
+
+def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30.0):
+    """(status, parsed JSON or text) of one request; ServerError when nothing answers at `url`."""
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data is not None else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, docs/vllm.md, or "
+                          "`python -m launchers.serve`) or pass the URL of a running one") from None
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        return status, json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return status, text
+
+
+def error_message(payload) -> str:
+    """The message of an OpenAI / vLLM error body ({"error": {"message": ...}}), else the body itself."""
+    if isinstance(payload, dict):
+        err = payload.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if payload.get("detail"):
+            return str(payload["detail"])
+        if payload.get("message"):
+            return str(payload["message"])
+    return str(payload)[:2000]
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """(0, 33, 0) of "0.33.0", "0.33.1.dev4+gabc", "v0.33"; () when it has no leading number."""
+    m = re.match(r"v?(\d+(?:\.\d+)*)", str(text).strip())
+    return tuple(int(p) for p in m.group(1).split(".")) if m else ()
+
+
+def check_version(info, url: str) -> str:
+    """Describes the server of a /version reply; ServerError for a vLLM older than TARGET_VLLM."""
+    if isinstance(info, dict) and info.get("server") == JAXRL_SERVER:
+        return f"jaxrl {info.get('version', '?')}"
+    version = info.get("version") if isinstance(info, dict) else None
+    parsed = parse_version(version or "")
+    target = ".".join(map(str, TARGET_VLLM))
+    if not parsed:
+        raise ServerError(f"{url}/version answered {info!r}: not a vLLM (or jaxrl) server this backend can check; "
+                          f"it targets vLLM {target}")
+    if parsed[:2] < TARGET_VLLM:
+        raise ServerError(f"the server at {url} runs vLLM {version}, older than the vLLM {target} this backend "
+                          f"targets (its Qwen3.5 LoRA packing, seeds and token-id outputs are what the backend "
+                          f"relies on); make the environment of docs/vllm.md")
+    if parsed[:2] > TARGET_VLLM:
+        logger.warning("the server at %s runs vLLM %s; this backend was written and checked against vLLM %s",
+                       url, version, target)
+    return f"vllm {version}"
+
+
+def same_folder(a: Optional[str], b: Optional[str]) -> bool:
+    if not a or not b:
+        return False
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backend
+
+class ServerBackend:
+    """See the module docstring.
+
+    url: a running server; or `launcher` (an object with `start(model_dir, max_model_len, max_lora_rank) -> url`,
+      `stop()`, `max_model_len`, `max_lora_rank`, `model_dir`: `jaxrl.rollout.backends.vllm_backend.VLLMServer`),
+      which the backend starts on first use and restarts when a model needs another folder or more room.
+    out_dir: where trainer checkpoints are exported as PEFT folders for the server (`<out_dir>/peft/<name>`).
+    concurrency: requests in flight at once (the server batches them).
+    """
+
+    name = "server"
+
+    def __init__(self, base_dir: str, *, url: Optional[str] = None, launcher=None, out_dir: Optional[str] = None,
+                 stop_ids: Sequence[int] = (), max_prompt_len: int = 4096, max_new_tokens: int = 4096,
+                 concurrency: int = 64, request_timeout_s: float = 3600.0, **_unused):
+        if (url is None) == (launcher is None):
+            raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
+        self.base_dir = os.path.abspath(base_dir)
+        self.url = url.rstrip("/") if url else None
+        self.launcher = launcher
+        self.out_dir = os.path.abspath(out_dir) if out_dir else None
+        self.stop_ids = tuple(int(t) for t in stop_ids)
+        self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
+        self.concurrency, self.request_timeout_s = max(1, int(concurrency)), float(request_timeout_s)
+        self.description: Optional[str] = None  # "vllm 0.33.0" / "jaxrl 0.1.0", once connected
+        self._base_name: Optional[str] = None  # the server's base model id
+        self._served_root: Optional[str] = None  # the folder the server's base model was loaded from
+        self._model: Optional[str] = None  # the model id requests name
+        self._spec: Optional[ModelSpec] = None
+        self._adapter = None
+        self._adapter_digest: Optional[str] = None
+        self._model_len = self.max_prompt_len + self.max_new_tokens  # what a launched server must hold
+        self.base_lora_rank = 0  # a launched server on the base enables LoRA of at least this rank
+        self._ours: Optional[str] = None  # an adapter this backend loaded (unloaded on switch / close)
+        if self.url is not None:
+            self.connect()
+
+    # ----------------------------------------------------------------------------------------------- server
+    def _get(self, path: str, timeout: float = 30.0):
+        status, payload = http_json("GET", self.url + path, timeout=timeout)
+        if status != 200:
+            raise ServerError(f"GET {self.url}{path}: HTTP {status}: {error_message(payload)}")
+        return payload
+
+    def connect(self) -> None:
+        """Checks the server's version and reads which base it serves."""
+        self.description = check_version(self._get("/version"), self.url)
+        models = self._get("/v1/models").get("data") or []
+        base = next((m for m in models if not m.get("parent")), None)
+        if base is None:
+            raise ServerError(f"{self.url}/v1/models lists no base model: {models!r}")
+        self._base_name, self._served_root = base["id"], base.get("root") or base["id"]
+
+    def models(self) -> list[dict]:
+        return self._get("/v1/models").get("data") or []
+
+    def _serve_folder(self, folder: str, max_model_len: int = 0, max_lora_rank: int = 0) -> None:
+        """Makes the server serve `folder` as its base model (a launcher restarts; a URL server must already)."""
+        launcher = self.launcher
+        if launcher is not None:
+            running = self.url is not None and same_folder(launcher.model_dir, folder)
+            room = max_model_len <= launcher.max_model_len and max_lora_rank <= (launcher.max_lora_rank or 0)
+            if not (running and room):
+                self._ours = None
+                self.url = launcher.start(folder, max(max_model_len, launcher.max_model_len),
+                                          max(max_lora_rank, launcher.max_lora_rank or 0)).rstrip("/")
+                self.connect()
+        if not same_folder(self._served_root, folder):
+            raise ServerError(f"the server at {self.url} serves {self._served_root!r}, not {folder}: start a server "
+                              f"of that folder (the base of adapters, or the HF folder of kind 'hf')")
+
+    # ------------------------------------------------------------------------------------------------- models
+    def peft_folder(self, spec: ModelSpec, adapter) -> str:
+        """A PEFT folder holding exactly `adapter` in the base's layout, for the server to read."""
+        if is_peft_folder(spec.path):
+            found, layout = read_peft_adapter(spec.path)
+            if layout == layout_of(self.base_dir) and found.digest() == adapter.digest():
+                return os.path.abspath(spec.path)
+        if self.out_dir is None:
+            raise ServerError(f"model {spec.name!r}: {spec.path} is not a PEFT folder in the base's layout; give the "
+                              "backend an out_dir to export one into")
+        target = os.path.join(self.out_dir, "peft", spec.name)
+        info = read_provenance(target) if os.path.isdir(target) else None
+        if not (info and info.get("adapter_digest") == adapter.digest() and same_folder(info.get("base"),
+                                                                                        self.base_dir)):
+            export_peft(adapter, target, self.base_dir, overwrite=True)
+        return target
+
+    def _unload_ours(self) -> None:
+        if self._ours is not None and self.url is not None:
+            status, payload = http_json("POST", self.url + "/v1/unload_lora_adapter", {"lora_name": self._ours})
+            if status != 200:
+                logger.warning("%s: unloading adapter %s: HTTP %s: %s", self.url, self._ours, status,
+                               error_message(payload))
+        self._ours = None
+
+    def _load_adapter(self, spec: ModelSpec, adapter, folder: str) -> str:
+        """The model id under which the server serves the adapter in `folder` (loading it when not listed)."""
+        for card in self.models():
+            if card.get("parent") and same_folder(card.get("root"), folder):
+                return card["id"]
+        lora_name = f"{spec.name}-{adapter.digest()[:12]}"
+        status, payload = http_json("POST", self.url + "/v1/load_lora_adapter",
+                                    {"lora_name": lora_name, "lora_path": folder}, timeout=600)
+        if status == 404 and "not found" in error_message(payload).lower() and "lora" not in error_message(
+                payload).lower():
+            raise ServerError(f"{self.url} has no /v1/load_lora_adapter endpoint: start vLLM with "
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the vllm backend does), or serve the adapter "
+                              f"at start-up with --enable-lora --lora-modules {spec.name}={folder}")
+        if status != 200:
+            raise ServerError(f"the server at {self.url} rejected adapter {spec.name!r} ({folder}): HTTP {status}: "
+                              f"{error_message(payload)}")
+        self._ours = lora_name
+        return lora_name
+
+    def load(self, spec: ModelSpec, adapter=None) -> None:
+        """Makes `spec` the model that `generate` samples from (module docstring)."""
+        if spec.kind == "hf":
+            if adapter is not None:
+                raise ValueError(f"model {spec.name!r}: an HF folder takes no adapter")
+            self._unload_ours()
+            self._serve_folder(os.path.abspath(spec.path), self._model_len)
+            self._model, self._adapter_digest = self._base_name, None
+        else:
+            rank = lora_rank_slot(adapter.rank) if adapter is not None else 0
+            self._serve_folder(self.base_dir, self._model_len, max(rank, self.base_lora_rank))
+            self._unload_ours()
+            if adapter is None:
+                self._model, self._adapter_digest = self._base_name, None
+            else:
+                self._model = self._load_adapter(spec, adapter, self.peft_folder(spec, adapter))
+                self._adapter_digest = adapter.digest()
+        self._spec, self._adapter = spec, adapter
+
+    def loaded_digest(self) -> Optional[str]:
+        """Digest of the adapter the server serves under the model id requests name, from what the server reports
+        (/v1/models: the digest the JAX server reads back from its parameters, else the folder it loaded)."""
+        if self._adapter_digest is None:
+            return None
+        card = next((c for c in self.models() if c.get("id") == self._model), None)
+        if card is None:
+            raise ServerError(f"the server at {self.url} no longer lists model {self._model!r}")
+        if card.get("adapter_digest"):
+            return card["adapter_digest"]
+        return read_peft_adapter(card["root"])[0].digest()
+
+    def served_fingerprint(self) -> Optional[str]:
+        """The fingerprint recorded in the served folder's jaxrl_export.json for an HF folder (a merged export);
+        None otherwise (adapters are checked by `loaded_digest`)."""
+        if self._spec is None or self._spec.kind != "hf":
+            return None
+        return (read_provenance(self._served_root) or {}).get("fingerprint")
+
+    # --------------------------------------------------------------------------------------------- generation
+    def request(self, prompt: Sequence[int], group_id: int, sampling: SamplingParams) -> dict:
+        """The /v1/completions body of one prompt (module docstring). Greedy asks for one completion: vLLM refuses
+        n > 1 at temperature 0 (vllm/sampling_params.py:769-773), and greedy samples are all the same one."""
+        n = 1 if float(sampling.temperature) == 0.0 else int(sampling.n)
+        return {"model": self._model, "prompt": [int(t) for t in prompt], "n": n,
+                "max_tokens": int(sampling.max_new_tokens), "temperature": float(sampling.temperature),
+                "top_p": float(sampling.top_p), "top_k": int(sampling.top_k),
+                "seed": request_seed(sampling.seed, group_id), "stop_token_ids": list(self.stop_ids),
+                "logprobs": 0, "return_token_ids": True, "ignore_eos": False, "skip_special_tokens": True,
+                # explicit neutral values: a server's generation_config defaults must not change the sampling
+                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+
+    def _post_completion(self, body: dict, j: int) -> list[dict]:
+        status, payload = http_json("POST", self.url + "/v1/completions", body, timeout=self.request_timeout_s)
+        if status != 200:
+            raise ServerError(f"the server at {self.url} refused prompt {j} ({len(body['prompt'])} tokens, model "
+                              f"{body['model']!r}): HTTP {status}: {error_message(payload)}")
+        choices = payload.get("choices") or []
+        if len(choices) != body["n"]:
+            raise ServerError(f"{self.url}: prompt {j}: asked for {body['n']} completions, got {len(choices)}")
+        return choices
+
+    def generate(self, prompts, group_ids, sampling: SamplingParams, *, params=None) -> list[Generation]:
+        if params is not None:
+            raise ValueError(f"the {self.name} backend samples on a server; it cannot use in-memory weights "
+                             "(params=)")
+        if self._model is None:
+            raise RuntimeError(f"{type(self).__name__}.generate before load()")
+        request_seed(sampling.seed, 0, int(sampling.n) - 1)  # bad seed / n fail before any request
+        need = max(len(p) for p in prompts) + int(sampling.max_new_tokens)
+        if self.launcher is not None and need > self.launcher.max_model_len:
+            # a larger cap (termination re-sampling): restart with room for it, serving the same model
+            self._model_len = need
+            self.load(self._spec, self._adapter)
+        bodies = [self.request(p, g, sampling) for p, g in zip(prompts, group_ids)]
+        with concurrent.futures.ThreadPoolExecutor(min(self.concurrency, len(bodies))) as pool:
+            results = list(pool.map(self._post_completion, bodies, range(len(bodies))))
+        rows = []
+        for j, choices in enumerate(results):
+            if len(choices) < sampling.n:  # greedy: the one completion is every sample
+                choices = choices * int(sampling.n)
+            for i, choice in enumerate(choices):
+                rows.append(self._generation(choice, j, i))
+        return rows
+
+    def _generation(self, choice: dict, j: int, i: int) -> Generation:
+        tokens = choice.get("token_ids")
+        if tokens is None:
+            raise ServerError(f"{self.url}: the completion of prompt {j} carries no token_ids (the server ignored "
+                              "return_token_ids; vLLM >= 0.33 returns them)")
+        tokens = [int(t) for t in tokens]
+        reason = choice.get("finish_reason")
+        if reason not in ("stop", "length"):
+            raise ServerError(f"{self.url}: prompt {j} sample {i} ended with finish_reason {reason!r}")
+        lp = (choice.get("logprobs") or {}).get("token_logprobs")
+        logprobs = None if lp is None else [float(x) for x in lp]
+        if reason == "stop" and (not tokens or tokens[-1] not in self.stop_ids):
+            # both vLLM and the JAX server keep the stop token; a server that drops it gets it back here, so
+            # completion lengths count it on every backend
+            stop = choice.get("stop_reason")
+            stop = stop if isinstance(stop, int) else (self.stop_ids or (None,))[0]
+            if stop is not None:
+                tokens.append(int(stop))
+                logprobs = None  # its log-probability is unknown
+        if logprobs is not None and len(logprobs) != len(tokens):
+            logprobs = None
+        return Generation(tokens, reason, j, i, logprobs)
+
+    def close(self) -> None:
+        try:
+            self._unload_ours()
+        except ServerError:
+            pass  # the server is gone already
+        if self.launcher is not None:
+            self.launcher.stop()
+            self.url = None
+        self._model = None
+
+
+# vLLM's accepted --max-lora-rank values (vllm/config/lora.py:27, checked at adapter load, lora/peft_helper.py:194)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM 0.33 accepts that holds an adapter of rank `rank`."""
+    for slot in LORA_RANKS:
+        if rank <= slot:
+            return slot
+    raise ServerError(f"LoRA rank {rank} is above vLLM 0.33's largest --max-lora-rank ({LORA_RANKS[-1]})")

@@ -1,0 +1,317 @@
+"""File io of every part of jaxrl: atomic writes, JSON Lines reading and writing, torn-tail repair.
+
+Writing is atomic everywhere: a temp file in the target's folder, fsync, then ``os.replace``, so a reader
+never sees half a file and an interrupted write leaves the previous version intact::
+
+    atomic_write_bytes(path, data)         atomic_write_text(path, text)        atomic_write_json(path, obj)
+    write_jsonl(path, records)             atomic_copy(src, dst)
+    with atomic_path(path) as tmp: save_file(tensors, tmp)          # writers that want a file name
+    with atomic_folder(out_dir) as tmp: ...                          # a whole folder, swapped in at the end
+
+Reading (``.gz`` files are decompressed on the fly)::
+
+    records = read_jsonl("rollouts.jsonl")                           # list[dict]; errors name file:line
+    records = read_jsonl(path, skip_malformed=True, skipped=msgs)    # bad lines -> msgs ("path:line: why")
+    records = read_jsonl(path, validate=check)                       # check(rec) raises ValueError/KeyError
+    for line in iter_json_lines(path): line.lineno, line.text, line.value, line.error   # lenient, raw
+
+Appending writers (a resumable results file) cut a line torn by a kill with ``repair_tail(path)`` first.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+__all__ = [
+    "JsonLine",
+    "JsonlError",
+    "atomic_copy",
+    "atomic_folder",
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "is_temp_name",
+    "iter_json_lines",
+    "iter_jsonl",
+    "open_text",
+    "read_jsonl",
+    "repair_tail",
+    "sha256_file",
+    "write_jsonl",
+]
+
+TEMP_SUFFIX = ".tmp"
+
+
+class JsonlError(ValueError):
+    """A malformed JSON Lines record. ``str(err)`` starts with ``"<path>:<line>: "``."""
+
+    def __init__(self, path: str | os.PathLike, line: int, message: str):
+        self.path = str(path)
+        self.line = line
+        self.reason = message
+        super().__init__(f"{self.path}:{line}: {message}")
+
+
+# ------------------------------------------------------------------------------------------------------- reading
+
+
+def open_text(path: str | os.PathLike) -> io.TextIOBase:
+    """A UTF-8 text stream of `path`, gunzipped when its name ends in ``.gz``."""
+    path = Path(path)
+    if path.name.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonLine:
+    """One non-blank line of a JSON Lines file: its JSON `value`, or the `error` that parsing it raised."""
+
+    lineno: int  # from 1
+    text: str  # without the line end
+    value: Any = None
+    error: Optional[ValueError] = None
+
+
+def iter_json_lines(path: str | os.PathLike) -> Iterator[JsonLine]:
+    """Every non-blank line of `path` parsed as JSON, errors included (callers decide what a bad line means)."""
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            text = line.rstrip("\r\n")
+            if not text.strip():
+                continue
+            try:
+                yield JsonLine(lineno, text, json.loads(text))
+            except ValueError as e:
+                yield JsonLine(lineno, text, error=e)
+
+
+def _describe(exc: BaseException) -> str:
+    # KeyError's str() is the repr of the key; make it read as a sentence.
+    if isinstance(exc, KeyError) and exc.args:
+        return f"missing key {exc.args[0]!r}"
+    return str(exc) or type(exc).__name__
+
+
+def iter_jsonl(
+    path: str | os.PathLike,
+    *,
+    validate: Optional[Callable[[dict], Any]] = None,
+    skip_malformed: bool = False,
+    skipped: Optional[list] = None,
+) -> Iterator[tuple[int, dict]]:
+    """Yields ``(line_number, record)`` for each non-blank line of ``path`` (line numbers start at 1).
+
+    A line is malformed when it is not valid JSON, is not a JSON object, or ``validate(record)`` raises
+    ``ValueError``, ``KeyError`` or ``TypeError``. Malformed lines raise :class:`JsonlError` naming the file and
+    line, unless ``skip_malformed``; then they are left out and, if ``skipped`` is a list, its message
+    (``"path:line: reason"``) is appended to it so callers can count and report them.
+    Blank lines (e.g. a trailing newline) are ignored, not counted as malformed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    for line in iter_json_lines(path):
+        record = line.value
+        try:
+            if isinstance(line.error, json.JSONDecodeError):
+                raise ValueError(f"invalid JSON ({line.error.msg} at column {line.error.colno})")
+            if line.error is not None:
+                raise ValueError(f"invalid JSON ({line.error})")
+            if not isinstance(record, dict):
+                raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+            if validate is not None:
+                validate(record)
+        except (ValueError, KeyError, TypeError) as e:
+            err = JsonlError(path, line.lineno, _describe(e))
+            if not skip_malformed:
+                raise err from None
+            if skipped is not None:
+                skipped.append(str(err))
+            continue
+        yield line.lineno, record
+
+
+def read_jsonl(
+    path: str | os.PathLike,
+    *,
+    validate: Optional[Callable[[dict], Any]] = None,
+    skip_malformed: bool = False,
+    skipped: Optional[list] = None,
+) -> list[dict]:
+    """All records of ``path`` as a list of dicts; see :func:`iter_jsonl` for the error rules."""
+    return [rec for _, rec in iter_jsonl(path, validate=validate, skip_malformed=skip_malformed, skipped=skipped)]
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of the file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------------- writing
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Read once: mkstemp creates 0600 files, but outputs should get the permissions open() would give them.
+_FILE_MODE = 0o666 & ~_umask()
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether a file name is one of the temp files the writers here create (left behind only by a kill)."""
+    return name.startswith(".") and (name.endswith(TEMP_SUFFIX) or ".tmp-" in name)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """Yields a temp file name in `path`'s folder; when the block succeeds the file is fsync'd and renamed onto
+    `path`, when it fails the temp file is removed and `path` (if any) is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+    try:
+        os.fchmod(fd, _FILE_MODE)
+        os.close(fd)
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Writes ``data`` to ``path`` via a temp file in the same folder and ``os.replace`` (atomic on POSIX)."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """UTF-8 text version of :func:`atomic_write_bytes`."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _dumps(obj: Any, path: Path, **kwargs) -> str:
+    try:
+        # allow_nan=False: NaN/Infinity are not JSON and break other readers; fail here, naming the file.
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: cannot serialise to JSON: {e}") from e
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = False) -> Path:
+    """Writes ``obj`` as pretty JSON (UTF-8, trailing newline), atomically."""
+    path = Path(path)
+    return atomic_write_text(path, _dumps(obj, path, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> Path:
+    """Writes one compact JSON object per line (UTF-8, ``\\n`` line ends), atomically."""
+    path = Path(path)
+    lines = [_dumps(rec, path) + "\n" for rec in records]
+    return atomic_write_text(path, "".join(lines))
+
+
+def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copies the bytes of `src` to `dst` atomically."""
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+    return Path(dst)
+
+
+def readable_by_others(folder: str | os.PathLike) -> None:
+    """Gives `folder` and everything in it the modes a plain open() / mkdir would (0644 / 0755 under the usual umask
+    022). mkdtemp, mkstemp and safetensors create 0700 / 0600 entries, which a server running as another user (a
+    shared `vllm serve`) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    file_mode, dir_mode = 0o666 & ~umask, 0o777 & ~umask
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, dir_mode)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode)
+
+
+@contextlib.contextmanager
+def atomic_folder(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[str]:
+    """Yields a temp sibling folder of `out_dir`, renamed onto `out_dir` when the block succeeds (removed when it
+    fails), so `out_dir` is always absent, the old complete folder or the new complete one."""
+    out = os.path.abspath(out_dir)
+    if os.path.exists(out) and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
+    try:
+        yield tmp
+        readable_by_others(tmp)  # mkdtemp makes it 0700, safetensors' files are 0600
+        if os.path.exists(out):
+            old = tmp.replace(".tmp-", ".old-")
+            os.replace(out, old)  # two renames: the old folder disappears only once the new one is complete
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def repair_tail(path: str | os.PathLike) -> int:
+    """Cuts a partially written last line (no trailing newline) off `path`; returns the bytes removed."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        # Walk back to the last newline (files are appended whole lines at a time, so this is the torn record).
+        pos, block = size, 1 << 16
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            idx = chunk.rfind(b"\n")
+            if idx >= 0:
+                keep = start + idx + 1
+                break
+            pos = start
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - keep

@@ -1,0 +1,202 @@
+"""Named registries and the one resolver of "module:attr" / "file.py:attr" references.
+
+Every registry of the project is a `Registry` (DPO losses, advantage estimators, KL estimators, rewards,
+trainers):
+
+    LOSSES = Registry("dpo_loss", signature="fn(p) -> [B]", validate=check_loss)
+    @LOSSES.register("sigmoid")
+    def sigmoid(p): ...
+    LOSSES.get("sigmoid"); LOSSES.names(); "sigmoid" in LOSSES
+    LOSSES.load("my_losses.py:margin")          # resolve, check (validate), register under the function's name
+
+    obj = resolve("package.module:attr")        # or "path/to/file.py:attr"; PluginError naming what is wrong
+
+`validate(label, obj)` raises PluginError when `obj` is unfit; `prepare(obj)` turns a loaded plug-in into the
+entry stored (e.g. a function into a factory). `lazy={name: "module:attr"}` names entries that are resolved on
+first use, so a registry can list heavy built-ins without importing them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+__all__ = ["PluginError", "Registry", "import_file", "nearest", "resolve"]
+
+
+class PluginError(ValueError):
+    """A plug-in could not be imported, or failed its check on example inputs."""
+
+
+def nearest(name: str, candidates: Iterable[str]) -> Optional[str]:
+    """The candidate closest to `name` (difflib), None when nothing is close: for "did you mean" hints."""
+    found = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or os.sep in target or "/" in target
+
+
+def import_file(path: str, prefix: str = "jaxrl_plugin"):
+    """The module of a Python file (a plug-in, a config or sweep file) under a stable name unique to the file,
+    kept in sys.modules so its own dataclasses, pickling and relative look-ups work, and a re-load (resume)
+    replaces rather than duplicates it. ImportError when the file cannot be loaded as a module."""
+    path = os.path.abspath(os.path.expanduser(path))
+    digest = hashlib.sha1(path.encode()).hexdigest()[:10]
+    stem = re.sub(r"[^A-Za-z0-9_]", "_", os.path.splitext(os.path.basename(path))[0])
+    modname = f"{prefix}_{stem}_{digest}"
+    mspec = importlib.util.spec_from_file_location(modname, path)
+    if mspec is None or mspec.loader is None:
+        raise ImportError(f"{path}: cannot import")
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[modname] = module
+    try:
+        mspec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(modname, None)
+        raise
+    return module
+
+
+def resolve(spec: str, *, callable_only: bool = True) -> Any:
+    """The object `spec` names: "package.module:attr" or "path/to/file.py:attr" (a path is taken from the
+    working directory). Any failure (no such file or module, an import error inside it, no such attribute, not
+    callable) raises PluginError naming the spec."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise PluginError(f"plug-in {spec!r}: expected 'path/to/file.py:function' or 'package.module:function'")
+    target, attr = spec.rsplit(":", 1)
+    if not attr.isidentifier():
+        raise PluginError(f"plug-in {spec!r}: {attr!r} is not a function name")
+    try:
+        if _is_file(target):
+            path = os.path.abspath(os.path.expanduser(target))
+            if not os.path.isfile(path):
+                raise PluginError(f"plug-in {spec!r}: file {path} does not exist")
+            module = import_file(path)
+        else:
+            module = importlib.import_module(target)
+    except PluginError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the plug-in named
+        raise PluginError(f"plug-in {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from e
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise PluginError(f"plug-in {spec!r}: {target} defines no {attr!r}; it has: {', '.join(public)}") from None
+    if callable_only and not callable(obj):
+        raise PluginError(f"plug-in {spec!r}: {attr} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _origin_of(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+
+
+Validator = Callable[[str, Any], None]
+
+
+class Registry:
+    """Entries of one kind by name (module docstring)."""
+
+    def __init__(self, kind: str, *, signature: str = "", validate: Optional[Validator] = None,
+                 lazy: Optional[Mapping[str, str]] = None, prepare: Optional[Callable[[Any], Any]] = None,
+                 hint: str = ""):
+        self.kind, self.signature, self.hint = kind, signature, hint
+        self._validate = validate
+        self._lazy = dict(lazy or {})  # name -> "module:attr", resolved (and registered) on first use
+        self._prepare = prepare
+        self._entries: dict[str, Any] = {}
+        self._origins: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {len(self.names())} entries)"
+
+    # -------------------------------------------------------------------------------------------- entries
+    def register(self, name: str, *, overwrite: bool = False, origin: Optional[str] = None) -> Callable:
+        """Decorator: ``@registry.register("name")`` adds the object under `name` and returns it unchanged.
+
+        Re-registering a name is an error unless `overwrite` or the object comes from the same place (a module
+        imported twice, a plug-in loaded again on resume)."""
+
+        def deco(obj):
+            self.add(name, obj, overwrite=overwrite, origin=origin)
+            return obj
+
+        return deco
+
+    def add(self, name: str, obj: Any, *, overwrite: bool = False, origin: Optional[str] = None) -> Any:
+        if not callable(obj):
+            raise TypeError(f"{self.kind} {name!r}: {obj!r} is not callable")
+        where = origin or _origin_of(obj)
+        have = self._origins.get(name) or self._lazy.get(name)
+        if have is not None and not overwrite and have != where:
+            raise KeyError(f"{self.kind} {name!r} is already registered (from {have}); pick another name or pass "
+                           f"overwrite=True")
+        self._lazy.pop(name, None)
+        self._entries[name] = obj
+        self._origins[name] = where
+        return obj
+
+    def get(self, name: str) -> Any:
+        """The entry registered as `name`; a KeyError lists what exists and the nearest name."""
+        if name not in self._entries and name in self._lazy:
+            spec = self._lazy[name]
+            self.add(name, resolve(spec), origin=spec)
+        try:
+            return self._entries[name]
+        except KeyError:
+            close = nearest(name, self.names())
+            raise KeyError(f"unknown {self.kind} {name!r}" + (f" (did you mean {close!r}?)" if close else "") +
+                           f"; registered: {', '.join(self.names()) or '(none)'}" +
+                           (f". {self.hint}" if self.hint else "")) from None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self._entries) | set(self._lazy)))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries or name in self._lazy
+
+    def origin(self, name: str) -> Optional[str]:
+        return self._origins.get(name) or self._lazy.get(name)
+
+    def unregister(self, name: str) -> None:
+        """Remove `name` (no error if absent); for tests and interactive sessions."""
+        self._entries.pop(name, None)
+        self._origins.pop(name, None)
+        self._lazy.pop(name, None)
+
+    # -------------------------------------------------------------------------------------------- plug-ins
+    def validate(self, obj: Any, label: Optional[str] = None) -> None:
+        """Run this kind's check on `obj` (raises PluginError); kinds without a check pass."""
+        if self._validate is not None:
+            self._validate(label or _origin_of(obj), obj)
+
+    def load(self, spec: str, name: Optional[str] = None, *, overwrite: bool = False, check: bool = True,
+             label: Optional[str] = None) -> Any:
+        """Resolve `spec` ("file.py:fn" or "pkg.mod:fn"), check it, register it; returns the resolved object.
+
+        `name` defaults to the object's name. Loading the same spec again replaces the earlier entry; taking
+        the name of a different entry (e.g. a built-in) needs `overwrite=True`."""
+        obj = resolve(spec)
+        name = name or getattr(obj, "__name__", None)
+        if not name:
+            raise PluginError(f"plug-in {spec!r}: give it a name (name=...)")
+        label = label or f"{self.kind} plug-in {name!r} ({spec})"
+        origin = f"plugin:{spec}"
+        have = self.origin(name)
+        if have is not None and not overwrite and have != origin:
+            raise PluginError(f"{label}: the name {name!r} is already taken by {have}; choose another name or "
+                              f"pass overwrite=True")
+        if check:
+            self.validate(obj, label)
+        entry = self._prepare(obj) if self._prepare is not None else obj
+        self.add(name, entry, overwrite=True, origin=origin)
+        return obj

@@ -1,0 +1,161 @@
+"""One typed default per config key (jaxrl/utils/schema.py): the family configs build from it, a config not built
+on configs/base.py resolves to the same values, a typo in any block is an error naming the nearest valid key, and
+run_training writes the resolved config to config.json."""
+
+import json
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from configs import base, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny
+from jaxrl.algorithms.run import resolve_config, run_training
+from jaxrl.utils import schema
+from jaxrl.utils.config import ConfigKeyError, to_plain
+
+
+def test_configs_are_built_from_the_schema_without_importing_jax():
+    code = ("import sys\n"
+            "from configs import base, dpo, grpo, ppo, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny\n"
+            "for m in (dpo, grpo, ppo): m.get_config('')\n"
+            "for m in (dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny): m.get_config()\n"
+            "print(sorted(m for m in ('jax', 'flax', 'optax', 'numpy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    for algorithm in ("sft", "dpo", "grpo", "ppo"):
+        assert to_plain(base.get_config(algorithm)) == to_plain(schema.default_config(algorithm))
+
+
+@pytest.mark.parametrize("make", [sft_tiny.get_config, dpo_tiny.get_config, grpo_tiny.get_config,
+                                  ppo_tiny.get_config])
+def test_family_configs_are_complete(make):
+    c = make()
+    before = to_plain(c)
+    assert to_plain(schema.resolve(c)) == before  # nothing to fill, nothing refused
+
+
+@pytest.mark.parametrize("algorithm,given", [
+    ("sft", {"steps": 3, "data": {"seq_len": 32}}),
+    ("dpo", {"dpo": {"beta": 0.2}, "data": {"source": "synthetic"}, "optimizer": {"learning_rate": 1e-5}}),
+    ("grpo", {"grpo": {"num_generations": 4}, "reward": {"name": "token_block"}}),
+    ("ppo", {"ppo": {"epochs": 2}, "lora": {"rank": 8}}),
+])
+def test_a_config_without_base_resolves_like_one_with_it(algorithm, given):
+    bare = ml_collections.ConfigDict({"algorithm": algorithm, **given})
+    resolve_config(bare)
+    expected = base.get_config(algorithm)
+    for key, value in given.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                expected[key][k] = v
+        else:
+            expected[key] = value
+    assert to_plain(bare) == to_plain(expected)
+    # the two defaults that used to disagree between configs/base.py and the trainer
+    assert (bare.dtype, bare.max_consecutive_nonfinite, bare.keep_checkpoints) == ("bfloat16", 10, 2)
+
+
+TYPOS = [  # (algorithm, block ("" = top level), wrong key, the key it should suggest)
+    ("sft", "", "stpes", "steps"),
+    ("sft", "", "max_consecutive_nonfinte", "max_consecutive_nonfinite"),
+    ("sft", "optimizer", "learning_rat", "learning_rate"),
+    ("sft", "lora", "rnak", "rank"),
+    ("sft", "batch", "grad_acum", "grad_accum"),
+    ("sft", "mesh", "shap", "shape"),
+    ("sft", "data", "seq_lenn", "seq_len"),
+    ("dpo", "dpo", "betta", "beta"),
+    ("dpo", "data", "max_lenght", "max_length"),
+    ("grpo", "grpo", "num_generation", "num_generations"),
+    ("grpo", "data", "max_prompt_lenn", "max_prompt_len"),
+    ("grpo", "reward", "scroe", "score"),
+    ("grpo", "reward", "timeout", "timeout_s"),  # a constructor argument of the reward (CodeVerifier)
+    ("ppo", "ppo", "cliprange_valu", "cliprange_value"),
+    ("dpo", "model_overrides", "num_hidden_layer", "num_hidden_layers"),
+]
+
+
+@pytest.mark.parametrize("algorithm,block,wrong,right", TYPOS)
+def test_a_typo_in_any_block_names_the_key_and_the_nearest_valid_one(algorithm, block, wrong, right):
+    c = base.get_config(algorithm)
+    if block:
+        c[block][wrong] = 1
+    else:
+        c[wrong] = 1
+    where = f"{block}." if block else ""
+    with pytest.raises(ConfigKeyError) as info:
+        resolve_config(c)
+    message = str(info.value)
+    assert f"unknown config key '{where}{wrong}'" in message and f"did you mean '{where}{right}'?" in message, message
+
+
+def test_a_value_of_the_wrong_type_names_the_key():
+    # (a ConfigDict refuses such an assignment itself; a config read from JSON or built from dicts does not)
+    c = ml_collections.ConfigDict({"algorithm": "dpo", "dpo": {"beta": "high"}})
+    with pytest.raises(ConfigKeyError, match=r"config key dpo.beta='high': expected float or int, got str"):
+        resolve_config(c)
+    c = ml_collections.ConfigDict({"algorithm": "sft", "steps": True})
+    with pytest.raises(ConfigKeyError, match=r"config key steps=True: expected int"):
+        resolve_config(c)
+    c = ml_collections.ConfigDict({"algorithm": "sft", "mesh": [1, 1, 1]})
+    with pytest.raises(ConfigKeyError, match="expected a block of keys"):
+        resolve_config(c)
+
+
+def test_the_family_configs_json_round_trip(tmp_path):
+    """What a sweep point reads back from config.json (lists for tuples) resolves to the same config."""
+    for make in (dpo_tiny.get_config, grpo_tiny.get_config, ppo_tiny.get_config):
+        c = make()
+        again = resolve_config(ml_collections.ConfigDict(json.loads(c.to_json_best_effort())))
+        assert json.loads(again.to_json_best_effort()) == json.loads(c.to_json_best_effort())
+
+
+def test_a_trainer_of_your_own_may_declare_its_blocks():
+    from jaxrl.utils.config import Block, Key
+
+    def build(config, model, mesh):  # never called here
+        raise AssertionError
+
+    c = ml_collections.ConfigDict({"algorithm": "my_pkg.algo:build", "mine": {"alpha": 2.0}})
+    with pytest.raises(ConfigKeyError, match="unknown config key 'mine'"):
+        resolve_config(c)  # no declared blocks: a block nobody reads is refused
+    build.config_blocks = {"mine": Block("mine", {"alpha": Key(1.0, float), "beta": Key(0.5, float)})}
+    resolve_config(c, build)
+    assert (c.mine.alpha, c.mine.beta, c.dtype, "data" in c) == (2.0, 0.5, "bfloat16", False)
+    c.mine.alhpa = 3.0
+    with pytest.raises(ConfigKeyError, match="did you mean 'mine.alpha'"):
+        resolve_config(c, build)
+
+
+def test_run_training_refuses_a_typo_before_building_anything(tmp_path):
+    c = sft_tiny.get_config()
+    c.optimizer.warmup_step = 2
+    with pytest.raises(ConfigKeyError, match="did you mean 'optimizer.warmup_steps'"):
+        run_training(c, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_training_fills_a_bare_config_and_writes_it_to_config_json(tmp_path):
+    """A config of a few keys trains like one built on configs/base.py: bf16 weights, the non-finite stop at 10,
+    two kept states; config.json holds every resolved key."""
+    bare = ml_collections.ConfigDict({
+        "algorithm": "sft", "steps": 1, "tensorboard": False,
+        "model_overrides": {"num_hidden_layers": 1, "layer_types": ("full_attention",)},
+        "batch": {"micro_batch_size": 1, "grad_accum": 1}, "mesh": {"shape": (1, 1, 1)},
+        "data": {"seq_len": 16}, "lora": {"rank": 2, "alpha": 4.0}, "logprob_chunk_size": 64,
+        "compile_options": {"xla_backend_optimization_level": 0},
+    })
+    result = run_training(bare, str(tmp_path / "run"))
+    assert result.final_step == 1
+    written = json.loads((tmp_path / "run" / "config.json").read_text())
+    expected = base.get_config("sft")
+    for key in ("steps", "tensorboard", "logprob_chunk_size"):
+        expected[key] = bare[key]
+    for block in ("model_overrides", "batch", "mesh", "data", "lora", "compile_options"):
+        for k, v in bare[block].items():
+            expected[block][k] = v
+    assert written == json.loads(expected.to_json_best_effort())
+    assert (written["dtype"], written["max_consecutive_nonfinite"], written["keep_checkpoints"]) == ("bfloat16",
+                                                                                                     10, 2)
+    assert result.state.params and all(str(v.dtype) == "float32" for v in result.state.params.values())
