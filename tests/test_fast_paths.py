@@ -166,6 +166,7 @@ def model(hf_container):
     return qwen35.from_pretrained(hf_container[0], dtype=jnp.float32)
 
 
+@pytest.mark.slow  # ~20-30 s on two idle cores (estimated from a loaded run)
 def test_prefill_mode_cache_equals_the_preallocated_cache_path(model):
     rng = np.random.default_rng(3)
     ids = rng.integers(2, 250, size=(3, 90)).astype(np.int32)
@@ -230,6 +231,7 @@ def test_bf16_decode_state_drift_is_small_and_does_not_grow(model):
     assert float(jnp.max(jnp.abs(s16 - s32))) <= 0.01 * float(jnp.max(jnp.abs(s32)))
 
 
+@pytest.mark.slow  # ~20-30 s on two idle cores (estimated from a loaded run)
 def test_remat_policies_give_the_same_gradients(model):
     """none / matmuls / attention / full / auto: the same LoRA gradients (a remat policy changes what is kept,
     never the result)."""
