@@ -78,7 +78,7 @@ def run_config(name: str, batch: int, prompt_len: int, new_tokens: int, repeats:
 
     def ours_decode() -> float:
         """The decode program alone: first token (from the prefill logits) to the last."""
-        cache, logits = sampler.prefill(params, plan.ids, plan.mask)
+        cache, logits = sampler.prefill(params, plan)
         jax.block_until_ready(logits)
         start = time.perf_counter()
         jax.block_until_ready(sampler.decode(params, cache, logits, plan.row_valid, plan.group_ids,

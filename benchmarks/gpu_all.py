@@ -1,19 +1,25 @@
-"""Every GPU benchmark in one go, within a wall-clock budget (default 9 minutes); JSON per benchmark to --out.
+"""Every GPU benchmark in one go, within a wall-clock budget (default 9 minutes: one
+device call; the first four items are the ones that matter most); JSON per benchmark to --out.
 
     python -m benchmarks.gpu_all                          # on a GPU machine; writes bench_out/gpu_*.json
     python -m benchmarks.gpu_all --out="$OUT" --budget_s=540
     python -m benchmarks.gpu_all --dry_run --out=/tmp/g   # the same scripts, tiny shapes, on the CPU
 
-In order of priority (what has never been measured first), each in its own process so device memory is
-returned between them, each with a time limit that is the smaller of its own cap and what is left of the budget
-(a benchmark is skipped when less than its minimum is left):
+In order of priority, each in its own process so device memory is returned between them, each with a time limit
+that is the smaller of its own cap and what is left of the budget (a benchmark is skipped when less than its
+minimum is left; `--only` picks some):
 
-  1. gpu_train_step_4b   DPO train step (chosen + rejected, policy + adapter-off reference), Qwen3.5-4B shape,
-                         bf16, LoRA r16, seq 4096, full remat: MFU, tokens/s, peak device memory
-  2. gpu_train_step_9b   the same at the 9B shape
-  3. gpu_decode_4b       decode throughput of the rollout engine at the 4B shape (160 x (512 + 256)) against
-                         the HBM-bandwidth bound, peak device memory
-  4. gpu_grpo_4b         one GRPO step's time split at the 4B shape (160 rows, --grpo_new_tokens new tokens)
+  1. gpu_train_step_4b      DPO train step (chosen + rejected, policy + adapter-off reference), Qwen3.5-4B shape,
+                            bf16, LoRA r16, T=4096, micro-batch 1, remat=auto: MFU, tokens/s, peak device memory
+  2. gpu_train_step_9b_mb2  the same at the 9B shape, T=6144, micro-batch 2 (does it fit one H200?)
+  3. gpu_decode_4b          decode of the rollout engine at the 4B shape (160 x (512 + 256)) against the
+                            HBM-bandwidth bound; prefill tokens/s; peak device memory
+  4. gpu_kernels_4b         each kernel alone at the 4B head shapes (benchmarks/bench_kernels.py): attention
+                            fwd + bwd (T=4096), GDN chunked fwd + bwd, the decode update at 160 rows, each
+                            against its roofline
+  5. gpu_grpo_4b            one GRPO step's time split at 20 prompts x 8 samples (--grpo_new_tokens new tokens)
+  6. gpu_train_step_4b_mb2  4B, T=4096, micro-batch 2
+  7. gpu_train_step_9b      9B, T=6144, micro-batch 1
 
 Random weights of the preset shapes (jaxrl/models/qwen35/config.py: qwen35_4b, qwen35_9b); nothing is
 downloaded. Also written: `<out>/gpu_all.json` (every result or failure, the device, the 4B/9B FLOP arithmetic)
@@ -32,18 +38,32 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (module, kwargs of its run(), kwargs for --dry_run, time cap s, minimum time worth starting s)
+# name -> (module, kwargs of its run(), kwargs for --dry_run, time cap s, minimum time worth starting s), in order
+# of priority: what the issue's targets need first (4B DPO MFU, 9B T=6144 fitting with micro-batch 2, decode
+# against the HBM bound, each kernel against its roofline), then the rest.
+_TINY_STEP = dict(tiny=True, seq_len=32, steps=1)
 GPU_BENCHES = {
     "gpu_train_step_4b": ("benchmarks.gpu_train_step",
-                          dict(model="4b", seq_len=4096, pairs_per_device=1, steps=5, remat="full", lora_rank=16),
-                          dict(tiny=True, seq_len=32, steps=1), 300, 90),
-    "gpu_train_step_9b": ("benchmarks.gpu_train_step",
-                          dict(model="9b", seq_len=4096, pairs_per_device=1, steps=5, remat="full", lora_rank=16),
-                          dict(tiny=True, seq_len=32, steps=1), 300, 120),
+                          dict(model="4b", seq_len=4096, pairs_per_device=1, steps=3, remat="auto", lora_rank=16),
+                          _TINY_STEP, 240, 90),
+    "gpu_train_step_9b_mb2": ("benchmarks.gpu_train_step",
+                              dict(model="9b", seq_len=6144, pairs_per_device=2, steps=3, remat="auto",
+                                   lora_rank=16),
+                              dict(_TINY_STEP, pairs_per_device=2), 300, 120),
     "gpu_decode_4b": ("benchmarks.gpu_decode", dict(batch=160, prompt_len=512, new_tokens=256, repeats=2),
                       dict(tiny=True, batch=4, prompt_len=32, new_tokens=16, repeats=1), 180, 90),
+    "gpu_kernels_4b": ("benchmarks.bench_kernels",
+                       dict(shape="4b", batch=1, seq_len=4096, decode_batch=160, repeats=5, reference=False),
+                       dict(tiny=True), 120, 45),
     "gpu_grpo_4b": ("benchmarks.gpu_grpo", dict(prompts=20, k=8, prompt_len=512, max_new_tokens=512, steps=2, mb=8),
                     dict(tiny=True, prompts=2, k=4, prompt_len=8, max_new_tokens=8, steps=2), 300, 150),
+    "gpu_train_step_4b_mb2": ("benchmarks.gpu_train_step",
+                              dict(model="4b", seq_len=4096, pairs_per_device=2, steps=3, remat="auto",
+                                   lora_rank=16),
+                              dict(_TINY_STEP, pairs_per_device=2), 240, 90),
+    "gpu_train_step_9b": ("benchmarks.gpu_train_step",
+                          dict(model="9b", seq_len=6144, pairs_per_device=1, steps=3, remat="auto", lora_rank=16),
+                          _TINY_STEP, 300, 120),
 }
 
 
@@ -65,6 +85,11 @@ def _summary(name: str, r: dict) -> str:
         return (f"{r['shape']} B={r['batch']}: decode {r['decode_tokens_per_s']:,.0f} tok/s "
                 f"({r['ms_per_step']:.1f} ms/step, {r['as_implemented']['fraction_of_bound']:.0%} of the bandwidth "
                 f"bound), prefill {r['prefill_tokens_per_s']:,.0f} tok/s, peak {gib(r.get('peak_device_memory_gib'))}")
+    if name.startswith("gpu_kernels"):
+        frac = lambda k: f"{r[k]['fraction_of_roofline']:.0%} of roofline" if "fraction_of_roofline" in r[k] else ""  # noqa: E731
+        return (f"attention ({r['attention']['implementation']}) fwd+bwd {r['attention']['fast_ms']:.2f} ms "
+                f"{frac('attention')}; GDN fwd+bwd {r['gdn']['fast_ms']:.2f} ms {frac('gdn')}; decode update "
+                f"B={r['decode_update']['batch']} {r['decode_update']['fast_us']:.0f} us {frac('decode_update')}")
     if name.startswith("gpu_grpo"):
         return (f"{r['model']} {r['rows']} rows x {r['max_new_tokens']} new: step {r['step_s']:.1f} s = sample "
                 f"{r['sample_s']:.1f} + score {r['score_s']:.2f} + ref {r['ref_logp_s']:.1f} + update "
@@ -75,7 +100,8 @@ def _summary(name: str, r: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_out"))
-    ap.add_argument("--budget_s", type=float, default=540.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--budget_s", type=float, default=540.0, help="wall-clock budget of the whole run (what does "
+                    "not fit is skipped, in the order of GPU_BENCHES)")
     ap.add_argument("--only", default="", help="comma list of: " + ", ".join(GPU_BENCHES))
     ap.add_argument("--grpo_new_tokens", type=int, default=512, help="GRPO cap on new tokens (users' runs: 4096)")
     ap.add_argument("--dry_run", action="store_true", help="tiny shapes on any backend (a CPU check of the scripts)")
@@ -101,7 +127,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "dry_run": args.dry_run,
               "budget_s": args.budget_s, "device": _device(child_env),
-              "shapes": [shape_report(m, 4096, 1, 16) for m in ("4b", "9b")], "benchmarks": {}}
+              "shapes": [shape_report("4b", 4096, 1, 16), shape_report("9b", 6144, 2, 16)], "benchmarks": {}}
     for name in names:
         module, kwargs, dry_kwargs, cap, minimum = GPU_BENCHES[name]
         kwargs = dict(dry_kwargs if args.dry_run else kwargs)

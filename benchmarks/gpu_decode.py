@@ -83,7 +83,7 @@ def run(tiny: bool = False, batch: int = 160, prompt_len: int = 512, new_tokens:
     mode = sampling_mode(1.0, 1.0, 0, cfg.vocab_size)  # plain sampling at temperature 1 (the rollout setting)
 
     def prefill():
-        out = sampler.prefill(params, plan.ids, plan.mask)
+        out = sampler.prefill(params, plan)
         jax.block_until_ready(out)
         return out
 

@@ -44,7 +44,7 @@ BENCHES: dict[str, dict] = {
     "forward": dict(
         module="benchmarks.bench_forward",
         peer="transformers (torch eager)",
-        full=dict(batch=4, seq_len=512, repeats=5),
+        full=dict(batch=4, seq_len=1024, repeats=5),  # the configuration of issue 15
         quick=dict(batch=2, seq_len=256, repeats=3, lengths=[512, 1024, 2048], recurrent_max=2048)),
     "train_step": dict(
         module="benchmarks.bench_train_step",
@@ -66,6 +66,11 @@ BENCHES: dict[str, dict] = {
         peer="TRL DPOTrainer + PEFT",
         full=dict(pairs=4, prompt_len=128, completion_len=127, steps=6, warmup=2, rounds=2),
         quick=dict(pairs=2, prompt_len=64, completion_len=63, steps=3, warmup=2, rounds=1)),
+    "kernels": dict(
+        module="benchmarks.bench_kernels",
+        peer="the formulation each replaced (jaxrl, same process, interleaved)",
+        full=dict(shape="small", batch=4, seq_len=1024, decode_batch=8, repeats=5),
+        quick=dict(shape="small", batch=2, seq_len=512, decode_batch=8, repeats=3)),
     "grpo": dict(
         module="benchmarks.bench_grpo",
         peer=None,  # no peer: where one GRPO step's time goes
@@ -150,9 +155,20 @@ def rows_grpo(r: dict) -> list[dict]:
     return rows
 
 
+def rows_kernels(r: dict) -> list[dict]:
+    shape = f"{r['shape']} heads, B={r['batch']} T={r['seq_len']} {r['dtype']}; interleaved with the reference"
+    a, g, d = r["attention"], r["gdn"], r["decode_update"]
+    return [_row("kernels", f"attention fwd+bwd ({a['implementation']}) vs dense masked", a["fast_ms"],
+                 a["reference_ms"], "ms", higher_is_better=False, notes=shape),
+            _row("kernels", "GDN chunked fwd+bwd vs token recurrence", g["fast_ms"], g["reference_ms"], "ms",
+                 higher_is_better=False, notes=f"{shape}; chunk {g['chunk_size']}"),
+            _row("kernels", "GDN decode update vs recurrence", d["fast_us"], d["reference_us"], "us",
+                 higher_is_better=False, notes=f"{d['batch']} rows, fp32 state")]
+
+
 ROWS: dict[str, Callable[[dict], list[dict]]] = {
     "forward": rows_forward, "train_step": rows_train_step, "decode": rows_decode, "verifier": rows_verifier,
-    "dpo": rows_dpo, "grpo": rows_grpo}
+    "dpo": rows_dpo, "kernels": rows_kernels, "grpo": rows_grpo}
 
 
 # ------------------------------------------------------------------------------------------------ machine

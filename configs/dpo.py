@@ -135,6 +135,4 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.pairs = o.get("pairs", "")
     c.data.max_length = int(o.get("max_length", 2048))
     c.data.expected_pairs = int(o.get("expected_pairs", 0))
-    # Long sequences: recompute activations in the backward pass instead of storing them all.
-    c.remat = "full" if c.data.max_length > 2560 else "none"
     return c

@@ -40,7 +40,8 @@ The users' runs (the users' report). Values the report does not state are marked
 Every run: the code verifier's partial reward (`reward.name=code`, `reward.score=partial`), temperature 1.0,
 group-scaled advantages, clip 0.2, k3 KL to the base weights (adapters off, precomputed once per rollout),
 `sequence_mean` aggregation (TRL's grpo loss), one optimizer update per rollout (on-policy), checkpoints every
-4 steps, AdamW with linear decay, clipping 1.0, bf16 base weights, full rematerialisation.
+4 steps, AdamW with linear decay, clipping 1.0, bf16 base weights, rematerialisation chosen from the
+memory estimate (`remat=auto`).
 """
 
 import os
@@ -133,6 +134,4 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.max_prompt_len = int(o.get("prompt_len", 2048))
     c.reward.name = "code"
     c.reward.score = "partial"
-    # Long sequences: recompute activations in the backward pass instead of storing them all.
-    c.remat = "full" if c.data.max_prompt_len + c.grpo.max_new_tokens > 2560 else "none"
     return c

@@ -87,5 +87,4 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.max_prompt_len = int(o.get("prompt_len", 2048))
     c.reward.name = "code"
     c.reward.score = "partial"
-    c.remat = "full" if c.data.max_prompt_len + c.ppo.max_new_tokens > 2560 else "none"
     return c

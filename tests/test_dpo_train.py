@@ -386,7 +386,7 @@ def test_family_config_reproduces_the_users_runs():
         assert c.batch.micro_batch_size * c.batch.grad_accum == 8 and c.dpo.loss_type == "sigmoid"
     c = family.get_config("run=m0_initial,model=9b,lora=r32,lr=5e-6,mb=2,loss=sigmoid+sft,max_length=6144")
     assert (c.lora.rank, c.lora.alpha, c.optimizer.learning_rate, c.batch.micro_batch_size, c.batch.grad_accum,
-            c.dpo.loss_type, c.remat, c.dpo.beta) == (32, 64.0, 5e-6, 2, 4, "sigmoid,sft", "full", 0.05)
+            c.dpo.loss_type, c.remat, c.dpo.beta) == (32, 64.0, 5e-6, 2, 4, "sigmoid,sft", "auto", 0.05)
     with pytest.raises(ValueError, match="unknown override key 'learning_rate'"):
         family.get_config("learning_rate=1e-6")
     with pytest.raises(ValueError, match=r"lora='r8'"):

@@ -37,10 +37,7 @@ STDLIB_INSIDE_OK = {"jaxrl.rewards._sandbox_server": "runs as PID 1 of the sandb
 # Cycles allowed for now: frozensets of the modules involved, with the reason.
 CYCLES_OK: dict = {}
 # (importing module, imported module, name): private names still imported across modules, with the reason.
-PRIVATE_OK = {
-    ("jaxrl.models.qwen35.model", "jaxrl.models.qwen35.layers", "_normal"):
-        "layers.py is being changed on the perf branch; make the initialiser public after that merge",
-}
+PRIVATE_OK: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)

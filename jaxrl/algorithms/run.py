@@ -70,7 +70,7 @@ def _check_model_overrides(config) -> None:
 
 def build_model(config, mesh=None):
     """The base model from `model_path` (HF folder) or `model_preset` (+ `model_overrides`, random init with
-    `model_seed`), in `dtype`, with `remat`; then LoRA from `config.lora` (A drawn with `seed`)."""
+    `model_seed`), in `dtype`, with `remat` and the compute settings (qwen35.COMPUTE_FIELDS); then LoRA from `config.lora` (A drawn with `seed`)."""
     schema.CORE.resolve(config, strict=False)
     dtype = jnp.dtype(config.dtype)
     remat = config.remat
@@ -90,6 +90,7 @@ def build_model(config, mesh=None):
         except TypeError as e:
             raise ValueError(f"model_overrides={overrides}: {e}") from e
         model = init_model_jit(model_cfg, dtype, int(config.model_seed), remat, mesh)
+    model.set_compute(**{k: config[k] for k in qwen35.COMPUTE_FIELDS})
     report = apply_lora_from_config(model, config.lora, seed=int(config.seed))
     logging.info("LoRA on %d modules (%s): %d trainable of %d parameters", len(report["modules"]),
                  ", ".join(f"{k} x{v}" for k, v in report["by_name"].items()), report["trainable_params"],

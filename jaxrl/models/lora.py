@@ -11,8 +11,10 @@ Math (PEFT `lora.Linear`): `y = W x + s * B (A dropout(x))` with `A [r, in]` (ka
 `s = alpha / r`, or `alpha / sqrt(r)` with rsLoRA. A and B are stored exactly as PEFT stores
 `lora_A.weight` / `lora_B.weight`, so export is the rename `<module>.lora.lora_A` -> `<module>.lora_A.weight`.
 
-Adapters are kept in fp32 and computed in fp32 (the input is cast up, as PEFT casts it to the adapter dtype),
-whatever the base dtype; the result is cast back to the base output dtype before it is added.
+Adapters are kept in fp32. They compute in the input's dtype with fp32 accumulation: in a bf16 model the two
+adapter matmuls take bf16 operands (the factors are rounded to bf16 for the product, the rank-r hidden too) and
+accumulate in fp32; in an fp32 model everything is fp32, PEFT's arithmetic. The result is cast to the base output
+dtype before it is added.
 
 Targets (`apply_lora(targets=...)`), matched against module paths such as `layers.3.self_attn.q_proj`:
   * `"all-linear"`: the 12 language-tower projections (ALL_LINEAR), never `lm_head`;
@@ -38,6 +40,7 @@ from typing import Iterator, Optional, Union
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.layers import Linear
 from jaxrl.utils.schema import LORA
@@ -63,7 +66,7 @@ class LoRADropoutKey(nnx.Variable):
 
 
 class LoRA(nnx.Module):
-    """One adapter: `__call__(x [..., in]) -> s * B A x  [..., out]` in fp32.
+    """One adapter: `__call__(x [..., in]) -> s * B A x  [..., out]` (fp32 result, x's dtype operands).
 
     Attributes: `lora_A: LoRAParam [r, in]`, `lora_B: LoRAParam [out, r]`, `scale` (float), `enabled` (bool,
     read at trace time by `Linear`), `dropout` (float), `dropout_active` (bool, set by `lora_dropout`).
@@ -92,17 +95,52 @@ class LoRA(nnx.Module):
         self.dropout_key = LoRADropoutKey(jnp.zeros((2,), jnp.uint32)) if dropout > 0 else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
+        compute = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        x = x.astype(compute)
         if self.dropout_active and self.dropout > 0:
             key = jax.random.wrap_key_data(self.dropout_key[...])
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
-            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0)
-        h = jnp.einsum("...i,ri->...r", x, self.lora_A[...])
-        return jnp.einsum("...r,or->...o", h, self.lora_B[...]) * self.scale
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(compute)
+        return low_rank_product(x, self.lora_A[...].astype(compute), (self.lora_B[...] * self.scale).astype(compute))
 
     def delta_weight(self) -> jax.Array:
         """`s * B @ A`, [out, in] fp32: what a merge adds to the base weight (PEFT `get_delta_weight`)."""
         return self.scale * (self.lora_B[...] @ self.lora_A[...])
+
+
+@jax.custom_vjp
+def low_rank_product(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """(x A^T) B^T for x [..., in], A [r, in], B [out, r], all in one dtype: fp32 result, fp32 accumulation.
+
+    The backward is written out so that each factor's gradient contracts over the tokens with the thin [N, r]
+    operand transposed (dA = dh^T x, dB = (h^T dy)^T) rather than the wide [N, in] / [N, out] one: left to
+    itself XLA rewrites dB as dy^T h and, on the CPU, copies dy transposed first (the largest cost of a LoRA
+    step there). An optimization barrier keeps the [r, out] product from being rewritten.
+    """
+    h = jnp.einsum("...i,ri->...r", x, a, preferred_element_type=jnp.float32)
+    return jnp.einsum("...r,or->...o", h.astype(x.dtype), b, preferred_element_type=jnp.float32)
+
+
+def _low_rank_fwd(x, a, b):
+    h = jnp.einsum("...i,ri->...r", x, a, preferred_element_type=jnp.float32).astype(x.dtype)
+    h = checkpoint_name(h, "lora_hidden")
+    return jnp.einsum("...r,or->...o", h, b, preferred_element_type=jnp.float32), (x, a, b, h)
+
+
+def _low_rank_bwd(residuals, d_out):
+    x, a, b, h = residuals
+    d_out = d_out.astype(x.dtype)
+    d_h = jnp.einsum("...o,or->...r", d_out, b, preferred_element_type=jnp.float32).astype(x.dtype)
+    batch = "".join(chr(ord("A") + i) for i in range(x.ndim - 1))  # the token dimensions, contracted
+    d_b_t = jax.lax.optimization_barrier(
+        jnp.einsum(f"{batch}r,{batch}o->ro", h, d_out, preferred_element_type=jnp.float32))
+    d_a = jax.lax.optimization_barrier(
+        jnp.einsum(f"{batch}r,{batch}i->ri", d_h, x, preferred_element_type=jnp.float32))
+    d_x = jnp.einsum("...r,ri->...i", d_h, a, preferred_element_type=jnp.float32)
+    return d_x.astype(x.dtype), d_a.astype(a.dtype), d_b_t.T.astype(b.dtype)
+
+
+low_rank_product.defvjp(_low_rank_fwd, _low_rank_bwd)
 
 
 def kaiming_uniform(key: jax.Array, rank: int, in_features: int) -> jax.Array:

@@ -1,15 +1,33 @@
-"""The gated delta rule (Gated DeltaNet core), in a chunked form for sequences and a recurrent form for decode.
+"""The gated delta rule (Gated DeltaNet core): a chunked form for sequences, a one-pass update for decode, and the
+token-by-token recurrence as the reference.
 
 Recurrence per value head h (docs/qwen35-architecture.md §3.1), with state S [dk, dv] in fp32:
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,        o_t = S_t^T q_t
 
-after q and k are L2-normalised and q is scaled by dk^-0.5. Value head h reads key head h // (Hv / Hk).
+after q and k are L2-normalised and q is scaled by dk^-0.5. Value head h reads key head h // (Hv / Hk): the
+value heads are grouped [Hk, Hv / Hk] and every product with q or k broadcasts the key head over its group, so
+q and k are never repeated to Hv heads.
 
-The chunked form (§3.2) processes C tokens at a time: everything inside a chunk is a handful of [C, C] and
-[C, d] matmuls computed for all chunks at once; only the [dk, dv] state is carried by one `lax.scan` over the
-T / C chunks. Cost is linear in T. The recurrent form is a scan over tokens and is what decode uses (T = 1).
-Both take and return the state, so a prefix plus a continuation equals one pass.
+`chunk_gated_delta_rule` (§3.2) processes C tokens at a time (C = `chunk_size`, the model's `gdn_chunk_size`).
+Everything inside a chunk is computed for all chunks at once; one `lax.scan` over the T / C chunks carries the
+[dk, dv] state and does only the two state products (v_new = U - W S and S <- decay S + k'^T v_new); the
+outputs o = q' S + intra v_new are computed after the scan for every chunk at once, as large batched matmuls.
+
+Dtypes: the decays, their cumulative sums, the triangular inverse and the carried state are fp32. With bf16
+inputs the matmul operands (q, k, v, W, the state as read by a product, the intra-chunk weights) are bf16 and
+every product accumulates in fp32 (`preferred_element_type`), like fla's kernels; with fp32 inputs everything
+is fp32. Measured against the fp32 path on random unit-scale inputs (B=2, T=300, Hk=2, Hv=4, d=64,
+tests/test_gated_delta_fast.py): the bf16 path's output error is about 1% of the output scale (bound asserted:
+3%), of the same order as rounding the fp32 output itself to bf16 several times over.
+
+`gated_delta_decode_step` is the T = 1 update. It reads the state once for both products it needs (S^T k and
+S^T q, one dot against the stacked [k; q]) and writes it once:
+    o = a S^T q + (k . q) delta,   S' = a S + k delta^T,   delta = beta (v - a S^T k),   a = exp(g)
+which equals the recurrence exactly in exact arithmetic. The state may be stored in bf16 (the model's
+`gdn_state_dtype`): it is read into fp32, updated in fp32 and rounded once per step when written back.
+
+Both forms take and return the state, so a prefix plus a continuation equals one pass.
 """
 
 from __future__ import annotations
@@ -27,21 +45,15 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
 
 
-def _prepare(q, k, v, g, beta):
-    """GQA repeat, fp32, L2 norm, q scaling; move heads before time: [B, H, T, d] and [B, H, T]."""
-    num_k_heads, num_v_heads = k.shape[2], v.shape[2]
+def compute_dtype(dtype) -> jnp.dtype:
+    """The matmul operand dtype of the chunked form: bf16 for bf16 inputs, fp32 otherwise."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else jnp.dtype(jnp.float32)
+
+
+def _check_heads(num_k_heads: int, num_v_heads: int) -> int:
     if num_v_heads % num_k_heads:
         raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
-    rep = num_v_heads // num_k_heads
-    if rep > 1:  # value head h uses key head h // rep (repeat-interleave, as HF/PEFT/vLLM do)
-        q = jnp.repeat(q, rep, axis=2)
-        k = jnp.repeat(k, rep, axis=2)
-    f32 = jnp.float32
-    q = _l2norm(q.astype(f32)) * (q.shape[-1] ** -0.5)
-    k = _l2norm(k.astype(f32))
-    to_bhtd = lambda x: jnp.swapaxes(x, 1, 2)
-    return (to_bhtd(q), to_bhtd(k), to_bhtd(v.astype(f32)), jnp.swapaxes(g.astype(f32), 1, 2),
-            jnp.swapaxes(beta.astype(f32), 1, 2))
+    return num_v_heads // num_k_heads
 
 
 def _unit_lower_inverse(strict: jax.Array) -> jax.Array:
@@ -68,22 +80,22 @@ def _unit_lower_inverse(strict: jax.Array) -> jax.Array:
     return jnp.concatenate([top, jnp.concatenate([lower_left, d_inv], axis=-1)], axis=-2)
 
 
-def solve_unit_lower(strict: jax.Array, rhs: jax.Array, method: str = "auto") -> jax.Array:
-    """X with (I + strict) X = rhs, for strictly lower-triangular `strict` [..., C, C] and rhs [..., C, n].
+def unit_lower_inverse(strict: jax.Array, method: str = "auto") -> jax.Array:
+    """(I + strict)^-1 for strictly lower-triangular `strict` [..., C, C].
 
-    "matmul" (the default, "auto"): the exact inverse from matmuls only (`_unit_lower_inverse`: block
-    recursion over nilpotent-series 16 x 16 blocks), which every backend runs fast. "triangular": XLA's batched
-    triangular solve; kept as a cross-check, it is erratic on CPU (measured 20-50x slower than the matmul form at
-    batch >= 128 chunks) and slow on accelerators.
+    "matmul" (the default, "auto"): the exact inverse from matmuls only (`_unit_lower_inverse`: block recursion
+    over nilpotent-series 16 x 16 blocks), which every backend runs fast. "triangular": XLA's batched triangular
+    solve against the identity; kept as a cross-check, it is erratic on CPU (measured 20-50x slower than the
+    matmul form at batch >= 128 chunks) and slow on accelerators.
     """
     if method == "auto":
         method = "matmul"
     if method == "triangular":
-        eye = jnp.eye(strict.shape[-1], dtype=strict.dtype)
-        return solve_triangular(strict + eye, rhs, lower=True, unit_diagonal=True)
+        eye = jnp.broadcast_to(jnp.eye(strict.shape[-1], dtype=strict.dtype), strict.shape)
+        return solve_triangular(strict + eye, eye, lower=True, unit_diagonal=True)
     if method != "matmul":
         raise ValueError(f"method must be 'auto', 'triangular' or 'matmul', got {method!r}")
-    return _unit_lower_inverse(strict) @ rhs
+    return _unit_lower_inverse(strict)
 
 
 def chunk_gated_delta_rule(
@@ -92,71 +104,120 @@ def chunk_gated_delta_rule(
     v: jax.Array,  # [B, T, Hv, dv]
     g: jax.Array,  # [B, T, Hv] log-decay (<= 0)
     beta: jax.Array,  # [B, T, Hv]
-    initial_state: Optional[jax.Array] = None,  # [B, Hv, dk, dv] fp32
+    initial_state: Optional[jax.Array] = None,  # [B, Hv, dk, dv], fp32 (or bf16 storage)
     chunk_size: int = 64,
     solve_method: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] fp32)."""
+    f32 = jnp.float32
     out_dtype = v.dtype
-    batch, seq_len = q.shape[:2]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    num_heads, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
+    cd = compute_dtype(v.dtype)
+    batch, seq_len, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[2], v.shape[3]
+    rep = _check_heads(num_k_heads, num_v_heads)
     C = chunk_size
     pad = (-seq_len) % C
-    if pad:  # padded steps have g = 0 and beta = 0, so they leave the state untouched
-        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
-        g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
     n_chunks = (seq_len + pad) // C
-    chunked = lambda x: x.reshape(batch, num_heads, n_chunks, C, *x.shape[3:])
-    q, k, v, g, beta = map(chunked, (q, k, v, g, beta))
 
-    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C] log of the decay from the chunk start to position i
+    # Key heads [B, Hk, N, C, dk]; value heads grouped by their key head [B, Hk, N, r, C, *] (batch dimensions of
+    # every product leading, which XLA:CPU needs for bf16 x bf16 -> fp32 dots).
+    def key_heads(x):
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
+        x = x.reshape(batch, n_chunks, C, num_k_heads, x.shape[-1])
+        return jnp.transpose(x, (0, 3, 1, 2, 4)).astype(cd)
+
+    def value_heads(x):
+        tail = x.shape[3:]
+        if pad:  # padded steps have g = 0 and beta = 0: they leave the state untouched
+            x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        x = x.reshape(batch, n_chunks, C, num_k_heads, rep, *tail)
+        return jnp.transpose(x, (0, 3, 1, 4, 2) + tuple(range(5, x.ndim)))
+
+    q = key_heads(_l2norm(q.astype(f32)) * (dk ** -0.5))
+    k = key_heads(_l2norm(k.astype(f32)))
+    v = value_heads(v).astype(cd)
+    g = value_heads(g.astype(f32))
+    beta = value_heads(beta.astype(f32))
+
+    cum = jnp.cumsum(g, axis=-1)  # [B, Hk, N, r, C]: log of the decay from the chunk start to position i
     lower = jnp.tril(jnp.ones((C, C), dtype=bool))
     # exp(cum_i - cum_j) for j <= i; the upper triangle is masked *before* exp so it cannot overflow.
-    log_decay = jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf)
-    decay = jnp.exp(log_decay)  # [B, H, N, C, C]
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, Hk, N, r, C, C]
 
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
-    # WY/UT representation of the C delta-rule updates of a chunk: solve (I + strictly_lower(A)) X = RHS.
-    a_mat = jnp.einsum("...id,...jd->...ij", k_beta, k) * decay
-    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = solve_unit_lower(jnp.tril(a_mat, -1), rhs, solve_method)
-    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]  # [B,H,N,C,dv], [B,H,N,C,dk]
+    dot = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=f32)  # noqa: E731
+    kk = dot("bhncd,bhnsd->bhncs", k, k)[:, :, :, None]  # [B, Hk, N, 1, C, C], shared by the key head's group
+    qk = dot("bhncd,bhnsd->bhncs", q, k)[:, :, :, None]
+    # WY/UT representation of the C delta-rule updates of a chunk: with A_ij = beta_i (k_i . k_j) L_ij (i > j),
+    # U = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta exp(cum)) K.
+    inverse = unit_lower_inverse(jnp.tril(kk * beta[..., :, None] * decay, -1), solve_method)
+    inverse = inverse * beta[..., None, :]
+    new_values = dot("bhnrcs,bhnrsv->bhnrcv", inverse.astype(cd), v)  # U [B, Hk, N, r, C, dv] fp32
+    k_cumdecay = dot("bhnrcs,bhnsd->bhnrcd", (inverse * jnp.exp(cum)[..., None, :]).astype(cd), k)  # W
+    intra = (qk * decay).astype(cd)  # causal attention inside the chunk, diagonal kept
+    to_end = jnp.exp(cum[..., -1:] - cum)  # decay from position i to the chunk's end
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, Hk, N, r]
 
-    intra = jnp.einsum("...id,...jd->...ij", q, k) * decay  # causal attention inside the chunk, diagonal kept
-    q_decayed = q * jnp.exp(cum)[..., None]
-    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])  # [B, H, N]
-
-    state0 = (jnp.zeros((batch, num_heads, dk, dv), jnp.float32) if initial_state is None
-              else initial_state.astype(jnp.float32))
+    state0 = (jnp.zeros((batch, num_k_heads, rep, dk, dv), f32) if initial_state is None
+              else initial_state.astype(f32).reshape(batch, num_k_heads, rep, dk, dv))
 
     def step(state, xs):
-        u, w, qd, kd, att, dec = xs  # one chunk: [B,H,C,dv], [B,H,C,dk], [B,H,C,dk], [B,H,C,dk], [B,H,C,C], [B,H]
-        v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, state)
-        out = jnp.einsum("bhck,bhkv->bhcv", qd, state) + jnp.einsum("bhcs,bhsv->bhcv", att, v_new)
-        state = state * dec[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new)
-        return state, out
+        u, w, k_c, end, dec = xs  # [B,Hk,r,C,dv] f32, [B,Hk,r,C,dk], [B,Hk,C,dk], [B,Hk,r,C], [B,Hk,r]
+        read = state.astype(cd)
+        v_new = u - dot("bhrcd,bhrdv->bhrcv", w, read)
+        update = dot("bhcd,bhrcv->bhrdv", k_c, (v_new * end[..., None]).astype(cd))
+        return state * dec[..., None, None] + update, (read, v_new.astype(cd))
 
-    chunk_first = lambda x: jnp.moveaxis(x, 2, 0)
-    final_state, outs = jax.lax.scan(
-        step, state0, tuple(map(chunk_first, (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))))
-    o = jnp.moveaxis(outs, 0, 2).reshape(batch, num_heads, n_chunks * C, dv)[:, :, :seq_len]
-    return jnp.swapaxes(o, 1, 2).astype(out_dtype), final_state
+    chunk_first = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
+    final_state, (states, v_new) = jax.lax.scan(
+        step, state0, tuple(map(chunk_first, (new_values, k_cumdecay.astype(cd), k, to_end, chunk_decay))))
+    states = jnp.moveaxis(states, 0, 2)  # [B, Hk, N, r, dk, dv]: the state entering each chunk
+    v_new = jnp.moveaxis(v_new, 0, 2)  # [B, Hk, N, r, C, dv]
+    o = (dot("bhncd,bhnrdv->bhnrcv", q, states) * jnp.exp(cum)[..., None]
+         + dot("bhnrcs,bhnrsv->bhnrcv", intra, v_new))
+    o = jnp.transpose(o, (0, 2, 4, 1, 3, 5)).reshape(batch, n_chunks * C, num_v_heads, dv)[:, :seq_len]
+    return o.astype(out_dtype), final_state.reshape(batch, num_v_heads, dk, dv)
+
+
+def gated_delta_decode_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                            state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token for every row: q, k [B, Hk, dk]; v [B, Hv, dv]; g, beta [B, Hv]; state [B, Hv, dk, dv] (fp32,
+    or bf16 storage). Returns (o [B, Hv, dv] in v's dtype, new state in state's dtype); math in fp32."""
+    f32 = jnp.float32
+    batch, num_k_heads, dk = k.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    rep = _check_heads(num_k_heads, num_v_heads)
+    q = _l2norm(q.astype(f32)) * (dk ** -0.5)
+    k = _l2norm(k.astype(f32))
+    s = state.astype(f32).reshape(batch, num_k_heads, rep, dk, dv)
+    a = jnp.exp(g.astype(f32)).reshape(batch, num_k_heads, rep, 1)
+    b = beta.astype(f32).reshape(batch, num_k_heads, rep, 1)
+    read = jnp.einsum("bhrkv,bhik->bhriv", s, jnp.stack([k, q], axis=2))  # S^T k and S^T q in one pass
+    delta = b * (v.astype(f32).reshape(batch, num_k_heads, rep, dv) - a * read[:, :, :, 0])
+    k_dot_q = jnp.sum(k * q, axis=-1)[:, :, None, None]
+    o = a * read[:, :, :, 1] + k_dot_q * delta
+    new_state = a[..., None] * s + k[:, :, None, :, None] * delta[:, :, :, None, :]
+    return (o.reshape(batch, num_v_heads, dv).astype(v.dtype),
+            new_state.reshape(batch, num_v_heads, dk, dv).astype(state.dtype))
 
 
 def recurrent_gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     initial_state: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Token-by-token form; same arguments and results as `chunk_gated_delta_rule`."""
+    """The reference recurrence token by token (§3.1, written as HF writes it, key heads repeated to the value
+    heads); same arguments and results as `chunk_gated_delta_rule`."""
+    f32 = jnp.float32
     out_dtype = v.dtype
     batch = q.shape[0]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    num_heads, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
-    state0 = (jnp.zeros((batch, num_heads, dk, dv), jnp.float32) if initial_state is None
-              else initial_state.astype(jnp.float32))
+    rep = _check_heads(k.shape[2], v.shape[2])
+    if rep > 1:  # value head h uses key head h // rep (repeat-interleave, as HF/PEFT/vLLM do)
+        q = jnp.repeat(q, rep, axis=2)
+        k = jnp.repeat(k, rep, axis=2)
+    q = _l2norm(q.astype(f32)) * (q.shape[-1] ** -0.5)
+    k = _l2norm(k.astype(f32))
+    num_heads, dk, dv = v.shape[2], k.shape[-1], v.shape[-1]
+    state0 = (jnp.zeros((batch, num_heads, dk, dv), f32) if initial_state is None
+              else initial_state.astype(f32))
 
     def step(state, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B,H,dk], [B,H,dk], [B,H,dv], [B,H], [B,H]
@@ -166,7 +227,8 @@ def recurrent_gated_delta_rule(
         state = state + k_t[..., :, None] * delta[..., None, :]
         return state, jnp.einsum("bhkv,bhk->bhv", state, q_t)
 
-    time_first = lambda x: jnp.moveaxis(x, 2, 0)
-    final_state, outs = jax.lax.scan(step, state0, tuple(map(time_first, (q, k, v, g, beta))))
+    time_first = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
+    final_state, outs = jax.lax.scan(step, state0, tuple(map(time_first, (q, k, v.astype(f32), g.astype(f32),
+                                                                           beta.astype(f32)))))
     o = jnp.moveaxis(outs, 0, 1)  # [B, T, H, dv]
     return o.astype(out_dtype), final_state

@@ -6,7 +6,11 @@
 The B*T rows are processed `chunk_size` at a time under `jax.checkpoint`: the forward keeps only the [B, T]
 results, and the backward recomputes each chunk's [chunk, V] logits instead of storing them, so peak memory is
 one chunk of fp32 logits (chunk_size * V * 4 bytes: 512 rows of the 248k vocab = 0.5 GB) instead of B*T*V.
-Logits are accumulated in fp32 whatever the dtype of `hidden` and the head (`preferred_element_type`).
+Logits are accumulated in fp32 whatever the dtype of `hidden` and the head (`preferred_element_type`). The
+backward of the head product runs in the operands' dtype (`jaxrl.ops.matmul.project`): the fp32 logit
+cotangent is rounded to bf16 in a bf16 model before its products with the head weight and the hidden states
+(fp32 accumulation), instead of an fp32 x bf16 product (TF32 on a GPU, an fp32 copy of the [V, H] head on the
+CPU). In an fp32 model it is the plain fp32 gradient.
 
 `temperature` divides the logits first (what sampling at that temperature used; GRPO/PPO importance ratios).
 """
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxrl.ops.matmul import project
 
 
 def token_logprobs(hidden: jax.Array, head_weight: jax.Array, targets: jax.Array, *, chunk_size: int = 512,
@@ -46,7 +52,7 @@ def token_logprobs(hidden: jax.Array, head_weight: jax.Array, targets: jax.Array
 
     @jax.checkpoint
     def one_chunk(h_c, t_c):
-        logits = jnp.einsum("ch,vh->cv", h_c, head_weight, preferred_element_type=jnp.float32)
+        logits = project(h_c, head_weight, jnp.float32)
         if inv_temp != 1.0:
             logits = logits * inv_temp
         lse = jax.nn.logsumexp(logits, axis=-1)

@@ -14,9 +14,13 @@
 
 How a batch runs (one compiled program each, per bucket; nothing in Python per token):
 
-  1. prefill(graphdef, params, ids [B, P], mask [B, P]): left-padded prompts in one pass (chunked delta rule in
-     the linear layers, attention layers write the preallocated KV cache of P + max_new_tokens slots); returns
-     the cache and the logits of each row's last prompt token.
+  1. prefill(graphdef, params, ids [B, P], mask [B, P], source [B]): each *distinct* prompt of the batch once
+     (rows [0, U) of ids hold the U distinct prompts, left-padded), in the training-style pass (fused attention
+     over the prompt alone, chunked delta rule); the caches of P + max_new_tokens slots and the last-token
+     logits are then copied to the rows that sample from each prompt (row r copies prompt source[r]). The pass
+     runs on the first U' rows only, U' the smallest of a few static sizes (B/8, B/2, B) that holds the U
+     prompts, chosen at run time by `lax.switch`: n samples of a prompt cost one prefill, not n, and the
+     program still compiles once per (batch bucket, prompt bucket).
   2. decode(graphdef, params, cache, logits, ...): a `lax.while_loop`; each iteration samples one token per row
      from the current logits (sampling.py), writes it into a [B, max_new_tokens] buffer together with its
      log-probability, marks rows that produced a stop token as done, and runs the model on the new tokens
@@ -114,18 +118,37 @@ def shard_params(params, mesh: Mesh):
 # ---------------------------------------------------------------------------------------------------------------
 # The two compiled programs
 
-@partial(jax.jit, static_argnames=("graphdef", "cache_len", "mesh"))
-def _prefill(graphdef, params: tuple, ids: jax.Array, mask: jax.Array, *, cache_len: int,
-             mesh: Optional[Mesh]) -> tuple[Cache, jax.Array]:
-    """ids, mask [B, P] (left-padded) -> (cache with P + max_new slots, logits of the last position [B, V] f32)."""
+def prefill_sizes(batch: int, multiple: int = 1) -> tuple[int, ...]:
+    """The static row counts the prefill program chooses among for a batch bucket of `batch` rows: B/8, B/2
+    and B where they are whole multiples of `multiple` (the data-parallel size)."""
+    sizes = {batch}
+    for div in (8, 2):
+        if batch % div == 0 and (batch // div) % multiple == 0:
+            sizes.add(batch // div)
+    return tuple(sorted(sizes))
+
+
+@partial(jax.jit, static_argnames=("graphdef", "cache_len", "sizes", "mesh"))
+def _prefill(graphdef, params: tuple, ids: jax.Array, mask: jax.Array, source: jax.Array, size_index: jax.Array,
+             *, cache_len: int, sizes: tuple, mesh: Optional[Mesh]) -> tuple[Cache, jax.Array]:
+    """ids, mask [B, P] (left-padded; rows [0, U) the distinct prompts), source [B] (the prompt row each row
+    samples from), size_index (int32: run the pass on the first sizes[size_index] >= U rows) -> (cache with
+    P + max_new slots, logits of the last position [B, V] f32), for every row."""
     TRACE_COUNTS[("prefill", ids.shape, cache_len)] += 1
     model = nnx.merge(graphdef, *params)
-    ids, mask = _constrain_rows((ids, mask), mesh)
-    cache = _constrain_rows(model.init_cache(ids.shape[0], cache_len), mesh)
-    hidden, cache = model.hidden_states(ids, mask, cache=cache)
-    # Only the last position's logits are needed: never materialise [B, P, V] (P x 248k floats per row).
-    logits = model.logits_from_hidden(hidden[:, -1]).astype(jnp.float32)
-    return _constrain_rows(cache, mesh), logits
+
+    def run(size: int):
+        rows_ids, rows_mask = _constrain_rows((ids[:size], mask[:size]), mesh)
+        hidden, cache = model.hidden_states(rows_ids, rows_mask, cache_length=cache_len)
+        # Only the last position's logits are needed: never materialise [B, P, V] (P x 248k floats per row).
+        logits = model.logits_from_hidden(hidden[:, -1]).astype(jnp.float32)
+        copy = lambda x: jnp.take(x, source, axis=0)  # noqa: E731  prompt rows -> sampling rows
+        cache = Cache(jax.tree.map(copy, cache.layers), copy(cache.valid), cache.length, copy(cache.next_position))
+        return _constrain_rows((cache, copy(logits)), mesh)
+
+    if len(sizes) == 1:
+        return run(sizes[0])
+    return jax.lax.switch(size_index, [partial(run, size) for size in sizes])
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "mode", "pad_id", "mesh"),
@@ -224,8 +247,10 @@ class PlannedBatch:
     """One program call's inputs, built on the host by `Sampler.plan`."""
 
     rows: np.ndarray  # [b] indices into the flat row list (b <= B: the rest is padding)
-    ids: np.ndarray  # [B, P] int32, left-padded
+    ids: np.ndarray  # [B, P] int32, left-padded: rows [0, U) the batch's distinct prompts, the rest padding
     mask: np.ndarray  # [B, P] int32
+    source: np.ndarray  # [B] int32: the prompt row (of ids) that row k samples from
+    num_prompts: int  # U
     row_valid: np.ndarray  # [B] bool
     group_ids: np.ndarray  # [B] uint32
     sample_ids: np.ndarray  # [B] uint32
@@ -269,6 +294,7 @@ class Sampler:
                              f"{self.prompt_buckets[-1]}")
         self.mesh = mesh
         dp = 1 if mesh is None else mesh.shape[DATA] * mesh.shape[FSDP]
+        self._dp = dp
         if batch_size % dp:
             batch_size += dp - batch_size % dp  # every program's rows must split evenly over the devices
         self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else default_batch_buckets(batch_size,
@@ -338,33 +364,46 @@ class Sampler:
                 ids = np.full((size, bucket), self.pad_id, np.int32)
                 mask = np.zeros((size, bucket), np.int32)
                 mask[:, -1] = 1  # padding rows get one (pad) token so every row has a real last position
+                source = np.zeros((size,), np.int32)
                 gids = np.zeros((size,), np.uint32)
                 sids = np.zeros((size,), np.uint32)
+                prompt_row: dict[int, int] = {}  # prompt index -> its row in ids
                 for k, r in enumerate(chunk):
-                    p = prompts[r // n]
-                    ids[k, bucket - len(p):] = p
-                    mask[k, :] = 0
-                    mask[k, bucket - len(p):] = 1
-                    gids[k] = group_ids[r // n]
+                    j = int(r) // n
+                    if j not in prompt_row:
+                        u = prompt_row[j] = len(prompt_row)
+                        p = prompts[j]
+                        ids[u, bucket - len(p):] = p
+                        mask[u, :] = 0
+                        mask[u, bucket - len(p):] = 1
+                    source[k] = prompt_row[j]
+                    gids[k] = group_ids[j]
                     sids[k] = r % n
                 valid = np.zeros((size,), bool)
                 valid[:len(chunk)] = True
-                batches.append(PlannedBatch(chunk, ids, mask, valid, gids, sids))
+                batches.append(PlannedBatch(chunk, ids, mask, source, len(prompt_row), valid, gids, sids))
         return batches
 
     def run_batch(self, params: tuple, batch: PlannedBatch, mode: SamplingMode, seed: int, temperature: float,
                   top_p: float) -> dict:
         """Prefill + decode of one planned batch; returns the device arrays of `_decode` (not yet fetched)."""
-        ids, mask, valid, gids, sids = batch.ids, batch.mask, batch.row_valid, batch.group_ids, batch.sample_ids
+        valid, gids, sids = batch.row_valid, batch.group_ids, batch.sample_ids
         if self.mesh is not None:
-            put = lambda x: jax.device_put(x, NamedSharding(self.mesh, _batch_spec(x.ndim)))
-            ids, mask, valid, gids, sids = map(put, (ids, mask, valid, gids, sids))
-        cache, logits = self.prefill(params, ids, mask)
+            put = lambda x: jax.device_put(x, NamedSharding(self.mesh, _batch_spec(x.ndim)))  # noqa: E731
+            valid, gids, sids = map(put, (valid, gids, sids))
+        cache, logits = self.prefill(params, batch)
         return self.decode(params, cache, logits, valid, gids, sids, mode, seed, temperature, top_p)
 
-    def prefill(self, params: tuple, ids, mask) -> tuple[Cache, jax.Array]:
-        return _prefill(self.graphdef, params, ids, mask, cache_len=ids.shape[1] + self.max_new_tokens,
-                        mesh=self.mesh)
+    def prefill(self, params: tuple, batch: PlannedBatch) -> tuple[Cache, jax.Array]:
+        """The caches and last-token logits of every row of `batch` (each distinct prompt prefilled once)."""
+        ids, mask, source = batch.ids, batch.mask, batch.source
+        if self.mesh is not None:
+            put = lambda x: jax.device_put(x, NamedSharding(self.mesh, _batch_spec(x.ndim)))  # noqa: E731
+            ids, mask, source = map(put, (ids, mask, source))
+        sizes = prefill_sizes(ids.shape[0], self._dp)
+        index = next(i for i, size in enumerate(sizes) if size >= batch.num_prompts)
+        return _prefill(self.graphdef, params, ids, mask, source, np.int32(index),
+                        cache_len=ids.shape[1] + self.max_new_tokens, sizes=sizes, mesh=self.mesh)
 
     def decode(self, params: tuple, cache: Cache, logits, row_valid, group_ids, sample_ids, mode: SamplingMode,
                seed: int, temperature: float, top_p: float) -> dict:

@@ -27,7 +27,16 @@ TOP = {
     "model_overrides": Key({}, dict, "Qwen35Config fields replacing the preset's (random init only)"),
     "model_seed": Key(0, int, "init seed of a preset model"),
     "dtype": Key("bfloat16", str, "base weights and compute; LoRA factors are always fp32"),
-    "remat": Key("none", str, "activation rematerialisation: none | full | dots | dots_no_batch"),
+    "remat": Key("auto", str, "activation rematerialisation of the training forward: auto (the least "
+                 "recomputation whose estimated activations fit half the device memory after the weights) | none | "
+                 "matmuls (keep projection outputs) | attention (keep attention / GDN outputs) | full | dots | "
+                 "dots_no_batch"),
+    "gdn_chunk_size": Key(64, int, "tokens per chunk of the chunked Gated DeltaNet form (training, prefill)"),
+    "gdn_state_dtype": Key("float32", str, "storage dtype of the Gated DeltaNet state in decode caches: float32 | "
+                           "bfloat16 (half the bytes a decode step moves; fp32 math either way; drift in "
+                           "docs/benchmarks.md)"),
+    "attention_implementation": Key("auto", str, "full-attention kernel: auto (cudnn on a GPU with bf16/fp16, "
+                                    "else xla) | cudnn | xla"),
     "steps": Key(125, int, "train steps (global batches); the schedule's length"),
     "checkpoint_every": Key(4, int, "adapter + training state every N steps (and at the end)"),
     "keep_checkpoints": Key(2, (int, type(None)), "full training states kept (adapters are all kept); None: all"),

@@ -6,12 +6,12 @@
     qwen35.save_pretrained(model, out_dir, base_dir=path)
 """
 
-from jaxrl.models.qwen35.config import (ConfigError, Qwen35Config, load_hf_config, parse_hf_config, qwen35_4b,
-                                        qwen35_9b, tiny, PRESETS)
-from jaxrl.models.qwen35.model import Cache, Qwen35, REMAT_POLICIES, init_model
+from jaxrl.models.qwen35.config import (COMPUTE_FIELDS, ConfigError, Qwen35Config, load_hf_config, parse_hf_config,
+                                        qwen35_4b, qwen35_9b, tiny, PRESETS)
+from jaxrl.models.qwen35.model import Cache, Qwen35, REMAT_CHOICES, REMAT_POLICIES, init_model
 from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.models.qwen35.checkpoint import CheckpointError, from_pretrained, save_pretrained
 
-__all__ = ["Cache", "CheckpointError", "ConfigError", "PRESETS", "Qwen35", "Qwen35Config", "REMAT_POLICIES",
-           "from_pretrained", "init_model", "init_model_jit", "load_hf_config", "parse_hf_config", "qwen35_4b",
+__all__ = ["COMPUTE_FIELDS", "Cache", "CheckpointError", "ConfigError", "PRESETS", "Qwen35", "Qwen35Config",
+           "REMAT_CHOICES", "REMAT_POLICIES", "from_pretrained", "init_model", "init_model_jit", "load_hf_config", "parse_hf_config", "qwen35_4b",
            "qwen35_9b", "save_pretrained", "tiny"]

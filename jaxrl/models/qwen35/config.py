@@ -16,6 +16,9 @@ import json
 import os
 from typing import Any, Optional
 
+from jaxrl.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from jaxrl.utils.schema import TOP as RUN_KEYS
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
@@ -24,6 +27,10 @@ FULL = "full_attention"
 # save_pretrained copies config.json verbatim rather than regenerating it.
 _ACCEPTED_ACTIVATIONS = ("silu",)
 _ACCEPTED_ROPE_TYPES = ("default",)
+GDN_STATE_DTYPES = ("float32", "bfloat16")
+# The computation settings among the fields: they may differ between two models that load the same weights. Each
+# is also a run-config key of the same name, whose default (jaxrl/utils/schema.py) is the field's default.
+COMPUTE_FIELDS = ("gdn_chunk_size", "gdn_state_dtype", "attention_implementation")
 
 
 class ConfigError(ValueError):
@@ -54,8 +61,14 @@ class Qwen35Config:
     pad_token_id: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int | tuple[int, ...]] = None
+    # Computation settings (not part of the HF architecture; `Qwen35.set_compute` changes them on a built model).
     # Chunk length of the chunked gated delta rule (the reference uses 64).
-    gdn_chunk_size: int = 64
+    gdn_chunk_size: int = RUN_KEYS["gdn_chunk_size"].default
+    # Storage dtype of the Gated DeltaNet recurrent state in decode caches: "float32" (the reference, HF's
+    # `mamba_ssm_dtype`) or "bfloat16" (half the bytes a decode step moves; the update's math stays fp32).
+    gdn_state_dtype: str = RUN_KEYS["gdn_state_dtype"].default
+    # Full-attention kernel of training and prefill (jaxrl.ops.attention.resolve_implementation).
+    attention_implementation: str = RUN_KEYS["attention_implementation"].default
 
     def __post_init__(self):
         if not self.layer_types:
@@ -106,6 +119,13 @@ class Qwen35Config:
         if rot <= 0 or rot % 2 or rot > self.head_dim:
             bad("partial_rotary_factor", f"gives {rot} rotary dims for head_dim {self.head_dim}; "
                                          "need an even number in (0, head_dim]")
+        if self.gdn_state_dtype not in GDN_STATE_DTYPES:
+            bad("gdn_state_dtype", f"is {self.gdn_state_dtype!r}; choose one of {GDN_STATE_DTYPES}")
+        if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+            bad("attention_implementation", f"is {self.attention_implementation!r}; choose one of "
+                                            f"{ATTENTION_IMPLEMENTATIONS}")
+        if self.gdn_chunk_size <= 0:
+            bad("gdn_chunk_size", f"must be > 0, got {self.gdn_chunk_size}")
         if not (self.rms_norm_eps > 0):
             bad("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
 

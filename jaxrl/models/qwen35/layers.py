@@ -5,7 +5,11 @@ conversion and PEFT export are renames, never transposes. Every linear layer can
 (`jaxrl.models.lora`), which `Linear.__call__` adds when it is attached and enabled.
 
 Dtypes follow the reference: matmuls in the parameter/compute dtype, fp32 islands in every RMSNorm, in the decay
-`g`, in the whole gated delta rule and in the attention softmax (§2.7).
+`g`, in the gated delta rule's decays, inverse and state, and in the attention softmax (§2.7).
+
+Rematerialisation names (`jax.ad_checkpoint.checkpoint_name`, read by the model's remat policies): every
+projection output is "proj", a LoRA adapter's rank-r hidden "lora_hidden", the attention core's output
+"attention_core" and the gated delta rule's output "gdn_core".
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.config import Qwen35Config
-from jaxrl.ops.attention import gqa_attention
+from jaxrl.ops.attention import cache_attention, causal_attention, compact, uncompact
 from jaxrl.ops.conv import causal_depthwise_conv
-from jaxrl.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step
+from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import apply_partial_rotary
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    """N(0, std^2) drawn in fp32 and cast: the random init of the weight matrices."""
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
 
 
@@ -32,17 +39,23 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = False):
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+        self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else nnx.data(None)
         self.lora = nnx.data(None)  # a jaxrl.models.lora.LoRA once attached
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        w = self.weight[...]
+        if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+            # XLA:CPU runs a bf16 -> bf16 product (and its gradient) on an fp32 copy of the weight; `project`
+            # takes its native bf16 x bf16 -> fp32 kernel both ways. Same numbers: fp32 accumulation, one rounding.
+            y = project(x, w, x.dtype)
+        else:
+            y = jnp.einsum("...i,oi->...o", x, w)
         if self.bias is not None:
             y = y + self.bias[...]
         if self.lora is not None and self.lora.enabled:
             y = y + self.lora(x).astype(y.dtype)
-        return y
+        return checkpoint_name(y, "proj")
 
 
 class RMSNorm(nnx.Module):
@@ -94,7 +107,8 @@ class KVState(NamedTuple):
 
 
 class LinearState(NamedTuple):
-    """Gated DeltaNet state: the last K-1 pre-conv q|k|v inputs [B, K-1, conv_dim] and S [B, Hv, dk, dv] (fp32)."""
+    """Gated DeltaNet state: the last K-1 pre-conv q|k|v inputs [B, K-1, conv_dim] and S [B, Hv, dk, dv] (fp32, or
+    bf16 storage with the config's `gdn_state_dtype`; the update's math is fp32 either way)."""
     conv: jax.Array
     recurrent: jax.Array
 
@@ -104,8 +118,14 @@ class StepContext(NamedTuple):
     cos: jax.Array  # [B, T, rot]
     sin: jax.Array  # [B, T, rot]
     token_mask: jax.Array  # [B, T] bool: real (non-padding) tokens
-    attn_mask: jax.Array  # [B, T, S] bool: query t may attend key slot s
-    write_index: Optional[jax.Array]  # int32 scalar: first cache slot written by this call (None: no cache)
+    # Without a cache: the padding compaction of `jaxrl.ops.attention.compaction` (None: no padding at all).
+    order: Optional[jax.Array]  # [B, T] int32
+    dest: Optional[jax.Array]  # [B, T] int32
+    lengths: Optional[jax.Array]  # [B] int32
+    # With a cache: the slots visible after this call's write, and where this call writes.
+    key_valid: Optional[jax.Array]  # [B, S] bool
+    q_slots: Optional[jax.Array]  # [T] int32: the cache slot of each position of this call
+    write_index: Optional[jax.Array]  # int32 scalar: first cache slot written by this call
 
 
 class GatedAttention(nnx.Module):
@@ -123,8 +143,12 @@ class GatedAttention(nnx.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype=dtype, rngs=rngs, use_bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.implementation = cfg.attention_implementation
 
-    def __call__(self, x: jax.Array, ctx: StepContext, state: Optional[KVState]):
+    def __call__(self, x: jax.Array, ctx: StepContext, state: Optional[KVState],
+                 cache_length: Optional[int] = None):
+        """state: the layer's KV cache (None without one); cache_length (without a cache): also return a fresh
+        KVState of that many slots holding this call's keys and values (prefill)."""
         batch, seq_len, _ = x.shape
         qg = self.q_proj(x).reshape(batch, seq_len, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
@@ -133,16 +157,24 @@ class GatedAttention(nnx.Module):
         v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim)
         q = apply_partial_rotary(q, ctx.cos, ctx.sin)
         k = apply_partial_rotary(k, ctx.cos, ctx.sin)
+        scale = self.head_dim ** -0.5
+        head_major = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731  [B, T, nKV, hd] -> [B, nKV, T, hd]
         if state is not None:
             start = (0, 0, ctx.write_index, 0)
-            head_major = lambda x, like: jnp.swapaxes(x, 1, 2).astype(like.dtype)  # [B, T, nKV, hd] -> [B, nKV, T, hd]
-            k_all = jax.lax.dynamic_update_slice(state.k, head_major(k, state.k), start)
-            v_all = jax.lax.dynamic_update_slice(state.v, head_major(v, state.v), start)
+            k_all = jax.lax.dynamic_update_slice(state.k, head_major(k).astype(state.k.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(state.v, head_major(v).astype(state.v.dtype), start)
             state = KVState(k_all, v_all)
-            o = gqa_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.attn_mask, self.head_dim ** -0.5,
-                              kv_head_major=True)
-        else:
-            o = gqa_attention(q, k, v, ctx.attn_mask, self.head_dim ** -0.5)
+            o = cache_attention(q, k_all, v_all, ctx.key_valid, ctx.q_slots, scale,
+                                filled=ctx.write_index + seq_len)
+        elif ctx.order is None:
+            o = causal_attention(q, k, v, None, scale, self.implementation)
+        else:  # any padding layout -> right padding, the fused kernel, and back
+            o = uncompact(causal_attention(compact(q, ctx.order), compact(k, ctx.order), compact(v, ctx.order),
+                                           ctx.lengths, scale, self.implementation), ctx.dest)
+        o = checkpoint_name(o, "attention_core")
+        if state is None and cache_length is not None:
+            slots = ((0, 0), (0, 0), (0, cache_length - seq_len), (0, 0))
+            state = KVState(jnp.pad(head_major(k), slots), jnp.pad(head_major(v), slots))
         o = o.reshape(batch, seq_len, self.num_heads * self.head_dim)
         o = o * jax.nn.sigmoid(gate.reshape(batch, seq_len, -1))
         return self.o_proj(o), state
@@ -157,20 +189,22 @@ class GatedDeltaNet(nnx.Module):
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
-        self.chunk_size = cfg.gdn_chunk_size
         self.in_proj_qkv = Linear(h, cfg.linear_conv_dim, dtype=dtype, rngs=rngs)  # rows [q | k | v], head-major
         self.in_proj_z = Linear(h, self.value_dim, dtype=dtype, rngs=rngs)
         self.in_proj_b = Linear(h, self.num_v_heads, dtype=dtype, rngs=rngs)
         self.in_proj_a = Linear(h, self.num_v_heads, dtype=dtype, rngs=rngs)
         kernel = cfg.linear_conv_kernel_dim
-        self.conv1d = nnx.Param(_normal(rngs, (cfg.linear_conv_dim, 1, kernel), dtype, std=0.2))  # HF [C, 1, K]
+        self.conv1d = nnx.Param(normal_init(rngs, (cfg.linear_conv_dim, 1, kernel), dtype, std=0.2))  # HF [C, 1, K]
         a_init = jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
         self.A_log = nnx.Param(jnp.log(a_init).astype(dtype))
         self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), dtype))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(self.value_dim, h, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, ctx: StepContext, state: Optional[LinearState]):
+    def __call__(self, x: jax.Array, ctx: StepContext, state: Optional[LinearState],
+                 cache_length: Optional[int] = None):
+        """state: the layer's conv window and recurrent state (None without a cache); cache_length (without a
+        cache): also return the LinearState after this call (prefill)."""
         batch, seq_len, _ = x.shape
         # Padding positions must not touch the conv window or the recurrent state.
         x = x * ctx.token_mask[..., None].astype(x.dtype)
@@ -192,14 +226,19 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
-        initial = None if state is None else state.recurrent
         if state is not None and seq_len == 1:
-            o, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
+            o, final = gated_delta_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent)
+            o = o[:, None]
         else:
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.chunk_size)
+            initial = None if state is None else state.recurrent
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.cfg.gdn_chunk_size)
+        o = checkpoint_name(o, "gdn_core")
         o = self.norm(o, z).reshape(batch, seq_len, self.value_dim)
-        new_state = None if state is None else LinearState(conv_state.astype(state.conv.dtype), final)
-        return self.out_proj(o), new_state
+        if state is not None:
+            state = LinearState(conv_state.astype(state.conv.dtype), final.astype(state.recurrent.dtype))
+        elif cache_length is not None:
+            state = LinearState(conv_state.astype(x.dtype), final.astype(jnp.dtype(self.cfg.gdn_state_dtype)))
+        return self.out_proj(o), state
 
 
 class DecoderLayer(nnx.Module):
@@ -213,9 +252,9 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, h: jax.Array, ctx: StepContext, state):
+    def __call__(self, h: jax.Array, ctx: StepContext, state, cache_length: Optional[int] = None):
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        mixed, state = mixer(self.input_layernorm(h), ctx, state)
+        mixed, state = mixer(self.input_layernorm(h), ctx, state, cache_length)
         h = h + mixed
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, state

@@ -1,36 +1,62 @@
 """The Qwen3.5 causal language model (text tower + head) in Flax NNX.
 
-    model = Qwen35(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    logits = model(input_ids, attention_mask=mask)               # [B, T] -> [B, T, V]
-    hidden, cache = model.hidden_states(ids, mask, cache=cache)   # prefill / decode with a preallocated cache
+    model = Qwen35(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat="auto")
+    logits = model(input_ids, attention_mask=mask)                  # [B, T] -> [B, T, V]
+    hidden, cache = model.hidden_states(ids, mask, cache_length=S)   # prefill: a fresh cache of S slots
+    hidden, cache = model.hidden_states(ids, mask, cache=cache)      # decode / continue a preallocated cache
 
-Padding: batches may be left-padded; `attention_mask` (1 = real token) keeps padding out of attention, out of the
-conv window and out of the recurrent state, and RoPE positions count real tokens only, so every real token sees
-exactly what it would see unpadded.
+Padding: rows may be padded anywhere (left-padded prompts, right-padded completions, both); `attention_mask`
+(1 = real token) keeps padding out of attention, out of the conv window and out of the recurrent state, and
+RoPE positions count real tokens only, so every real token sees exactly what it would see unpadded. Without a
+cache, attention runs on the rows compacted to right padding (`jaxrl.ops.attention.compaction`), which is what
+the fused kernels take.
 
-Caches are preallocated (`init_cache`): attention layers write keys/values at slot `cache.length`, linear layers
-carry their conv window and recurrent state. A prefix followed by a continuation equals one pass.
+Caches: `init_cache` preallocates one (attention layers write keys/values at slot `cache.length`, linear layers
+carry their conv window and recurrent state); `hidden_states(..., cache_length=S)` builds one from a prompt in
+the training-style pass (fused attention over the prompt alone, no cache buffer read). A prefix followed by a
+continuation equals one pass.
+
+Rematerialisation (`remat`, training passes only: no cache): per-layer `jax.checkpoint` with a named policy.
+  none       keep every activation
+  matmuls    keep the projection outputs, the LoRA hidden and the attention / delta-rule core outputs (the
+             `checkpoint_name` tags of layers.py); the backward recomputes norms, gates, activations, the conv
+  attention  keep only the attention / delta-rule core outputs (the costly recomputations)
+  full       keep only each layer's input
+  auto       the least recomputation whose estimated activation memory (`activation_bytes`) fits half of the
+             device's memory after the weights, decided per call from the batch shape
+  dots, dots_no_batch   JAX's dots_saveable / dots_with_no_batch_dims_saveable
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.qwen35.config import LINEAR, Qwen35Config
-from jaxrl.models.qwen35.layers import (DecoderLayer, KVState, Linear, LinearState, RMSNorm, StepContext, _normal)
+from jaxrl.models.qwen35.config import COMPUTE_FIELDS, LINEAR, Qwen35Config
+from jaxrl.models.qwen35.layers import (DecoderLayer, KVState, Linear, LinearState, RMSNorm, StepContext, normal_init)
+from jaxrl.ops.attention import compaction, resolve_implementation
+from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import rotary_cos_sin
 
-# Rematerialisation policies by name (activation memory vs recompute). "none" keeps every activation.
+_cp = jax.checkpoint_policies
 REMAT_POLICIES = {
     "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "matmuls": _cp.save_only_these_names("proj", "lora_hidden", "attention_core", "gdn_core"),
+    "attention": _cp.save_only_these_names("attention_core", "gdn_core"),
+    "full": _cp.nothing_saveable,
+    "dots": _cp.dots_saveable,
+    "dots_no_batch": _cp.dots_with_no_batch_dims_saveable,
 }
+REMAT_CHOICES = tuple(REMAT_POLICIES) + ("auto",)
+# "auto" tries these in order, least recomputation first.
+_AUTO_ORDER = ("none", "matmuls", "attention", "full")
+# Fraction of the device memory (after the weights) that activations may take under "auto".
+AUTO_ACTIVATION_FRACTION = 0.5
 
 
 class Cache(NamedTuple):
@@ -46,12 +72,12 @@ class Cache(NamedTuple):
 
 class Qwen35(nnx.Module):
     def __init__(self, cfg: Qwen35Config, *, dtype=jnp.float32, rngs: nnx.Rngs, remat: str = "none"):
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+        if remat not in REMAT_CHOICES:
+            raise ValueError(f"remat={remat!r}; choose one of {list(REMAT_CHOICES)}")
         self.config = cfg
         self.dtype = dtype
         self.remat = remat
-        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.embed_tokens = nnx.Param(normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (nnx.data(None) if cfg.tie_word_embeddings
@@ -63,9 +89,9 @@ class Qwen35(nnx.Module):
         return self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
 
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...])
-        return self.lm_head(hidden)
+        """hidden [..., H] -> logits [..., V] in hidden's dtype, accumulated in fp32 (`project`: no fp32 copy of
+        the [V, H] head on XLA:CPU, no fp32 x bf16 product in the backward)."""
+        return project(hidden, self.head_weight(), hidden.dtype)
 
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None, cache: Optional[Cache] = None):
@@ -75,46 +101,87 @@ class Qwen35(nnx.Module):
         return logits if cache is None else (logits, new_cache)
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
-                      positions: Optional[jax.Array] = None, cache: Optional[Cache] = None
-                      ) -> tuple[jax.Array, Optional[Cache]]:
-        """Final-norm hidden states [B, T, H] (what the head and a value head read), and the updated cache."""
+                      positions: Optional[jax.Array] = None, cache: Optional[Cache] = None, *,
+                      cache_length: Optional[int] = None) -> tuple[jax.Array, Optional[Cache]]:
+        """Final-norm hidden states [B, T, H] (what the head and a value head read), and the updated cache.
+
+        cache: continue this cache (decode, or a multi-token continuation). cache_length (without a cache):
+        prefill, returning a fresh cache of `cache_length` >= T slots that holds this call.
+        """
         cfg = self.config
         batch, seq_len = input_ids.shape
+        if cache is not None and cache_length is not None:
+            raise ValueError("give either a cache to continue or cache_length for a fresh one, not both")
+        if cache_length is not None and cache_length < seq_len:
+            raise ValueError(f"cache_length={cache_length} is shorter than the {seq_len} tokens of this call")
         token_mask = (jnp.ones((batch, seq_len), bool) if attention_mask is None
                       else attention_mask.astype(bool))
         counts = jnp.cumsum(token_mask.astype(jnp.int32), axis=1)
+        order = dest = lengths = key_valid = q_slots = write_index = None
         if cache is None:
             start_pos = jnp.zeros((batch,), jnp.int32)
-            q_slots = jnp.arange(seq_len)
-            key_valid = token_mask
-            write_index = None
+            if attention_mask is not None:
+                order, dest, lengths = compaction(token_mask)
         else:
             start_pos = cache.next_position
             write_index = cache.length.astype(jnp.int32)
-            q_slots = write_index + jnp.arange(seq_len)
+            q_slots = write_index + jnp.arange(seq_len, dtype=jnp.int32)
             key_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
         if positions is None:
             positions = start_pos[:, None] + jnp.maximum(counts - 1, 0)
-        key_slots = jnp.arange(key_valid.shape[1])
-        attn_mask = key_valid[:, None, :] & (key_slots[None, None, :] <= q_slots[None, :, None])
         cos, sin = rotary_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, self.dtype)
-        ctx = StepContext(cos, sin, token_mask, attn_mask, write_index)
+        ctx = StepContext(cos, sin, token_mask, order, dest, lengths, key_valid, q_slots, write_index)
 
+        training = cache is None and cache_length is None
+        policy = self.remat_policy(batch, seq_len) if training else "none"
         h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         new_states = []
         for i, layer in enumerate(self.layers):
             state = None if cache is None else cache.layers[i]
-            if cache is None and self.remat != "none":
-                h = _remat_layer(layer, h, ctx, REMAT_POLICIES[self.remat])
+            if policy != "none":
+                h = _remat_layer(layer, h, ctx, REMAT_POLICIES[policy])
             else:
-                h, state = layer(h, ctx, state)
+                h, state = layer(h, ctx, state, cache_length)
             new_states.append(state)
         h = self.norm(h)
-        if cache is None:
+        if training:
             return h, None
-        new_cache = Cache(tuple(new_states), key_valid, cache.length + seq_len,
-                          start_pos + counts[:, -1])
-        return h, new_cache
+        if cache is None:
+            valid = jnp.pad(token_mask, ((0, 0), (0, cache_length - seq_len)))
+            return h, Cache(tuple(new_states), valid, jnp.int32(seq_len), start_pos + counts[:, -1])
+        return h, Cache(tuple(new_states), key_valid, cache.length + seq_len, start_pos + counts[:, -1])
+
+    def remat_policy(self, batch: int, seq_len: int) -> str:
+        """The remat policy a training pass over [batch, seq_len] runs with ("auto" resolved)."""
+        if self.remat != "auto":
+            return self.remat
+        budget = AUTO_ACTIVATION_FRACTION * (_device_memory_bytes() - self.weight_bytes())
+        tokens = batch * seq_len / max(1, jax.device_count())  # rows are split over the devices
+        return choose_remat(self.config, tokens, seq_len, jnp.dtype(self.dtype).itemsize, budget)
+
+    def weight_bytes(self) -> int:
+        return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
+    def set_compute(self, **settings) -> "Qwen35":
+        """Change computation settings in place (before jitting): `remat`, and the config's COMPUTE_FIELDS
+        (gdn_chunk_size, gdn_state_dtype, attention_implementation). Weights are untouched. Returns the model."""
+        remat = settings.pop("remat", None)
+        unknown = sorted(set(settings) - set(COMPUTE_FIELDS))
+        if unknown:
+            raise ValueError(f"set_compute: unknown settings {unknown}; valid: {['remat', *COMPUTE_FIELDS]}")
+        if remat is not None:
+            if remat not in REMAT_CHOICES:
+                raise ValueError(f"remat={remat!r}; choose one of {list(REMAT_CHOICES)}")
+            self.remat = remat
+        if settings:
+            cfg = dataclasses.replace(self.config, **settings)
+            self.config = cfg
+            for layer in self.layers:
+                if layer.layer_type == LINEAR:
+                    layer.linear_attn.cfg = cfg
+                else:
+                    layer.self_attn.implementation = cfg.attention_implementation
+        return self
 
     # ------------------------------------------------------------------------------------------------------------
     def init_cache(self, batch: int, max_length: int, kv_dtype=None) -> Cache:
@@ -127,7 +194,7 @@ class Qwen35(nnx.Module):
                 layers.append(LinearState(
                     jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), self.dtype),
                     jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                               cfg.linear_value_head_dim), jnp.float32)))
+                               cfg.linear_value_head_dim), jnp.dtype(cfg.gdn_state_dtype))))
             else:
                 shape = (batch, cfg.num_key_value_heads, max_length, cfg.head_dim)  # head-major (KVState)
                 layers.append(KVState(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)))
@@ -148,6 +215,58 @@ def _remat_layer(layer: DecoderLayer, h: jax.Array, ctx: StepContext, policy) ->
         return nnx.merge(graphdef, state)(x, c, None)[0]
 
     return jax.checkpoint(run, policy=policy)(state, h, ctx)
+
+
+def activation_bytes(cfg: Qwen35Config, policy: str, tokens: float, seq_len: int, dtype_bytes: int) -> float:
+    """Estimated bytes of the activations a training pass keeps for the backward under `policy`: the kept
+    tensors of every layer, plus the working set of the one layer being recomputed. An estimate for choosing a
+    policy (elementwise temporaries are counted as three per projection output), not an allocator's figure."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hv, dk, dv, C = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                     cfg.gdn_chunk_size)
+    attn_q, attn_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    fused = resolve_implementation(cfg.attention_implementation, jnp.bfloat16 if dtype_bytes == 2 else jnp.float32, cfg.head_dim)
+    per_layer = []  # (projection outputs, core output, core internals) in bytes per token
+    for layer_type in cfg.layer_types:
+        mlp = 2 * inter + h
+        if layer_type == LINEAR:
+            proj = cfg.linear_conv_dim + cfg.linear_value_dim + 2 * hv + h + mlp
+            core = cfg.linear_value_dim
+            # fp32 decays, C x C products and inverse, U / W, and the chunk-start states
+            internals = 4 * hv * (4 * C + 2 * (dk + dv) + dk * dv / C)
+        else:
+            proj = 2 * attn_q + 2 * attn_kv + h + mlp
+            core = attn_q
+            internals = 4 * cfg.num_attention_heads * (2 if fused == "cudnn" else 3 * seq_len)
+        per_layer.append((proj * dtype_bytes, core * dtype_bytes, internals))
+    full_layer = max(3 * p + c + i for p, c, i in per_layer)  # everything one layer keeps without remat
+    layer_input = h * dtype_bytes
+    kept = {
+        "none": sum(3 * p + c + i for p, c, i in per_layer),
+        "matmuls": sum(layer_input + p + c for p, c, _ in per_layer) + full_layer,
+        "attention": sum(layer_input + c for _, c, _ in per_layer) + full_layer,
+        "full": len(per_layer) * layer_input + full_layer,
+    }
+    return tokens * kept.get(policy, kept["full"])
+
+
+def choose_remat(cfg: Qwen35Config, tokens: float, seq_len: int, dtype_bytes: int, budget: float) -> str:
+    """"auto": the first of none, matmuls, attention whose `activation_bytes` fit `budget`, else full."""
+    for policy in _AUTO_ORDER:
+        if activation_bytes(cfg, policy, tokens, seq_len, dtype_bytes) <= budget:
+            return policy
+    return "full"
+
+
+def _device_memory_bytes() -> float:
+    """Memory of one device: the allocator's limit on accelerators, physical memory on the CPU."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # some backends do not implement it
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def init_model(cfg: Qwen35Config, dtype=jnp.float32, seed: int = 0, remat: str = "none") -> Qwen35:
