@@ -19,6 +19,8 @@ from jaxrl.export.merge import export_merged
 from jaxrl.models import qwen35
 from jaxrl.models.lora import linears
 
+pytestmark = pytest.mark.slow  # its fixture trains and exports checkpoints
+
 MODULES_4 = ("layers.0.linear_attn.in_proj_qkv", "layers.1.self_attn.q_proj", "layers.3.mlp.down_proj")
 MODULES_8 = MODULES_4 + ("layers.2.linear_attn.out_proj",)
 CORRUPT = "layers.2.mlp.up_proj.weight"

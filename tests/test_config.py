@@ -136,6 +136,7 @@ def test_run_training_refuses_a_typo_before_building_anything(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_run_training_fills_a_bare_config_and_writes_it_to_config_json(tmp_path):
     """A config of a few keys trains like one built on configs/base.py: bf16 weights, the non-finite stop at 10,
     two kept states; config.json holds every resolved key."""

@@ -126,6 +126,7 @@ def tiny_run(tmp_path_factory):
     return root, base_dir, direction, seqs, weights
 
 
+@pytest.mark.slow
 def test_model_backed_drift_on_a_constructed_drift(tiny_run):
     root, base_dir, direction, seqs, weights = tiny_run
     found = drift.find_peft_checkpoints(root / "adapters")
@@ -169,6 +170,7 @@ def test_model_backed_drift_on_a_constructed_drift(tiny_run):
     assert kl[2] == pytest.approx(total / n, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_model_backed_streaming_matches_and_restores_the_base_weights(tiny_run):
     root, base_dir, direction, seqs, _ = tiny_run
     adapters = {s: drift.load_peft_adapter(root / "adapters" / f"step_{s}") for s in (4, 12)}
@@ -206,6 +208,7 @@ def test_peft_parsing_errors():
     assert list(text_only) == ["layers.3.mlp.up_proj"] and text_only["layers.3.mlp.up_proj"][2] == 0.5
 
 
+@pytest.mark.slow
 def test_diagnose_launcher_drift(tiny_run, tmp_path):
     """The launcher's path: PEFT adapters found on disk, the fixed sequences of an earlier run, drift.json."""
     import subprocess

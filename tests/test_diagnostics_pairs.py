@@ -116,6 +116,7 @@ def test_semantic_sample_is_seeded(tmp_path):
     assert a["n_checked"] == 5 and a == b
 
 
+@pytest.mark.slow
 def test_diagnose_launcher_pairs(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     write_jsonl(pairs, biased_pairs())

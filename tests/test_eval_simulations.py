@@ -11,6 +11,8 @@ import pytest
 import eval_sim as S
 from jaxrl.evaluation import selection, stats
 
+pytestmark = pytest.mark.slow  # Monte Carlo coverage and error-rate simulations
+
 ALPHA = 0.05
 
 

@@ -93,6 +93,7 @@ def test_pass_at_k_matches_combinatorial_definition():
     assert default_ks(1) == [1] and default_ks(8) == [1, 2, 4, 8] and default_ks(5) == [1, 2, 4, 5]
 
 
+@pytest.mark.slow
 def test_paired_bootstrap_coverage_percentile_and_bca():
     # 400 seeded trials of 100 paired prompts with a known mean difference; skewed noise so BCa matters.
     true_diff, n, trials = 0.03, 100, 400

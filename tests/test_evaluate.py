@@ -298,6 +298,7 @@ def test_resample_truncated_continues_the_same_samples(env):
     assert out["after"]["truncation_rate"] <= out["before"]["truncation_rate"]
 
 
+@pytest.mark.slow
 def test_resampled_records_are_kept_and_every_model_compared_with_base_at_the_larger_cap(env, tmp_path):
     """launchers.evaluate --resample_max_new_tokens: the merged records stay on disk and results.json compares
     each model with the base, BOTH re-sampled at the larger cap (the comparison that matters)."""
@@ -409,6 +410,7 @@ def test_the_launcher_selects_confirms_and_refuses_a_second_confirmation(env, tm
     assert not (tmp_path / "held2" / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_greedy_decoding_with_several_samples_is_refused(env, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launchers.evaluate", f"--problems={env['problems']}",
                            f"--base={env['model_dir']}", f"--out={tmp_path}", "--temperature=0", "--num_samples=4"],

@@ -154,6 +154,7 @@ def test_peft_container_export_loads_in_peft_with_equal_logits(container_ckpt, t
     np.testing.assert_array_equal(forward(model, IDS), ours)
 
 
+@pytest.mark.slow
 def test_peft_text_layout_partial_targets(hf_text, tmp_path):
     """A text-only checkpoint (Qwen3_5ForCausalLM keys) and an adapter on some layers only: PEFT's target list
     then names full module paths (names alone would add adapters to layers this one never trained)."""
@@ -179,6 +180,7 @@ def test_peft_text_layout_partial_targets(hf_text, tmp_path):
     print(f"PEFT text parity: max |logits diff| {err:.2e}")
 
 
+@pytest.mark.slow
 def test_wrong_layout_is_refused_instead_of_a_silent_noop(container_ckpt, hf_text, tmp_path):
     from transformers import Qwen3_5ForConditionalGeneration
     folder, _, adapter = container_ckpt
@@ -208,6 +210,7 @@ def sharded_fp32(hf_container, tmp_path_factory):
     return sharded_copy(hf_container[1], str(tmp_path_factory.mktemp("sharded32")), torch.float32)
 
 
+@pytest.mark.slow
 def test_merged_container_loads_in_transformers_and_keeps_everything_else(sharded_fp32, container_ckpt, tmp_path):
     from peft import PeftModel
     from transformers import Qwen3_5ForConditionalGeneration
@@ -251,6 +254,7 @@ def test_merged_container_loads_in_transformers_and_keeps_everything_else(sharde
     assert info["fingerprint"] != fingerprint(FolderSource(base))
 
 
+@pytest.mark.slow
 def test_merged_bf16_keeps_dtypes_and_rounds_once(hf_container, container_ckpt, tmp_path):
     """bf16 checkpoints (the real ones): loaded in bf16 (exact), merged in fp32, rounded once to bf16."""
     base = sharded_copy(hf_container[1], str(tmp_path / "bf16"), torch.bfloat16)
@@ -290,6 +294,7 @@ def test_exports_are_atomic(container_ckpt, tmp_path):
     assert read_adapter(str(out)).digest() == read_adapter(workdir, 7).digest()
 
 
+@pytest.mark.slow
 def test_launcher_refuses_the_wrong_layout_with_a_message(container_ckpt, tmp_path):
     import subprocess
     import sys

@@ -43,6 +43,7 @@ def env(tmp_path_factory):
             "model": qwen35.from_pretrained(model_dir, dtype=jnp.float32), "tokenizer": load_tokenizer(model_dir)}
 
 
+@pytest.mark.slow
 def test_rollouts_online_and_evaluation_score_the_same_text(env):
     """The same samples (same keys: seed, problem key, sample index) through the three consumers: same tokens,
     same text, same reward, sample for sample."""

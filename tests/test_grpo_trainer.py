@@ -234,6 +234,7 @@ def test_configs_reproduce_the_users_runs():
         grpo_family.get_config("mb=3")
 
 
+@pytest.mark.slow
 def test_rollout_rows_must_fill_whole_global_batches():
     cfg = tiny_config(prompts_per_step=3)  # 24 rows, global batch 64
     with pytest.raises(ValueError, match=r"grpo.prompts_per_step x grpo.num_generations = 24 rows"):

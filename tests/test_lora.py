@@ -118,6 +118,7 @@ def bf16_models():
     return base, model
 
 
+@pytest.mark.slow
 def test_step0_equals_base_exactly_and_adapters_off_always(bf16_models):
     """bf16 base: with B = 0 the logits are bitwise the base's; with a trained (random) B the adapters change
     them, and adapters_disabled gives the base again, bitwise, inside jit."""

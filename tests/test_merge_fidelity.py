@@ -74,6 +74,7 @@ def torch_logits(base, merged_dir, adapter, tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_bf16_merge_records_the_lost_update_and_warns(small_update, tmp_path, caplog):
     base, adapter = small_update
     out = str(tmp_path / "merged_bf16")

@@ -130,6 +130,7 @@ def test_builtin_names_are_protected(plugin_file):
         registry.register("dpo_loss", "sigmoid")(lambda p: p.delta)
 
 
+@pytest.mark.slow
 def test_advantage_and_kl_plugins(plugin_file):
     path = plugin_file("""
         import jax.numpy as jnp

@@ -233,6 +233,7 @@ def test_configs_reproduce_the_users_runs():
         ppo_family.get_config("minibatches=5")
 
 
+@pytest.mark.slow
 def test_rows_must_equal_minibatches_times_the_global_batch():
     cfg = tiny_config(minibatches=3)
     with pytest.raises(ValueError, match=r"must equal ppo.minibatches \(3\)"):

@@ -50,6 +50,7 @@ def test_chunked_and_recurrent_agree_with_float64_reference(seq_len):
         np.testing.assert_allclose(np.asarray(state), ref_state, atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_matmul_inverse_solve_equals_triangular_solve():
     """The accelerator path ((I+N)^-1 by repeated squaring) agrees with XLA's triangular solve."""
     inputs = random_inputs(5, seq_len=130)
@@ -82,6 +83,7 @@ def test_chunk_sizes_agree():
     np.testing.assert_allclose(np.asarray(sa), np.asarray(sb), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_kernel_continuation_with_initial_state():
     q, k, v, g, beta = random_inputs(4, seq_len=150)
     whole, whole_state = chunk_gated_delta_rule(q, k, v, g, beta)

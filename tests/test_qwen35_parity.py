@@ -81,6 +81,7 @@ def test_left_padding_equals_unpadded(container, lengths):
         assert max_rel(batched[i, width - n:], ref_batched[i, width - n:]) <= 1e-4
 
 
+@pytest.mark.slow
 def test_bf16_within_reference_bf16_error(hf_container):
     """bf16 JAX vs fp32 HF is no worse than HF's own bf16 vs fp32 (times a small factor)."""
     folder, hf = hf_container

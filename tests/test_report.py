@@ -22,6 +22,8 @@ from jaxrl.diagnostics.drift import checkpoint_drift
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare, write_results
 
+pytestmark = pytest.mark.slow  # every test renders a report of a trained workdir
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CAP = 512

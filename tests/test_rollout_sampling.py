@@ -45,6 +45,7 @@ def test_seeds_reproduce_and_differ(model):
     assert differing >= 6, differing  # 8 rows x 8 tokens from a near-flat 256-way distribution
 
 
+@pytest.mark.slow
 def test_n_samples_independent_and_batch_invariant(model):
     """The n samples of a prompt differ from each other, and a sample depends on (seed, prompt, index) only:
     moving its prompt to another place in the batch gives the same tokens."""

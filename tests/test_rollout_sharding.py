@@ -100,6 +100,7 @@ def test_sharded_lora_generation_equals_unsharded(adapted):
     assert tuple(up["lora"]["lora_A"][...].sharding.spec) == (None, "fsdp")
 
 
+@pytest.mark.slow
 def test_held_sampler_uses_new_weights_without_recompiling(adapted):
     """A trainer keeps one Sampler and passes its current (trainable, frozen) states each step: the samples
     follow the new weights (equal to a model holding them), and nothing is traced again."""

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts a real server and compiles a sampler
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "jaxrl" / "assets" / "tasks" / "problems.jsonl"
 CAP, N, PROMPT_LEN, BATCH = 24, 4, 192, 4  # every sampler call is one prompt's N samples: one batch shape

@@ -161,6 +161,7 @@ def test_the_users_grids_expand_to_their_runs():
             "unfiltered": ("/u", 1000), "length_clean": ("/c", clean)}
 
 
+@pytest.mark.slow
 def test_dry_run_lists_points_and_print_commands_gives_one_per_point(tmp_path):
     out = tmp_path / "sweep"
     dry = launch(f"--sweep={TINY}", f"--out={out}", "--dry_run")
@@ -233,6 +234,7 @@ def test_plugins_section_forms_and_reward_plugins(tmp_path):
         load_plugins(parse_plugins([f"reward:t_two={path}:t_two_args"]))
 
 
+@pytest.mark.slow
 def test_malformed_plugin_fails_before_training(tmp_path):
     bad = tmp_path / "t_bad_losses.py"
     bad.write_text(BAD_LOSS)
@@ -260,6 +262,7 @@ def test_malformed_plugin_fails_before_training(tmp_path):
     assert not list(out.glob("*/metrics.jsonl")) and not list(out.glob("*/logs"))
 
 
+@pytest.mark.slow
 def test_unknown_objective_name_fails_before_training(tmp_path):
     out = tmp_path / "sweep"
     r = launch(f"--sweep={TINY}:losses=sigmoid+sigmod,betas=0.1,seeds=0", f"--out={out}")
