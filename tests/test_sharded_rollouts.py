@@ -28,7 +28,7 @@ from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 from jaxrl.rollout.tokenizer import build_tiny_tokenizer
 from jaxrl.utils.io import read_jsonl
 
-from test_rollout_launcher import TASKS
+TASKS = multihost.ROOT / "jaxrl" / "assets" / "tasks" / "problems.jsonl"
 
 N, CAP = 2, 12
 REWARD = "test_evaluate:vowel_reward"  # sleeps JAXRL_TEST_REWARD_SLEEP seconds a sample: a run slow enough to kill
