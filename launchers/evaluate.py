@@ -28,6 +28,11 @@ Select on dev, confirm once on held-out (jaxrl.evaluation.protocol):
     python -m launchers.evaluate --problems=data/splits/heldout.jsonl --confirm=RUN/eval_dev/selection.json \
         --out=RUN/eval_heldout
 
+Several hosts (the flags of launchers.train): each process samples every n-th problem on its devices (--mesh_shape,
+default all local devices data-parallel), process 0 merges the caches and writes the results:
+
+    python -m launchers.evaluate ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=$i
+
 A second --confirm of the same weights on the same split is refused (data/splits/confirmations.jsonl).
 Temperature 0 with --num_samples > 1 is refused: greedy decoding repeats one completion.
 """
@@ -38,6 +43,7 @@ import json
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 
 from jaxrl.data import formats
@@ -48,8 +54,9 @@ from jaxrl.evaluation import protocol as P
 from jaxrl.evaluation.analysis import sampling_warning
 from jaxrl.evaluation.runner import BASE, EvalConfig, Evaluator, ModelSpec, ResumeError, checkpoint_specs
 from jaxrl.models.adapters import AdapterError, CheckpointNotFound
+from jaxrl.parallel import distributed
 from jaxrl.rollout.backends import ServerError
-from jaxrl.rollout.backends.flags import backend_options
+from jaxrl.rollout.backends.flags import backend_options, mesh_shape_of
 
 _F = cli.define_flags()
 flags.adopt_module_key_flags(cli)  # --helpshort lists them as this launcher's own
@@ -90,7 +97,8 @@ def _config(problems: str, base: str, out: str, models: list, baseline: str) -> 
                       backend=backend, backend_kwargs=backend_kwargs,
                       truncation_threshold=v["truncation_threshold"], seed=v["seed"], dtype=v["dtype"],
                       batch_size=v["batch_size"], limit=v["limit"], on_overlong=v["on_overlong"],
-                      n_resamples=v["n_resamples"], confidence=v["confidence"], progress=v["progress"])
+                      n_resamples=v["n_resamples"], confidence=v["confidence"], progress=v["progress"],
+                      mesh_shape=mesh_shape_of(_F))
 
 
 def build_config(selection=None) -> EvalConfig:
@@ -135,10 +143,21 @@ def _confirmation_config(selection) -> EvalConfig:
     return _config(_F["problems"].value, base, _F["out"].value, [spec], BASE)
 
 
+def _start_processes(role: str, confirm) -> None:
+    """jax.distributed from --coordinator_address etc.; the steps that write outside the caches and results (the
+    protocol's claims, re-sampling) run in one process only."""
+    distributed.initialize_from_flags(_F)
+    if jax.process_count() > 1 and (confirm or role == "select" or _F["resample_max_new_tokens"].value):
+        raise app.UsageError("--confirm, --role=select and --resample_max_new_tokens run in one process; evaluate "
+                             "over several processes first, then rerun the same command in one process (the "
+                             "merged samples are reused)")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     role, confirm, metric = _F["role"].value, _F["confirm"].value, _F["select_metric"].value
+    _start_processes(role, confirm)
     if confirm and role == "select":
         raise app.UsageError("--confirm and --role=select exclude each other")
     try:

@@ -8,6 +8,10 @@
         --backend_kwargs='{"python": "~/.venvs/vllm", "data_parallel_size": 8}'
     python -m launchers.rollout ... --backend=server --server_url=http://127.0.0.1:8000
 
+    # several hosts (the flags of launchers.train): each process samples every n-th problem on its devices
+    # (--mesh_shape, default all local devices data-parallel), then process 0 merges them into --out
+    python -m launchers.rollout ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=$i
+
 Every backend writes the same records with the same sample keys (seed, problem id, sample index); a file is
 resumed only with the backend it was started with.
 Resumable: rerun the same command after an interruption; already written samples are kept and skipped, a
@@ -23,7 +27,8 @@ import sys
 from absl import app, flags, logging
 
 from jaxrl.data.chat import OVERLONG_POLICIES
-from jaxrl.rollout.backends.flags import backend_options, define_backend_flags
+from jaxrl.parallel import distributed
+from jaxrl.rollout.backends.flags import backend_options, define_backend_flags, mesh_shape_of
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema of docs/interfaces.md).")
@@ -50,7 +55,8 @@ _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N problems (0 = al
 _MODEL_NAME = flags.DEFINE_string("model_name", "", "Value of the records' 'model' field (default: folder name).")
 _SAVE_LOGPROBS = flags.DEFINE_bool("save_logprobs", False, "Also write token_ids and per-token logprobs.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
-_BACKEND_FLAGS = define_backend_flags()  # --backend, --server_url, --backend_kwargs
+_BACKEND_FLAGS = define_backend_flags()  # --backend, --server_url, --backend_kwargs, --mesh_shape
+_DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, --process_id, ...
 
 
 def main(argv):
@@ -60,6 +66,8 @@ def main(argv):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
     backend, backend_kwargs = backend_options(_BACKEND_FLAGS)
+    mesh_shape = mesh_shape_of(_BACKEND_FLAGS)
+    distributed.initialize_from_flags(_DISTRIBUTED)
     cfg = RolloutConfig(problems=_PROBLEMS.value, model=_MODEL.value, out=_OUT.value, adapter=_ADAPTER.value,
                         num_samples=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                         top_k=_TOP_K.value, max_new_tokens=_MAX_NEW_TOKENS.value,
@@ -69,7 +77,8 @@ def main(argv):
                         reward=_REWARD.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value,
                         on_overlong=_ON_OVERLONG.value, dtype=_DTYPE.value, limit=_LIMIT.value,
                         model_name=_MODEL_NAME.value, save_logprobs=_SAVE_LOGPROBS.value,
-                        progress=_PROGRESS.value, backend=backend, backend_kwargs=backend_kwargs)
+                        progress=_PROGRESS.value, backend=backend, backend_kwargs=backend_kwargs,
+                        mesh_shape=mesh_shape)
     from jaxrl.rollout.backends import ServerError
     from jaxrl.rollout.writer import ResumeError
     try:

@@ -21,13 +21,11 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxrl.parallel import distributed
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()); --config.key=value overrides.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics, config.json.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
-_LOCAL_DEVICES = flags.DEFINE_string("local_device_ids", None, "Comma-separated local device ids (multi-host).")
-_DIST_AUTO = flags.DEFINE_bool("distributed_auto", False, "Let jax.distributed detect the cluster.")
+_DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, --process_id, ...
 # Test-only: prove that a run killed without any clean-up resumes exactly.
 _KILL_AFTER = flags.DEFINE_integer("debug_kill_after_step", 0, "TESTS ONLY: SIGKILL this process after step N "
                                    "(after its pending checkpoint writes have landed).")
@@ -66,9 +64,7 @@ def main(argv):
     if _CONFIG.value is None or not _WORKDIR.value:
         raise app.UsageError("--config and --workdir are required")
     logging.get_absl_handler().addFilter(_QuietOrbax())
-    from jaxrl.parallel import distributed
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICES.value,
-                           auto=_DIST_AUTO.value)
+    distributed.initialize_from_flags(_DISTRIBUTED)
     from jaxrl.algorithms.run import run_training
     from jaxrl.train.loop import NonFiniteError
     config = _CONFIG.value

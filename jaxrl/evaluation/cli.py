@@ -10,6 +10,7 @@ from __future__ import annotations
 from absl import flags
 
 from jaxrl.data.chat import OVERLONG_POLICIES
+from jaxrl.parallel.distributed import FLAGS as DISTRIBUTED_FLAGS
 from jaxrl.rollout.backends.flags import BACKEND_FLAGS
 
 # (name, absl kind, default, [enum values,] help)
@@ -52,7 +53,8 @@ FLAGS = (
      "is selected on (--role=select)."),
     ("confirm", "string", None, "A selection.json (or its folder): evaluate base and the selected model once on this "
      "other split; its comparison is the confirmatory claim."),
-) + BACKEND_FLAGS  # --backend, --server_url, --backend_kwargs (shared with launchers.rollout)
+) + BACKEND_FLAGS + DISTRIBUTED_FLAGS  # --backend, --server_url, --backend_kwargs, --mesh_shape (shared with
+#                                       launchers.rollout); --coordinator_address, ... (shared with launchers.train)
 NAMES = tuple(f[0] for f in FLAGS)
 
 

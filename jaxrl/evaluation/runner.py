@@ -29,6 +29,11 @@ Honesty rules this module enforces:
   fingerprint is stored in results.json; the digest of the adapter the backend REALLY carries is read back from
   the loaded model and must equal the file's. Two models with identical language weights raise a warning, and so
   does a merged export whose merge rounded its adapter's update away (`merge_fidelity`, jaxrl.export.merge).
+* Every process its share: the jax backend splits each batch's rows over a mesh of this process's devices
+  (`mesh_shape`, default all of them); with several processes (`jax.distributed`, the launcher's
+  --coordinator_address etc.) process i of n samples every n-th problem on its own devices into its part of each
+  model's cache (`cache/<name>.jsonl.parts/`, jaxrl.rollout.writer), process 0 merges the parts after a barrier
+  and alone writes samples, audit and results; the samples are the ones a single process draws.
 * Resumable: a killed evaluation continues where it stopped. The cache of a model is bound to its fingerprint,
   the sampling settings, the reward and the backend (`CACHE_KEYS`); resuming with other values is refused, so
   samples of different weights or settings are never mixed. A cached sample whose problem changed (tests
@@ -47,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+import jax
 from tqdm import tqdm
 
 from jaxrl.data import formats
@@ -61,6 +67,8 @@ from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
 from jaxrl.export.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
 from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS, CheckpointNotFound, adapter_steps
 from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.parallel import distributed
+from jaxrl.parallel.mesh import local_mesh
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
 from jaxrl.rollout.collect import Collector, Sample
@@ -107,6 +115,8 @@ class EvalConfig:
     n_resamples: int = 10000
     confidence: float = 0.95
     progress: bool = True
+    mesh_shape: Optional[tuple] = (-1, 1, 1)  # jax backend: (data, fsdp, tensor) over this process's devices;
+    #                                           None = one device without a mesh
 
 
 def default_reward_kwargs(name: str) -> dict:
@@ -180,11 +190,12 @@ class Evaluator:
         self.reward_kwargs = {**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs}
         if backend is None:
             pad = self.tokenizer.pad_token_id
+            mesh = local_mesh(cfg.mesh_shape) if cfg.backend == "jax" and cfg.mesh_shape is not None else None
             backend = make_backend(cfg.backend, base_dir=cfg.base, out_dir=str(self.out), dtype=cfg.dtype,
                                    batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
                                    prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=self.stop_ids,
                                    pad_id=pad, model=model, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                                   **cfg.backend_kwargs)
+                                   mesh=mesh, **cfg.backend_kwargs)
         self.backend = backend
         self.collector = Collector(backend, reward, tokenizer=self.tokenizer, stop_ids=self.stop_ids)
         self._adapters: dict = {}
@@ -222,7 +233,8 @@ class Evaluator:
         if self.audit_report is None:
             t0 = time.perf_counter()
             self.audit_report = audit({n: self.source(n) for n in self.specs}, reference=BASE)
-            atomic_write_json(self.out / "audit.json", self.audit_report)
+            if distributed.is_main_process():
+                atomic_write_json(self.out / "audit.json", self.audit_report)
             logger.info("weight audit of %d models: %.1f s", len(self.specs), time.perf_counter() - t0)
         return self.audit_report
 
@@ -301,20 +313,28 @@ class Evaluator:
         return [self.record(s, problem_ids[s.prompt_index], sampling.max_new_tokens) for s in samples]
 
     def sample_model(self, name: str, on_batch: Optional[Callable[[dict], None]] = None) -> list[dict]:
-        """Draws (or resumes) model `name`'s samples; returns its records in problem order, then sample index."""
+        """Draws (or resumes) model `name`'s samples; returns its records in problem order, then sample index.
+        Several processes: this process's share into its part of the cache, then the parts merged (module
+        docstring)."""
         cfg = self.cfg
         log = self.cache(name)
         cached = self.cached_records(log)
+        for part in log.parts():  # of several processes, not merged yet (this run's or an interrupted one's)
+            for key, rec in self.cached_records(part).items():
+                cached.setdefault(key, rec)
         n = cfg.num_samples
-        todo = [p.id for p in self.problems if any((p.id, i) not in cached for i in range(n))]
-        log.start()
+        processes = jax.process_count()
+        mine = [self.problems[j] for j in distributed.share(len(self.problems))]
+        todo = [p.id for p in mine if any((p.id, i) not in cached for i in range(n))]
+        writer = log if processes == 1 else log.part(jax.process_index(), processes)
+        writer.start()
         try:
             if todo:
                 self.load(name)
-                per_batch = max(1, cfg.batch_size // n)
+                per_batch = max(1, getattr(self.backend, "batch_size", cfg.batch_size) // n)
                 bar = None
                 if cfg.progress:
-                    bar = tqdm(total=len(self.problems), initial=len(self.problems) - len(todo), unit="problem",
+                    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), unit="problem",
                                desc=name, dynamic_ncols=True)
                 for b in range(0, len(todo), per_batch):
                     chunk = todo[b: b + per_batch]
@@ -324,7 +344,7 @@ class Evaluator:
                     # flight, never a half-written record (a torn line is cut on resume).
                     for pid in chunk:
                         lines = [r for r in records if r["problem_id"] == pid]
-                        log.append(lines)
+                        writer.append(lines)
                         for r in lines:
                             cached[(pid, r["sample_index"])] = r
                     if bar is not None:
@@ -334,21 +354,43 @@ class Evaluator:
                 if bar is not None:
                     bar.close()
         finally:
+            writer.close()
+        if processes > 1:
+            distributed.barrier(f"evaluation {self.out} {name}: parts written")
+        if distributed.is_main_process() and log.parts():
+            position = {p.id: j for j, p in enumerate(self.problems)}
+            log.merge_parts(lambda r: (r["problem_id"], int(r["sample_index"])),
+                            order=lambda r: (position[r["problem_id"]], int(r["sample_index"])),
+                            keep=self._current)
             log.close()
+        if processes > 1:
+            distributed.barrier(f"evaluation {self.out} {name}: merged")
+            cached = self.cached_records(log)
         return [cached[(p.id, i)] for p in self.problems for i in range(n)]
+
+    def _current(self, record: dict) -> bool:
+        """A cached record of this evaluation's problems, drawn for their current version."""
+        problem = self.by_id.get(record.get("problem_id"))
+        return problem is not None and record.get("problem_fingerprint") == problem.fingerprint
 
     # ------------------------------------------------------------------------------------------------- results
     def run(self, on_batch: Optional[Callable[[dict], None]] = None) -> dict:
         """Audit, sample every model (resuming), write samples, results.json and results.md; returns results."""
         self.out.mkdir(parents=True, exist_ok=True)
+        main = distributed.is_main_process()
         report = self.run_audit()
         records = {}
         for name in self.specs:
             t0 = time.perf_counter()
             records[name] = self.sample_model(name, on_batch=on_batch)
-            formats.write_samples(formats.samples_path(self.out, name), records[name])
+            if main:
+                formats.write_samples(formats.samples_path(self.out, name), records[name])
             logger.info("%s: %d samples in %.1f s", name, len(records[name]), time.perf_counter() - t0)
-        return self.write(records, report)
+        if jax.process_count() == 1:
+            return self.write(records, report)
+        results = self.write(records, report) if main else None  # process 0 alone writes the results ...
+        distributed.barrier(f"evaluation {self.out}: results written")
+        return results if main else formats.read_results(self.out)  # ... which every process returns
 
     def summarize(self, records: Mapping[str, Sequence[Mapping]]) -> tuple[dict, list]:
         """:func:`summarize` with this evaluation's baseline and bootstrap settings."""

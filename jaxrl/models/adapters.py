@@ -159,8 +159,9 @@ def _adapter_root_and_step(path: str, step: Optional[int]) -> tuple[str, Optiona
 def load_adapter(path: str, step: Optional[int] = None) -> tuple[dict[str, np.ndarray], dict]:
     """(params {name: np.float32 array}, meta) of one adapter checkpoint; `step` None = the newest there."""
     root, step = _adapter_root_and_step(path, step)
-    mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
-                                options=ocp.CheckpointManagerOptions(read_only=True))
+    mgr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True),
+                                item_handlers={"adapter": ocp.StandardCheckpointHandler(),
+                                               "meta": ocp.JsonCheckpointHandler()})
     try:
         steps = sorted(mgr.all_steps())
         if not steps:
@@ -169,7 +170,12 @@ def load_adapter(path: str, step: Optional[int] = None) -> tuple[dict[str, np.nd
             step = steps[-1]
         if step not in steps:
             raise CheckpointNotFound(f"{root}: no adapter for step {step}; steps present: {steps}")
-        restored = mgr.restore(step, args=ocp.args.Composite(adapter=ocp.args.StandardRestore(),
+        # Onto one local device, whatever mesh wrote it: restoring by the saved shardings needs the very devices
+        # of the training run (8 GPUs, or two hosts' devices), and an adapter is read on any machine.
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = {name: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device)
+                  for name, m in dict(mgr.item_metadata(step)["adapter"]).items()}
+        restored = mgr.restore(step, args=ocp.args.Composite(adapter=ocp.args.StandardRestore(target),
                                                              meta=ocp.args.JsonRestore()))
     finally:
         mgr.close()

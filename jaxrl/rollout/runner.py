@@ -17,23 +17,35 @@ settings; resuming with different settings is refused (mixing them would corrupt
 
 Prompts longer than max_prompt_len after the chat template are skipped and counted (`on_overlong="skip"`) or
 stop the run (`"error"`); never cut.
+
+Devices and processes (the jax backend): the rows of each batch are split over the data axis of a mesh of this
+process's devices (`mesh_shape`, default every local device; the batch size is rounded up to a multiple). With
+several processes (`jax.distributed`, the launchers' --coordinator_address etc.), process i of n takes every n-th
+problem (`jaxrl.parallel.distributed.share`), samples it on its own devices and appends to its part file
+`<out>.parts/part-<i>-of-<n>.jsonl` (a ResumableJsonl of the same settings, resumable on its own); after a
+barrier, process 0 merges the parts into `<out>`, in problem order: the file a single process would have written.
+Records already in `<out>` or in any part file are never drawn again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import jax
 from tqdm import tqdm
 
 from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
 from jaxrl.export.peft import read_adapter
 from jaxrl.models.qwen35.config import load_hf_config
+from jaxrl.parallel import distributed
+from jaxrl.parallel.mesh import local_mesh
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
 from jaxrl.rollout.backends.jax_backend import DTYPES
@@ -75,6 +87,8 @@ class RolloutConfig:
     progress: bool = True
     backend: str = "jax"  # jax | vllm | server (jaxrl.rollout.backends)
     backend_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {"url": ...}, vLLM's parallel sizes
+    mesh_shape: Optional[tuple] = (-1, 1, 1)  # jax backend: (data, fsdp, tensor) over this process's devices;
+    #                                           None = one device without a mesh
 
 
 def _validate_record(rec: dict) -> None:
@@ -83,6 +97,10 @@ def _validate_record(rec: dict) -> None:
             raise KeyError(key)
     if not isinstance(rec["sample_index"], int):
         raise TypeError("sample_index must be an integer")
+
+
+def _record_key(rec: dict) -> tuple:
+    return str(rec["problem_id"]), int(rec["sample_index"])
 
 
 def done_samples(existing: list[tuple[int, dict]], path: Path, num_samples: int) -> dict[str, set[int]]:
@@ -159,16 +177,22 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
     for s in skipped:
         logger.warning("skipping problem %s: %d prompt tokens > max_prompt_len=%d", s["problem_id"],
                        s["prompt_tokens"], cfg.max_prompt_len)
-    existing = log.read(validate=_validate_record)
-    done = done_samples(existing, out, cfg.num_samples)
+    # what is on disk: the file, and the part files of several processes (this run's, or an interrupted run's)
+    done: dict[str, set[int]] = {}
+    for source in [log] + log.parts():
+        for pid, indices in done_samples(source.read(validate=_validate_record), source.path,
+                                         cfg.num_samples).items():
+            done.setdefault(pid, set()).update(indices)
     kept_ids = {problems[i].id for i in encoded.kept}
     foreign = sorted(set(done) - kept_ids)
     if foreign:
         raise ResumeError(f"{out} has records for problems not in this run (e.g. {foreign[0]!r}); it belongs to "
                           "another problems file or --limit")
-    todo = [(problems[i], ids) for i, ids in zip(encoded.kept, encoded.ids)
-            if len(done.get(problems[i].id, ())) < cfg.num_samples]
-    already = sum(len(v) for v in done.values())
+    processes, index = jax.process_count(), jax.process_index()
+    mine = distributed.share(len(encoded.kept))
+    todo = [(problems[encoded.kept[j]], encoded.ids[j]) for j in mine
+            if len(done.get(problems[encoded.kept[j]].id, ())) < cfg.num_samples]
+    already = sum(len(done.get(problems[encoded.kept[j]].id, ())) for j in mine)
 
     adapter = read_adapter(cfg.adapter) if cfg.adapter and (model is None or cfg.backend != "jax") else None
     if reward is None:
@@ -180,7 +204,8 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         backend = JaxBackend(cfg.model, model=model, dtype=None if model is not None else cfg.dtype,
                              batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
                              prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=stop_ids,
-                             pad_id=tokenizer.pad_token_id)
+                             pad_id=tokenizer.pad_token_id,
+                             mesh=None if cfg.mesh_shape is None else local_mesh(cfg.mesh_shape))
     else:  # a server: the adapter is served as LoRA from a PEFT folder exported next to the output
         backend = make_backend(cfg.backend, base_dir=cfg.model, out_dir=str(out.parent / f"{out.name}.backend"),
                                stop_ids=stop_ids, max_prompt_len=cfg.max_prompt_len,
@@ -190,10 +215,11 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         backend.load(ModelSpec("rollout", "adapter" if adapter is not None else "base", cfg.adapter), adapter)
     collector = Collector(backend, reward, tokenizer=tokenizer, stop_ids=stop_ids)
 
-    log.start()
+    writer = log if processes == 1 else log.part(index, processes)  # several processes: each its own part
+    writer.start()
     # samples per collect call: the jax backend's compiled batch, a server's requests in flight (its own batching)
     per_batch = max(1, getattr(backend, "batch_size", cfg.batch_size) // cfg.num_samples)
-    total = len(encoded.kept) * cfg.num_samples
+    total = len(mine) * cfg.num_samples
     bar = None
     if cfg.progress:
         bar = tqdm(total=total, initial=already, unit="sample", desc="rollouts", dynamic_ncols=True)
@@ -209,7 +235,7 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
                 problem, prompt = chunk[s.prompt_index]
                 by_problem.setdefault(s.prompt_index, []).append(record_of(s, problem, len(prompt), cfg, model_name))
             for j in sorted(by_problem):
-                log.append(by_problem[j])
+                writer.append(by_problem[j])
             written += len(samples)
             truncated += sum(s.truncated for s in samples)
             generated_tokens += sum(len(s.tokens) for s in samples)
@@ -221,16 +247,52 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
             if on_batch is not None:
                 on_batch({"written": written, "generated_tokens": generated_tokens})
     finally:
-        log.close()
+        writer.close()
         if bar is not None:
             bar.close()
         if cfg.backend != "jax":
             backend.close()  # stops a server this run started (a given jax model stays the caller's)
-    elapsed = time.perf_counter() - start
-    summary = {"problems": len(problems), "skipped_overlong": skipped, "samples_total": total,
-               "samples_resumed": already, "samples_written": written, "truncated_written": truncated,
-               "truncation_rate_written": truncated / written if written else None,
-               "generated_tokens": generated_tokens, "seconds": round(elapsed, 3),
-               "samples_per_s": written / elapsed if elapsed > 0 else None,
-               "tokens_per_s": generated_tokens / elapsed if elapsed > 0 else None}
-    return log.finish(summary)
+    summary = _summary(len(problems), skipped, total, already, written, truncated, generated_tokens,
+                       time.perf_counter() - start)
+    # the devices this process sampled on (a server's are its own business)
+    summary["devices"] = (1 if backend.mesh is None else int(backend.mesh.devices.size)) if cfg.backend == "jax" \
+        else None
+    positions = {problems[i].id: j for j, i in enumerate(encoded.kept)}
+    order = lambda rec: (positions[str(rec["problem_id"])], int(rec["sample_index"]))  # noqa: E731
+    if processes == 1:
+        if log.parts():  # left by an interrupted run of several processes: theirs join the file now
+            log.merge_parts(_record_key, order, validate=_validate_record)
+        return log.finish(summary)
+    writer.finish(summary)
+    distributed.barrier(f"rollouts {out}: parts written")
+    if index == 0:
+        parts = [json.loads(log.part(i, processes).meta_path.read_text()) for i in range(processes)]
+        log.merge_parts(_record_key, order, validate=_validate_record)
+        log.finish(_merged_summary(summary, parts, len(log.read())))
+    distributed.barrier(f"rollouts {out}: merged")
+    return json.loads(log.meta_path.read_text())
+
+
+def _summary(problems: int, skipped: list, total: int, already: int, written: int, truncated: int,
+             generated_tokens: int, elapsed: float) -> dict:
+    return {"problems": problems, "skipped_overlong": skipped, "samples_total": total,
+            "samples_resumed": already, "samples_written": written, "truncated_written": truncated,
+            "truncation_rate_written": truncated / written if written else None,
+            "generated_tokens": generated_tokens, "seconds": round(elapsed, 3),
+            "samples_per_s": written / elapsed if elapsed > 0 else None,
+            "tokens_per_s": generated_tokens / elapsed if elapsed > 0 else None}
+
+
+def _merged_summary(mine: dict, parts: list[dict], records: int) -> dict:
+    """The summary of a run of several processes: their parts' counts summed, the slowest one's seconds."""
+    total = {k: sum(p[k] for p in parts) for k in ("samples_total", "samples_written", "truncated_written",
+                                                   "generated_tokens")}
+    elapsed = max(p["seconds"] for p in parts)
+    summary = _summary(mine["problems"], mine["skipped_overlong"], total["samples_total"],
+                       records - total["samples_written"], total["samples_written"], total["truncated_written"],
+                       total["generated_tokens"], elapsed)
+    summary["processes"] = [{k: p.get(k) for k in ("samples_total", "samples_resumed", "samples_written",
+                                                   "seconds", "devices")} for p in parts]
+    devices = [p.get("devices") for p in parts]
+    summary["devices"] = None if None in devices else sum(devices)
+    return summary

@@ -108,6 +108,15 @@ def _constrain_rows(tree, mesh: Optional[Mesh]):
         x, NamedSharding(mesh, _batch_spec(x.ndim) if x.ndim else P())), tree)
 
 
+def _replicate(tree, mesh: Optional[Mesh]):
+    """Every leaf on every device of the mesh: what the host reads back. Rows were computed where they were
+    sharded; gathering the few [B, max_new_tokens] outputs lets every process read all of them (a mesh over
+    several processes has devices no single process can fetch from)."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())), tree)
+
+
 def shard_params(params, mesh: Mesh):
     """Places every parameter leaf by the partition rules (a no-op for leaves already placed that way)."""
     def put(path, x):
@@ -204,8 +213,9 @@ def _decode(graphdef, params: tuple, cache: Cache, logits: jax.Array, row_valid:
     step, cache, _, tokens, logprobs, _, stopped, lengths = jax.lax.while_loop(cond, body, carry)
     # The cache is returned (and dropped by the caller) so that its donated input buffers alias the loop state:
     # the loop then updates the KV cache in place instead of first copying it.
-    return {"tokens": tokens, "logprobs": logprobs, "lengths": lengths, "stopped": stopped & row_valid,
-            "steps": step - 1}, cache
+    out = {"tokens": tokens, "logprobs": logprobs, "lengths": lengths, "stopped": stopped & row_valid,
+           "steps": step - 1}
+    return _replicate(out, mesh), cache
 
 
 # ---------------------------------------------------------------------------------------------------------------

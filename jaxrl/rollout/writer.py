@@ -7,6 +7,16 @@
     log.append(records)              # one group (e.g. one problem's samples): written, flushed and fsync'ed
     log.finish({"samples_written": ...})
 
+Several processes (offline rollouts, evaluation over hosts): each process appends to its own part file, a
+ResumableJsonl of the same settings at `part(index, count)` (`<path>.parts/part-<i>-of-<n>.jsonl`); after a
+barrier, one process `merge_parts()` into the file itself, which then holds what a single process would have
+written:
+
+    mine = log.part(jax.process_index(), jax.process_count())
+    done = keys of log.read() + every one of log.parts() (their .read())   # resume: nothing is drawn twice
+    mine.start(); mine.append(...); mine.finish(summary)
+    barrier(...); if process 0: log.merge_parts(key, order); log.finish(summary)
+
 Crash safety: records are appended whole groups at a time and fsync'ed, so a kill loses at most the group in
 flight; a partially written last line is cut off on the next open (and logged). `<path>.meta.json` records the
 settings the records were drawn with (`{"settings": ..., "status": "running" | "complete", ...summary}`); opening
@@ -26,6 +36,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from jaxrl.utils.io import JsonlError, atomic_write_json, repair_tail
 
 logger = logging.getLogger(__name__)
+
+PARTS = ".parts"  # <path>.parts/: the part files of several processes, until they are merged into <path>
 
 
 class ResumeError(ValueError):
@@ -125,6 +137,56 @@ class ResumableJsonl:
         meta = {"settings": self.settings, "status": "complete", **(summary or {})}
         atomic_write_json(self.meta_path, meta)
         return meta
+
+    # ---------------------------------------------------------------------------------------- several processes
+    @property
+    def parts_dir(self) -> Path:
+        return self.path.with_name(self.path.name + PARTS)
+
+    def _like(self, path: Path) -> "ResumableJsonl":
+        return ResumableJsonl(path, self.settings, compare=self.compare, what=self.what, hint=self.hint)
+
+    def part(self, index: int, count: int) -> "ResumableJsonl":
+        """The part file of process `index` of `count` (same settings and checks as this file)."""
+        return self._like(self.parts_dir / f"part-{index:05d}-of-{count:05d}.jsonl")
+
+    def parts(self) -> list["ResumableJsonl"]:
+        """Every part file on disk (of this run or left by an interrupted one, of any process count)."""
+        if not self.parts_dir.is_dir():
+            return []
+        return [self._like(p) for p in sorted(self.parts_dir.glob("part-*.jsonl"))]
+
+    def merge_parts(self, key: Callable[[dict], Any], order: Optional[Callable[[dict], Any]] = None,
+                    keep: Optional[Callable[[dict], bool]] = None,
+                    validate: Optional[Callable[[dict], None]] = None) -> int:
+        """Appends to this file the records of every part file that it lacks, sorted by `order` (default: as
+        read), then deletes the parts; returns how many were appended. Leaves the file open (call `finish`).
+
+        key(record): the identity of a record (e.g. (problem_id, sample_index)); the first one of a key wins.
+        keep(record): only records it accepts count, in this file and in the parts (e.g. drawn for the current
+        version of their problem). Call on one process, after every process finished its part: a kill during
+        the merge loses nothing (the parts stay until the merged records are on disk, and a rerun appends only
+        what is still missing)."""
+        keep = keep or (lambda record: True)
+        have = {key(r) for _, r in self.read(validate) if keep(r)}
+        new: dict = {}
+        parts = self.parts()
+        for part in parts:
+            for _, record in part.read(validate):
+                k = key(record)
+                if keep(record) and k not in have and k not in new:
+                    new[k] = record
+        records = list(new.values())
+        if order is not None:
+            records.sort(key=order)
+        self.start()
+        self.append(records)
+        for part in parts:
+            part.path.unlink()
+            part.meta_path.unlink(missing_ok=True)
+        if parts and not any(self.parts_dir.iterdir()):
+            self.parts_dir.rmdir()
+        return len(records)
 
     def __enter__(self) -> "ResumableJsonl":
         return self

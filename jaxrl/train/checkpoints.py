@@ -38,11 +38,19 @@ from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS
 
 STATE = "state"
 
-def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, async_save: bool
-             ) -> ocp.CheckpointManager:
+
+def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, async_save: bool,
+             barrier_prefix: str) -> ocp.CheckpointManager:
+    # Several processes: each manager's save runs barriers (`async_write_complete.<step>`, `ThreadSaveMultiHost
+    # ValueHolder:set_value_start`, ...) named only by the step, or not at all. The state and adapter managers
+    # save the same step at the same time in their background threads, so without a prefix of their own the two
+    # wait on one barrier name at once and the coordination service refuses the second ("Barrier ... is already
+    # ongoing"): every multi-process save failed.
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                            enable_async_checkpointing=async_save,
-                                           cleanup_tmp_directories=True)
+                                           cleanup_tmp_directories=True,
+                                           multiprocessing_options=ocp.options.MultiprocessingOptions(
+                                               barrier_sync_key_prefix=barrier_prefix))
     return ocp.CheckpointManager(os.path.abspath(directory), item_names=item_names, options=options)
 
 
@@ -55,8 +63,8 @@ class RunCheckpoints:
         root = os.path.join(workdir, CHECKPOINTS)
         self.adapter_dir = os.path.join(root, ADAPTERS)
         self.state_dir = os.path.join(root, STATE)
-        self.states = _manager(self.state_dir, keep, ("state", "meta"), async_save)
-        self.adapters = _manager(self.adapter_dir, None, ("adapter", "meta"), async_save)
+        self.states = _manager(self.state_dir, keep, ("state", "meta"), async_save, "jaxrl_state")
+        self.adapters = _manager(self.adapter_dir, None, ("adapter", "meta"), async_save, "jaxrl_adapters")
 
     def latest_step(self) -> Optional[int]:
         """Newest complete training state (None when the run has none)."""

@@ -45,7 +45,7 @@ from flax import nnx
 from jaxrl.data.formats import CONFIG_FILE
 from jaxrl.models.lora import LoRAParam, lora_targets_report
 from jaxrl.parallel import sharding as shd
-from jaxrl.parallel.distributed import is_main_process
+from jaxrl.parallel.distributed import barrier, is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.train import checkpoints as ckpt_lib
 from jaxrl.train.inference import compile_options
@@ -168,6 +168,10 @@ class Trainer:
             compile_s = time.perf_counter() - t0
             logging.info("compiled the train step for batch %s in %.1f s", {k: v.shape for k, v in batch.items()},
                          compile_s)
+            if jax.process_count() > 1:
+                # The first run of a program sets up its CPU (gloo) communicator with a fixed 30 s deadline, and
+                # one process may compile much slower than another (a compilation-cache miss, a loaded host).
+                barrier(f"train step {len(self._compiled)} compiled")
         return self._compiled[key], compile_s
 
     def _fault(self, value) -> dict:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxrl.models.adapters import attach, attached_digest, detach
 from jaxrl.models import qwen35
+from jaxrl.parallel.sharding import batch_shards
 from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
 from jaxrl.rollout.sampler import Sampler
 
@@ -27,7 +28,9 @@ class JaxBackend:
     def __init__(self, base_dir: Optional[str] = None, *, dtype: Optional[str] = "bfloat16", batch_size: int = 64,
                  max_prompt_len: int = 4096, prompt_buckets: Optional[Sequence[int]] = None,
                  stop_ids: Sequence[int] = (), pad_id: Optional[int] = None, model=None, mesh=None, **_unused):
-        """dtype: compute dtype of models loaded from folders; None with `model=` (take the model's own)."""
+        """dtype: compute dtype of models loaded from folders; None with `model=` (take the model's own).
+        mesh: rows split over its data x fsdp axes, weights placed by the sharding rules; `batch_size` (rows per
+        compiled call) is rounded up to a multiple of data x fsdp."""
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if base_dir is None and model is None:
@@ -39,6 +42,9 @@ class JaxBackend:
         self.batch_size, self.max_prompt_len = int(batch_size), int(max_prompt_len)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if mesh is not None:  # every compiled batch splits evenly over the data-parallel devices
+            dp = batch_shards(mesh)
+            self.batch_size = -(-self.batch_size // dp) * dp
         self.prompt_buckets = tuple(prompt_buckets) if prompt_buckets else None
         self.stop_ids, self.pad_id, self.mesh = tuple(int(t) for t in stop_ids), pad_id, mesh
         self._base = model
