@@ -24,12 +24,19 @@ re-created, identically, as training reaches them again).
     state, meta = ckpt.restore(step, abstract_state)
 
 Reading an adapter checkpoint back: `jaxrl.models.adapters.load_adapter(path, step)`.
+
+A damaged training state (a file truncated or overwritten after it landed: a full disk, a copy cut short) is a
+CorruptCheckpointError naming the file; `restore_newest` then falls back to the newest intact step and moves
+the damaged ones to `<workdir>/checkpoints/corrupt/` (never deleted: they may still be worth a look).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+from pathlib import Path
 from typing import Optional
 
 import orbax.checkpoint as ocp
@@ -37,6 +44,58 @@ import orbax.checkpoint as ocp
 from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS
 
 STATE = "state"
+CORRUPT = "corrupt"
+
+# What a damaged file looks like in the errors of Orbax / tensorstore (a decoding or read failure), as opposed
+# to a state of another structure (a bug or a changed config), which is never taken for damage.
+_DAMAGE = re.compile(r"DATA_LOSS|Error decoding|Error reading|Unexpected end|checksum|truncated|corrupt",
+                     re.IGNORECASE)
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose files cannot be read back; `path` is the damaged file (or the step folder)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = str(path), reason
+        super().__init__(f"{path}: corrupted checkpoint ({reason})")
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def damaged_file(step_dir: str, exc: BaseException) -> Optional[CorruptCheckpointError]:
+    """The CorruptCheckpointError for `exc`, raised while reading `step_dir`, when it is damage; else None."""
+    for e in _chain(exc):
+        text = str(e)
+        if isinstance(e, json.JSONDecodeError) or _DAMAGE.search(text):
+            files = _LOCAL_FILE.findall(text)
+            path = files[-1] if files else _unreadable_json(step_dir) or step_dir
+            first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            if files:  # tensorstore: "... Error decoding local file "<path>": <what is wrong> [tensorstore_spec..."
+                first = first.rsplit(f'"{path}"', 1)[-1].lstrip(": ")
+            reason = re.sub(r"\s*\[tensorstore_spec.*", "", first)[:300]
+            return CorruptCheckpointError(path, reason or type(e).__name__)
+    return None
+
+
+def _unreadable_json(step_dir: str) -> Optional[str]:
+    """The first JSON file of a checkpoint folder (Orbax's metadata, the JSON items) that does not parse."""
+    for path in sorted(Path(step_dir).rglob("*")):
+        if not path.is_file() or path.stat().st_size > (64 << 20):
+            continue
+        if path.name in ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata") or \
+                path.parent.name == "array_metadatas":
+            try:
+                json.loads(path.read_bytes())
+            except (ValueError, UnicodeDecodeError):
+                return str(path)
+    return None
 
 def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, async_save: bool
              ) -> ocp.CheckpointManager:
@@ -84,10 +143,47 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state) -> tuple:
         """(state, meta) of `step`; `abstract_state` gives structure, dtypes and shardings
-        (jax.ShapeDtypeStruct leaves with `sharding`)."""
-        restored = self.states.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                                     meta=ocp.args.JsonRestore()))
+        (jax.ShapeDtypeStruct leaves with `sharding`). CorruptCheckpointError when its files are damaged."""
+        try:
+            restored = self.states.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 (damage is told apart from every other failure below)
+            damage = damaged_file(os.path.join(self.state_dir, str(step)), e)
+            if damage is None:
+                raise
+            raise damage from e
         return restored.state, dict(restored.meta)
+
+    def restore_newest(self, abstract_state) -> tuple:
+        """(step, state, meta, set_aside) of the newest intact training state, or (None, None, None, []) when the
+        run has none. Damaged newer steps are moved to checkpoints/corrupt/ once an older one restored;
+        set_aside lists (CorruptCheckpointError, where it was moved). When every step is damaged nothing is
+        moved and the newest one's error is raised."""
+        damaged = []
+        for step in sorted(self.states.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except CorruptCheckpointError as e:
+                damaged.append((step, e))
+                continue
+            moved = [(e, self.set_aside(s)) for s, e in damaged]
+            return step, state, meta, moved
+        if damaged:
+            err = damaged[0][1]
+            raise CorruptCheckpointError(err.path, f"{err.reason}; no older intact training state in "
+                                                   f"{self.state_dir} to resume from")
+        return None, None, None, []
+
+    def set_aside(self, step: int) -> str:
+        """Moves the state of `step` to checkpoints/corrupt/state_<step>[_N]; returns where."""
+        root = os.path.join(os.path.dirname(self.state_dir), CORRUPT)
+        os.makedirs(root, exist_ok=True)
+        dest, n = os.path.join(root, f"{STATE}_{step}"), 1
+        while os.path.exists(dest):
+            dest, n = os.path.join(root, f"{STATE}_{step}_{n}"), n + 1
+        os.replace(os.path.join(self.state_dir, str(step)), dest)
+        self.states.reload()
+        return dest
 
     def drop_adapters_after(self, step: int) -> list[int]:
         """Delete adapter folders newer than `step` (left by a run that died before its state landed)."""

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 __all__ = [
     "JsonLine",
     "JsonlError",
+    "OutputExistsError",
     "atomic_copy",
     "atomic_folder",
     "atomic_path",
@@ -45,6 +46,7 @@ __all__ = [
     "is_temp_name",
     "iter_json_lines",
     "iter_jsonl",
+    "jsonl_bytes",
     "open_text",
     "read_jsonl",
     "repair_tail",
@@ -63,6 +65,12 @@ class JsonlError(ValueError):
         self.line = line
         self.reason = message
         super().__init__(f"{self.path}:{line}: {message}")
+
+
+class OutputExistsError(FileExistsError):
+    """An output that already holds results a command would replace (or extend inconsistently); the message names
+    it and says what to do (resume with the same settings, another output, or --overwrite). Raised before
+    anything is written."""
 
 
 # ------------------------------------------------------------------------------------------------------- reading
@@ -233,11 +241,15 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sor
     return atomic_write_text(path, _dumps(obj, path, indent=indent, sort_keys=sort_keys) + "\n")
 
 
+def jsonl_bytes(records: Iterable[dict], path: str | os.PathLike = "<records>") -> bytes:
+    """The bytes `write_jsonl` writes for `records` (to compare an existing file with what a rerun would write)."""
+    return "".join(_dumps(rec, Path(path)) + "\n" for rec in records).encode("utf-8")
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> Path:
     """Writes one compact JSON object per line (UTF-8, ``\\n`` line ends), atomically."""
     path = Path(path)
-    lines = [_dumps(rec, path) + "\n" for rec in records]
-    return atomic_write_text(path, "".join(lines))
+    return atomic_write_bytes(path, jsonl_bytes(records, path))
 
 
 def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -268,7 +280,7 @@ def atomic_folder(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterat
     fails), so `out_dir` is always absent, the old complete folder or the new complete one."""
     out = os.path.abspath(out_dir)
     if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")

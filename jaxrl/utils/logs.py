@@ -1,0 +1,68 @@
+"""The console's log filters, one home for every entry point (launchers/, the sweep's point subprocesses):
+
+    install_log_filters()        # Orbax's read-only notices dropped (always); what every launcher gets on import
+    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py)
+
+Both act on absl's logger / handler, which Orbax, jax and the project all log through. Warnings and errors always
+pass; so do the project's own INFO lines (progress with ETA, "resumed from ...": records whose file is in jaxrl/,
+launchers/ or configs/).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from absl import logging as absl_logging
+
+_REPO = Path(__file__).resolve().parents[2]
+OWN_DIRS = tuple(str(_REPO / d) + os.sep for d in ("jaxrl", "launchers", "configs"))
+
+# Orbax warns, on every checkpoint manager opened with read_only=True (as every evaluation, export and resume of
+# an adapter checkpoint does), that a read-only manager will not save, create or clean up: three lines per
+# opened checkpoint, dozens per evaluation, and nothing a user can act on.
+_ORBAX_READ_ONLY_NOTICES = ("CheckpointManagerOptions.read_only=True, setting ", "Given directory is read only=")
+
+
+def own_file(filename: str) -> bool:
+    """Whether a source file is the project's own (jaxrl/, launchers/, configs/)."""
+    return os.path.abspath(filename).startswith(OWN_DIRS)
+
+
+class OrbaxReadOnlyNotices(logging.Filter):
+    """Drops Orbax's read-only notices (only those, only from Orbax's own modules); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname.replace("\\", "/"):
+            return True
+        return not record.getMessage().startswith(_ORBAX_READ_ONLY_NOTICES)
+
+
+class LibraryInfo(logging.Filter):
+    """Drops INFO (and DEBUG) records of code outside the project; warnings and the project's own lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or own_file(record.pathname)
+
+
+_READ_ONLY = OrbaxReadOnlyNotices()
+_LIBRARY_INFO = LibraryInfo()
+
+
+def install_log_filters() -> None:
+    """Attach the read-only filter to the logger Orbax writes through (absl's); idempotent."""
+    # absl's own logger class names the real caller (Orbax's file); a plain logging.getLogger("absl") made
+    # before absl is imported would not, and would replace it.
+    logger = absl_logging.get_absl_logger()
+    if _READ_ONLY not in logger.filters:
+        logger.addFilter(_READ_ONLY)
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """The libraries' INFO records off the console (absl's handler) unless `verbose`; idempotent."""
+    handler = absl_logging.get_absl_handler()
+    if verbose:
+        handler.removeFilter(_LIBRARY_INFO)
+    elif _LIBRARY_INFO not in handler.filters:
+        handler.addFilter(_LIBRARY_INFO)
