@@ -32,70 +32,17 @@ the damaged ones to `<workdir>/checkpoints/corrupt/` (never deleted: they may st
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
-from pathlib import Path
 from typing import Optional
 
 import orbax.checkpoint as ocp
 
 from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS
+from jaxrl.utils.io import CorruptCheckpointError, damaged_file
 
 STATE = "state"
 CORRUPT = "corrupt"
-
-# What a damaged file looks like in the errors of Orbax / tensorstore (a decoding or read failure), as opposed
-# to a state of another structure (a bug or a changed config), which is never taken for damage.
-_DAMAGE = re.compile(r"DATA_LOSS|Error decoding|Error reading|Unexpected end|checksum|truncated|corrupt",
-                     re.IGNORECASE)
-_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint whose files cannot be read back; `path` is the damaged file (or the step folder)."""
-
-    def __init__(self, path: str, reason: str):
-        self.path, self.reason = str(path), reason
-        super().__init__(f"{path}: corrupted checkpoint ({reason})")
-
-
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def damaged_file(step_dir: str, exc: BaseException) -> Optional[CorruptCheckpointError]:
-    """The CorruptCheckpointError for `exc`, raised while reading `step_dir`, when it is damage; else None."""
-    for e in _chain(exc):
-        text = str(e)
-        if isinstance(e, json.JSONDecodeError) or _DAMAGE.search(text):
-            files = _LOCAL_FILE.findall(text)
-            path = files[-1] if files else _unreadable_json(step_dir) or step_dir
-            first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-            if files:  # tensorstore: "... Error decoding local file "<path>": <what is wrong> [tensorstore_spec..."
-                first = first.rsplit(f'"{path}"', 1)[-1].lstrip(": ")
-            reason = re.sub(r"\s*\[tensorstore_spec.*", "", first)[:300]
-            return CorruptCheckpointError(path, reason or type(e).__name__)
-    return None
-
-
-def _unreadable_json(step_dir: str) -> Optional[str]:
-    """The first JSON file of a checkpoint folder (Orbax's metadata, the JSON items) that does not parse."""
-    for path in sorted(Path(step_dir).rglob("*")):
-        if not path.is_file() or path.stat().st_size > (64 << 20):
-            continue
-        if path.name in ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata") or \
-                path.parent.name == "array_metadatas":
-            try:
-                json.loads(path.read_bytes())
-            except (ValueError, UnicodeDecodeError):
-                return str(path)
-    return None
 
 def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, async_save: bool
              ) -> ocp.CheckpointManager:
@@ -148,7 +95,7 @@ class RunCheckpoints:
             restored = self.states.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 (damage is told apart from every other failure below)
-            damage = damaged_file(os.path.join(self.state_dir, str(step)), e)
+            damage = damaged_file(e, os.path.join(self.state_dir, str(step)))
             if damage is None:
                 raise
             raise damage from e

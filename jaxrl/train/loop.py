@@ -110,6 +110,38 @@ def check_run_config(config) -> None:
     make_optimizer(config.optimizer, int(config.steps))  # learning rate, schedule, warm-up
 
 
+# Keys that change the shape of the training state: resuming across a change cannot work.
+STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_preset", "model_overrides",
+              "optimizer.name", "optimizer.max_grad_norm")
+
+
+def check_same_run(config, workdir: str, step: Optional[int] = None) -> None:
+    """ValueError when `workdir` holds a run (a training state; `step`: its newest, found on disk when None) whose
+    config.json differs from `config` in a key that shapes the training state (STATE_KEYS). Reads only."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if step is None:
+        state_dir = os.path.join(workdir, ckpt_lib.CHECKPOINTS, ckpt_lib.STATE)
+        steps = [int(n) for n in os.listdir(state_dir) if n.isdigit()] if os.path.isdir(state_dir) else []
+        step = max(steps) if steps else None
+    if step is None or not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    new = config_to_dict(config)
+
+    def get(d, dotted):
+        for part in dotted.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+
+    changed = [k for k in STATE_KEYS if get(old, k) != get(new, k)]
+    if changed:
+        detail = ", ".join(f"{k}: {get(old, k)!r} -> {get(new, k)!r}" for k in changed)
+        raise ValueError(f"{workdir} holds a run (checkpoint of step {step}) whose config differs in keys "
+                         f"that shape the training state ({detail}); resume with the same values or use a "
+                         f"new --workdir")
+
+
 class Trainer:
     """Holds the model split (graphdef, trainable, frozen base), mesh, optimizer and the jitted step.
 
@@ -222,29 +254,8 @@ class Trainer:
                      f"; removed adapter folders of unfinished steps {stale}" if stale else "")
         return latest
 
-    # Keys that change the shape of the training state: resuming across a change cannot work.
-    _STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_preset", "model_overrides",
-                   "optimizer.name", "optimizer.max_grad_norm")
-
     def _check_same_run(self, step: int) -> None:
-        path = os.path.join(self.workdir, CONFIG_FILE)
-        if not os.path.exists(path):
-            return
-        with open(path) as f:
-            old = json.load(f)
-        new = config_to_dict(self.config)
-
-        def get(d, dotted):
-            for part in dotted.split("."):
-                d = d.get(part) if isinstance(d, dict) else None
-            return d
-
-        changed = [k for k in self._STATE_KEYS if get(old, k) != get(new, k)]
-        if changed:
-            detail = ", ".join(f"{k}: {get(old, k)!r} -> {get(new, k)!r}" for k in changed)
-            raise ValueError(f"{self.workdir} holds a run (checkpoint of step {step}) whose config differs in keys "
-                             f"that shape the training state ({detail}); resume with the same values or use a "
-                             f"new --workdir")
+        check_same_run(self.config, self.workdir, step)
 
     def _write_config(self) -> None:
         if not self.main:
