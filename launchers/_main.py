@@ -34,6 +34,7 @@ from typing import Callable, Optional
 from absl import app, flags
 
 from jaxrl.utils import interrupt
+from jaxrl.utils.io import damaged_file
 from jaxrl.utils.logs import own_file, quiet_libraries
 
 EXIT_REFUSED = 1
@@ -42,6 +43,9 @@ EXIT_USAGE = 2
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for every error and the libraries' INFO logs "
                              "(Orbax, jax, ...).")
 
+# --verbose is shown by every launcher's --help: run() declares it a key flag of the calling launcher, which absl
+# attributes to the first module on the stack that has not disclaimed key flags.
+flags.disclaim_key_flags()
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
 # Project error classes that are mistakes on the command line (exit 2), by name; every other project error
 # class is refused work (exit 1).
@@ -67,6 +71,16 @@ def _raised_by_own_code(exc: BaseException) -> bool:
         last = tb
         tb = tb.tb_next
     return last is not None and own_file(last.tb_frame.f_code.co_filename)
+
+
+def _through_checkpoint_reader(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if f"{os.sep}orbax{os.sep}" in name or f"{os.sep}tensorstore{os.sep}" in name:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def exit_status_of(exc: BaseException) -> Optional[int]:
@@ -169,6 +183,10 @@ def call(main: Callable, argv: list, name: str, interruptible: bool) -> int:
     except SystemExit:
         raise
     except Exception as e:  # noqa: BLE001 (sorted into user errors and bugs)
+        if exit_status_of(e) is None and _through_checkpoint_reader(e):
+            damage = damaged_file(e)  # a damaged checkpoint file, read by Orbax: a user's file, not a bug
+            if damage is not None:
+                e = damage
         status = exit_status_of(e)
         if status is None or verbose:
             traceback.print_exc()
@@ -190,6 +208,7 @@ def signal_line(signum: int) -> str:
 def run(main: Callable, *, interruptible: bool = False) -> None:
     """`app.run(main)` with the rules of the module docstring."""
     name = launcher_name(main)
+    flags.declare_key_flag("verbose")
 
     def wrapped(argv):
         return call(main, argv, name, interruptible)

@@ -1,7 +1,8 @@
 """The console's log filters, one home for every entry point (launchers/, the sweep's point subprocesses):
 
     install_log_filters()        # Orbax's read-only notices dropped (always); what every launcher gets on import
-    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py)
+    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py), and
+                                 # tensorstore's late callbacks into a closed event loop
 
 Both act on absl's logger / handler, which Orbax, jax and the project all log through. Warnings and errors always
 pass; so do the project's own INFO lines (progress with ETA, "resumed from ...": records whose file is in jaxrl/,
@@ -10,8 +11,10 @@ launchers/ or configs/).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import sys
 from pathlib import Path
 
 from absl import logging as absl_logging
@@ -59,10 +62,33 @@ def install_log_filters() -> None:
         logger.addFilter(_READ_ONLY)
 
 
+def _closed_loop_callback(unraisable) -> bool:
+    """After Orbax gives up on a damaged checkpoint, tensorstore's reads still in flight call back into the
+    asyncio loop Orbax already closed: dozens of identical "Event loop is closed" tracebacks, none of which says
+    anything about the failure (that is reported, naming the file, by the error the read raised)."""
+    exc = unraisable.exc_value
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)))
+
+
+def _quiet_unraisable(unraisable) -> None:
+    if not _closed_loop_callback(unraisable):
+        sys.__unraisablehook__(unraisable)
+
+
 def quiet_libraries(verbose: bool = False) -> None:
-    """The libraries' INFO records off the console (absl's handler) unless `verbose`; idempotent."""
+    """The libraries' INFO records off the console (absl's handler), and the closed-loop callbacks of
+    `_closed_loop_callback`, unless `verbose`; idempotent."""
     handler = absl_logging.get_absl_handler()
     if verbose:
         handler.removeFilter(_LIBRARY_INFO)
-    elif _LIBRARY_INFO not in handler.filters:
+        if sys.unraisablehook is _quiet_unraisable:
+            sys.unraisablehook = sys.__unraisablehook__
+        return
+    if _LIBRARY_INFO not in handler.filters:
         handler.addFilter(_LIBRARY_INFO)
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _quiet_unraisable
