@@ -245,7 +245,8 @@ class Trainer:
         self._check_same_run(latest)
         latest, state, meta, set_aside = self.ckpt.restore_newest(self._abstract_state())
         for err, moved in set_aside:
-            logging.warning("%s; moved it to %s and resumed from the newest intact step, %d", err, moved, latest)
+            logging.warning("%s: corrupted checkpoint (%s); moved it to %s and resumed from the newest intact step, %d",
+                            err.path, err.reason, moved, latest)
         self.state = state
         if hasattr(self.task, "load_state_dict"):
             self.task.load_state_dict(meta.get("data_state", {}))

@@ -2,7 +2,7 @@
 
     install_log_filters()        # Orbax's read-only notices dropped (always); what every launcher gets on import
     quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py), and
-                                 # tensorstore's late callbacks into a closed event loop
+                                 # the orphaned reads and late callbacks of a failed tensorstore restore
 
 Both act on absl's logger / handler, which Orbax, jax and the project all log through. Warnings and errors always
 pass; so do the project's own INFO lines (progress with ETA, "resumed from ...": records whose file is in jaxrl/,
@@ -49,8 +49,18 @@ class LibraryInfo(logging.Filter):
         return record.levelno >= logging.WARNING or own_file(record.pathname)
 
 
+class OrphanFutures(logging.Filter):
+    """Drops asyncio's "Future/Task exception was never retrieved" records: after Orbax gives up on a damaged
+    checkpoint, each tensorstore read it had started in parallel ends in such an orphan, one ERROR record with
+    its traceback per array, all repeating the error the restore raised (which names the file)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "asyncio" and record.getMessage().endswith("exception was never retrieved"))
+
+
 _READ_ONLY = OrbaxReadOnlyNotices()
 _LIBRARY_INFO = LibraryInfo()
+_ORPHAN_FUTURES = OrphanFutures()
 
 
 def install_log_filters() -> None:
@@ -80,15 +90,17 @@ def _quiet_unraisable(unraisable) -> None:
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """The libraries' INFO records off the console (absl's handler), and the closed-loop callbacks of
-    `_closed_loop_callback`, unless `verbose`; idempotent."""
+    """The libraries' INFO records and asyncio's orphaned futures off the console (absl's handler), and the
+    closed-loop callbacks of `_closed_loop_callback`, unless `verbose`; idempotent."""
     handler = absl_logging.get_absl_handler()
     if verbose:
         handler.removeFilter(_LIBRARY_INFO)
+        handler.removeFilter(_ORPHAN_FUTURES)
         if sys.unraisablehook is _quiet_unraisable:
             sys.unraisablehook = sys.__unraisablehook__
         return
-    if _LIBRARY_INFO not in handler.filters:
-        handler.addFilter(_LIBRARY_INFO)
+    for f in (_LIBRARY_INFO, _ORPHAN_FUTURES):
+        if f not in handler.filters:
+            handler.addFilter(f)
     if sys.unraisablehook is sys.__unraisablehook__:
         sys.unraisablehook = _quiet_unraisable
