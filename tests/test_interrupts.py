@@ -111,3 +111,45 @@ def test_sigint_then_sigterm_from_outside_stop_after_the_step_with_its_checkpoin
         assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
         assert f"{name}: stopping after the current step" in proc.stderr
         previous = reached
+
+
+@pytest.mark.slow  # three rollout processes of the tiny model
+def test_sigint_during_rollouts_keeps_the_batches_written_and_the_rerun_completes_them(tmp_path):
+    """A SIGINT after the first batch landed: exit 130, one line with the count, only whole batches on disk; the
+    rerun adds the rest, and the file then holds the same samples as an uninterrupted run."""
+    import launcher_env
+
+    env, cache = launcher_env.build(tmp_path / "env"), tmp_path / "xla"
+    sampling = [a for a in launcher_env.SAMPLING if not a.startswith(("--batch_size", "--max_new_tokens"))]
+    args = [f"--problems={env['problems']}", f"--model={env['model']}", *sampling, "--batch_size=2",
+            "--max_new_tokens=64"]
+
+    def rollout(out, stop=False):
+        cmd = [sys.executable, "-m", "launchers.rollout", *args, f"--out={out}"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(cache), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        if stop:
+            deadline = time.monotonic() + 600
+            while not (os.path.exists(out) and os.path.getsize(out)) and proc.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGINT)
+        out_, err = proc.communicate(timeout=600)
+        return proc.returncode, err
+
+    def records(path):
+        return sorted((r["problem_id"], r["sample_index"], r["completion"], json.dumps(r["reward"]))
+                      for r in map(json.loads, open(path)))
+
+    straight, broken = str(tmp_path / "straight.jsonl"), str(tmp_path / "broken.jsonl")
+    rc, err = rollout(straight)
+    assert rc == 0, err[-3000:]
+    rc, err = rollout(broken, stop=True)
+    assert rc == 130, err[-3000:]
+    kept = records(broken)
+    assert err.strip().splitlines()[-1] == (f"rollout: interrupted (SIGINT): rollouts stopped with {len(kept)} of 8 "
+                                            f"samples in {broken}; rerun the same command to resume")
+    assert 0 < len(kept) < 8 and len(kept) % 2 == 0 and set(kept) <= set(records(straight))
+    rc, err = rollout(broken)
+    assert rc == 0, err[-3000:]
+    assert records(broken) == records(straight)
