@@ -6,18 +6,22 @@
 
 Writes ``out_dir/pairs.jsonl`` and ``out_dir/audit.json`` (and ``out_dir/cohort/`` with --cohort_size), all
 atomically, and prints the audit summary. Filters and selection rules: ``jaxrl/data/pairs.py``.
+
+An --out_dir that already holds other pairs (or a cohort frozen from them) is refused before anything is written;
+rerunning the same build is a no-op for pairs.jsonl (and adds a cohort asked for), --overwrite replaces
+pairs.jsonl, audit.json and cohort/ together (a cohort frozen from the old pairs never stays beside new ones).
+Exit status 1 for refused work or a malformed input line (its file:line named), 2 for usage errors.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from absl import app, flags
 
 from jaxrl.data import pairs as pairs_lib
-from jaxrl.utils.io import JsonlError
+from launchers import _main
 
 _ROLLOUTS = flags.DEFINE_string("rollouts", None, "rollouts.jsonl to build pairs from.")
 _PAIRS_IN = flags.DEFINE_string("pairs_in", None, "Existing pairs.jsonl to filter (instead of --rollouts).")
@@ -37,7 +41,8 @@ _SELECTION = flags.DEFINE_enum("selection", "best_worst", list(pairs_lib.SELECTI
                                "admissible pair with the largest margin.")
 _COHORT_SIZE = flags.DEFINE_integer("cohort_size", 0, "If > 0, freeze this many pairs into out_dir/cohort/.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the cohort selection.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing frozen cohort.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out_dir holds (pairs.jsonl, audit.json, "
+                                "cohort/) when this build gives other pairs or another cohort.")
 _SKIP_MALFORMED = flags.DEFINE_bool("skip_malformed", False, "Skip (and count) malformed input lines instead "
                                     "of failing.")
 
@@ -53,9 +58,8 @@ def run() -> dict:
         min_margin=_MIN_MARGIN.value, truncation_buffer=_TRUNCATION_BUFFER.value,
         max_length_diff=_MAX_LENGTH_DIFF.value, max_new_tokens=_MAX_NEW_TOKENS.value,
         pairing=_PAIRING.value, selection=_SELECTION.value)
-    if _COHORT_SIZE.value > 0:
-        # Refuse before writing anything, so a refused run leaves the folder exactly as it was.
-        pairs_lib.check_cohort_writable(out_dir, _OVERWRITE.value)
+    if _COHORT_SIZE.value < 0:
+        raise app.UsageError(f"--cohort_size must be >= 0, got {_COHORT_SIZE.value}")
 
     skipped: list[str] = []
     if _ROLLOUTS.value:
@@ -73,9 +77,23 @@ def run() -> dict:
         n_records = len(records)
     audit["input"] = {"path": os.fspath(src), "records": n_records, "skipped_malformed": len(skipped),
                       "skipped_examples": skipped[:10]}
-    if _COHORT_SIZE.value > 0:
-        manifest = pairs_lib.freeze_cohort(pairs, out_dir, _COHORT_SIZE.value, seed=_SEED.value,
-                                           overwrite=_OVERWRITE.value, source=os.fspath(src))
+    cohort = (_COHORT_SIZE.value, _SEED.value) if _COHORT_SIZE.value > 0 else None
+    if cohort and cohort[0] > len(pairs):
+        raise ValueError(f"--cohort_size={cohort[0]} exceeds the {len(pairs)} pairs this build keeps")
+    # refused here, before anything is written, when out_dir holds other pairs / another cohort
+    action = pairs_lib.check_build_output(out_dir, pairs, overwrite=_OVERWRITE.value, cohort=cohort)
+    if action == "replace":
+        removed = pairs_lib.remove_cohort(out_dir)
+        if removed:
+            print(f"removed {removed} (frozen from the pairs this build replaces)")
+    frozen = (out_dir / "cohort" / "manifest.json").exists()
+    if action == "same" and (not cohort or frozen) and (out_dir / "audit.json").exists():
+        print(pairs_lib.format_audit(audit))
+        print(f"{out_dir} already holds these pairs{' and this cohort' if cohort else ''}: nothing written")
+        return audit
+    if cohort:
+        manifest = pairs_lib.freeze_cohort(pairs, out_dir, cohort[0], seed=cohort[1], overwrite=True,
+                                           source=os.fspath(src))
         audit["cohort"] = {"dir": os.fspath(out_dir / "cohort"), "size": manifest["size"],
                            "seed": manifest["seed"], "sha256": manifest["sha256"]}
     pairs_path, audit_path = pairs_lib.write_pairs(out_dir, pairs, audit)
@@ -87,13 +105,8 @@ def run() -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-        run()
-    except (JsonlError, pairs_lib.CohortError, FileExistsError, FileNotFoundError, ValueError) as e:
-        # Input problems: one clear line, not a traceback.
-        print(f"build_pairs: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run()  # a malformed input line, a refused output, ...: one line (launchers/_main.py)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

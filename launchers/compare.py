@@ -11,13 +11,18 @@ Writes (into --out, default the sweep folder) comparison.md, comparison.csv, com
 (+ comparison_seeds.csv with a seed axis) and report.html, and prints the Markdown. Columns, the baseline rule
 and the intervals: jaxrl/sweep/compare.py. --sort takes a column name (prefix '-' for descending); --filter
 takes COLUMN OP VALUE with OP one of >= <= != == > < ~ (contains), and may be repeated.
+Every option (columns, operators, values, the baseline) is checked before anything is written; filters that keep
+no point are refused, so a typo never replaces the tables with an empty one. Exit status 1 for a missing or
+malformed sweep folder, 2 for usage errors (launchers/_main.py).
 """
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
 from absl import app, flags
+
+from launchers import _main
 
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep folder (launchers.sweep --out).")
 _OUT = flags.DEFINE_string("out", None, "Output folder (default: the sweep folder).")
@@ -42,23 +47,25 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not _SWEEP_DIR.value:
         raise app.UsageError("--sweep_dir is required")
-    from jaxrl.data.formats import FormatError
-    from jaxrl.sweep.report import write_comparison
-    from jaxrl.utils.io import JsonlError
+    if not Path(_SWEEP_DIR.value).is_dir():
+        raise FileNotFoundError(f"{_SWEEP_DIR.value}: no such sweep folder (--sweep_dir)")
+    if not 0 < _CONFIDENCE.value < 1 or _N_RESAMPLES.value < 1 or _LAST_K.value < 1:
+        raise app.UsageError(f"--confidence must be in (0, 1), --n_resamples and --last_k >= 1; got "
+                             f"{_CONFIDENCE.value}, {_N_RESAMPLES.value}, {_LAST_K.value}")
     try:
-        paths = write_comparison(
-            _SWEEP_DIR.value, _OUT.value, plot_metric=_PLOT.value, baseline=_BASELINE.value,
-            metrics=_METRIC.value, steps=[int(s) for s in _STEPS.value] if _STEPS.value else None,
-            last_k=_LAST_K.value, sort=_SORT.value, filters=_FILTER.value, n_resamples=_N_RESAMPLES.value,
-            confidence=_CONFIDENCE.value, seed=_SEED.value)
-    except (FileNotFoundError, KeyError, ValueError, JsonlError, FormatError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"compare: {msg}", file=sys.stderr)
-        return 1
+        steps = [int(s) for s in _STEPS.value] if _STEPS.value else None
+    except ValueError:
+        raise app.UsageError(f"--steps: expected integers, got {','.join(_STEPS.value)}") from None
+    from jaxrl.sweep.report import write_comparison
+    # a bad column, operator or value fails in build_table, before the first write (launchers/_main.py prints it)
+    paths = write_comparison(
+        _SWEEP_DIR.value, _OUT.value, plot_metric=_PLOT.value, baseline=_BASELINE.value,
+        metrics=_METRIC.value, steps=steps, last_k=_LAST_K.value, sort=_SORT.value, filters=_FILTER.value,
+        n_resamples=_N_RESAMPLES.value, confidence=_CONFIDENCE.value, seed=_SEED.value)
     print(paths["md"].read_text())
     print("compare: wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

@@ -6,6 +6,10 @@
     python -m launchers.convert --to=hf --src=/ckpt/qwen35_4b_orbax --base=/models/Qwen3.5-4B --out=/models/out
     # HF -> HF round trip (a check that load + save is lossless for this folder)
     python -m launchers.convert --to=hf --src=/models/Qwen3.5-4B --base=/models/Qwen3.5-4B --out=/tmp/copy
+
+The output appears atomically (written into a temporary sibling folder, then renamed); an existing --out is
+refused before anything is loaded, unless --overwrite (then it is replaced only once the new one is complete).
+Exit status 1 for refused work, 2 for usage errors (launchers/_main.py).
 """
 
 from __future__ import annotations
@@ -14,17 +18,31 @@ import os
 
 from absl import app, flags
 
+from jaxrl.utils.io import OutputExistsError, atomic_folder
+from launchers import _main
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("to", None, ["orbax", "hf"], "Target format.")
 flags.DEFINE_string("src", None, "Source: an HF folder, or a jaxrl Orbax params folder (has jaxrl_model.json).")
 flags.DEFINE_string("out", None, "Output folder.")
 flags.DEFINE_string("base", None, "For --to=hf: the HF folder whose layout, dtypes and non-language files to keep.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "In-memory dtype while converting.")
+flags.DEFINE_bool("overwrite", False, "Replace an existing --out (once the new one is complete).")
 flags.mark_flags_as_required(["to", "src", "out"])
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.to == "hf" and not FLAGS.base:
+        raise app.UsageError("--to=hf needs --base: the HF folder to take layout, dtypes and other files from")
+    if not os.path.isdir(FLAGS.src):
+        raise FileNotFoundError(f"{FLAGS.src}: no such folder (--src)")
+    out = os.path.abspath(FLAGS.out)
+    if os.path.abspath(FLAGS.src) == out or (FLAGS.base and os.path.abspath(FLAGS.base) == out):
+        raise app.UsageError(f"--out={FLAGS.out} is the source; choose another folder")
+    if os.path.exists(out) and not FLAGS.overwrite:  # before anything is loaded
+        raise OutputExistsError(f"{out}: already exists; choose another --out, or pass --overwrite to replace it")
     import jax.numpy as jnp
 
     from jaxrl.models import qwen35
@@ -32,17 +50,18 @@ def main(argv):
 
     dtype = jnp.bfloat16 if FLAGS.dtype == "bfloat16" else jnp.float32
     src_is_orbax = os.path.isfile(os.path.join(FLAGS.src, META_FILE))
+    if FLAGS.to == "hf":
+        qwen35.config.load_hf_config(FLAGS.base)  # a --base that is no HF folder fails before the model loads
     model = (load_orbax_params(FLAGS.src, dtype=dtype) if src_is_orbax
              else qwen35.from_pretrained(FLAGS.src, dtype=dtype))
-    if FLAGS.to == "orbax":
-        save_orbax_params(model, FLAGS.out, hf_source=None if src_is_orbax else os.path.abspath(FLAGS.src))
-    else:
-        if not FLAGS.base:
-            raise app.UsageError("--to=hf needs --base: the HF folder to take layout, dtypes and other files from")
-        qwen35.save_pretrained(model, FLAGS.out, base_dir=FLAGS.base)
+    with atomic_folder(out, overwrite=FLAGS.overwrite) as tmp:
+        if FLAGS.to == "orbax":
+            save_orbax_params(model, tmp, hf_source=None if src_is_orbax else os.path.abspath(FLAGS.src))
+        else:
+            qwen35.save_pretrained(model, tmp, base_dir=FLAGS.base)
     print(f"convert: wrote {FLAGS.to} to {FLAGS.out} ({sum(1 for _ in qwen35.checkpoint.base_params(model))} "
           f"tensors, dtype {FLAGS.dtype})")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

@@ -4,16 +4,18 @@ r"""`make demo`: the whole pipeline on an embedded tiny Qwen3.5, no network, min
     python -m launchers.demo --workdir=demo_workdir --fresh    # starts over
     python -m launchers.demo --workdir=/tmp/d --quick          # smaller stages (the tests use this)
 
-Stages and outputs: `jaxrl/demo.py`. Ends by printing where report.html is.
+Stages and outputs: `jaxrl/demo.py`. Ends by printing where report.html is. Ctrl-C: the stage running stops at
+its next safe point (exit status 130); rerun the same command to resume.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 from absl import app, flags, logging
+
+from launchers import _main
 
 _WORKDIR = flags.DEFINE_string("workdir", "demo_workdir", "Output folder (resumed when it exists).")
 _FRESH = flags.DEFINE_bool("fresh", False, "Delete --workdir first.")
@@ -25,7 +27,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.set_verbosity(logging.WARNING)  # the demo prints its own one-line-per-stage progress
+    if not flags.FLAGS.verbose:
+        logging.set_verbosity(logging.WARNING)  # the demo prints its own one-line-per-stage progress
     from jaxrl.demo import Demo, DemoSettings
     if _FRESH.value:
         shutil.rmtree(_WORKDIR.value, ignore_errors=True)
@@ -37,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    _main.run(main, interruptible=True)

@@ -8,19 +8,20 @@
         --problems=problems.jsonl --workdir=runs/dpo
 
 Output: ``--out``, default ``WORKDIR/diagnostics/<what>.json`` (the report picks it up from there). Formats:
-``jaxrl/data/formats.py`` and the docstring of each diagnostic module.
+``jaxrl/data/formats.py`` and the docstring of each diagnostic module. Exit status 1 for a missing or malformed
+input file (its file:line named), 2 for usage errors (launchers/_main.py).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from absl import app, flags
 
 from jaxrl.data import formats
-from jaxrl.utils.io import JsonlError, read_jsonl, write_jsonl
+from jaxrl.utils.io import read_jsonl, write_jsonl
+from launchers import _main
 
 _WHAT = flags.DEFINE_enum("what", None, ["drift", "pairs", "diff", "termination", "curves"], "Which diagnostic.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: eval/ is read from it, diagnostics/ written to it.")
@@ -178,19 +179,20 @@ def _drift(out: Path) -> tuple[dict, str]:
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     what = _WHAT.value
     if what is None:
         raise app.UsageError("--what is required: drift, pairs, diff, termination or curves")
     out = _out_path(what)
-    try:
-        if what == "drift":
-            res, summary = _drift(out)
-        else:
-            res, summary = {"curves": _curves, "termination": _termination, "diff": _diff, "pairs": _pairs}[what]()
-    except (FileNotFoundError, JsonlError, formats.FormatError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if what != "drift" and _WORKDIR.value and not _EVAL_DIR.value and what != "pairs" and \
+            not Path(_WORKDIR.value).is_dir():
+        raise FileNotFoundError(f"{_WORKDIR.value}: no such run folder (--workdir)")
+    # a missing or malformed input is one line (launchers/_main.py); nothing is written before the result
+    if what == "drift":
+        res, summary = _drift(out)
+    else:
+        res, summary = {"curves": _curves, "termination": _termination, "diff": _diff, "pairs": _pairs}[what]()
     formats.write_diagnostic(out, res)
     print(summary)
     for f in res.get("flags", []):
@@ -200,4 +202,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

@@ -35,28 +35,30 @@ default all local devices data-parallel), process 0 merges the caches and writes
 
 A second --confirm of the same weights on the same split is refused (data/splits/confirmations.jsonl).
 Temperature 0 with --num_samples > 1 is refused: greedy decoding repeats one completion.
+
+Every flag value, model folder and adapter is checked before a model is loaded or anything is written. An --out
+holding results of models or prompts this run does not have (a narrower rerun: fewer models, another --limit) is
+refused unless --overwrite. Ctrl-C / SIGTERM: the batch in flight is cached, exit status 130 / 143; rerun the
+same command to resume. Exit status 1 for refused work, 2 for usage errors (launchers/_main.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import jax
 from absl import app, flags, logging
 
 from jaxrl.data import formats
-from jaxrl.data.formats import FormatError
 from jaxrl.diagnostics.termination import resample_evaluation
 from jaxrl.evaluation import cli
 from jaxrl.evaluation import protocol as P
 from jaxrl.evaluation.analysis import sampling_warning
-from jaxrl.evaluation.runner import BASE, EvalConfig, Evaluator, ModelSpec, ResumeError, checkpoint_specs
-from jaxrl.models.adapters import AdapterError, CheckpointNotFound
+from jaxrl.evaluation.runner import BASE, EvalConfig, Evaluator, ModelSpec, checkpoint_specs
 from jaxrl.parallel import distributed
-from jaxrl.rollout.backends import ServerError
 from jaxrl.rollout.backends.flags import backend_options, mesh_shape_of
+from launchers import _main
 
 _F = cli.define_flags()
 flags.adopt_module_key_flags(cli)  # --helpshort lists them as this launcher's own
@@ -88,17 +90,25 @@ def _config(problems: str, base: str, out: str, models: list, baseline: str) -> 
     """EvalConfig of the flags (sampling, reward, backend, statistics) for these models."""
     v = {name: holder.value for name, holder in _F.items()}
     backend, backend_kwargs = backend_options(_F)
+    try:
+        reward_kwargs = json.loads(v["reward_kwargs"])
+    except json.JSONDecodeError as e:
+        raise app.UsageError(f"--reward_kwargs: not JSON ({e.msg} at column {e.colno})") from None
+    try:
+        buckets = tuple(int(b) for b in v["prompt_buckets"])
+    except ValueError:
+        raise app.UsageError(f"--prompt_buckets: expected integers, got {','.join(v['prompt_buckets'])}") from None
     return EvalConfig(problems=problems, base=base, out=out, models=models, num_samples=v["num_samples"],
                       temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
                       max_new_tokens=v["max_new_tokens"], max_prompt_len=v["max_prompt_len"],
-                      prompt_buckets=tuple(int(b) for b in v["prompt_buckets"]),
+                      prompt_buckets=buckets,
                       enable_thinking=v["enable_thinking"], reward=v["reward"],
-                      reward_kwargs=json.loads(v["reward_kwargs"]), baseline=baseline,
+                      reward_kwargs=reward_kwargs, baseline=baseline,
                       backend=backend, backend_kwargs=backend_kwargs,
                       truncation_threshold=v["truncation_threshold"], seed=v["seed"], dtype=v["dtype"],
                       batch_size=v["batch_size"], limit=v["limit"], on_overlong=v["on_overlong"],
                       n_resamples=v["n_resamples"], confidence=v["confidence"], progress=v["progress"],
-                      mesh_shape=mesh_shape_of(_F))
+                      mesh_shape=mesh_shape_of(_F), overwrite=v["overwrite"])
 
 
 def build_config(selection=None) -> EvalConfig:
@@ -118,7 +128,11 @@ def build_config(selection=None) -> EvalConfig:
         raise app.UsageError("--out is required without --checkpoints")
     if _F["steps"].value and not workdir:
         raise app.UsageError("--steps needs --checkpoints")
-    models = checkpoint_specs(workdir, [int(s) for s in _F["steps"].value]) if workdir else []
+    try:
+        steps = [int(s) for s in _F["steps"].value]
+    except ValueError:
+        raise app.UsageError(f"--steps: expected integers, got {','.join(_F['steps'].value)}") from None
+    models = checkpoint_specs(workdir, steps) if workdir else []
     models += [ModelSpec(n, "adapter", p) for n, p in _named(_F["adapters"].value, "adapters")]
     models += [ModelSpec(n, "hf", p) for n, p in _named(_F["models"].value, "models")]
     return _config(_F["problems"].value, base, out, models, _F["baseline"].value)
@@ -160,15 +174,13 @@ def main(argv):
     _start_processes(role, confirm)
     if confirm and role == "select":
         raise app.UsageError("--confirm and --role=select exclude each other")
-    try:
-        selection = P.read_selection(confirm) if confirm else None
-    except (FileNotFoundError, FormatError, P.ProtocolError) as e:
-        sys.exit(f"evaluate: {e}")
+    if _F["resample_max_new_tokens"].value < 0:
+        raise app.UsageError(f"--resample_max_new_tokens must be >= 0, got {_F['resample_max_new_tokens'].value}")
+    selection = P.read_selection(confirm) if confirm else None
     cfg = build_config(selection)
-    try:
-        ev = Evaluator(cfg)
-    except (AdapterError, CheckpointNotFound, ServerError) as e:
-        sys.exit(f"evaluate: {e}")
+    # refused here, before any model is loaded: bad values, unreadable model folders or adapters, an --out that
+    # holds other results (ResumeError, AdapterError, ServerError, OutputExistsError, ...: launchers/_main.py)
+    ev = Evaluator(cfg)
     try:
         if selection is not None:  # claims the one confirmation before any sample is drawn
             proto = P.begin_confirmation(selection, cfg.problems, cfg.out)
@@ -186,10 +198,6 @@ def main(argv):
                                     base=os.path.abspath(cfg.base))
             print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({ev.out / P.SELECTION_FILE}); "
                   f"confirm it once with --confirm={ev.out / P.SELECTION_FILE}")
-    except (ResumeError, AdapterError, ServerError, P.ProtocolError) as e:
-        # refused: samples of other weights / settings in --out, an adapter in the wrong layout, a server that is
-        # missing, too old or rejects the adapter, a second confirmation, ...
-        sys.exit(f"evaluate: {e}")
     finally:
         ev.close()
     print((ev.out / "results.md").read_text())
@@ -197,4 +205,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main, interruptible=True)

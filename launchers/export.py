@@ -25,9 +25,10 @@ step, adapter digest; merged: the fingerprint of the merged language tower, see 
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags
+
+from launchers import _main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Adapter checkpoint (workdir, checkpoints/, adapters/, "
                                   "adapters/<step>) or a PEFT adapter folder.")
@@ -51,17 +52,13 @@ def main(argv):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
     from jaxrl.export import export_checkpoint
-    from jaxrl.models.adapters import AdapterError, CheckpointNotFound
-    try:
-        info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value,
-                                 merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,
-                                 overwrite=_OVERWRITE.value,
-                                 merge_dtype=None if _MERGE_DTYPE.value == "stored" else _MERGE_DTYPE.value)
-    except (AdapterError, CheckpointNotFound, FileExistsError, ValueError) as e:
-        # A refused export (wrong layout, foreign shapes, existing output...): the message says why; no traceback.
-        sys.exit(f"export: {e}")
+    # a refused export (wrong layout, foreign shapes, existing output...) is one line: launchers/_main.py
+    info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value,
+                             merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,
+                             overwrite=_OVERWRITE.value,
+                             merge_dtype=None if _MERGE_DTYPE.value == "stored" else _MERGE_DTYPE.value)
     print(json.dumps({"out": _OUT.value, **info}, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

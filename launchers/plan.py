@@ -17,10 +17,9 @@ within-prompt variance cannot be separated, so more samples are assumed not to h
 
 from __future__ import annotations
 
-import json
-import sys
-
 from absl import app, flags
+
+from launchers import _main
 
 _RESULTS = flags.DEFINE_string("results", None, "Pilot evaluation folder (or its results.json) with samples/.")
 _MODEL = flags.DEFINE_string("model", None, "Pilot model compared with the baseline (default: the one with the "
@@ -88,13 +87,19 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from jaxrl.evaluation.planning import minimum_detectable_effect, plan_table, power_at
+    for name, value, ok in (("effect", _EFFECT.value, _EFFECT.value != 0), ("power", _POWER.value,
+                             0 < _POWER.value < 1), ("alpha", _ALPHA.value, 0 < _ALPHA.value < 1),
+                            ("family", _FAMILY.value, _FAMILY.value is None or _FAMILY.value >= 1),
+                            ("sd_diff", _SD_DIFF.value, _SD_DIFF.value is None or _SD_DIFF.value > 0)):
+        if not ok:
+            raise app.UsageError(f"--{name}={value}: expected " + {"effect": "a non-zero effect",
+                                 "family": "an integer >= 1", "sd_diff": "a positive SD"}.get(name, "a value in (0, 1)"))
     try:
-        comps, pilot_family, what = _components()
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"plan: {e}", file=sys.stderr)
-        return 1
+        ks = [int(k) for k in _SAMPLES.value]
+    except ValueError:
+        raise app.UsageError(f"--samples: expected integers, got {','.join(_SAMPLES.value)}") from None
+    comps, pilot_family, what = _components()  # a missing or malformed pilot file: one line (launchers/_main.py)
     family = _FAMILY.value or pilot_family or 1
-    ks = [int(k) for k in _SAMPLES.value]
     if not comps["within_identified"]:
         ks = [1]
     rows = plan_table(comps, _EFFECT.value, power=_POWER.value, alpha=_ALPHA.value, family=family, ks=ks)
@@ -132,4 +137,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

@@ -5,17 +5,16 @@
 
 Reads DIR/metrics.jsonl, DIR/config.json, DIR/eval/ and DIR/diagnostics/*.json (``launchers.diagnose``); see
 ``jaxrl/diagnostics/report.py``. The page has no scripts and no external resources: it opens offline.
+A --workdir that does not exist or holds no run is refused (nothing is created); exit status 1 for a missing or
+malformed input, 2 for usage errors (launchers/_main.py).
 """
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags
 
-from jaxrl.data.formats import FormatError
 from jaxrl.diagnostics.report import build_report
-from jaxrl.utils.io import JsonlError
+from launchers import _main
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder.")
 _OUT = flags.DEFINE_string("out", None, "Output HTML (default WORKDIR/report.html).")
@@ -26,18 +25,17 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the bootstrap and of the semant
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required")
-    try:
-        path = build_report(_WORKDIR.value, _OUT.value, eval_dir=_EVAL_DIR.value, pairs=_PAIRS.value,
-                            problems=_PROBLEMS.value, seed=_SEED.value)
-    except (FileNotFoundError, JsonlError, FormatError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if _PROBLEMS.value and not _PAIRS.value:
+        raise app.UsageError("--problems is used by the pair audit: it needs --pairs")
+    path = build_report(_WORKDIR.value, _OUT.value, eval_dir=_EVAL_DIR.value, pairs=_PAIRS.value,
+                        problems=_PROBLEMS.value, seed=_SEED.value)
     print(f"report: {path}")
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

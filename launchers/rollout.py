@@ -17,12 +17,14 @@ resumed only with the backend it was started with.
 Resumable: rerun the same command after an interruption; already written samples are kept and skipped, a
 partially written last line is cut off. The record format and the resume rules: jaxrl/rollout/runner.py.
 A progress bar shows samples/s and tokens/s; the run's summary is written to <out>.meta.json.
+Every value is checked before the model is loaded or the output is touched. Ctrl-C / SIGTERM: the batch in
+flight is written, exit status 130 / 143; rerun the same command to resume. Exit status 1 for refused work (an
+--out of other settings), 2 for usage errors (launchers/_main.py).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags, logging
 
@@ -30,6 +32,7 @@ from jaxrl.data.chat import OVERLONG_POLICIES
 from jaxrl.parallel import distributed
 from jaxrl.rollout.backends.flags import backend_options, define_backend_flags, mesh_shape_of
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
+from launchers import _main
 
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl (canonical schema of docs/interfaces.md).")
 _MODEL = flags.DEFINE_string("model", None, "HF model folder (weights, config.json, tokenizer, chat template).")
@@ -66,28 +69,27 @@ def main(argv):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
     backend, backend_kwargs = backend_options(_BACKEND_FLAGS)
+    try:
+        buckets = tuple(int(b) for b in _PROMPT_BUCKETS.value)
+    except ValueError:
+        raise app.UsageError(f"--prompt_buckets: expected integers, got {','.join(_PROMPT_BUCKETS.value)}") from None
     mesh_shape = mesh_shape_of(_BACKEND_FLAGS)
     distributed.initialize_from_flags(_DISTRIBUTED)
     cfg = RolloutConfig(problems=_PROBLEMS.value, model=_MODEL.value, out=_OUT.value, adapter=_ADAPTER.value,
                         num_samples=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                         top_k=_TOP_K.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                         max_prompt_len=_MAX_PROMPT_LEN.value,
-                        prompt_buckets=tuple(int(b) for b in _PROMPT_BUCKETS.value),
+                        prompt_buckets=buckets,
                         enable_thinking=_ENABLE_THINKING.value,
                         reward=_REWARD.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value,
                         on_overlong=_ON_OVERLONG.value, dtype=_DTYPE.value, limit=_LIMIT.value,
                         model_name=_MODEL_NAME.value, save_logprobs=_SAVE_LOGPROBS.value,
                         progress=_PROGRESS.value, backend=backend, backend_kwargs=backend_kwargs,
                         mesh_shape=mesh_shape)
-    from jaxrl.rollout.backends import ServerError
-    from jaxrl.rollout.writer import ResumeError
-    try:
-        summary = run_rollouts(cfg)
-    except (ResumeError, ServerError) as e:  # refused, with a message that says why; nothing written is lost
-        sys.exit(f"rollout: {e}")
+    summary = run_rollouts(cfg)  # refused work (ResumeError, ServerError, ...) is one line: launchers/_main.py
     logging.info("rollouts summary: %s", json.dumps(summary))
     print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main, interruptible=True)

@@ -22,6 +22,8 @@ import threading
 
 from absl import app, flags, logging
 
+from launchers import _main
+
 _BASE = flags.DEFINE_string("base", None, "Base HF folder (weights, config.json, tokenizer, chat template).")
 _LORA = flags.DEFINE_list("lora_modules", [], "NAME=PATH,...: adapters served at start-up (PEFT folders or "
                           "trainer adapter checkpoints).")
@@ -58,8 +60,9 @@ def main(argv):
         except RequestError as e:
             raise app.UsageError(f"--lora_modules {name}: {e}") from None
     httpd = server.serve(_HOST.value, _PORT.value)
-    # SIGTERM (what process managers send) shuts down like Ctrl-C
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
+    # SIGINT (Ctrl-C) and SIGTERM (what process managers send) stop serving; the server closes cleanly
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
     if _READY.value:
         tmp = _READY.value + ".tmp"
         with open(tmp, "w") as f:
@@ -69,11 +72,9 @@ def main(argv):
     print(f"serve: listening on {server.url}", flush=True)
     try:
         httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
         server.close()
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main)

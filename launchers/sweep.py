@@ -12,7 +12,8 @@ Rerun the same command after an interruption: finished points are skipped, an in
 its newest checkpoint, failed points are retried (--noretry_failed skips them). When the points are done the
 comparison table is written (OUT/comparison.{md,csv,json}, OUT/report.html; see launchers/compare.py).
 Exit status: 0 all selected points done, 1 some failed or still running elsewhere, 2 the sweep config is invalid
-(a bad key, a type error, a malformed plug-in: nothing was trained).
+(a bad key, a type error, a malformed plug-in: nothing was trained), 130 / 143 on SIGINT / SIGTERM (passed on
+to the running point, which checkpoints and stops; rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import sys
 
 from absl import app, flags
+
+from launchers import _main
 
 _SWEEP = flags.DEFINE_string("sweep", None, "Sweep config: path/to/sweep.py[:arg] (get_sweep()).")
 _OUT = flags.DEFINE_string("out", None, "Sweep folder: one subfolder per point, sweep.json, the comparison.")
@@ -43,6 +46,8 @@ def main(argv):
         raise app.UsageError("--sweep and --out are required")
     if _ONLY.value and _POINT.value:
         raise app.UsageError("give --only or --point, not both")
+    if _JOBS.value < 1:
+        raise app.UsageError(f"--jobs must be >= 1, got {_JOBS.value}")
     from jaxrl.sweep.runner import SweepRunner
     from jaxrl.sweep.spec import SweepError, load_sweep
     try:
@@ -72,8 +77,7 @@ def main(argv):
             return 0
         summary = runner.run(only)
     except SweepError as e:
-        print(f"sweep: {e}", file=sys.stderr, flush=True)
-        return 2
+        _main.fail("sweep", str(e), _main.EXIT_USAGE)
     print(f"sweep: {len(summary['done'])} done, {len(summary['failed'])} failed, "
           f"{len(summary['skipped'])} running elsewhere; folder {runner.out}", flush=True)
     if _COMPARE.value and summary["done"]:
@@ -87,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main, interruptible=True)

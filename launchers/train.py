@@ -8,20 +8,23 @@ r"""Train with LoRA (sft, dpo, grpo, ppo: `config.algorithm`); resumes from the 
         --num_processes=4 --process_id=0
 
 Writes into the workdir: config.json (the resolved config), metrics.jsonl, tensorboard/, checkpoints/
-(adapters/<step>, state/<step>). Exit status 0 on success, 3 when training stopped on too many non-finite
-updates in a row (a checkpoint was saved first).
+(adapters/<step>, state/<step>). Rerun the same command to resume from the newest intact checkpoint (a damaged
+newer one is moved to checkpoints/corrupt/, with a warning naming its file).
+Ctrl-C (SIGINT) or SIGTERM: the current step finishes, its checkpoint is written, exit status 130 (143); a second
+one stops at once. Exit status 0 on success, 3 when training stopped on too many non-finite updates in a row (a
+checkpoint was saved first), 1 / 2 for refused work / usage errors (launchers/_main.py).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl.parallel import distributed
+from launchers import _main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()); --config.key=value overrides.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics, config.json.")
@@ -33,13 +36,6 @@ _KILL_DURING_SAVE = flags.DEFINE_integer("debug_kill_during_save", 0, "TESTS ONL
                                          "after the checkpoint of step N was started (its write may be unfinished).")
 
 EXIT_NONFINITE = 3
-
-
-class _QuietOrbax:
-    """Drop Orbax's INFO chatter (several lines per file written) from the console; warnings stay."""
-
-    def filter(self, record) -> bool:
-        return record.levelno > logging.converter.STANDARD_INFO or "orbax" not in record.pathname
 
 
 def _kill_hook(kill_after: int, kill_during_save: int):
@@ -61,23 +57,28 @@ def _kill_hook(kill_after: int, kill_during_save: int):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _CONFIG.value is None or not _WORKDIR.value:
+    if not _WORKDIR.value:
         raise app.UsageError("--config and --workdir are required")
-    logging.get_absl_handler().addFilter(_QuietOrbax())
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config and --workdir are required")
+    try:
+        config.keys()
+    except OSError as e:  # ml_collections defers a config file that failed to load to its first use
+        reason = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+        raise app.UsageError(f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}: "
+                             f"{reason}") from None
     distributed.initialize_from_flags(_DISTRIBUTED)
     from jaxrl.algorithms.run import run_training
     from jaxrl.train.loop import NonFiniteError
-    config = _CONFIG.value
     try:
         result = run_training(config, _WORKDIR.value,
                               on_step_end=_kill_hook(_KILL_AFTER.value, _KILL_DURING_SAVE.value))
     except NonFiniteError as e:
-        logging.error("%s", e)
-        print(f"ERROR: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_NONFINITE)
+        _main.fail("train", str(e), EXIT_NONFINITE)
     print(f"done: {result.final_step} steps; checkpoints in {os.path.join(_WORKDIR.value, 'checkpoints')}",
           flush=True)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _main.run(main, interruptible=True)

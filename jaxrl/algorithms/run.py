@@ -27,7 +27,7 @@ from jaxrl.models.lora import apply_lora_from_config
 from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rewards import REWARDS
-from jaxrl.train.loop import RunResult, Trainer
+from jaxrl.train.loop import RunResult, Trainer, check_run_config, check_same_run
 from jaxrl.utils import schema
 from jaxrl.utils.config import to_plain, unknown_key_error
 
@@ -129,6 +129,8 @@ def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunRes
     """Build the model and the algorithm's task from the config and run (resuming from the workdir)."""
     factory = get_trainer(config.get("algorithm", None) or schema.TOP["algorithm"].default)
     resolve_config(config, factory)
+    check_run_config(config)  # step counts, batch split, optimizer: a bad value fails before any model is built
+    check_same_run(config, workdir)  # a workdir holding a run of another shape: refused before any work too
     load_config_plugins(config)  # `plugins`: user objectives checked before any model or data work (fail fast)
     mesh = mesh if mesh is not None else mesh_from_config(config)
     fit_micro_batch_to_mesh(config, mesh)

@@ -54,12 +54,14 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jaxrl.utils.io import atomic_write_json, iter_jsonl, read_jsonl, sha256_file, write_jsonl
+from jaxrl.utils.io import (OutputExistsError, atomic_write_json, iter_jsonl, jsonl_bytes, read_jsonl, sha256_file,
+                            write_jsonl)
 
 __all__ = [
     "PairConfig",
@@ -510,6 +512,68 @@ def write_pairs(out_dir: str | os.PathLike, pairs: Sequence[Mapping], audit: Map
     """``out_dir/pairs.jsonl`` and ``out_dir/audit.json``, each written atomically."""
     out_dir = Path(out_dir)
     return write_jsonl(out_dir / "pairs.jsonl", pairs), atomic_write_json(out_dir / "audit.json", audit)
+
+
+def check_build_output(out_dir: str | os.PathLike, pairs: Sequence[Mapping], overwrite: bool = False,
+                       cohort: Optional[tuple[int, int]] = None) -> str:
+    """What writing these pairs (and the cohort `(size, seed)`, if any) into `out_dir` would do, checked before
+    anything is written: "new" (no pairs there), "same" (pairs.jsonl already holds exactly these pairs: a rerun;
+    a cohort asked for is added when there is none) or "replace" (other pairs, with `overwrite`: pairs.jsonl,
+    audit.json and the cohort frozen from the old pairs are all replaced). OutputExistsError when the folder holds
+    other pairs (or a cohort frozen from them) and not `overwrite`: they are never replaced silently."""
+    out_dir = Path(out_dir)
+    path, cohort_dir = out_dir / "pairs.jsonl", out_dir / "cohort"
+    frozen = (cohort_dir / "manifest.json").exists() or (cohort_dir / "pairs.jsonl").exists()
+    if not path.exists() and not frozen:
+        return "new"
+    same = path.exists() and path.read_bytes() == jsonl_bytes(pairs, path)
+    if same and (cohort is None or not frozen or _same_cohort(cohort_dir, pairs, *cohort)):
+        return "same"
+    if overwrite:
+        return "replace"
+    if same:
+        raise OutputExistsError(f"{cohort_dir}: a frozen cohort already exists ({_describe_cohort(cohort_dir)}); "
+                                f"freezing size {cohort[0]} with seed {cohort[1]} would replace it: choose another "
+                                "--out_dir, or pass --overwrite to replace it")
+    held = f"{sum(1 for _ in path.open('rb'))} pairs" if path.exists() else "no pairs.jsonl"
+    stale = f" and the cohort frozen from them ({cohort_dir})" if frozen else ""
+    raise OutputExistsError(f"{path if path.exists() else out_dir}: holds {held}{stale}; this build gives "
+                            f"{len(pairs)} other pairs and would replace them: choose another --out_dir, or pass "
+                            "--overwrite to replace pairs.jsonl, audit.json and cohort/")
+
+
+def _describe_cohort(cohort_dir: Path) -> str:
+    try:
+        m = json.loads((cohort_dir / "manifest.json").read_text(encoding="utf-8"))
+        return f"size {m.get('size')}, seed {m.get('seed')}"
+    except (OSError, ValueError):
+        return "no readable manifest"
+
+
+def _same_cohort(cohort_dir: Path, pairs: Sequence[Mapping], size: int, seed: int) -> bool:
+    """Whether the cohort frozen in `cohort_dir` is the one `freeze_cohort(pairs, size, seed)` would write."""
+    try:
+        m = json.loads((cohort_dir / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (m.get("size"), m.get("seed"), m.get("pair_ids")) == (size, seed, cohort_order(pairs, seed)[:size])
+
+
+def cohort_order(pairs: Sequence[Mapping], seed: int) -> list[str]:
+    """Every pair id in cohort order: ascending ``sha256(f"{seed}:{pair_id}")``."""
+    ids = [p.get("pair_id") or pair_id(p["problem_id"], p["chosen"], p["rejected"]) for p in pairs]
+    return sorted(ids, key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).hexdigest())
+
+
+def remove_cohort(out_dir: str | os.PathLike) -> Optional[Path]:
+    """Deletes ``out_dir/cohort`` (its manifest first, so an interrupted removal never leaves a manifest that
+    vouches for pairs it no longer matches); returns the folder removed, or None."""
+    cohort = Path(out_dir) / "cohort"
+    if not cohort.exists():
+        return None
+    (cohort / "manifest.json").unlink(missing_ok=True)
+    shutil.rmtree(cohort)
+    return cohort
 
 
 def _cohort_dir(path: str | os.PathLike) -> Path:

@@ -289,16 +289,19 @@ def problems_jsonl_bytes(problems: Iterable[Problem]) -> bytes:
     return "".join(p.to_json() + "\n" for p in problems).encode("utf-8")
 
 
-def save_problems(problems: Iterable[Problem], path: str | os.PathLike) -> str:
-    """Write problems atomically (JSONL, or parquet by suffix); return the sha256 of the bytes written."""
-    path = Path(path)
+def problems_file_bytes(problems: Iterable[Problem], path: str | os.PathLike) -> bytes:
+    """The bytes `save_problems` writes to `path` (JSONL, or parquet by suffix)."""
     problems = list(problems)
-    if path.suffix == ".parquet":
+    if Path(path).suffix == ".parquet":
         buffer = io.BytesIO()
         problems_to_dataset(problems).to_parquet(buffer)
-        data = buffer.getvalue()
-    else:
-        data = problems_jsonl_bytes(problems)
+        return buffer.getvalue()
+    return problems_jsonl_bytes(problems)
+
+
+def save_problems(problems: Iterable[Problem], path: str | os.PathLike) -> str:
+    """Write problems atomically (JSONL, or parquet by suffix); return the sha256 of the bytes written."""
+    data = problems_file_bytes(problems, path)
     atomic_write_bytes(path, data)
     return hashlib.sha256(data).hexdigest()
 

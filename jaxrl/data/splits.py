@@ -64,37 +64,64 @@ def freeze_splits(problems: Sequence[Problem], out_dir: str | os.PathLike,
                   fractions: Mapping[str, float] = DEFAULT_FRACTIONS, seed: int = 0,
                   source_path: str | os.PathLike | None = None, overwrite: bool = False) -> dict:
     """Split problems by id, write one JSONL per split plus the manifest; return the manifest."""
+    manifest, payloads = plan_splits(problems, fractions, seed, source_path)
+    check_splits(out_dir, manifest, overwrite)
+    return write_splits(out_dir, manifest, payloads)
+
+
+def plan_splits(problems: Sequence[Problem], fractions: Mapping[str, float] = DEFAULT_FRACTIONS, seed: int = 0,
+                source_path: str | os.PathLike | None = None, source_sha256: str | None = None
+                ) -> tuple[dict, dict[str, bytes]]:
+    """(manifest, {split: file bytes}) of the splits `freeze_splits` would write; writes nothing. The source's
+    sha256 is `source_sha256`, else that of the file at `source_path`."""
     _check_fractions(fractions)
     ids = [p.id for p in problems]
     if len(set(ids)) != len(ids):
         raise ValueError("problem ids must be unique to split them")
-    out_dir = Path(out_dir)
     members: dict[str, list[Problem]] = {name: [] for name in fractions}
     for problem in sorted(problems, key=lambda p: p.id):  # file order independent of input order
         members[assign_split(problem.id, seed, fractions)].append(problem)
     payloads = {name: problems_jsonl_bytes(group) for name, group in members.items()}
+    source = None
+    if source_path:
+        source = {"path": str(source_path), "sha256": source_sha256 or sha256_file(source_path)}
     manifest = {
         "format": FORMAT,
         "seed": seed,
         "fractions": dict(fractions),
         "method": "sha256(seed:id) thresholds",
-        "source": ({"path": str(source_path), "sha256": sha256_file(source_path)} if source_path else None),
+        "source": source,
         "splits": {name: {"file": f"{name}.jsonl", "count": len(members[name]),
                           "sha256": hashlib.sha256(payloads[name]).hexdigest(),
                           "ids": [p.id for p in members[name]]} for name in fractions},
     }
-    existing = out_dir / MANIFEST
+    return manifest, payloads
+
+
+def check_splits(out_dir: str | os.PathLike, manifest: Mapping, overwrite: bool = False) -> None:
+    """SplitIntegrityError when `out_dir` holds frozen splits that `manifest` would change (and not
+    `overwrite`)."""
+    existing = Path(out_dir) / MANIFEST
     if existing.exists() and not overwrite:
-        old = json.loads(existing.read_text())
+        try:
+            old = json.loads(existing.read_text())
+        except ValueError as e:
+            raise SplitIntegrityError(f"{existing}: unreadable manifest ({e}); pass --overwrite to replace "
+                                      "it") from None
         if old.get("splits") != manifest["splits"]:
             changed = [n for n in set(old.get("splits", {})) | set(manifest["splits"])
                        if old.get("splits", {}).get(n) != manifest["splits"].get(n)]
             raise SplitIntegrityError(f"{existing}: frozen splits {sorted(changed)} would change; "
-                                      "pass overwrite=True to replace them deliberately")
+                                      "pass overwrite=True (--overwrite) to replace them deliberately")
+
+
+def write_splits(out_dir: str | os.PathLike, manifest: Mapping, payloads: Mapping[str, bytes]) -> dict:
+    """Writes the split files, then the manifest (each atomically); returns the manifest."""
+    out_dir = Path(out_dir)
     for name, payload in payloads.items():
         atomic_write_bytes(out_dir / f"{name}.jsonl", payload)
-    atomic_write_bytes(existing, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())
-    return manifest
+    atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())
+    return dict(manifest)
 
 
 def read_manifest(split_dir: str | os.PathLike) -> dict:

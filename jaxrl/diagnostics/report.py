@@ -22,8 +22,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.data.formats import (BASE_MODEL, EVAL_DIR, METRICS_FILE, REPORT_FILE, diagnostics_path, model_step,
-                                read_config, read_diagnostic, read_results, read_training_metrics)
+from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, DIAGNOSTICS_DIR, EVAL_DIR, METRICS_FILE, REPORT_FILE,
+                                diagnostics_path, model_step, read_config, read_diagnostic, read_results,
+                                read_training_metrics)
 from jaxrl.diagnostics import flags as F
 from jaxrl.diagnostics import plots
 from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples
@@ -569,7 +570,7 @@ def _drift_section(data: Mapping) -> str:
     d = data.get("drift")
     if not d or not d.get("per_step"):
         return _missing("drift", "run `python -m launchers.diagnose --what=drift --base_model=HF_DIR "
-                                 "--adapters=DIR_OF_PEFT_STEPS --prompts=PROBLEMS.jsonl --workdir=DIR`")
+                                 "--adapters=DIR_OF_PEFT_STEPS --problems=PROBLEMS.jsonl --workdir=DIR`")
     rows = []
     for r in d["per_step"]:
         un = r.get("update_norm") or {}
@@ -602,9 +603,26 @@ def render_html(data: Mapping, title: Optional[str] = None) -> str:
     return "\n".join(parts)
 
 
+def check_run_folder(workdir: str | os.PathLike, eval_dir: Optional[str | os.PathLike] = None) -> None:
+    """FileNotFoundError unless `workdir` holds a run: config.json, metrics.jsonl, an evaluation or diagnostics."""
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise FileNotFoundError(f"{workdir}: no such run folder (--workdir)")
+    evals = Path(eval_dir) if eval_dir else workdir / EVAL_DIR
+    if eval_dir and not evals.is_dir():
+        raise FileNotFoundError(f"{evals}: no such evaluation folder (--eval_dir)")
+    found = [p for p in (workdir / CONFIG_FILE, workdir / METRICS_FILE, evals / "results.json",
+                         workdir / DIAGNOSTICS_DIR) if p.exists()]
+    if not found:
+        raise FileNotFoundError(f"{workdir}: holds no run ({CONFIG_FILE}, {METRICS_FILE}, "
+                                f"{EVAL_DIR}/results.json or {DIAGNOSTICS_DIR}/); is --workdir the run folder?")
+
+
 def build_report(workdir: str | os.PathLike, out: Optional[str | os.PathLike] = None, **kwargs) -> Path:
     """Collects (``collect(workdir, **kwargs)``), renders and writes ``out`` (default ``DIR/report.html``)
-    atomically; returns its path."""
+    atomically; returns its path. A workdir that does not exist, or holds none of the files a report is built
+    from, is refused (FileNotFoundError) before anything is written: a mistyped path never gets an empty report."""
+    check_run_folder(workdir, kwargs.get("eval_dir"))
     data = collect(workdir, **kwargs)
     path = Path(out) if out else Path(workdir) / REPORT_FILE
     return atomic_write_text(path, render_html(data))

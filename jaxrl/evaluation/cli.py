@@ -47,6 +47,8 @@ FLAGS = (
     ("resample_max_new_tokens", "integer", 0, "Re-run truncated samples at this larger cap and write "
      "termination.json (0 = off)."),
     ("progress", "bool", True, "Progress bars."),
+    ("overwrite", "bool", False, "Replace the results in --out of models or prompts this run leaves out (without "
+     "it a narrower rerun is refused)."),
     ("role", "enum", "explore", ["explore", "select"], "explore: every claim is exploratory; select: record the best "
      "model on --select_metric in <out>/selection.json (dev split)."),
     ("select_metric", "enum", "partial_reward_mean", ["partial_reward_mean", "strict_rate"], "Metric the best model "

@@ -34,6 +34,13 @@ Honesty rules this module enforces:
   --coordinator_address etc.) process i of n samples every n-th problem on its own devices into its part of each
   model's cache (`cache/<name>.jsonl.parts/`, jaxrl.rollout.writer), process 0 merges the parts after a barrier
   and alone writes samples, audit and results; the samples are the ones a single process draws.
+* Nothing replaced silently: an --out whose results.json holds models or prompts this run does not have (a
+  narrower rerun, e.g. --limit=8 on a 64-prompt folder) is refused before any work (OutputExistsError), unless
+  `overwrite` (then the samples files of the models left out are removed with the old results). A run of the
+  same models and prompts, or of more models on the same prompts, resumes and adds to what is there.
+* Every value and every model folder / adapter is checked before a model is loaded or a cache is created.
+* Interrupted (SIGINT / SIGTERM with jaxrl.utils.interrupt installed, as the launcher does): the batch in flight
+  is written to the cache, then Interrupted is raised; rerunning the command resumes.
 * Resumable: a killed evaluation continues where it stopped. The cache of a model is bound to its fingerprint,
   the sampling settings, the reward and the backend (`CACHE_KEYS`); resuming with other values is refused, so
   samples of different weights or settings are never mixed. A cached sample whose problem changed (tests
@@ -74,7 +81,8 @@ from jaxrl.rollout.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
-from jaxrl.utils.io import atomic_write_json, atomic_write_text, sha256_file
+from jaxrl.utils import interrupt
+from jaxrl.utils.io import OutputExistsError, atomic_write_json, atomic_write_text, sha256_file
 
 __all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_KINDS", "ModelSpec", "ResumeError",
            "checkpoint_specs", "default_reward_kwargs", "run_evaluation", "summarize"]
@@ -117,6 +125,26 @@ class EvalConfig:
     progress: bool = True
     mesh_shape: Optional[tuple] = (-1, 1, 1)  # jax backend: (data, fsdp, tensor) over this process's devices;
     #                                           None = one device without a mesh
+    overwrite: bool = False  # replace results.json of other models / prompts in `out` (module docstring)
+
+
+def check_values(cfg: EvalConfig) -> SamplingParams:
+    """Every value of `cfg` that is not a file: ValueError naming each bad one; returns the sampling parameters."""
+    sampling = SamplingParams(n=cfg.num_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
+    bad = []
+    if not 0.0 <= cfg.truncation_threshold < 1.0:
+        bad.append(f"truncation_threshold must be in [0, 1), got {cfg.truncation_threshold}")
+    if not 0.0 < cfg.confidence < 1.0:
+        bad.append(f"confidence must be in (0, 1) (0.95 for 95%), got {cfg.confidence}")
+    for key, minimum in (("n_resamples", 1), ("batch_size", 1), ("limit", 0), ("max_prompt_len", 1)):
+        if int(getattr(cfg, key)) < minimum:
+            bad.append(f"{key} must be >= {minimum}, got {getattr(cfg, key)}")
+    if any(int(b) < 1 for b in cfg.prompt_buckets):
+        bad.append(f"prompt_buckets must be positive, got {list(cfg.prompt_buckets)}")
+    if bad:
+        raise ValueError("; ".join(bad))
+    return sampling
 
 
 def default_reward_kwargs(name: str) -> dict:
@@ -147,11 +175,7 @@ class Evaluator:
     """
 
     def __init__(self, cfg: EvalConfig, *, model=None, tokenizer=None, reward=None, backend=None):
-        # bad sampling values fail here, before anything is loaded or written
-        self.sampling = SamplingParams(n=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,
-                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
-        if not 0.0 <= cfg.truncation_threshold < 1.0:
-            raise ValueError(f"truncation_threshold must be in [0, 1), got {cfg.truncation_threshold}")
+        self.sampling = check_values(cfg)  # bad values fail here, before anything is loaded or written
         self.cfg = cfg
         self.out = Path(cfg.out)
         specs = list(cfg.models)
@@ -183,6 +207,12 @@ class Evaluator:
         if not self.problems:
             raise ValueError(f"{cfg.problems}: no problem fits max_prompt_len={cfg.max_prompt_len}")
         self.by_id = {p.id: p for p in self.problems}
+        self._adapters: dict = {}
+        for spec in self.specs.values():  # every model folder and adapter readable, before any model is loaded
+            if spec.kind == "hf":
+                load_hf_config(spec.path)
+            self.adapter(spec.name)
+        self.replaced = self.check_output()
 
         if reward is None:
             reward = get_reward(cfg.reward, **{**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs})
@@ -198,10 +228,46 @@ class Evaluator:
                                    mesh=mesh, **cfg.backend_kwargs)
         self.backend = backend
         self.collector = Collector(backend, reward, tokenizer=self.tokenizer, stop_ids=self.stop_ids)
-        self._adapters: dict = {}
         self.audit_report: Optional[dict] = None
         self._loaded: Optional[str] = None
         self.tokenizer_digest = _tokenizer_digest(cfg.base)
+
+    # ---------------------------------------------------------------------------------------------------- output
+    def check_output(self) -> list[str]:
+        """Refuses (OutputExistsError) an `out` whose results.json holds models or prompts this run does not have,
+        unless cfg.overwrite; returns the names of the models whose results would be replaced (overwrite)."""
+        path = self.out / formats.RESULTS_FILE
+        if not path.exists():
+            return []
+        old = formats.read_results(path)
+        old_models = list(old["models"])
+        old_ids = self._result_problem_ids(old, old_models)
+        new_ids = sorted(self.by_id)
+        missing = [m for m in old_models if m not in self.specs]
+        same_prompts = old_ids == new_ids if old_ids is not None else (
+            (old.get("evaluation") or {}).get("n_problems") == len(new_ids))
+        if not missing and same_prompts:
+            return []
+        if self.cfg.overwrite:
+            return missing
+        n_old = len(old_ids) if old_ids is not None else (old.get("evaluation") or {}).get("n_problems")
+        what = []
+        if missing:
+            what.append(f"models {', '.join(missing)} that this run does not evaluate")
+        if not same_prompts:
+            what.append(f"{n_old} prompts where this run has {len(new_ids)}")
+        raise OutputExistsError(
+            f"{path}: holds the results of {len(old_models)} model(s) on {n_old} prompts, with "
+            f"{' and '.join(what)}; rerunning would replace them: evaluate the same models and prompts (that "
+            f"resumes and adds to them), choose another --out, or pass --overwrite")
+
+    def _result_problem_ids(self, results: Mapping, models: Sequence[str]) -> Optional[list]:
+        """The problem ids of an earlier evaluation (its samples files), or None when it left none."""
+        for name in models:
+            path = formats.samples_path(self.out, name)
+            if path.exists():
+                return sorted({str(r["problem_id"]) for r in formats.read_samples(path)})
+        return None
 
     # --------------------------------------------------------------------------------------------------- weights
     def adapter(self, name: str):
@@ -328,11 +394,11 @@ class Evaluator:
         todo = [p.id for p in mine if any((p.id, i) not in cached for i in range(n))]
         writer = log if processes == 1 else log.part(jax.process_index(), processes)
         writer.start()
+        bar = None
         try:
             if todo:
                 self.load(name)
                 per_batch = max(1, getattr(self.backend, "batch_size", cfg.batch_size) // n)
-                bar = None
                 if cfg.progress:
                     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), unit="problem",
                                desc=name, dynamic_ncols=True)
@@ -351,9 +417,10 @@ class Evaluator:
                         bar.update(len(chunk))
                     if on_batch is not None:
                         on_batch({"model": name, "problems_done": len(chunk)})
-                if bar is not None:
-                    bar.close()
+                    interrupt.check(lambda: self._stop_message(name))
         finally:
+            if bar is not None:
+                bar.close()
             writer.close()
         if processes > 1:
             distributed.barrier(f"evaluation {self.out} {name}: parts written")
@@ -379,6 +446,10 @@ class Evaluator:
         self.out.mkdir(parents=True, exist_ok=True)
         main = distributed.is_main_process()
         report = self.run_audit()
+        for name in self.replaced:  # --overwrite: the old results of models this run leaves out go with them
+            formats.samples_path(self.out, name).unlink(missing_ok=True)
+            logger.warning("%s: removed the samples of %s (not part of this evaluation; --overwrite)", self.out,
+                           name)
         records = {}
         for name in self.specs:
             t0 = time.perf_counter()
@@ -391,6 +462,11 @@ class Evaluator:
         results = self.write(records, report) if main else None  # process 0 alone writes the results ...
         distributed.barrier(f"evaluation {self.out}: results written")
         return results if main else formats.read_results(self.out)  # ... which every process returns
+
+    def _stop_message(self, name: str) -> str:
+        done = sum(1 for _ in self.cache_path(name).open()) if self.cache_path(name).exists() else 0
+        return (f"evaluation stopped while sampling {name} ({done} samples in {self.cache_path(name)}); rerun the "
+                f"same command to resume")
 
     def summarize(self, records: Mapping[str, Sequence[Mapping]]) -> tuple[dict, list]:
         """:func:`summarize` with this evaluation's baseline and bootstrap settings."""

@@ -25,6 +25,8 @@ problem (`jaxrl.parallel.distributed.share`), samples it on its own devices and 
 `<out>.parts/part-<i>-of-<n>.jsonl` (a ResumableJsonl of the same settings, resumable on its own); after a
 barrier, process 0 merges the parts into `<out>`, in problem order: the file a single process would have written.
 Records already in `<out>` or in any part file are never drawn again.
+Interrupted (SIGINT / SIGTERM with jaxrl.utils.interrupt installed, as the launcher does): the batch in flight is
+written and fsync'ed, then Interrupted is raised; rerunning the command resumes.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from jaxrl.rollout.backends.jax_backend import DTYPES
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
+from jaxrl.utils import interrupt
 
 __all__ = ["RolloutConfig", "ResumeError", "record_of", "run_rollouts", "sampling_of"]
 
@@ -157,6 +160,9 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
     sampling = sampling_of(cfg)  # bad sampling values fail here, before anything is loaded or written
     if cfg.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
+    if cfg.limit < 0 or cfg.max_prompt_len < 1 or any(int(b) < 1 for b in cfg.prompt_buckets):
+        raise ValueError(f"limit must be >= 0, max_prompt_len and prompt_buckets positive; got limit={cfg.limit}, "
+                         f"max_prompt_len={cfg.max_prompt_len}, prompt_buckets={list(cfg.prompt_buckets)}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     if cfg.backend not in BACKENDS:
@@ -246,6 +252,8 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
                                  "tokens/s": f"{generated_tokens / elapsed:.1f}"})
             if on_batch is not None:
                 on_batch({"written": written, "generated_tokens": generated_tokens})
+            interrupt.check(lambda: f"rollouts stopped with {already + written} of {total} samples in {out}; "
+                                    "rerun the same command to resume")
     finally:
         writer.close()
         if bar is not None:

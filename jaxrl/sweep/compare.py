@@ -317,8 +317,13 @@ def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = N
     columns = list(rows[0]) if rows else ["point", *axes, "state", "baseline"]
     table = Table(columns, rows, axes, list(metrics), steps, notes, baseline,
                   per_prompt={(r["point"], cell): d for r, cell, d, _ in family})
-    for f in filters:
-        table.rows = [r for r in table.rows if _match(table, f, r)]
+    parsed = [parse_filter(table, f) for f in filters]  # every filter checked, also when there are no rows
+    before = len(table.rows)
+    for f in parsed:
+        table.rows = [r for r in table.rows if _match(f, r)]
+    if before and not table.rows:
+        raise ValueError(f"--filter {' '.join(repr(f) for f in filters)} keeps none of the {before} points (nothing "
+                         "written); check the column names and values in comparison.csv")
     if sort:
         sort_rows(table, sort)
     return table
@@ -389,15 +394,23 @@ def column(table: Table, name: str) -> str:
 
 
 def parse_filter(table: Table, expr: str) -> tuple[str, str, str]:
+    """(column, operator, value) of `COLUMN OP VALUE`; ValueError / KeyError (naming the nearest column) when the
+    expression is malformed, a comparison's value is not a number, or the value starts with an operator sign (a
+    mistyped operator such as `===` or `=>`, which would otherwise match no row)."""
     m = re.match(r"^\s*(.+?)\s*(>=|<=|!=|==|>|<|~)\s*(.*?)\s*$", expr)
+    usage = f"expected COLUMN OP VALUE with OP one of {' '.join(_OPS)} (~ = contains)"
     if not m:
-        raise ValueError(f"filter {expr!r}: expected COLUMN OP VALUE with OP one of {' '.join(_OPS)} "
-                         "(~ = contains)")
-    return column(table, m.group(1)), m.group(2), m.group(3)
+        raise ValueError(f"filter {expr!r}: {usage}")
+    col, op, want = column(table, m.group(1)), m.group(2), m.group(3)
+    if want[:1] in ("=", "<", ">", "!", "~"):
+        raise ValueError(f"filter {expr!r}: the value {want!r} starts with an operator sign; {usage}")
+    if op in (">=", "<=", ">", "<") and _float(want) is None:
+        raise ValueError(f"filter {expr!r}: {op} compares numbers, and {want!r} is not one")
+    return col, op, want
 
 
-def _match(table: Table, expr: str, row: Mapping) -> bool:
-    col, op, want = parse_filter(table, expr)
+def _match(parsed: tuple[str, str, str], row: Mapping) -> bool:
+    col, op, want = parsed
     have = row.get(col)
     if op == "~":
         return have is not None and want in str(have)

@@ -6,6 +6,8 @@
 Both first start a watchdog thread that kills this process as soon as the sweep process that started it is gone
 (its parent pid changes): a killed sweep must not leave a training running that the resumed sweep would race
 with in the same folder. A process killed this way is resumable like any killed `launchers.train` run.
+SIGINT / SIGTERM (passed on by the sweep): the step finishes, its checkpoint is written, exit status 130 / 143
+(jaxrl.utils.interrupt), as launchers.train.
 Exit status of `train`: 0 done, 3 too many non-finite updates (as launchers.train), 2 a PluginError, 1 other.
 """
 
@@ -20,10 +22,12 @@ import threading
 import time
 
 import ml_collections
-from absl import app, logging
+from absl import app
 
 from jaxrl.algorithms.run import run_training
 from jaxrl.train.loop import NonFiniteError
+from jaxrl.utils import interrupt
+from jaxrl.utils.logs import install_log_filters, quiet_libraries
 from jaxrl.utils.registry import PluginError
 
 
@@ -39,13 +43,6 @@ def start_watchdog(interval_s: float = 0.5) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="sweep-watchdog", daemon=True).start()
-
-
-class _QuietOrbax:
-    """Drop Orbax's INFO chatter (several lines per file written) from the log, as launchers.train does."""
-
-    def filter(self, record) -> bool:
-        return record.levelno > logging.converter.STANDARD_INFO or "orbax" not in record.pathname
 
 
 def _debug_pause_hook():
@@ -72,7 +69,9 @@ def train(point_dir: str) -> int:
 
     def run(argv):
         del argv
-        logging.get_absl_handler().addFilter(_QuietOrbax())
+        install_log_filters()
+        quiet_libraries(os.environ.get("JAXRL_VERBOSE") == "1")
+        interrupt.install()
         with open(os.path.join(point_dir, "config.json"), encoding="utf-8") as f:
             config = ml_collections.ConfigDict(json.load(f))
         try:
@@ -84,6 +83,10 @@ def train(point_dir: str) -> int:
         except NonFiniteError as e:
             print(f"ERROR: {e}", file=sys.stderr, flush=True)
             code.append(3)
+            return
+        except interrupt.Interrupted as e:
+            print(f"{interrupt.signal_name(e.signum)}: {e}", file=sys.stderr, flush=True)
+            code.append(e.exit_status)
             return
         print(f"done: {result.final_step} steps", flush=True)
         code.append(0)

@@ -23,6 +23,11 @@ next run starts it again in the same folder and the trainer resumes from its new
 subprocess kills itself when the sweep process that started it dies (jaxrl.sweep.point's watchdog), so a
 killed sweep never leaves a training running that a resumed sweep would race with.
 
+Interrupts (SIGINT / SIGTERM with jaxrl.utils.interrupt installed, as launchers.sweep does): the signal is
+passed on once to the running point's subprocess (started in its own process group, so a terminal's Ctrl-C
+reaches it only this way), which finishes its step or batch, writes it and exits; the point goes back to
+`pending` and Interrupted is raised. Rerunning the sweep resumes it from its checkpoint.
+
 State rules on (re)running: `done` is skipped; `running` whose process is gone (a killed sweep) is resumed;
 `running` whose process is alive is left alone; `failed` is retried (`retry_failed=False`: skipped); a point
 whose folder holds a run of a different config is refused (the message lists the keys that differ).
@@ -50,6 +55,7 @@ from jaxrl.algorithms.plugins import REFERENCES
 from jaxrl.data.formats import CONFIG_FILE, EVAL_DIR
 from jaxrl.evaluation import cli as evaluate_cli
 from jaxrl.sweep.spec import Point, SweepError, SweepSpec
+from jaxrl.utils import interrupt
 from jaxrl.utils.io import atomic_copy, atomic_write_json, iter_jsonl
 
 SWEEP_FILE = "sweep.json"
@@ -323,12 +329,21 @@ class SweepRunner:
             f.write(f"\n===== {phase} attempt {n} at {attempt['start']}: "
                     f"{' '.join(shlex.quote(c) for c in cmd)}\n")
             f.flush()
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self._env(pp))
+            # its own process group: a terminal's Ctrl-C reaches the point only once, passed on below
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self._env(pp),
+                                    start_new_session=True)
         attempt["pid"] = proc.pid
         self._write_status(pp, state="running", phase=phase, pid=proc.pid, host=attempt["host"],
                            started=pp.status.get("started") or attempt["start"], error=None)
         try:
-            rc = proc.wait()
+            rc, passed_on = None, False
+            while rc is None:
+                try:
+                    rc = proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    if interrupt.requested() is not None and not passed_on:
+                        proc.send_signal(interrupt.requested())  # the point stops at its next safe point
+                        passed_on = True
         finally:
             if proc.poll() is None:  # interrupted (Ctrl-C): do not leave the child behind
                 proc.kill()
@@ -380,6 +395,7 @@ class SweepRunner:
             return "failed"
         if not st.get("trained"):
             rc, log = self._run_child(pp, "train", self._train_cmd(pp.dir))
+            self._stop_if_interrupted(pp, "train", log)
             if rc != 0:
                 why = {3: "stopped on too many non-finite updates in a row", -9: "killed (SIGKILL; out of memory?)"}
                 return self._fail(pp, "train", f"training exited with status {rc}"
@@ -394,12 +410,22 @@ class SweepRunner:
         if self.eval_args is not None and not st.get("evaluated"):
             self._share_base_eval(pp, planned)
             rc, log = self._run_child(pp, "evaluate", self._eval_cmd(pp.dir))
+            self._stop_if_interrupted(pp, "evaluate", log)
             if rc != 0:
                 return self._fail(pp, "evaluate", f"evaluation exited with status {rc}; log {log}\n"
                                   f"{_error_summary(log)}")
             self._write_status(pp, evaluated=True)
         self._write_status(pp, state="done", phase=None, pid=None, error=None, finished=now())
         return "done"
+
+    def _stop_if_interrupted(self, pp: PlannedPoint, phase: str, log: Path) -> None:
+        """After a child ended: when a signal asked the sweep to stop, the point goes back to pending (it resumes
+        from its checkpoint on the next run) and Interrupted is raised."""
+        if interrupt.requested() is None:
+            return
+        self._write_status(pp, state="pending", phase=phase, pid=None, error=None, interrupted=now())
+        interrupt.check(f"sweep stopped: point {pp.point.slug} interrupted during {phase} (log {log}); rerun the "
+                        "same command to resume it from its checkpoint")
 
     def run(self, only: Optional[str] = None) -> dict:
         """Run the selected points (all by default); returns {"done": [...], "failed": [...], "skipped": [...],
@@ -435,7 +461,10 @@ class SweepRunner:
             return pp, state
 
         if self.jobs == 1:
-            results = [work(item) for item in todo]
+            results = []
+            for item in todo:
+                interrupt.check("sweep stopped between points; rerun the same command to continue")
+                results.append(work(item))
         else:
             with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
                 results = list(pool.map(work, todo))

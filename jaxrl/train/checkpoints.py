@@ -24,6 +24,10 @@ re-created, identically, as training reaches them again).
     state, meta = ckpt.restore(step, abstract_state)
 
 Reading an adapter checkpoint back: `jaxrl.models.adapters.load_adapter(path, step)`.
+
+A damaged training state (a file truncated or overwritten after it landed: a full disk, a copy cut short) is a
+CorruptCheckpointError naming the file; `restore_newest` then falls back to the newest intact step and moves
+the damaged ones to `<workdir>/checkpoints/corrupt/` (never deleted: they may still be worth a look).
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from typing import Optional
 import orbax.checkpoint as ocp
 
 from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS
+from jaxrl.utils.io import CorruptCheckpointError, damaged_file
 
 STATE = "state"
+CORRUPT = "corrupt"
 
 
 def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, async_save: bool,
@@ -92,10 +98,47 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state) -> tuple:
         """(state, meta) of `step`; `abstract_state` gives structure, dtypes and shardings
-        (jax.ShapeDtypeStruct leaves with `sharding`)."""
-        restored = self.states.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                                     meta=ocp.args.JsonRestore()))
+        (jax.ShapeDtypeStruct leaves with `sharding`). CorruptCheckpointError when its files are damaged."""
+        try:
+            restored = self.states.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 (damage is told apart from every other failure below)
+            damage = damaged_file(e, os.path.join(self.state_dir, str(step)))
+            if damage is None:
+                raise
+            raise damage from e
         return restored.state, dict(restored.meta)
+
+    def restore_newest(self, abstract_state) -> tuple:
+        """(step, state, meta, set_aside) of the newest intact training state, or (None, None, None, []) when the
+        run has none. Damaged newer steps are moved to checkpoints/corrupt/ once an older one restored;
+        set_aside lists (CorruptCheckpointError, where it was moved). When every step is damaged nothing is
+        moved and the newest one's error is raised."""
+        damaged = []
+        for step in sorted(self.states.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except CorruptCheckpointError as e:
+                damaged.append((step, e))
+                continue
+            moved = [(e, self.set_aside(s)) for s, e in damaged]
+            return step, state, meta, moved
+        if damaged:
+            err = damaged[0][1]
+            raise CorruptCheckpointError(err.path, f"{err.reason}; no older intact training state in "
+                                                   f"{self.state_dir} to resume from")
+        return None, None, None, []
+
+    def set_aside(self, step: int) -> str:
+        """Moves the state of `step` to checkpoints/corrupt/state_<step>[_N]; returns where."""
+        root = os.path.join(os.path.dirname(self.state_dir), CORRUPT)
+        os.makedirs(root, exist_ok=True)
+        dest, n = os.path.join(root, f"{STATE}_{step}"), 1
+        while os.path.exists(dest):
+            dest, n = os.path.join(root, f"{STATE}_{step}_{n}"), n + 1
+        os.replace(os.path.join(self.state_dir, str(step)), dest)
+        self.states.reload()
+        return dest
 
     def drop_adapters_after(self, step: int) -> list[int]:
         """Delete adapter folders newer than `step` (left by a run that died before its state landed)."""

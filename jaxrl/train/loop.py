@@ -53,7 +53,7 @@ from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
-from jaxrl.utils import schema
+from jaxrl.utils import interrupt, schema
 
 
 
@@ -90,6 +90,58 @@ def _nonfinite_reason(m: dict, groups: list[str]) -> str:
     return "; ".join(parts) or "non-finite update"
 
 
+def check_run_config(config) -> None:
+    """The loop's values (step counts, batch split, checkpoint cadence, the optimizer), checked before any model
+    is built: ValueError naming each bad key (OptimizerConfigError for the optimizer's)."""
+    schema.CORE.resolve(config, strict=False)
+    bad = []
+    for key, minimum in (("steps", 1), ("batch.micro_batch_size", 1), ("batch.grad_accum", 1),
+                         ("checkpoint_every", 1), ("log_every", 1), ("max_consecutive_nonfinite", 0)):
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            bad.append(f"{key} must be an integer >= {minimum}, got {value!r}")
+    keep = config.keep_checkpoints
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        bad.append(f"keep_checkpoints must be an integer >= 1 (or None to keep all), got {keep!r}")
+    if bad:
+        raise ValueError("config: " + "; ".join(bad))
+    make_optimizer(config.optimizer, int(config.steps))  # learning rate, schedule, warm-up
+
+
+# Keys that change the shape of the training state: resuming across a change cannot work.
+STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_preset", "model_overrides",
+              "optimizer.name", "optimizer.max_grad_norm")
+
+
+def check_same_run(config, workdir: str, step: Optional[int] = None) -> None:
+    """ValueError when `workdir` holds a run (a training state; `step`: its newest, found on disk when None) whose
+    config.json differs from `config` in a key that shapes the training state (STATE_KEYS). Reads only."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if step is None:
+        state_dir = os.path.join(workdir, ckpt_lib.CHECKPOINTS, ckpt_lib.STATE)
+        steps = [int(n) for n in os.listdir(state_dir) if n.isdigit()] if os.path.isdir(state_dir) else []
+        step = max(steps) if steps else None
+    if step is None or not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    new = config_to_dict(config)
+
+    def get(d, dotted):
+        for part in dotted.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+
+    changed = [k for k in STATE_KEYS if get(old, k) != get(new, k)]
+    if changed:
+        detail = ", ".join(f"{k}: {get(old, k)!r} -> {get(new, k)!r}" for k in changed)
+        raise ValueError(f"{workdir} holds a run (checkpoint of step {step}) whose config differs in keys "
+                         f"that shape the training state ({detail}); resume with the same values or use a "
+                         f"new --workdir")
+
+
 class Trainer:
     """Holds the model split (graphdef, trainable, frozen base), mesh, optimizer and the jitted step.
 
@@ -106,15 +158,11 @@ class Trainer:
         self.config, self.task, self.workdir = config, task, workdir
         self.mesh = mesh if mesh is not None else mesh_from_config(config)
         self.fault_fn, self.on_step_end = fault_fn, on_step_end
+        check_run_config(config)
         self.steps = int(config.steps)
         self.micro_batch_size = int(config.batch.micro_batch_size)
         self.grad_accum = int(config.batch.grad_accum)
-        if self.steps <= 0 or self.micro_batch_size <= 0 or self.grad_accum <= 0:
-            raise ValueError(f"steps ({self.steps}), batch.micro_batch_size ({self.micro_batch_size}) and "
-                             f"batch.grad_accum ({self.grad_accum}) must be positive")
         self.checkpoint_every = int(config.checkpoint_every)
-        if self.checkpoint_every <= 0:
-            raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
         self.max_nonfinite = int(config.max_consecutive_nonfinite)
         self.compile_options = compile_options(config)
 
@@ -192,12 +240,17 @@ class Trainer:
         self.ckpt.save(step, self.state, meta, adapter, self._adapter_meta(step))
 
     def restore_latest(self) -> int:
-        """Restore the newest complete training state in the workdir; returns the steps it had done (0: none)."""
+        """Restore the newest intact training state in the workdir; returns the steps it had done (0: none). A
+        damaged newer state is moved to checkpoints/corrupt/ (ckpt_lib.RunCheckpoints.restore_newest), with a
+        warning naming its file."""
         latest = self.ckpt.latest_step()
         if latest is None:
             return 0
         self._check_same_run(latest)
-        state, meta = self.ckpt.restore(latest, self._abstract_state())
+        latest, state, meta, set_aside = self.ckpt.restore_newest(self._abstract_state())
+        for err, moved in set_aside:
+            logging.warning("%s: corrupted checkpoint (%s); moved it to %s and resumed from the newest intact step, %d",
+                            err.path, err.reason, moved, latest)
         self.state = state
         if hasattr(self.task, "load_state_dict"):
             self.task.load_state_dict(meta.get("data_state", {}))
@@ -206,29 +259,8 @@ class Trainer:
                      f"; removed adapter folders of unfinished steps {stale}" if stale else "")
         return latest
 
-    # Keys that change the shape of the training state: resuming across a change cannot work.
-    _STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_preset", "model_overrides",
-                   "optimizer.name", "optimizer.max_grad_norm")
-
     def _check_same_run(self, step: int) -> None:
-        path = os.path.join(self.workdir, CONFIG_FILE)
-        if not os.path.exists(path):
-            return
-        with open(path) as f:
-            old = json.load(f)
-        new = config_to_dict(self.config)
-
-        def get(d, dotted):
-            for part in dotted.split("."):
-                d = d.get(part) if isinstance(d, dict) else None
-            return d
-
-        changed = [k for k in self._STATE_KEYS if get(old, k) != get(new, k)]
-        if changed:
-            detail = ", ".join(f"{k}: {get(old, k)!r} -> {get(new, k)!r}" for k in changed)
-            raise ValueError(f"{self.workdir} holds a run (checkpoint of step {step}) whose config differs in keys "
-                             f"that shape the training state ({detail}); resume with the same values or use a "
-                             f"new --workdir")
+        check_same_run(self.config, self.workdir, step)
 
     def _write_config(self) -> None:
         if not self.main:
@@ -259,6 +291,7 @@ class Trainer:
         records = []
         try:
             for step in range(start, self.steps):
+                interrupt.check(lambda: self._stop_message(start, saved=False))  # a signal before any step ran
                 t0 = time.perf_counter()
                 out = self.task.batch(step, self)
                 batch, host_metrics = out if isinstance(out, tuple) else (out, {})
@@ -305,11 +338,20 @@ class Trainer:
                             writer.write({"step": done, **extra})
                 if self.on_step_end is not None:
                     self.on_step_end(done, self)
+                if interrupt.requested() is not None:  # SIGINT / SIGTERM: this step is done; save it and stop
+                    self.save(done)
+                    self.ckpt.wait()
+                    interrupt.check(lambda: self._stop_message(done, saved=True))
         finally:
             progress.close()
             writer.close()
             self.ckpt.wait()
         return RunResult(final_step=int(jax.device_get(self.state.step)), state=self.state, records=records)
+
+    def _stop_message(self, done: int, saved: bool) -> str:
+        where = (f"checkpoint of step {done} in {self.ckpt.state_dir}/{done}" if saved else
+                 f"newest checkpoint: step {done}" if done else "no step done")
+        return f"training stopped after step {done} of {self.steps} ({where}); rerun the same command to resume"
 
     def _record(self, done: int, m: dict, num_tokens: int, dt: float, host_metrics: dict) -> dict:
         groups = sorted(k.split("/", 1)[1] for k, v in m.items() if k.startswith("finite/") and not v)

@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,16 +36,20 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 __all__ = [
     "JsonLine",
+    "CorruptCheckpointError",
     "JsonlError",
+    "OutputExistsError",
     "atomic_copy",
     "atomic_folder",
     "atomic_path",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "damaged_file",
     "is_temp_name",
     "iter_json_lines",
     "iter_jsonl",
+    "jsonl_bytes",
     "open_text",
     "read_jsonl",
     "repair_tail",
@@ -63,6 +68,70 @@ class JsonlError(ValueError):
         self.line = line
         self.reason = message
         super().__init__(f"{self.path}:{line}: {message}")
+
+
+class OutputExistsError(FileExistsError):
+    """An output that already holds results a command would replace (or extend inconsistently); the message names
+    it and says what to do (resume with the same settings, another output, or --overwrite). Raised before
+    anything is written."""
+
+
+# ------------------------------------------------------------------------------------------------- damaged files
+# What a damaged file looks like in the errors of Orbax / tensorstore (a decoding or read failure), as opposed to a
+# checkpoint of another structure (a bug or a changed config), which is never taken for damage.
+_DAMAGE = re.compile(r"DATA_LOSS|Error decoding|Error reading|Unexpected end|checksum|truncated|corrupt",
+                     re.IGNORECASE)
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose files cannot be read back; `path` is the damaged file (or the step folder)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = str(path), reason
+        super().__init__(f"{path}: corrupted checkpoint ({reason}); restore it from a copy, or use another "
+                         "checkpoint (step)")
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def damaged_file(exc: BaseException, folder: Optional[str | os.PathLike] = None
+                 ) -> Optional["CorruptCheckpointError"]:
+    """The CorruptCheckpointError for `exc` (raised while reading the checkpoint `folder`, when known) when it
+    reports damaged files (a decoding or read failure of Orbax / tensorstore, unreadable JSON metadata); else
+    None. The file is the one the error names, else the first JSON metadata file of `folder` that does not
+    parse, else `folder`."""
+    for e in _chain(exc):
+        text = str(e)
+        if isinstance(e, json.JSONDecodeError) or _DAMAGE.search(text):
+            files = _LOCAL_FILE.findall(text)
+            path = files[-1] if files else (folder and _unreadable_json(folder)) or folder or "checkpoint"
+            first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            if files:  # tensorstore: "... Error decoding local file "<path>": <what is wrong> [tensorstore_spec..."
+                first = first.rsplit(f'"{path}"', 1)[-1].lstrip(": ")
+            reason = re.sub(r"\s*\[tensorstore_spec.*", "", first)[:300]
+            return CorruptCheckpointError(path, reason or type(e).__name__)
+    return None
+
+
+def _unreadable_json(folder: str | os.PathLike) -> Optional[str]:
+    """The first JSON file of a checkpoint folder (Orbax's metadata, the JSON items) that does not parse."""
+    for path in sorted(Path(folder).rglob("*")):
+        if not path.is_file() or path.stat().st_size > (64 << 20):
+            continue
+        if path.name in ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata") or \
+                path.parent.name == "array_metadatas":
+            try:
+                json.loads(path.read_bytes())
+            except (ValueError, UnicodeDecodeError):
+                return str(path)
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------- reading
@@ -233,11 +302,15 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sor
     return atomic_write_text(path, _dumps(obj, path, indent=indent, sort_keys=sort_keys) + "\n")
 
 
+def jsonl_bytes(records: Iterable[dict], path: str | os.PathLike = "<records>") -> bytes:
+    """The bytes `write_jsonl` writes for `records` (to compare an existing file with what a rerun would write)."""
+    return "".join(_dumps(rec, Path(path)) + "\n" for rec in records).encode("utf-8")
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> Path:
     """Writes one compact JSON object per line (UTF-8, ``\\n`` line ends), atomically."""
     path = Path(path)
-    lines = [_dumps(rec, path) + "\n" for rec in records]
-    return atomic_write_text(path, "".join(lines))
+    return atomic_write_bytes(path, jsonl_bytes(records, path))
 
 
 def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -268,7 +341,7 @@ def atomic_folder(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterat
     fails), so `out_dir` is always absent, the old complete folder or the new complete one."""
     out = os.path.abspath(out_dir)
     if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")

@@ -1,0 +1,106 @@
+"""The console's log filters, one home for every entry point (launchers/, the sweep's point subprocesses):
+
+    install_log_filters()        # Orbax's read-only notices dropped (always); what every launcher gets on import
+    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py), and
+                                 # the orphaned reads and late callbacks of a failed tensorstore restore
+
+Both act on absl's logger / handler, which Orbax, jax and the project all log through. Warnings and errors always
+pass; so do the project's own INFO lines (progress with ETA, "resumed from ...": records whose file is in jaxrl/,
+launchers/ or configs/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from absl import logging as absl_logging
+
+_REPO = Path(__file__).resolve().parents[2]
+OWN_DIRS = tuple(str(_REPO / d) + os.sep for d in ("jaxrl", "launchers", "configs"))
+
+# Orbax warns, on every checkpoint manager opened with read_only=True (as every evaluation, export and resume of
+# an adapter checkpoint does), that a read-only manager will not save, create or clean up: three lines per
+# opened checkpoint, dozens per evaluation, and nothing a user can act on.
+_ORBAX_READ_ONLY_NOTICES = ("CheckpointManagerOptions.read_only=True, setting ", "Given directory is read only=")
+
+
+def own_file(filename: str) -> bool:
+    """Whether a source file is the project's own (jaxrl/, launchers/, configs/)."""
+    return os.path.abspath(filename).startswith(OWN_DIRS)
+
+
+class OrbaxReadOnlyNotices(logging.Filter):
+    """Drops Orbax's read-only notices (only those, only from Orbax's own modules); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname.replace("\\", "/"):
+            return True
+        return not record.getMessage().startswith(_ORBAX_READ_ONLY_NOTICES)
+
+
+class LibraryInfo(logging.Filter):
+    """Drops INFO (and DEBUG) records of code outside the project; warnings and the project's own lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or own_file(record.pathname)
+
+
+class OrphanFutures(logging.Filter):
+    """Drops asyncio's "Future/Task exception was never retrieved" records: after Orbax gives up on a damaged
+    checkpoint, each tensorstore read it had started in parallel ends in such an orphan, one ERROR record with
+    its traceback per array, all repeating the error the restore raised (which names the file)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "asyncio" and record.getMessage().endswith("exception was never retrieved"))
+
+
+_READ_ONLY = OrbaxReadOnlyNotices()
+_LIBRARY_INFO = LibraryInfo()
+_ORPHAN_FUTURES = OrphanFutures()
+
+
+def install_log_filters() -> None:
+    """Attach the read-only filter to the logger Orbax writes through (absl's); idempotent."""
+    # absl's own logger class names the real caller (Orbax's file); a plain logging.getLogger("absl") made
+    # before absl is imported would not, and would replace it.
+    logger = absl_logging.get_absl_logger()
+    if _READ_ONLY not in logger.filters:
+        logger.addFilter(_READ_ONLY)
+
+
+def _closed_loop_callback(unraisable) -> bool:
+    """After Orbax gives up on a damaged checkpoint, tensorstore's reads still in flight call back into the
+    asyncio loop Orbax already closed: dozens of identical "Event loop is closed" tracebacks, none of which says
+    anything about the failure (that is reported, naming the file, by the error the read raised)."""
+    exc = unraisable.exc_value
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)))
+
+
+def _quiet_unraisable(unraisable) -> None:
+    if not _closed_loop_callback(unraisable):
+        sys.__unraisablehook__(unraisable)
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """The libraries' INFO records and asyncio's orphaned futures off the console (absl's handler), and the
+    closed-loop callbacks of `_closed_loop_callback`, unless `verbose`; idempotent."""
+    handler = absl_logging.get_absl_handler()
+    if verbose:
+        handler.removeFilter(_LIBRARY_INFO)
+        handler.removeFilter(_ORPHAN_FUTURES)
+        if sys.unraisablehook is _quiet_unraisable:
+            sys.unraisablehook = sys.__unraisablehook__
+        return
+    for f in (_LIBRARY_INFO, _ORPHAN_FUTURES):
+        if f not in handler.filters:
+            handler.addFilter(f)
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _quiet_unraisable
