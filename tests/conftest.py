@@ -1,5 +1,7 @@
-"""Shared pytest set-up: 8 fake CPU devices (sharding tests), offline HF, tiny reference checkpoints."""
+"""Shared pytest set-up: 8 fake CPU devices (sharding tests), offline HF, tiny reference checkpoints, and the
+tiny run configs the trainer tests start from (`from conftest import tiny_config`)."""
 
+import importlib
 import os
 
 # Must be set before jax is imported anywhere.
@@ -10,6 +12,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
+
+
+def tiny_config(preset: str, **block):
+    """configs/<preset>_tiny.py made quiet for a test: no TensorBoard, synchronous checkpoints, LLVM -O0 compiles;
+    `block` overrides keys of the preset's own block (`data` for dpo, `grpo` / `ppo` for those)."""
+    cfg = importlib.import_module(f"configs.{preset}_tiny").get_config()
+    cfg.tensorboard = False
+    cfg.checkpoint_async = False
+    cfg.compile_options = {"xla_backend_optimization_level": 0}
+    section = cfg.data if preset == "dpo" else cfg[preset]
+    for key, value in block.items():
+        section[key] = value
+    return cfg
 
 
 @pytest.fixture(scope="session")

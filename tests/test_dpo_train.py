@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import dpo_tiny
+from conftest import tiny_config
 from jaxrl.algorithms import dpo as dpo_lib
 from jaxrl.algorithms import dpo_trainer
 from jaxrl.algorithms.dpo_trainer import DPOObjective, DPOTask, sequence_logps_all
 from jaxrl.data import dpo_data
 from jaxrl.data.pairs import CohortError, freeze_cohort
-from jaxrl.models.lora import LoRAParam, adapters_disabled, iter_lora
+from jaxrl.models.lora import LoRAParam, iter_lora
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rollout import generate
 from jaxrl.models.adapters import load_adapter
@@ -31,15 +31,6 @@ from jaxrl.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = {"xla_backend_optimization_level": 0}  # test compiles: a low LLVM level compiles much faster
-
-
-def tiny_config(**data):
-    c = dpo_tiny.get_config()
-    c.tensorboard = False
-    c.compile_options = QUICK
-    for k, v in data.items():
-        c.data[k] = v
-    return c
 
 
 # ------------------------------------------------------------------------------------------ objective
@@ -85,7 +76,7 @@ def _run_objective(objective, model, batch, normalisers=None, grad=False):
 
 @pytest.mark.slow
 def test_objective_equals_dpo_on_an_independent_forward():
-    c = tiny_config()
+    c = tiny_config("dpo")
     model = build_model(c, mesh_from_config(c))
     recs = _ragged_pairs(6, 256, seed=0)
     seqs = dpo_data.build_sequences(dpo_data.pretokenized_pairs(recs), dpo_data.SequenceConfig(
@@ -192,7 +183,7 @@ def _pattern_rate(model, prompts, targets):
 
 @pytest.mark.slow
 def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
-    c = tiny_config()
+    c = tiny_config("dpo")
     mesh = mesh_from_config(c)
     model = build_model(c, mesh)
     task = DPOTask(c, model, mesh)
@@ -260,7 +251,7 @@ def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
     again.batch(0, trainer)
     assert os.stat(path).st_mtime_ns == mtime
     np.testing.assert_array_equal(again.ref["chosen"], cached_c)
-    c2 = tiny_config(max_length=48)  # same sequences, another length policy: the fingerprint differs
+    c2 = tiny_config("dpo", max_length=48)  # same sequences, another length policy: the fingerprint differs
     stale = DPOTask(c2, model, mesh)
     stale.batch(0, trainer)
     with np.load(path) as f:
@@ -274,7 +265,7 @@ def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
 @pytest.fixture(scope="module")
 def untrained():
     """(model, mesh) of the tiny config, for tests that only build tasks (they never change the model)."""
-    c = tiny_config()
+    c = tiny_config("dpo")
     mesh = mesh_from_config(c)
     return build_model(c, mesh), mesh
 
@@ -337,7 +328,7 @@ def test_killed_dpo_run_resumes_to_the_same_adapter(tmp_path, cohort):
 
 def test_tampered_cohort_fails_at_start_naming_the_file(tmp_path, cohort, untrained):
     cohort_dir, manifest = cohort
-    c = tiny_config(source="pairs", pairs=cohort_dir, eval_fraction=0.0)
+    c = tiny_config("dpo", source="pairs", pairs=cohort_dir, eval_fraction=0.0)
     model, mesh = untrained
     task = DPOTask(c, model, mesh)  # intact: accepted, every pair used
     assert len(task.train) == 48 and task.manifest["sha256"] == manifest["sha256"]
@@ -406,7 +397,7 @@ def test_plugin_loss_from_the_config_is_registered_and_used(tmp_path, untrained)
     (tmp_path / "losses.py").write_text(
         "import jax\n\ndef t_twice_sigmoid(p):\n    return -2.0 * jax.nn.log_sigmoid(p.beta * p.delta)\n")
     (tmp_path / "bad.py").write_text("def t_scalar(p):\n    return p.delta.sum()\n")
-    c = tiny_config()
+    c = tiny_config("dpo")
     model, mesh = untrained
     try:
         c.dpo.plugin, c.dpo.loss_type = f"{tmp_path}/losses.py:t_twice_sigmoid", "t_twice_sigmoid"
@@ -435,7 +426,7 @@ def test_losses_that_sort_across_pairs_refuse_a_micro_batch_of_one(loss_type, un
     plain smoothed sigmoid DPO. Refused, naming both keys; from 2 pairs on they run, with a warning that the
     update depends on the micro-batch size."""
     model, mesh = untrained
-    c = tiny_config()
+    c = tiny_config("dpo")
     c.dpo.loss_type, c.dpo.label_smoothing = loss_type, 0.1
     c.batch.micro_batch_size, c.batch.grad_accum = 1, 8
     with pytest.raises(ValueError, match=r"dpo.loss_type.*aot.*batch.micro_batch_size=1"):

@@ -2,12 +2,11 @@
 token task, bounded KL, reproducibility, rollout options, configs."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import grpo as grpo_family
-from configs import grpo_tiny
+from conftest import tiny_config
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import online
 from jaxrl.algorithms.grpo_trainer import GRPOObjective, GRPOTask
@@ -18,15 +17,6 @@ from jaxrl.train.loop import Trainer
 from jaxrl.train.step import accumulate_gradients, make_micro_loss, split_batch
 
 MESH = (1, 1, 1)
-
-
-def tiny_config(**grpo):
-    cfg = grpo_tiny.get_config()
-    cfg.tensorboard = False
-    cfg.checkpoint_async = False
-    for k, v in grpo.items():
-        cfg.grpo[k] = v
-    return cfg
 
 
 def _records_by_step(records):
@@ -41,7 +31,7 @@ def test_update_is_invariant_to_the_micro_batch_split(tmp_path):
     """One rollout through the real task, then the summed gradients of GRPOObjective for 1 x 16 and 4 x 4 splits
     (ragged completion lengths, dropped groups), for every aggregation: equal up to float rounding; and the
     three aggregations differ."""
-    cfg = tiny_config(num_generations=4, prompts_per_step=4, num_iterations=2, drop_zero_variance_groups=True,
+    cfg = tiny_config("grpo", num_generations=4, prompts_per_step=4, num_iterations=2, drop_zero_variance_groups=True,
                       mask_truncated=True, beta=0.1, kl_estimator="k3")
     cfg.batch.micro_batch_size, cfg.batch.grad_accum = 4, 4
     model = build_model(cfg)
@@ -99,7 +89,7 @@ def test_update_is_invariant_to_the_micro_batch_split(tmp_path):
 def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     """drop_zero_variance_groups removes whole groups from the loss and num_sequences; advantages are the
     group-normalised rewards of grpo.group_advantages; the reference is the policy at step 0 (KL 0)."""
-    cfg = tiny_config(num_generations=4, prompts_per_step=8, drop_zero_variance_groups=True, beta=0.04)
+    cfg = tiny_config("grpo", num_generations=4, prompts_per_step=8, drop_zero_variance_groups=True, beta=0.04)
     cfg.batch.micro_batch_size, cfg.batch.grad_accum = 8, 4
     cfg.data.score_tokens = 2  # coarse rewards: some groups come out all-equal
     model = build_model(cfg)
@@ -131,7 +121,7 @@ def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
     """Off-policy (num_iterations=2) in bf16: the ratio's denominator must be the teacher-forced log-probs of the
     sampling parameters. The sampler's KV-cache decode differs from that pass by ~1e-2 in bf16 (equal to ~1e-6
     in fp32, where the sampler's are kept)."""
-    cfg = tiny_config(num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
+    cfg = tiny_config("grpo", num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
     cfg.batch.micro_batch_size, cfg.batch.grad_accum = 4, 4
     cfg.dtype = "bfloat16"
     model = build_model(cfg)
@@ -143,7 +133,7 @@ def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
     on = batch["completion_mask"] > 0
     assert on.any()
     np.testing.assert_allclose(batch["old_logp"][on], teacher["logp"][on], atol=1e-6, rtol=0)
-    fp32 = tiny_config(num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
+    fp32 = tiny_config("grpo", num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
     fp32.batch.micro_batch_size, fp32.batch.grad_accum = 4, 4
     assert not GRPOTask(fp32, build_model(fp32), make_mesh(MESH)).recompute
 
@@ -153,7 +143,7 @@ def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
 
 @pytest.fixture(scope="module")
 def learning_run(tmp_path_factory):
-    cfg = tiny_config()
+    cfg = tiny_config("grpo")
     result = run_training(cfg, str(tmp_path_factory.mktemp("grpo_learn")))
     return cfg, result.records
 
@@ -187,7 +177,7 @@ def test_grpo_raises_reward_from_chance_to_above_0_8(learning_run):
 def test_grpo_curve_is_reproducible(learning_run, tmp_path):
     """Seeded: a second run gives the same first steps (rollouts, rewards, losses) bit for bit."""
     cfg, records = learning_run
-    cfg = tiny_config()
+    cfg = tiny_config("grpo")
     cfg.steps = 3  # constant schedule after warm-up: the first steps do not depend on the run length
     again = run_training(cfg, str(tmp_path / "again")).records
     for a, b in zip(records[:3], again):
@@ -200,7 +190,7 @@ def test_kl_stays_bounded_and_shrinks_with_beta(learning_run, tmp_path):
     """beta = 0.2 holds the per-token KL to the reference below 1 over 40 steps, well under the beta = 0.04
     run at the same steps, while the reward still rises."""
     _, loose = learning_run
-    cfg = tiny_config(beta=0.2)
+    cfg = tiny_config("grpo", beta=0.2)
     cfg.steps = 40
     records = run_training(cfg, str(tmp_path / "beta02")).records
     kl = np.array([r["kl"] for r in records])
@@ -236,9 +226,9 @@ def test_configs_reproduce_the_users_runs():
 
 @pytest.mark.slow
 def test_rollout_rows_must_fill_whole_global_batches():
-    cfg = tiny_config(prompts_per_step=3)  # 24 rows, global batch 64
+    cfg = tiny_config("grpo", prompts_per_step=3)  # 24 rows, global batch 64
     with pytest.raises(ValueError, match=r"grpo.prompts_per_step x grpo.num_generations = 24 rows"):
         GRPOTask(cfg, build_model(cfg), make_mesh(MESH))
-    cfg = tiny_config(aggregation="mean")
+    cfg = tiny_config("grpo", aggregation="mean")
     with pytest.raises(ValueError, match="grpo.aggregation='mean'"):
         GRPOTask(cfg, build_model(cfg), make_mesh(MESH))

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import ppo as ppo_family
-from configs import ppo_tiny
+from conftest import tiny_config
 from jaxrl.algorithms.ppo_trainer import PPOTask, ValueHead
 from jaxrl.models.qwen35.checkpoint import is_base_param
 from jaxrl.parallel.mesh import make_mesh
@@ -21,15 +21,6 @@ from jaxrl.train.metrics import read_metrics
 
 MESH = (1, 1, 1)
 NAN, INF = float("nan"), float("inf")
-
-
-def tiny_config(**ppo):
-    cfg = ppo_tiny.get_config()
-    cfg.tensorboard = False
-    cfg.checkpoint_async = False
-    for k, v in ppo.items():
-        cfg.ppo[k] = v
-    return cfg
 
 
 def _run(cfg, workdir, **kwargs):
@@ -44,7 +35,7 @@ def _run(cfg, workdir, **kwargs):
 
 @pytest.mark.slow
 def test_ppo_raises_reward_and_lowers_value_loss(tmp_path):
-    cfg = tiny_config()
+    cfg = tiny_config("ppo")
     records = run_training(cfg, str(tmp_path / "run")).records
     steps_per_rollout = cfg.ppo.epochs * cfg.ppo.minibatches
     rollout_reward = np.array([r["reward/mean"] for r in records[::steps_per_rollout]])
@@ -73,7 +64,7 @@ def test_ppo_raises_reward_and_lowers_value_loss(tmp_path):
 
 @pytest.mark.slow
 def test_nan_in_a_ppo_step_is_skipped_counted_and_the_run_finishes(tmp_path):
-    cfg = tiny_config()
+    cfg = tiny_config("ppo")
     cfg.steps = 8
     cfg.checkpoint_every = 4
     cfg.max_consecutive_nonfinite = 3
@@ -109,7 +100,7 @@ def test_nan_in_a_ppo_step_is_skipped_counted_and_the_run_finishes(tmp_path):
 def test_resume_inside_a_rollout_gives_identical_adapters(tmp_path):
     """A run stopped after step 6 (inside rollout 1 of 4 steps each) and resumed ends with the same adapters,
     value head, KL coefficient (adaptive controller) and metrics as an uninterrupted one."""
-    cfg = tiny_config(adaptive_kl=True, kl_target=0.01, kl_horizon=100.0)
+    cfg = tiny_config("ppo", adaptive_kl=True, kl_target=0.01, kl_horizon=100.0)
     cfg.steps = 10
     cfg.checkpoint_every = 3
     cfg.keep_checkpoints = 1
@@ -163,7 +154,7 @@ def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
     from jaxrl.algorithms import ppo as ppo_lib
     from jaxrl.models.lora import iter_lora
 
-    cfg = tiny_config(adaptive_kl=True, temperature=1.0, kl_estimator="k1")
+    cfg = tiny_config("ppo", adaptive_kl=True, temperature=1.0, kl_estimator="k1")
     model = build_model(cfg)
     rng = np.random.default_rng(0)
     for _, lora in iter_lora(model):
@@ -235,6 +226,6 @@ def test_configs_reproduce_the_users_runs():
 
 @pytest.mark.slow
 def test_rows_must_equal_minibatches_times_the_global_batch():
-    cfg = tiny_config(minibatches=3)
+    cfg = tiny_config("ppo", minibatches=3)
     with pytest.raises(ValueError, match=r"must equal ppo.minibatches \(3\)"):
         PPOTask(cfg, build_model(cfg), make_mesh(MESH))
