@@ -302,7 +302,8 @@ def test_each_distinct_prompt_is_prefilled_once_and_copied_to_its_samples(model)
                     a, b = np.asarray(a[row]), np.asarray(b[0])
                     if isinstance(own, KVState):
                         a, b = a * valid, b * valid
-                    np.testing.assert_allclose(a, b, atol=1e-5)
+                    # a 16-row and a 1-row prefill sum in other orders: fp32 rounding, relative to values ~1
+                    np.testing.assert_allclose(a, b, atol=1e-5, rtol=2e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------

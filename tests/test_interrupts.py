@@ -122,7 +122,7 @@ def test_sigint_during_rollouts_keeps_the_batches_written_and_the_rerun_complete
     env, cache = launcher_env.build(tmp_path / "env"), tmp_path / "xla"
     sampling = [a for a in launcher_env.SAMPLING if not a.startswith(("--batch_size", "--max_new_tokens"))]
     args = [f"--problems={env['problems']}", f"--model={env['model']}", *sampling, "--batch_size=2",
-            "--max_new_tokens=64"]
+            "--max_new_tokens=64", "--mesh_shape=1,1,1"]  # one device: 4 batches (8 devices round 2 up to 8)
 
     def rollout(out, stop=False):
         cmd = [sys.executable, "-m", "launchers.rollout", *args, f"--out={out}"]

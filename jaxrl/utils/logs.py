@@ -55,7 +55,9 @@ class OrphanFutures(logging.Filter):
     its traceback per array, all repeating the error the restore raised (which names the file)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name == "asyncio" and record.getMessage().endswith("exception was never retrieved"))
+        # asyncio's handler logs the message and then the future's repr on the following lines
+        first_line = record.getMessage().split("\n", 1)[0]
+        return not (record.name == "asyncio" and first_line.endswith("exception was never retrieved"))
 
 
 _READ_ONLY = OrbaxReadOnlyNotices()
@@ -93,14 +95,19 @@ def quiet_libraries(verbose: bool = False) -> None:
     """The libraries' INFO records and asyncio's orphaned futures off the console (absl's handler), and the
     closed-loop callbacks of `_closed_loop_callback`, unless `verbose`; idempotent."""
     handler = absl_logging.get_absl_handler()
+    # on the asyncio logger too: at interpreter exit its records can reach logging's last-resort handler
+    asyncio_logger = logging.getLogger("asyncio")
     if verbose:
         handler.removeFilter(_LIBRARY_INFO)
         handler.removeFilter(_ORPHAN_FUTURES)
+        asyncio_logger.removeFilter(_ORPHAN_FUTURES)
         if sys.unraisablehook is _quiet_unraisable:
             sys.unraisablehook = sys.__unraisablehook__
         return
     for f in (_LIBRARY_INFO, _ORPHAN_FUTURES):
         if f not in handler.filters:
             handler.addFilter(f)
+    if _ORPHAN_FUTURES not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_ORPHAN_FUTURES)
     if sys.unraisablehook is sys.__unraisablehook__:
         sys.unraisablehook = _quiet_unraisable
