@@ -44,8 +44,10 @@ def hf_text(tmp_path_factory):
 # The longest files (minutes each, mostly end-to-end runs) start first, so that `-n 2 --dist loadfile` does not
 # end with one worker running the demo alone while the other idles. Order inside a file is kept. (The Makefile
 # passes --no-loadscope-reorder: xdist otherwise reorders files by their number of tests.)
-_LONGEST_FIRST = ("test_demo.py", "test_sweep.py", "test_ppo_trainer.py", "test_grpo_trainer.py",
-                  "test_dpo_train.py", "test_resume.py", "test_qwen35_cache.py", "test_qwen35_parity.py")
+_LONGEST_FIRST = ("test_multihost_train.py", "test_real_width_smoke.py", "test_demo.py", "test_interrupts.py",
+                  "test_sweep.py", "test_ppo_trainer.py", "test_grpo_trainer.py", "test_dpo_train.py",
+                  "test_sharded_rollouts.py", "test_fast_paths.py", "test_resume.py", "test_qwen35_cache.py",
+                  "test_qwen35_parity.py")
 
 
 def pytest_collection_modifyitems(config, items):
