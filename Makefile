@@ -3,8 +3,6 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-# 8 fake CPU devices so sharding is exercised on any machine; tests that need one device still get device 0.
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
@@ -37,7 +35,9 @@ demo: $(VENV)/.core-installed
 # (resume, sweeps, launchers) or build the same tiny model compile each program once (a fresh folder each run).
 # Tests compile far more than they compute, so LLVM runs at -O0: the tiny model's forward then compiles in 4 s
 # instead of 18 s. Every comparison in the suite has a tolerance or compares two runs under the same flags.
-TEST_XLA_FLAGS := $(XLA_FLAGS) --xla_backend_optimization_level=0
+# 8 fake CPU devices so sharding is exercised on any machine; tests that need one device still get device 0.
+# (Only the tests: `make demo` runs on the machine's real devices, as `python -m launchers.demo` does.)
+TEST_XLA_FLAGS := $(XLA_FLAGS) --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0
 define run_pytest
 	cache=$$(mktemp -d -t jaxrl-test-xla-cache.XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
 	XLA_FLAGS='$(TEST_XLA_FLAGS)' JAX_COMPILATION_CACHE_DIR=$$cache $(PY) -m pytest $(PYTEST_ARGS) $(1) tests
