@@ -19,6 +19,8 @@ from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_ste
 from jaxrl.ops.matmul import project
 from jaxrl.rollout.sampler import Sampler, prefill_sizes
 
+from test_qwen35_cache import random_inputs
+
 
 def normal(seed, shape, dtype=jnp.float32):
     return jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype)
@@ -110,14 +112,9 @@ def test_cache_attention_reads_only_the_filled_prefix_and_agrees():
 # ---------------------------------------------------------------------------------------------------------------
 # Gated DeltaNet
 
-def delta_inputs(seed, batch=2, seq_len=300, hk=2, hv=4, dim=64):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    q = jax.random.normal(ks[0], (batch, seq_len, hk, dim))
-    k = jax.random.normal(ks[1], (batch, seq_len, hk, dim))
-    v = jax.random.normal(ks[2], (batch, seq_len, hv, dim))
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, seq_len, hv)) + 1.0)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, seq_len, hv)))
-    return q, k, v, g, beta
+def delta_inputs(seed, seq_len=300, hv=4):
+    """Gated DeltaNet inputs at the real head dim (64) and 2 key heads."""
+    return random_inputs(seed, seq_len=seq_len, hv=hv, dk=64, dv=64)
 
 
 @pytest.mark.parametrize("hv", [2, 4, 6])
