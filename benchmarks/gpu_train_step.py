@@ -104,7 +104,7 @@ def model_flops(cfg, lora_rank: int, rows: int, seq_len: int) -> dict:
         if layer_type == "linear_attention":
             shapes += [(h, cfg.linear_conv_dim), (h, cfg.linear_value_dim), (h, hv), (h, hv),
                        (cfg.linear_value_dim, h)]
-            gdn += 2 * cfg.gdn_chunk_size * (dk + dv) * hv + 4 * dk * dv * hv
+            gdn += 2 * cfg.gdn_chunk * (dk + dv) * hv + 4 * dk * dv * hv
         else:
             shapes += [(h, 2 * attn_q), (h, attn_kv), (h, attn_kv), (attn_q, h)]
             attn += 2 * seq_len * attn_q

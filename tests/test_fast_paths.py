@@ -17,7 +17,7 @@ from jaxrl.models.qwen35.model import REMAT_POLICIES, activation_bytes, choose_r
 from jaxrl.ops import attention as attn
 from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step, recurrent_gated_delta_rule
 from jaxrl.ops.matmul import project
-from jaxrl.rollout.sampler import Sampler, prefill_sizes
+from jaxrl.rollout.sampler import Sampler, default_batch_buckets, prefill_sizes
 
 from test_qwen35_cache import random_inputs
 
@@ -115,6 +115,19 @@ def test_cache_attention_reads_only_the_filled_prefix_and_agrees():
 def delta_inputs(seed, seq_len=300, hv=4):
     """Gated DeltaNet inputs at the real head dim (64) and 2 key heads."""
     return random_inputs(seed, seq_len=seq_len, hv=hv, dk=64, dv=64)
+
+
+def test_auto_chunk_size_follows_the_key_head_dim_and_gives_the_same_outputs():
+    """gdn_chunk_size 0 (the default) picks the key head dim within [16, 64]: 64 for the 4B / 9B (d_k = 128),
+    16 for the tiny model (d_k = 16); a set value wins; and the chunk size changes only rounding."""
+    assert qwen35.PRESETS["qwen3.5-4b"]().gdn_chunk == 64 and qwen35.PRESETS["qwen3.5-9b"]().gdn_chunk == 64
+    assert tiny().gdn_chunk == 16 and tiny(gdn_chunk_size=32).gdn_chunk == 32
+    with pytest.raises(qwen35.config.ConfigError, match="gdn_chunk_size"):
+        tiny(gdn_chunk_size=-1).validate()
+    q, k, v, g, beta = random_inputs(5, seq_len=100, hv=4, dk=16, dv=16)
+    by_chunk = {c: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c) for c in (16, 64)}
+    for a, b in zip(by_chunk[16], by_chunk[64]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("hv", [2, 4, 6])
@@ -281,6 +294,7 @@ def test_each_distinct_prompt_is_prefilled_once_and_copied_to_its_samples(model)
     batch = sampler.plan(prompts, 8, [0, 1])[0]
     assert batch.num_prompts == 2 and list(batch.source) == [0] * 8 + [1] * 8
     assert prefill_sizes(16) == (2, 8, 16) and prefill_sizes(16, multiple=4) == (8, 16)
+    assert default_batch_buckets(128) == (2, 8, 32, 128) and default_batch_buckets(128, multiple=8) == (8, 32, 128)
     params = sampler.resolve_params(None)
     cache, logits = sampler.prefill(params, batch)
     # every row's cache is what prefilling that row's prompt alone gives

@@ -96,9 +96,11 @@ def test_finish_reasons_at_cap_and_at_eos(model):
 @pytest.mark.slow
 def test_compiles_once_per_bucket(model):
     """New prompts, lengths within a bucket, seeds, temperatures, top-p, stop ids and batch sizes within a batch
-    bucket reuse the compiled programs; a new prompt bucket compiles exactly one prefill and one decode."""
+    bucket reuse the compiled programs; a new prompt bucket compiles exactly one prefill and one decode.
+    (A prefill compiles per static size of distinct prompts it runs on: 4 rows for 2 prompts, 8 for 7.)"""
     sampler = make_sampler(model)
     sampler.sample(prompts_of([5, 6]), n=4, temperature=1.0, top_p=0.9, seed=0)  # warm (8 rows, bucket 32)
+    sampler.sample(prompts_of([3, 4, 5, 6, 7, 8, 9], seed=3), n=1, temperature=1.0, top_p=0.9, seed=0)
     before = sum(TRACE_COUNTS.values())
     sampler.sample(prompts_of([31, 2], seed=5), n=4, temperature=0.5, top_p=0.7, seed=9)
     sampler.sample(prompts_of([1, 17, 30, 8, 9, 10, 11], seed=6), n=1, temperature=2.0, top_p=0.95, seed=1)

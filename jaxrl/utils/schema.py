@@ -31,7 +31,8 @@ TOP = {
                  "recomputation whose estimated activations fit half the device memory after the weights) | none | "
                  "matmuls (keep projection outputs) | attention (keep attention / GDN outputs) | full | dots | "
                  "dots_no_batch"),
-    "gdn_chunk_size": Key(64, int, "tokens per chunk of the chunked Gated DeltaNet form (training, prefill)"),
+    "gdn_chunk_size": Key(0, int, "tokens per chunk of the chunked Gated DeltaNet form (training, prefill); 0: "
+                          "auto, the key head dim within 16..64 (64 for the 4B and 9B; 16 for a tiny model)"),
     "gdn_state_dtype": Key("float32", str, "storage dtype of the Gated DeltaNet state in decode caches: float32 | "
                            "bfloat16 (half the bytes a decode step moves; fp32 math either way; drift in "
                            "docs/benchmarks.md)"),

@@ -231,7 +231,7 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]
         else:
             initial = None if state is None else state.recurrent
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.cfg.gdn_chunk_size)
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.cfg.gdn_chunk)
         o = checkpoint_name(o, "gdn_core")
         o = self.norm(o, z).reshape(batch, seq_len, self.value_dim)
         if state is not None:

@@ -223,7 +223,7 @@ def activation_bytes(cfg: Qwen35Config, policy: str, tokens: float, seq_len: int
     policy (elementwise temporaries are counted as three per projection output), not an allocator's figure."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
     hv, dk, dv, C = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                     cfg.gdn_chunk_size)
+                     cfg.gdn_chunk)
     attn_q, attn_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     fused = resolve_implementation(cfg.attention_implementation, jnp.bfloat16 if dtype_bytes == 2 else jnp.float32, cfg.head_dim)
     per_layer = []  # (projection outputs, core output, core internals) in bytes per token
