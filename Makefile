@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-fast bench install install-test clean
+.PHONY: demo test test-heavy test-all test-fast bench install install-test clean
 
 $(VENV)/.core-installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,12 +43,20 @@ define run_pytest
 	XLA_FLAGS='$(TEST_XLA_FLAGS)' JAX_COMPILATION_CACHE_DIR=$$cache $(PY) -m pytest $(PYTEST_ARGS) $(1) tests
 endef
 
+# Three tiers (pyproject.toml's markers): `make test` is everything but the minutes-long proofs
+# (@pytest.mark.heavy: two-process runs, real widths, the demo end to end), `make test-heavy` is those, and CI
+# (.ci/run) runs both; `make test-fast` also skips the tests over ~5 s (@pytest.mark.slow); `make test-all` = all.
 test: $(VENV)/.test-installed
+	$(call run_pytest,-m "not heavy")
+
+test-heavy: $(VENV)/.test-installed
+	$(call run_pytest,-m heavy)
+
+test-all: $(VENV)/.test-installed
 	$(call run_pytest,)
 
-# The everyday tier: everything but the end-to-end learning, resume and real-width tests (@pytest.mark.slow).
 test-fast: $(VENV)/.test-installed
-	$(call run_pytest,-m "not slow")
+	$(call run_pytest,-m "not slow and not heavy")
 
 bench: $(VENV)/.test-installed
 	$(PY) -m benchmarks.run_all
