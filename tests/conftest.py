@@ -74,8 +74,10 @@ _HEAVY = {
                           "test_killed_dpo_run_resumes_to_the_same_adapter"},             # 50 s
     "test_resume.py": {"test_killed_runs_resume_bit_identical"},                          # 60 s
     "test_launcher_refusals.py": {"test_train_resumes_from_the_newest_intact_state_and_keeps_the_damaged_one"},
-    "test_evaluate.py": {"test_the_launcher_selects_confirms_and_refuses_a_second_confirmation"},  # 50 s
-    "test_rollout_launcher.py": {"test_cli"},                                             # 39 s
+    "test_evaluate.py": {"test_the_launcher_selects_confirms_and_refuses_a_second_confirmation",  # 50 s
+                         "test_killed_evaluation_resumes_without_redoing_finished_samples"},      # 15 s
+    "test_rollout_launcher.py": {"test_cli", "test_records_resume_and_settings"},          # 39 s, 14 s
+    "test_train_benchmarks.py": None,     # the benchmark scripts' own smoke runs (34 s, ...)
     "test_qwen35_checkpoint.py": {"test_mesh_load_matches_single_device"},                # 60 s
     "test_vllm_env.py": {"test_the_recipe_resolves_to_the_targeted_vllm"},                # 64 s (pip resolves)
 }
