@@ -11,9 +11,7 @@ Stages (each resumes or is skipped when its output exists, so an interrupted dem
   4. pairs/       every admissible pair per prompt, with the users' filters (margin, truncation buffer, length
                   difference);
   5. dpo/         DPO (RPO: sigmoid + NLL on the chosen) with LoRA on those pairs, a checkpoint every 8 steps;
-  6. grpo/        GRPO from the same base on the same task (online rollouts), as many steps as DPO; it runs in a
-                  child process beside DPO (the two are independent, and on two cores one compiles while the
-                  other computes: the demo takes about 40 s less); its log is grpo/stage.log;
+  6. grpo/        GRPO from the same base on the same task (online rollouts), as many steps as DPO;
   7. dpo/eval/    evaluation of base, every DPO checkpoint and the GRPO adapter on the dev half of the held-out
                   prompts (tasks/eval_splits/), with paired and simultaneous intervals; the truncated samples
                   re-drawn at twice the cap; the best checkpoint recorded (selection.json) and confirmed once on
@@ -32,8 +30,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -64,8 +60,7 @@ from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 from jaxrl.rollout.tokenizer import build_tiny_tokenizer, minimal_vocab_size
-from jaxrl.utils import interrupt
-from jaxrl.utils.io import atomic_write_json, write_jsonl
+from jaxrl.utils.io import write_jsonl
 
 DIGITS = "0123456789"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -186,23 +181,14 @@ class Demo:
 
     def run(self) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
-        grpo = None
-        try:
-            for name, fn in (("model and tokenizer", self.make_model), ("tasks", self.make_tasks),
-                             ("M0 warm-up (SFT) and merge", self.warm_up), ("rollouts", self.rollouts),
-                             ("pairs", self.pairs)):
-                self._stage(name, fn)
-            grpo = BackgroundStage(self, "grpo")  # GRPO needs only the base and the tasks: it runs beside DPO
-            self._stage("DPO", self.dpo)
-            self._stage("GRPO", grpo.wait)
-            self.timings["GRPO"] = grpo.seconds  # its own time, most of it beside DPO
-            for name, fn in (("exports", self.exports), ("evaluation", self.evaluate),
-                             ("diagnostics", self.diagnostics), ("report", self.report)):
-                self._stage(name, fn)
-        finally:
-            if grpo is not None:
-                grpo.stop()
-        atomic_write_json(self.dir / "demo_timings.json", self.timings)
+        for name, fn in (("model and tokenizer", self.make_model), ("tasks", self.make_tasks),
+                         ("M0 warm-up (SFT) and merge", self.warm_up), ("rollouts", self.rollouts),
+                         ("pairs", self.pairs), ("DPO", self.dpo), ("GRPO", self.grpo),
+                         ("exports", self.exports), ("evaluation", self.evaluate),
+                         ("diagnostics", self.diagnostics), ("report", self.report)):
+            self._stage(name, fn)
+        with open(self.dir / "demo_timings.json", "w") as f:
+            json.dump(self.timings, f, indent=2)
         return self.p["report"]
 
     # -- 1
@@ -394,82 +380,9 @@ class Demo:
         return os.fspath(path)
 
 
-class BackgroundStage:
-    """One demo stage (a `Demo` method) in a child process: `python -m jaxrl.demo WORKDIR METHOD SETTINGS`.
-
-    The child is in the demo's process group, so a terminal's Ctrl-C reaches it at once; a signal sent to the
-    demo alone (`kill`) is passed on when the demo stops. The child takes a repeated signal as the same request
-    (`interrupt.install(second_exits=False)`), stops at its next safe point with a checkpoint, exactly as in the
-    foreground, and the rerun resumes it. `wait()` returns the stage's summary line; a failed child raises with
-    the tail of its log."""
-
-    def __init__(self, demo: "Demo", method: str):
-        self.method, self.log = method, demo.dir / method / "stage.log"
-        self.result = demo.dir / method / "stage.json"
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self.result.unlink(missing_ok=True)
-        self.seconds, self._forwarded = 0.0, False
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxrl.demo", os.fspath(demo.dir), method,
-                 json.dumps(dataclasses.asdict(demo.s))],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-
-    def _forward(self, signum: int) -> None:
-        if not self._forwarded and self.proc.poll() is None:
-            self.proc.send_signal(signum)
-            self._forwarded = True
-
-    def wait(self) -> str:
-        while True:
-            try:
-                status = self.proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                if interrupt.requested() is not None:
-                    self._forward(interrupt.requested())
-        if status < 0:  # killed by a signal before it could install its handlers (while importing)
-            status = interrupt.exit_status(-status)
-        if status in (interrupt.exit_status(signal) for signal in interrupt.SIGNALS):
-            raise interrupt.Interrupted(status - 128, f"the {self.method} stage stopped at a safe point (its log: "
-                                                      f"{self.log}); rerun the demo to resume")
-        if status != 0 or not self.result.exists():
-            tail = self.log.read_text(errors="replace").splitlines()[-15:]
-            raise RuntimeError(f"the {self.method} stage failed (exit status {status}); the end of {self.log}:\n"
-                               + "\n".join(tail))
-        out = json.loads(self.result.read_text())
-        self.seconds = float(out["seconds"])
-        return out["summary"]
-
-    def stop(self) -> None:
-        """The parent stops (an error, a signal): the child is asked to stop at a safe point, and waited for."""
-        if self.proc.poll() is None:
-            self._forward(interrupt.requested() or interrupt.SIGNALS[0])
-            self.proc.wait()
-
-
-def _run_stage(workdir: str, method: str, settings_json: str) -> int:
-    """The child of `BackgroundStage`: one stage, its summary and time in <workdir>/<method>/stage.json."""
-    interrupt.install(second_exits=False)
-    demo = Demo(workdir, DemoSettings(**json.loads(settings_json)), log=lambda m: None)
-    t0 = time.perf_counter()
-    try:
-        summary = getattr(demo, method)()
-    except interrupt.Interrupted as stopped:
-        print(stopped, flush=True)
-        return stopped.exit_status
-    atomic_write_json(demo.dir / method / "stage.json",
-                      {"summary": summary or "", "seconds": time.perf_counter() - t0})
-    return 0
-
-
 def _summary(records: list, keys) -> str:
     rows = [r for r in records if any(k in r for k in keys)]
     if not rows:
         return ""
     first, last = rows[0], rows[-1]
     return ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys if k in first and k in last)
-
-
-if __name__ == "__main__":
-    sys.exit(_run_stage(*sys.argv[1:]))

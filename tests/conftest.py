@@ -59,7 +59,7 @@ _LONGEST_FIRST = ("test_multihost_train.py", "test_real_width_smoke.py", "test_d
 _HEAVY = {
     "test_multihost_train.py": None,      # two processes, a kill and a resume, per algorithm: 285 s, 353 s
     "test_real_width_smoke.py": None,     # the 4B / 9B widths with the full vocabulary: 131 s, 251 s
-    "test_demo.py": None,                 # the demo end to end (285 s), Ctrl-C beside DPO and GRPO
+    "test_demo.py": None,                 # the demo end to end (285 s)
     "test_interrupts.py": None,           # 20 SIGINTs at random moments (165 s); signals from outside (38 s, 29 s)
     "test_sweep.py": None,                # sweeps of real training runs (119 s setup, 80 s, 29 s)
     "test_server_backend.py": None,       # an OpenAI-compatible server over loopback (65 s, 30 s, 18 s, ...)

@@ -29,7 +29,7 @@ __all__ = ["Interrupted", "check", "exit_status", "install", "requested", "reset
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-_state = {"signum": None, "installed": False, "previous": {}, "raise_now": False, "second_exits": True}
+_state = {"signum": None, "installed": False, "previous": {}, "raise_now": False}
 
 
 def exit_status(signum: int) -> int:
@@ -59,8 +59,6 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _handle(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
-    if _state["signum"] is not None and not _state["second_exits"]:
-        return  # a worker process: a repeated signal is the same request (its parent may pass one on)
     if _state["signum"] is not None:
         # the second signal: exit now, without unwinding through native code
         sys.stderr.write(f"\n{signal_name(signum)} again: exiting now (the work in flight is lost; what was written "
@@ -74,20 +72,16 @@ def _handle(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
     sys.stderr.flush()
 
 
-def install(raise_now: bool = False, second_exits: bool = True) -> None:
+def install(raise_now: bool = False) -> None:
     """SIGINT and SIGTERM set the flag from now on (main thread only; idempotent).
 
     raise_now: also raise Interrupted at once, as Ctrl-C does by default, for commands without a loop that looks
     at the flag (their outputs are written atomically, so stopping anywhere leaves each file complete or as it
     was); the flag still records the signal, so one whose exception was swallowed (e.g. inside a gc callback)
-    is seen when the command ends.
-    second_exits=False (a worker process started by a launcher, in the launcher's process group): a second
-    signal changes nothing, since the terminal's Ctrl-C reaches the worker directly and its parent may also
-    pass the same request on; the worker stops at its safe point either way."""
+    is seen when the command ends."""
     if threading.current_thread() is not threading.main_thread():
         return
     _state["raise_now"] = raise_now
-    _state["second_exits"] = second_exits
     if _state["installed"]:
         return
     for sig in SIGNALS:
