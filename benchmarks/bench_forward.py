@@ -3,7 +3,8 @@
     python -m benchmarks.bench_forward
 
 1. tokens/s of a full forward (logits) on the same small config, batch and length, jaxrl (jit, fp32) vs
-   transformers (torch eager, fp32, same thread count), in one run, as a ratio.
+   transformers (torch eager, fp32, same thread count), in one run, the repeats alternating, as a ratio (with the
+   spread of the per-repeat ratios).
 2. the chunked gated delta rule as the sequence doubles from 512 to 8192: time per doubling should be ~2x (linear);
    the recurrent form on the same inputs for contrast.
 """
@@ -17,7 +18,8 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.common import SMALL_TEXT_CONFIG, save_small_hf, set_cpu_threads, table, time_it
+from jaxrl.utils import host_memory
+from benchmarks.common import SMALL_TEXT_CONFIG, save_small_hf, set_cpu_threads, table, time_interleaved, time_it
 
 
 def forward_ratio(batch: int = 4, seq_len: int = 512, repeats: int = 5) -> dict:
@@ -36,18 +38,24 @@ def forward_ratio(batch: int = 4, seq_len: int = 512, repeats: int = 5) -> dict:
     ids = jnp.asarray(ids_np)
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
-    ours = time_it(lambda: forward(state, ids).block_until_ready(), repeats=repeats)
     ids_t = torch.as_tensor(ids_np)
 
     def hf_forward():
         with torch.inference_mode():
             hf(input_ids=ids_t).logits
 
-    theirs = time_it(hf_forward, repeats=repeats)
+    timed = time_interleaved({"jaxrl": lambda: forward(state, ids).block_until_ready(), "hf": hf_forward},
+                             repeats=repeats)
+    ours, theirs = timed["jaxrl"], timed["hf"]
+    pair_ratios = [t / o for o, t in zip(ours["times_s"], theirs["times_s"])]
     tokens = batch * seq_len
     return {"batch": batch, "seq_len": seq_len, "threads": threads,
+            "host_memory_retained": host_memory.retain_freed_memory(), "repeats": repeats,
             "jaxrl_tokens_per_s": tokens / ours["median_s"], "hf_tokens_per_s": tokens / theirs["median_s"],
-            "ratio": theirs["median_s"] / ours["median_s"]}
+            "ratio": theirs["median_s"] / ours["median_s"],
+            # each repeat's transformers time over the jaxrl time measured right before it: the spread the load
+            # of the shared machine leaves in the ratio
+            "pair_ratio_min": min(pair_ratios), "pair_ratio_max": max(pair_ratios)}
 
 
 def kernel_scaling(lengths=(512, 1024, 2048, 4096, 8192), heads: int = 4, dim: int = 64, repeats: int = 3,

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jaxrl.ops.attention import causal_attention, resolve_implementation
 from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step, recurrent_gated_delta_rule
 
+from benchmarks.common import time_interleaved
+
 H200_PEAK_BF16 = 989e12
 H200_BANDWIDTH = 4.8e12
 
@@ -59,15 +61,9 @@ def _fwd_bwd(fn):
 
 
 def _interleave(fns: dict, args: tuple, repeats: int) -> dict:
-    for fn in fns.values():
-        jax.block_until_ready(fn(*args))
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    timed = time_interleaved({name: (lambda fn=fn: jax.block_until_ready(fn(*args))) for name, fn in fns.items()},
+                             repeats=repeats)
+    return {name: t["median_s"] for name, t in timed.items()}
 
 
 def _roofline(seconds: float, flops: float, bytes_moved: float, peak: float, bandwidth: float) -> dict:

@@ -42,6 +42,22 @@ def time_it(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict
     return {"median_s": statistics.median(times), "best_s": min(times), "repeats": repeats}
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, dict]:
+    """`time_it` for several sides at once, their repeats alternating (A B A B ...), so a load burst on a shared
+    machine lands on both sides rather than on whichever ran during it. Per side: median, best and every time."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: {"median_s": statistics.median(t), "best_s": min(t), "repeats": repeats, "times_s": t}
+            for name, t in times.items()}
+
+
 def build_small_hf(seed: int = 0):
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig

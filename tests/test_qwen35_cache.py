@@ -6,6 +6,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from conftest import jitted_forward
 from jaxrl.models import qwen35
 from jaxrl.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -102,12 +103,13 @@ def model(hf_container):
 
 @pytest.mark.slow
 def test_model_prefix_plus_continuation_equals_one_pass(model):
+    forward = jitted_forward(model)
     ids = jnp.asarray(np.random.default_rng(0).integers(2, 250, size=(2, 150)))
-    whole = np.asarray(model(ids))
+    whole = np.asarray(forward(ids))
     cache = model.init_cache(2, 160)
     parts = []
     for a, b in [(0, 100), (100, 149), (149, 150)]:  # chunked prefill, chunked continuation, one decode step
-        logits, cache = model(ids[:, a:b], cache=cache)
+        logits, cache = forward(ids[:, a:b], cache=cache)
         parts.append(np.asarray(logits))
     assert int(cache.length) == 150 and list(np.asarray(cache.next_position)) == [150, 150]
     np.testing.assert_allclose(np.concatenate(parts, 1), whole, atol=1e-4 * np.abs(whole).max())
@@ -124,14 +126,15 @@ def test_left_padded_prefill_then_decode_matches_unpadded(model):
     for i, n in enumerate(lengths):
         ids[i, width - n:] = rows[i][:n]
         mask[i, width - n:] = 1
+    forward = jitted_forward(model)
     cache = model.init_cache(2, width + steps)
-    logits, cache = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask), cache=cache)
+    logits, cache = forward(jnp.asarray(ids), attention_mask=jnp.asarray(mask), cache=cache)
     decoded = [np.asarray(logits[:, -1])]
     for t in range(steps):
         step_ids = np.array([[rows[0][lengths[0] + t]], [rows[1][lengths[1] + t]]])
-        logits, cache = model(jnp.asarray(step_ids), cache=cache)
+        logits, cache = forward(jnp.asarray(step_ids), cache=cache)
         decoded.append(np.asarray(logits[:, -1]))
     decoded = np.stack(decoded, 1)  # [2, steps+1, V]: logits after the prompt and after each decoded token
     for i, n in enumerate(lengths):
-        ref = np.asarray(model(jnp.asarray(rows[i][None])))[0, n - 1:n + steps]
+        ref = np.asarray(forward(jnp.asarray(rows[i][None])))[0, n - 1:n + steps]
         np.testing.assert_allclose(decoded[i], ref, atol=1e-4 * np.abs(ref).max())

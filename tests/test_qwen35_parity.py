@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hf_tiny
+from conftest import jitted_forward
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,7 +38,7 @@ def test_fp32_logits_match_container(container, seq_len):
     _, hf, model = container
     ids = np.random.default_rng(seq_len).integers(2, 250, size=(2, seq_len))
     ref = hf_tiny.hf_logits(hf, ids)
-    assert max_rel(model(jnp.asarray(ids)), ref) <= 1e-4
+    assert max_rel(jitted_forward(model)(jnp.asarray(ids)), ref) <= 1e-4
 
 
 @pytest.mark.slow
@@ -46,7 +47,7 @@ def test_fp32_logits_match_text_only_with_3x_value_heads(text, seq_len):
     folder, hf, model = text
     assert model.config.linear_num_value_heads == 3 * model.config.linear_num_key_heads
     ids = np.random.default_rng(seq_len).integers(2, 250, size=(2, seq_len))
-    assert max_rel(model(jnp.asarray(ids)), hf_tiny.hf_logits(hf, ids)) <= 1e-4
+    assert max_rel(jitted_forward(model)(jnp.asarray(ids)), hf_tiny.hf_logits(hf, ids)) <= 1e-4
 
 
 @pytest.mark.slow
@@ -55,7 +56,7 @@ def test_tied_container(tmp_path):
     model = qwen35.from_pretrained(folder)
     assert model.lm_head is None and model.config.tie_word_embeddings
     ids = np.random.default_rng(0).integers(2, 250, size=(1, 40))
-    assert max_rel(model(jnp.asarray(ids)), hf_tiny.hf_logits(hf, ids)) <= 1e-4
+    assert max_rel(jitted_forward(model)(jnp.asarray(ids)), hf_tiny.hf_logits(hf, ids)) <= 1e-4
 
 
 @pytest.mark.slow
@@ -73,7 +74,7 @@ def test_left_padding_equals_unpadded(container, lengths):
         rows.append(row)
         ids[i, width - n:] = row
         mask[i, width - n:] = 1
-    batched = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+    batched = np.asarray(jitted_forward(model)(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
     ref_batched = hf_tiny.hf_logits(hf, ids, mask)
     for i, (n, row) in enumerate(zip(lengths, rows)):
         single = hf_tiny.hf_logits(hf, row[None])[0]
@@ -91,7 +92,7 @@ def test_bf16_within_reference_bf16_error(hf_container):
     import copy
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)  # never cast the shared fixture: bf16 rounding would stick
     ref16 = hf_tiny.hf_logits(hf16, ids)
-    ours = np.asarray(model(jnp.asarray(ids)).astype(jnp.float32))
+    ours = np.asarray(jitted_forward(model)(jnp.asarray(ids)).astype(jnp.float32))
     reference_error = max_rel(ref16, ref32)
     our_error = max_rel(ours, ref32)
     assert model.embed_tokens[...].dtype == jnp.bfloat16
@@ -122,7 +123,7 @@ def test_gradients_match_torch_autograd(hf_container):
         out = m(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
         return jnp.sum(out * weights * mask[..., None]) / 100.0
 
-    loss_j, grads = jax.value_and_grad(loss_fn)(params)
+    loss_j, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
     assert abs(float(loss_j) - loss_t.item()) <= 1e-4 * abs(loss_t.item()) + 1e-5
     from jaxrl.models.qwen35.checkpoint import hf_key
     from jaxrl.utils.tree import dotted
