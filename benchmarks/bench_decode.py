@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 
-from jaxrl.utils import host_memory
 from benchmarks.common import SMALL_TEXT_CONFIG, set_cpu_threads, time_it
 
 CONFIGS = {
@@ -116,7 +115,7 @@ def run_config(name: str, batch: int, prompt_len: int, new_tokens: int, repeats:
     decode_tokens = batch * (new_tokens - 1)  # steps after the first token, on both sides
     return {
         "config": name, "hidden_size": config["hidden_size"], "vocab_size": vocab, "batch": batch,
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "threads": threads, "host_memory_retained": host_memory.retain_freed_memory(), "dtype": "float32",
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "threads": threads, "dtype": "float32",
         "device": jax.devices()[0].platform,
         # Two shared cores: other processes slow torch's spinning thread pool far more than XLA's, so the
         # machine's load is part of the result.

@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 
-from jaxrl.utils import host_memory
 from benchmarks.common import SMALL_TEXT_CONFIG, save_small_hf, set_cpu_threads, table
 
 LORA = dict(rank=16, alpha=32.0)
@@ -192,7 +191,7 @@ def run(pairs: int = 4, prompt_len: int = 128, completion_len: int = 127, steps:
     threads = set_cpu_threads()
     seq_len = prompt_len + completion_len + 1
     result = {"pairs_per_step": pairs, "seq_len": seq_len, "tokens_per_step": 2 * pairs * seq_len,
-              "timed_steps": steps, "warmup_steps": warmup, "rounds": rounds, "threads": threads, "host_memory_retained": host_memory.retain_freed_memory(),
+              "timed_steps": steps, "warmup_steps": warmup, "rounds": rounds, "threads": threads,
               "loss": "sigmoid", "beta": BETA, "lora": f"r{LORA['rank']}/alpha{int(LORA['alpha'])} all-linear",
               "dtype": "float32", "modes": {}}
     with tempfile.TemporaryDirectory() as folder:

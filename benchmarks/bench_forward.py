@@ -18,7 +18,6 @@ import tempfile
 
 import numpy as np
 
-from jaxrl.utils import host_memory
 from benchmarks.common import SMALL_TEXT_CONFIG, save_small_hf, set_cpu_threads, table, time_interleaved, time_it
 
 
@@ -49,8 +48,7 @@ def forward_ratio(batch: int = 4, seq_len: int = 512, repeats: int = 5) -> dict:
     ours, theirs = timed["jaxrl"], timed["hf"]
     pair_ratios = [t / o for o, t in zip(ours["times_s"], theirs["times_s"])]
     tokens = batch * seq_len
-    return {"batch": batch, "seq_len": seq_len, "threads": threads,
-            "host_memory_retained": host_memory.retain_freed_memory(), "repeats": repeats,
+    return {"batch": batch, "seq_len": seq_len, "threads": threads, "repeats": repeats,
             "jaxrl_tokens_per_s": tokens / ours["median_s"], "hf_tokens_per_s": tokens / theirs["median_s"],
             "ratio": theirs["median_s"] / ours["median_s"],
             # each repeat's transformers time over the jaxrl time measured right before it: the spread the load

@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 
-from jaxrl.utils import host_memory
 from benchmarks.common import SMALL_TEXT_CONFIG, save_small_hf, set_cpu_threads, table
 
 LORA = dict(rank=16, alpha=32.0)
@@ -145,7 +144,7 @@ def run(batch: int = 4, seq_len: int = 256, steps: int = 5) -> dict:
         jax_r = _spawn("jax", folder, batch, seq_len, steps)
         torch_r = _spawn("torch", folder, batch, seq_len, steps)
     tokens = batch * seq_len
-    result = {"batch": batch, "seq_len": seq_len, "timed_steps": steps, "threads": threads, "host_memory_retained": host_memory.retain_freed_memory(),
+    result = {"batch": batch, "seq_len": seq_len, "timed_steps": steps, "threads": threads,
               "lora": f"r{LORA['rank']}/alpha{int(LORA['alpha'])} all-linear", "dtype": "float32"}
     for name, r in (("jaxrl", jax_r), ("peft_torch", torch_r)):
         result[name] = dict(r, tokens_per_s=tokens / r["step_s"])

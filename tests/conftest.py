@@ -13,11 +13,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
-from jaxrl.utils import host_memory  # noqa: E402
-
-# As every launcher does on a CPU-only install, before jax starts its CPU client (jaxrl.utils.host_memory).
-host_memory.retain_freed_memory()
-
 
 def tiny_config(preset: str, **block):
     """configs/<preset>_tiny.py made quiet for a test: no TensorBoard, synchronous checkpoints, LLVM -O0 compiles;
