@@ -9,6 +9,7 @@ import pytest
 
 import jax.numpy as jnp
 
+from conftest import jitted_forward
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.orbax_io import load_orbax_params
 
@@ -32,7 +33,7 @@ def test_hf_to_orbax_to_hf_round_trip(hf_container, tmp_path):
     restored = load_orbax_params(orbax_dir)
     original = qwen35.from_pretrained(folder)
     ids = jnp.asarray(np.random.default_rng(0).integers(2, 250, size=(1, 30)))
-    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(original(ids)))
+    np.testing.assert_array_equal(np.asarray(jitted_forward(restored)(ids)), np.asarray(jitted_forward(original)(ids)))
     run_convert("--to=hf", f"--src={orbax_dir}", f"--base={folder}", f"--out={hf_out}")
     assert read_all(folder) == read_all(hf_out)
 
