@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-
-import numpy as np
 
 import jax
 import jax.numpy as jnp
