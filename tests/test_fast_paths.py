@@ -16,11 +16,17 @@ from jaxrl.models.qwen35.config import default_layer_types, tiny
 from jaxrl.models.qwen35.layers import KVState
 from jaxrl.models.qwen35.model import REMAT_POLICIES, activation_bytes, choose_remat
 from jaxrl.ops import attention as attn
-from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step, recurrent_gated_delta_rule
+from jaxrl.ops.gated_delta import gated_delta_decode_step
 from jaxrl.ops.matmul import project
 from jaxrl.rollout.sampler import Sampler, default_batch_buckets, prefill_sizes
 
-from test_qwen35_cache import random_inputs
+from test_qwen35_cache import chunk_rule, random_inputs, recurrence
+
+
+# The references and kernels run as jitted programs: called eagerly, every primitive is dispatched and
+# compiled on its own, which took most of these tests' time (the compiled programs are the ones users run).
+causal_attention = jax.jit(attn.causal_attention, static_argnames=("scale", "implementation", "block_size"))
+cache_attention = jax.jit(attn.cache_attention, static_argnames=("scale",))
 
 
 def normal(seed, shape, dtype=jnp.float32):
@@ -54,12 +60,13 @@ def test_causal_attention_equals_the_fused_kernel_api_on_the_same_arguments(dtyp
     batch, seq_len, heads, kv_heads, dim = 3, 300, 8, 2, 32
     q, k, v = (normal(i, (batch, seq_len, n, dim), dtype) for i, n in enumerate((heads, kv_heads, kv_heads)))
     lengths = jnp.array([300, 173, 1], jnp.int32)
-    ref = jax.nn.dot_product_attention(q, k, v, scale=0.2, is_causal=True, query_seq_lengths=lengths,
-                                       key_value_seq_lengths=lengths, implementation="xla")
+    ref = jax.jit(lambda q, k, v, lengths: jax.nn.dot_product_attention(
+        q, k, v, scale=0.2, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+        implementation="xla"))(q, k, v, lengths)
     real = np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for block in (None, 64, 300):
-        ours = attn.causal_attention(q, k, v, lengths, 0.2, implementation="xla", block_size=block)
+        ours = causal_attention(q, k, v, lengths, scale=0.2, implementation="xla", block_size=block)
         assert ours.dtype == dtype
         diff = np.abs(np.asarray(ours, np.float32) - np.asarray(ref, np.float32))[real]
         assert diff.max() <= tol, (block, diff.max())
@@ -85,8 +92,9 @@ def test_compaction_reaches_the_kernel_for_any_padding():
         assert np.array_equal(order[b][:mask[b].sum()], np.flatnonzero(mask[b]))  # real tokens first, in order
     assert list(np.asarray(lengths)) == list(mask.sum(1))
     q, k, v = (normal(i, (4, seq_len, n, 16)) for i, n in enumerate((4, 2, 2)))
-    out = attn.uncompact(attn.causal_attention(*(attn.compact(x, jnp.asarray(order)) for x in (q, k, v)),
-                                               lengths, 0.25, block_size=32), jnp.asarray(dest))
+    attend = jax.jit(lambda q, k, v, order, dest, lengths: attn.uncompact(attn.causal_attention(
+        *(attn.compact(x, order) for x in (q, k, v)), lengths, 0.25, block_size=32), dest))
+    out = attend(q, k, v, jnp.asarray(order), jnp.asarray(dest), lengths)
     ref = numpy_attention(q, k, v, mask, 0.25)
     assert np.abs(np.asarray(out) - ref)[mask].max() <= 1e-5
 
@@ -100,13 +108,13 @@ def test_cache_attention_reads_only_the_filled_prefix_and_agrees():
     valid[1, 60:130] = True
     sizes = attn.prefix_lengths(slots)
     assert sizes[-1] == slots and len(sizes) <= 8 and all(s % 16 == 0 for s in sizes[:-1])
-    full = attn.cache_attention(q, k, v, jnp.asarray(valid), jnp.array([129]), 0.25)
+    full = cache_attention(q, k, v, jnp.asarray(valid), jnp.array([129]), scale=0.25)
     prefix = jax.jit(lambda f: attn.cache_attention(q, k, v, jnp.asarray(valid), jnp.array([129]), 0.25, filled=f))
     for filled in (130, 131, 199, 200):
         np.testing.assert_allclose(np.asarray(prefix(jnp.int32(filled))), np.asarray(full), atol=1e-6)
     # the branch taken reads fewer slots: slots beyond `filled` may hold anything
     garbage = jnp.asarray(v).at[:, :, 144:].set(1e6)
-    cut = attn.cache_attention(q, k, garbage, jnp.asarray(valid), jnp.array([129]), 0.25, filled=jnp.int32(130))
+    cut = cache_attention(q, k, garbage, jnp.asarray(valid), jnp.array([129]), scale=0.25, filled=jnp.int32(130))
     np.testing.assert_allclose(np.asarray(cut), np.asarray(full), atol=1e-6)
 
 
@@ -126,7 +134,7 @@ def test_auto_chunk_size_follows_the_key_head_dim_and_gives_the_same_outputs():
     with pytest.raises(qwen35.config.ConfigError, match="gdn_chunk_size"):
         tiny(gdn_chunk_size=-1).validate()
     q, k, v, g, beta = random_inputs(5, seq_len=100, hv=4, dk=16, dv=16)
-    by_chunk = {c: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c) for c in (16, 64)}
+    by_chunk = {c: chunk_rule(q, k, v, g, beta, chunk_size=c) for c in (16, 64)}
     for a, b in zip(by_chunk[16], by_chunk[64]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
@@ -139,7 +147,7 @@ def test_bf16_chunked_delta_rule_within_its_documented_bound(hv):
     q, k, v, g, beta = delta_inputs(hv, hv=hv)
     bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
     q, k, v, beta = map(bf, (q, k, v, beta))
-    fn = jax.jit(chunk_gated_delta_rule)
+    fn = chunk_rule
     o32, s32 = fn(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta.astype(jnp.float32))
     o16, s16 = fn(q, k, v, g, beta)
     assert o16.dtype == jnp.bfloat16 and s16.dtype == jnp.float32
@@ -148,14 +156,14 @@ def test_bf16_chunked_delta_rule_within_its_documented_bound(hv):
     assert float(jnp.max(jnp.abs(o16 - o32))) <= 0.015 * scale
     assert float(jnp.sqrt(jnp.mean((o16 - o32) ** 2) / jnp.mean(o32 ** 2))) <= 0.01
     assert float(jnp.max(jnp.abs(s16 - s32))) <= 0.015 * float(jnp.max(jnp.abs(s32)))
-    ref, _ = recurrent_gated_delta_rule(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta.astype(jnp.float32))
+    ref, _ = recurrence(*(x.astype(jnp.float32) for x in (q, k, v)), g, beta.astype(jnp.float32))
     np.testing.assert_allclose(np.asarray(o32), np.asarray(ref), atol=5e-5)  # the fp32 path is the recurrence
 
 
 def test_one_pass_decode_update_equals_the_recurrence():
     """20 decode steps with value heads 2x the key heads equal the token recurrence (fp32), state and outputs."""
     q, k, v, g, beta = delta_inputs(7, seq_len=20)
-    ref_out, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta)
+    ref_out, ref_state = recurrence(q, k, v, g, beta)
     step = jax.jit(gated_delta_decode_step)
     state = jnp.zeros(ref_state.shape, jnp.float32)
     outs = []
@@ -207,6 +215,7 @@ def test_prefill_mode_cache_equals_the_preallocated_cache_path(model):
                                atol=1e-4)
 
 
+@pytest.mark.slow  # 11 s alone on two idle cores: two 256-step decode scans
 def test_bf16_decode_state_drift_is_small_and_does_not_grow(model):
     """Teacher-forced decode of 256 tokens with the Gated DeltaNet state stored in bf16 vs fp32 (fp32 model,
     perturbed tiny checkpoint, logits of scale ~10): every step's log-probabilities within 0.05 (measured max
@@ -359,15 +368,15 @@ def test_projection_backward_stays_in_the_compute_dtype():
     target = normal(2, (6, 40, 300))
     loss = lambda fn: (lambda x, w: jnp.sum(jnp.tanh(fn(x, w)) * target))  # noqa: E731
     plain = lambda x, w: jnp.einsum("...i,oi->...o", x, w)  # noqa: E731
-    ours32 = jax.grad(loss(lambda x, w: project(x, w, jnp.float32)), argnums=(0, 1))(x, w)
-    ref32 = jax.grad(loss(plain), argnums=(0, 1))(x, w)
+    ours32 = jax.jit(jax.grad(loss(lambda x, w: project(x, w, jnp.float32)), argnums=(0, 1)))(x, w)
+    ref32 = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(x, w)
     for a, b in zip(ours32, ref32):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     fn16 = jax.grad(loss(lambda x, w: project(x, w, jnp.float32)), argnums=(0, 1))
     dtypes = _dot_operand_dtypes(jax.make_jaxpr(fn16)(xb, wb).jaxpr)
     assert dtypes == {("bfloat16", "bfloat16")}, dtypes
-    for a, b in zip(fn16(xb, wb), ref32):
+    for a, b in zip(jax.jit(fn16)(xb, wb), ref32):
         scale = float(jnp.max(jnp.abs(b)))
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) <= 0.03 * scale
 
@@ -403,11 +412,12 @@ def test_low_rank_product_gradients_equal_plain_autodiff(batch_shape):
         return jnp.einsum("...r,or->...o", h, b, preferred_element_type=jnp.float32)
 
     loss = lambda fn: (lambda *args: jnp.sum(jnp.tanh(fn(*args)) * target))  # noqa: E731
-    ref = jax.grad(loss(plain), argnums=(0, 1, 2))(x, a, b)
-    ours = jax.grad(loss(lora.low_rank_product), argnums=(0, 1, 2))(x, a, b)
+    ref = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, a, b)
+    grad = jax.jit(jax.grad(loss(lora.low_rank_product), argnums=(0, 1, 2)))
+    ours = grad(x, a, b)
     for g, r in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
     low = [v.astype(jnp.bfloat16) for v in (x, a, b)]
-    for g, r in zip(jax.grad(loss(lora.low_rank_product), argnums=(0, 1, 2))(*low), ref):
+    for g, r in zip(grad(*low), ref):
         assert g.dtype == jnp.bfloat16
         assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) <= 0.03 * float(jnp.max(jnp.abs(r)))

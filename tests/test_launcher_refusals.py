@@ -140,7 +140,7 @@ def damaged_adapter_run(env, tmp_path) -> tuple[Path, Path]:
     return run, data
 
 
-@pytest.mark.parametrize("launcher", ["export", "evaluate"])
+@pytest.mark.parametrize("launcher", ["export", pytest.param("evaluate", marks=pytest.mark.slow)])  # 12 s
 def test_a_corrupted_adapter_checkpoint_is_named(env, tmp_path, launcher):
     run, data = damaged_adapter_run(env, tmp_path)
     before = snapshot(tmp_path)

@@ -11,6 +11,12 @@ from jaxrl.models import qwen35
 from jaxrl.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
+# The kernels as jitted programs (what the model runs): called eagerly, each primitive would be dispatched and
+# compiled on its own, most of these tests' time.
+chunk_rule = jax.jit(chunk_gated_delta_rule, static_argnames=("chunk_size", "solve_method"))
+recurrence = jax.jit(recurrent_gated_delta_rule)
+
+
 def random_inputs(seed, batch=2, seq_len=150, hk=2, hv=4, dk=16, dv=8):
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
     q = jax.random.normal(ks[0], (batch, seq_len, hk, dk))
@@ -45,7 +51,7 @@ def numpy_recurrence(q, k, v, g, beta):
 def test_chunked_and_recurrent_agree_with_float64_reference(seq_len):
     inputs = random_inputs(seq_len, seq_len=seq_len)
     ref_out, ref_state = numpy_recurrence(*inputs)
-    for fn in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
+    for fn in (chunk_rule, recurrence):
         out, state = fn(*inputs)
         np.testing.assert_allclose(np.asarray(out), ref_out, atol=5e-5, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(state), ref_state, atol=5e-5, rtol=1e-4)
@@ -55,8 +61,8 @@ def test_chunked_and_recurrent_agree_with_float64_reference(seq_len):
 def test_matmul_inverse_solve_equals_triangular_solve():
     """The accelerator path ((I+N)^-1 by repeated squaring) agrees with XLA's triangular solve."""
     inputs = random_inputs(5, seq_len=130)
-    a, sa = chunk_gated_delta_rule(*inputs, solve_method="triangular")
-    b, sb = chunk_gated_delta_rule(*inputs, solve_method="matmul")
+    a, sa = chunk_rule(*inputs, solve_method="triangular")
+    b, sb = chunk_rule(*inputs, solve_method="matmul")
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
     np.testing.assert_allclose(np.asarray(sa), np.asarray(sb), atol=2e-5)
     ref, _ = numpy_recurrence(*inputs)
@@ -78,8 +84,8 @@ def test_block_inverse_is_the_exact_unit_lower_inverse(size):
 @pytest.mark.slow
 def test_chunk_sizes_agree():
     inputs = random_inputs(3, seq_len=100)
-    a, sa = chunk_gated_delta_rule(*inputs, chunk_size=64)
-    b, sb = chunk_gated_delta_rule(*inputs, chunk_size=16)
+    a, sa = chunk_rule(*inputs, chunk_size=64)
+    b, sb = chunk_rule(*inputs, chunk_size=16)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
     np.testing.assert_allclose(np.asarray(sa), np.asarray(sb), atol=2e-5)
 
@@ -87,11 +93,11 @@ def test_chunk_sizes_agree():
 @pytest.mark.slow
 def test_kernel_continuation_with_initial_state():
     q, k, v, g, beta = random_inputs(4, seq_len=150)
-    whole, whole_state = chunk_gated_delta_rule(q, k, v, g, beta)
+    whole, whole_state = chunk_rule(q, k, v, g, beta)
     split = lambda x, a, b: x[:, a:b]
-    first, state = chunk_gated_delta_rule(*(split(x, 0, 100) for x in (q, k, v, g, beta)))
-    second, state = chunk_gated_delta_rule(*(split(x, 100, 149) for x in (q, k, v, g, beta)), initial_state=state)
-    last, state = recurrent_gated_delta_rule(*(split(x, 149, 150) for x in (q, k, v, g, beta)), initial_state=state)
+    first, state = chunk_rule(*(split(x, 0, 100) for x in (q, k, v, g, beta)))
+    second, state = chunk_rule(*(split(x, 100, 149) for x in (q, k, v, g, beta)), initial_state=state)
+    last, state = recurrence(*(split(x, 149, 150) for x in (q, k, v, g, beta)), initial_state=state)
     np.testing.assert_allclose(np.concatenate([first, second, last], 1), np.asarray(whole), atol=3e-5)
     np.testing.assert_allclose(np.asarray(state), np.asarray(whole_state), atol=3e-5)
 

@@ -72,6 +72,7 @@ def assert_same_rollouts(got, want):
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-4, err_msg=str(key(a)))
 
 
+@pytest.mark.slow  # 14 s under `make test-fast` (two workers): a rollout run per mesh
 def test_rollouts_on_eight_devices_equal_one_device(env):
     assert jax.local_device_count() == 8, "tests/conftest.py fakes 8 CPU devices"
     runs = {}
