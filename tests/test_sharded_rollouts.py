@@ -86,6 +86,7 @@ def test_rollouts_on_eight_devices_equal_one_device(env):
     assert_same_rollouts(eight, one)
 
 
+@pytest.mark.slow  # 14 s under `make test-fast`: an evaluation per mesh
 def test_evaluation_on_eight_devices_equals_one_device(env):
     from jaxrl.evaluation.runner import EvalConfig, Evaluator
     results = {}
