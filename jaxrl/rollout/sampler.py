@@ -183,7 +183,7 @@ def _decode(graphdef, params: tuple, cache: Cache, logits: jax.Array, row_valid:
     <= N - 1); and the final cache.
     """
     TRACE_COUNTS[("decode", logits.shape[0], cache.max_length, max_new_tokens, stop_ids.shape, mode)] += 1
-    model = nnx.merge(graphdef, *params)
+    model = nnx.merge(graphdef, *params).transpose_for_decode()
     batch = logits.shape[0]
     keys = row_keys(seed, group_ids, sample_ids)
 

@@ -42,10 +42,23 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else nnx.data(None)
         self.lora = nnx.data(None)  # a jaxrl.models.lora.LoRA once attached
+        # The weight transposed to [in, out]: set only inside a decode program, by `transpose_for_decode`.
+        self.weight_in_out = nnx.data(None)
+
+    def transpose_for_decode(self) -> None:
+        """Keep a copy of the weight as [in, out] for the rest of this trace (a decode program, whose weights are
+        loop constants: the copy is made once, before the loop). XLA:CPU's dot of a few rows (decode: one token
+        per row) reads an [in, out] weight 1.3-1.5x faster than torch's [out, in] layout, which it streams
+        column-wise; see `Qwen35.transpose_for_decode`. The barrier keeps XLA from folding the transpose back
+        into the dot."""
+        self.weight_in_out = jax.lax.optimization_barrier(jnp.transpose(self.weight[...]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        if self.weight_in_out is not None:
+            y = jnp.einsum("...i,io->...o", x, self.weight_in_out,
+                           preferred_element_type=jnp.float32).astype(jnp.result_type(x.dtype, w.dtype))
+        elif x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
             # XLA:CPU runs a bf16 -> bf16 product (and its gradient) on an fp32 copy of the weight; `project`
             # takes its native bf16 x bf16 -> fp32 kernel both ways. Same numbers: fp32 accumulation, one rounding.
             y = project(x, w, x.dtype)

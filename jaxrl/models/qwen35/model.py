@@ -57,6 +57,8 @@ REMAT_CHOICES = tuple(REMAT_POLICIES) + ("auto",)
 _AUTO_ORDER = ("none", "matmuls", "attention", "full")
 # Fraction of the device memory (after the weights) that activations may take under "auto".
 AUTO_ACTIVATION_FRACTION = 0.5
+# `transpose_for_decode` copies the weights only when they take at most this fraction of the host's memory.
+DECODE_COPY_FRACTION = 0.125
 
 
 class Cache(NamedTuple):
@@ -82,6 +84,7 @@ class Qwen35(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (nnx.data(None) if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
+        self.head_in_out = nnx.data(None)  # the head as [H, V]: set only by `transpose_for_decode`
 
     # ------------------------------------------------------------------------------------------------------------
     def head_weight(self) -> jax.Array:
@@ -91,7 +94,27 @@ class Qwen35(nnx.Module):
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., H] -> logits [..., V] in hidden's dtype, accumulated in fp32 (`project`: no fp32 copy of
         the [V, H] head on XLA:CPU, no fp32 x bf16 product in the backward)."""
+        if self.head_in_out is not None:
+            return jnp.einsum("...h,hv->...v", hidden, self.head_in_out,
+                              preferred_element_type=jnp.float32).astype(hidden.dtype)
         return project(hidden, self.head_weight(), hidden.dtype)
+
+    def transpose_for_decode(self) -> "Qwen35":
+        """Inside a decode program, before its loop: every projection and the head keep a copy of their weight
+        transposed to [in, out] for the rest of the trace (`Linear.transpose_for_decode`). On XLA:CPU a decode
+        step's dots (a few rows against each weight) are bound by reading the weights, and they read that layout
+        faster: the small benchmark model's decode step 1.3-1.4x faster, same tokens (benchmarks/RESULTS.md).
+        Only on the CPU (a GPU's GEMM takes either layout at one speed), and only when the weights take at most
+        DECODE_COPY_FRACTION of the host's memory: the copies double the weights' memory for the program (the
+        9B-width smoke model, 5 GB of bf16 weights, would not fit its test's memory bound). Weights must not
+        change for the rest of the trace (the copies would go stale). Returns self."""
+        if jax.default_backend() != "cpu" or self.weight_bytes() > DECODE_COPY_FRACTION * _device_memory_bytes():
+            return self
+        for _, module in nnx.iter_modules(self.layers):  # the head is `head_in_out` (tied or not)
+            if isinstance(module, Linear):
+                module.transpose_for_decode()
+        self.head_in_out = jax.lax.optimization_barrier(jnp.transpose(self.head_weight()))
+        return self
 
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None, cache: Optional[Cache] = None):
