@@ -11,6 +11,9 @@ ratio survives a shared machine), and on an accelerator against its roofline. Pr
   gdn            Gated DeltaNet fwd + bwd: `chunk_gated_delta_rule` vs the token-by-token recurrence
   decode_update  one decode step's GDN state update: `gated_delta_decode_step` (one read, one write of the state)
                  vs the reference recurrence run for one token
+  decode_projections  one decode step's projections and head (decode_batch rows against every weight of the
+                 model, each weight distinct, so they come from memory as in decode): the `[in, out]` copies the
+                 decode program makes on a CPU (`Qwen35.transpose_for_decode`) vs the stored `[out, in]` layout
 
 ratio = reference time / fast time (> 1: the fast path is faster). The roofline of each fast kernel is
 max(FLOPs / peak, bytes / bandwidth) with --peak_tflops and --bandwidth (H200 defaults; ignored on a CPU).
@@ -24,6 +27,10 @@ import json
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+
+from jaxrl.models.qwen35.config import qwen35_4b, qwen35_9b, tiny
+from jaxrl.models.qwen35.model import Qwen35
 from jaxrl.ops.attention import causal_attention, resolve_implementation
 from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step, recurrent_gated_delta_rule
 
@@ -35,6 +42,23 @@ H200_BANDWIDTH = 4.8e12
 # (attention heads, kv heads, head dim, GDN key heads, value heads, key dim, value dim)
 SHAPES = {"tiny": (4, 2, 16, 2, 4, 16, 16), "small": (4, 2, 64, 2, 4, 64, 64), "4b": (16, 4, 256, 16, 32, 128, 128),
           "9b": (16, 4, 256, 16, 32, 128, 128)}
+
+
+def model_config(shape: str):
+    """The whole model of a shape: the tests' tiny model, benchmarks.common's small one, the 4B / 9B presets."""
+    if shape == "small":  # benchmarks/common.py:SMALL_TEXT_CONFIG
+        return tiny(vocab_size=2048, hidden_size=256, intermediate_size=768, head_dim=64, linear_key_head_dim=64,
+                    linear_value_head_dim=64)
+    return {"tiny": tiny, "4b": qwen35_4b, "9b": qwen35_9b}[shape]()
+
+
+def weight_shapes(shape: str) -> list[tuple[int, int]]:
+    """[out, in] of every projection and of the head of the shape's model (from its abstract weights)."""
+    cfg = model_config(shape)
+    model = nnx.eval_shape(lambda: Qwen35(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    shapes = [tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+              if path[-1] == "weight" and len(v.shape) == 2]
+    return shapes if not cfg.tie_word_embeddings else shapes + [(cfg.vocab_size, cfg.hidden_size)]
 
 
 def dense_attention(q, k, v, scale):
@@ -136,8 +160,30 @@ def run(shape: str = "small", batch: int = 4, seq_len: int = 1024, decode_batch:
     if reference:
         d.update(reference_us=1e6 * t["reference"], ratio=t["reference"] / t["fast"])
     out["decode_update"] = d
+
+    # decode projections: a few rows against every weight of the model, [in, out] copies vs the stored [out, in]
+    weight_key, row_key = next(keys), next(keys)
+    draw = lambda key, j, s: jax.random.normal(jax.random.fold_in(key, j), s, jnp.float32).astype(dt)  # noqa: E731
+    stored = [draw(weight_key, j, s) for j, s in enumerate(weight_shapes(shape))]
+    rows = [draw(row_key, j, (decode_batch, w.shape[1])) for j, w in enumerate(stored)]
+    copies = [w.T.copy() for w in stored]  # what transpose_for_decode makes once per decode program
+    project = lambda spec: jax.jit(lambda ws, xs: [jnp.einsum(spec, x, w) for x, w in zip(xs, ws)])  # noqa: E731
+    fns = {"fast": (project("bi,io->bo"), copies)}
+    if reference:
+        fns["reference"] = (project("bi,oi->bo"), stored)
+    timed = time_interleaved({name: (lambda fn=fn, ws=ws: jax.block_until_ready(fn(ws, rows)))
+                              for name, (fn, ws) in fns.items()}, repeats=max(repeats, 20))
+    weight_bytes = item * sum(w.size for w in stored)
+    p = {"batch": decode_batch, "weights": len(stored), "weight_mb": weight_bytes / 1e6,
+         "fast_us": 1e6 * timed["fast"]["median_s"],
+         **_roofline(timed["fast"]["median_s"], 2 * decode_batch * weight_bytes / item, weight_bytes, peak,
+                     bandwidth)}
+    if reference:
+        p.update(reference_us=1e6 * timed["reference"]["median_s"],
+                 ratio=timed["reference"]["median_s"] / timed["fast"]["median_s"])
+    out["decode_projections"] = p
     if on_cpu:  # a CPU has no meaningful roofline at these constants
-        for name in ("attention", "gdn", "decode_update"):
+        for name in ("attention", "gdn", "decode_update", "decode_projections"):
             for key in ("roofline_s", "fraction_of_roofline"):
                 out[name].pop(key)
     return out

@@ -163,7 +163,11 @@ def rows_kernels(r: dict) -> list[dict]:
             _row("kernels", "GDN chunked fwd+bwd vs token recurrence", g["fast_ms"], g["reference_ms"], "ms",
                  higher_is_better=False, notes=f"{shape}; chunk {g['chunk_size']}"),
             _row("kernels", "GDN decode update vs recurrence", d["fast_us"], d["reference_us"], "us",
-                 higher_is_better=False, notes=f"{d['batch']} rows, fp32 state")]
+                 higher_is_better=False, notes=f"{d['batch']} rows, fp32 state"),
+            _row("kernels", "decode projections, [in, out] copies vs [out, in]", r["decode_projections"]["fast_us"],
+                 r["decode_projections"]["reference_us"], "us", higher_is_better=False,
+                 notes=f"{r['decode_projections']['batch']} rows against each of the model's "
+                       f"{r['decode_projections']['weights']} weights ({r['decode_projections']['weight_mb']:.1f} MB)")]
 
 
 ROWS: dict[str, Callable[[dict], list[dict]]] = {

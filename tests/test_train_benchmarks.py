@@ -36,3 +36,15 @@ def test_flop_count_matches_the_model_shapes(tie):
     flops = gpu_train_step.model_flops(cfg, lora_rank=16, rows=2, seq_len=64)
     assert flops["share_linear"] * flops["per_token"] == pytest.approx(3 * 2 * weights, rel=1e-9)
     assert flops["per_step"] == flops["per_token"] * 2 * 64
+
+
+def test_kernel_benchmark_runs_and_its_rows_parse():
+    """`bench_kernels --tiny` runs every section, including the decode projections (the tiny model's 30
+    projections and its head, each against its [in, out] copy), and `run_all` turns the result into its rows."""
+    from benchmarks import bench_kernels, run_all
+    result = bench_kernels.run(tiny=True)
+    p = result["decode_projections"]
+    assert p["weights"] == 31 and p["batch"] == 4 and p["fast_us"] > 0 and p["ratio"] > 0
+    assert bench_kernels.weight_shapes("4b")[-1] == (248320, 2560)  # tied: the head is the embedding
+    rows = run_all.rows_kernels(result)
+    assert len(rows) == 4 and "[in, out]" in rows[-1]["benchmark"]

@@ -48,9 +48,9 @@ class Linear(nnx.Module):
     def transpose_for_decode(self) -> None:
         """Keep a copy of the weight as [in, out] for the rest of this trace (a decode program, whose weights are
         loop constants: the copy is made once, before the loop). XLA:CPU's dot of a few rows (decode: one token
-        per row) reads an [in, out] weight 1.3-1.5x faster than torch's [out, in] layout, which it streams
-        column-wise; see `Qwen35.transpose_for_decode`. The barrier keeps XLA from folding the transpose back
-        into the dot."""
+        per row) ran 1.3-1.9x faster against an [in, out] weight than against torch's [out, in] layout in
+        benchmarks/RESULTS.md; see `Qwen35.transpose_for_decode`. The barrier keeps XLA from folding the
+        transpose back into the dot."""
         self.weight_in_out = jax.lax.optimization_barrier(jnp.transpose(self.weight[...]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
