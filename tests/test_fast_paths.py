@@ -12,13 +12,15 @@ from flax import nnx
 
 from conftest import jitted_forward
 from jaxrl.models import lora, qwen35
+from jaxrl.models.qwen35 import model as model_module
 from jaxrl.models.qwen35.config import default_layer_types, tiny
 from jaxrl.models.qwen35.layers import KVState
 from jaxrl.models.qwen35.model import REMAT_POLICIES, activation_bytes, choose_remat
 from jaxrl.ops import attention as attn
 from jaxrl.ops.gated_delta import gated_delta_decode_step
 from jaxrl.ops.matmul import project
-from jaxrl.rollout.sampler import Sampler, default_batch_buckets, prefill_sizes
+from jaxrl.rollout.sampler import Sampler, _decode, default_batch_buckets, prefill_sizes
+from jaxrl.rollout.sampling import sampling_mode
 
 from test_qwen35_cache import chunk_rule, random_inputs, recurrence
 
@@ -381,8 +383,6 @@ def test_the_sampler_decodes_with_transposed_weights(model):
     params = sampler.resolve_params(None)
     batch = sampler.plan([np.arange(2, 9, dtype=np.int32)], 2, [0])[0]
     cache, logits = sampler.prefill(params, batch)
-    from jaxrl.rollout.sampler import _decode
-    from jaxrl.rollout.sampling import sampling_mode
     text = _decode.lower(sampler.graphdef, params, cache, logits, batch.row_valid, batch.group_ids,
                          batch.sample_ids, np.uint32(0), np.float32(1.0), np.float32(1.0), sampler._stop_array,
                          max_new_tokens=3, mode=sampling_mode(0.0, 1.0, 0, sampler.vocab_size),
@@ -394,7 +394,6 @@ def test_the_sampler_decodes_with_transposed_weights(model):
 def test_weights_too_large_for_the_host_are_not_copied_for_decode(monkeypatch):
     """The [in, out] copies double the weights' memory: skipped when the weights exceed DECODE_COPY_FRACTION of
     the host's memory."""
-    from jaxrl.models.qwen35 import model as model_module
     m = qwen35.init_model(tiny(num_hidden_layers=2, layer_types=("linear_attention", "full_attention")))
     graphdef, state = nnx.split(m)
 
