@@ -22,6 +22,7 @@ max(FLOPs / peak, bytes / bandwidth) with --peak_tflops and --bandwidth (H200 de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -29,12 +30,12 @@ import jax.numpy as jnp
 
 from flax import nnx
 
-from jaxrl.models.qwen35.config import qwen35_4b, qwen35_9b, tiny
+from jaxrl.models.qwen35.config import Qwen35Config, qwen35_4b, qwen35_9b, tiny
 from jaxrl.models.qwen35.model import Qwen35
 from jaxrl.ops.attention import causal_attention, resolve_implementation
 from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step, recurrent_gated_delta_rule
 
-from benchmarks.common import time_interleaved
+from benchmarks.common import SMALL_TEXT_CONFIG, time_interleaved
 
 H200_PEAK_BF16 = 989e12
 H200_BANDWIDTH = 4.8e12
@@ -46,9 +47,9 @@ SHAPES = {"tiny": (4, 2, 16, 2, 4, 16, 16), "small": (4, 2, 64, 2, 4, 64, 64), "
 
 def model_config(shape: str):
     """The whole model of a shape: the tests' tiny model, benchmarks.common's small one, the 4B / 9B presets."""
-    if shape == "small":  # benchmarks/common.py:SMALL_TEXT_CONFIG
-        return tiny(vocab_size=2048, hidden_size=256, intermediate_size=768, head_dim=64, linear_key_head_dim=64,
-                    linear_value_head_dim=64)
+    if shape == "small":  # SMALL_TEXT_CONFIG's sizes; its layer pattern (every 2nd layer full) is tiny()'s
+        fields = {f.name for f in dataclasses.fields(Qwen35Config)} - {"layer_types"}
+        return tiny(**{k: v for k, v in SMALL_TEXT_CONFIG.items() if k in fields})
     return {"tiny": tiny, "4b": qwen35_4b, "9b": qwen35_9b}[shape]()
 
 
