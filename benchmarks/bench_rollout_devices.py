@@ -38,7 +38,7 @@ def _setup(folder: Path, problems: int, layers: int):
     from jaxrl.data.chat import load_tokenizer
     from jaxrl.models import qwen35
     from jaxrl.models.qwen35.config import tiny
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 
     base = [json.loads(line) for line in TASKS.read_text().splitlines()]
     rows = [dict(base[i % len(base)], id=f"{base[i % len(base)]['id']}/{i}") for i in range(problems)]

@@ -42,7 +42,7 @@ def tiny_base(folder: str) -> str:
 
     from jaxrl.models import qwen35
     from jaxrl.models.qwen35.config import tiny
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
     if not os.path.isfile(os.path.join(folder, "config.json")):
         cfg = tiny(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
         from flax import nnx

@@ -59,7 +59,7 @@ from jaxrl.models.qwen35.config import tiny
 from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
-from jaxrl.rollout.tokenizer import build_tiny_tokenizer, minimal_vocab_size
+from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer, minimal_vocab_size
 from jaxrl.utils.io import write_jsonl
 
 DIGITS = "0123456789"

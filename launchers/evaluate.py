@@ -52,16 +52,16 @@ from absl import app, flags, logging
 
 from jaxrl.data import formats
 from jaxrl.diagnostics.termination import resample_evaluation
-from jaxrl.evaluation import cli
-from jaxrl.evaluation import protocol as P
+from jaxrl.evaluation import flags as evaluate_flags
+from jaxrl.evaluation import protocol
 from jaxrl.evaluation.analysis import sampling_warning
 from jaxrl.evaluation.runner import BASE, EvalConfig, Evaluator, ModelSpec, checkpoint_specs
 from jaxrl.parallel import distributed
 from jaxrl.rollout.backends.flags import backend_options, mesh_shape_of
 from launchers import _main
 
-_F = cli.define_flags()
-flags.adopt_module_key_flags(cli)  # --helpshort lists them as this launcher's own
+_F = evaluate_flags.define_flags()
+flags.adopt_module_key_flags(evaluate_flags)  # --helpshort lists them as this launcher's own
 
 
 def _named(values, flag):
@@ -176,17 +176,17 @@ def main(argv):
         raise app.UsageError("--confirm and --role=select exclude each other")
     if _F["resample_max_new_tokens"].value < 0:
         raise app.UsageError(f"--resample_max_new_tokens must be >= 0, got {_F['resample_max_new_tokens'].value}")
-    selection = P.read_selection(confirm) if confirm else None
+    selection = protocol.read_selection(confirm) if confirm else None
     cfg = build_config(selection)
     # refused here, before any model is loaded: bad values, unreadable model folders or adapters, an --out that
     # holds other results (ResumeError, AdapterError, ServerError, OutputExistsError, ...: launchers/_main.py)
     ev = Evaluator(cfg)
     try:
         if selection is not None:  # claims the one confirmation before any sample is drawn
-            proto = P.begin_confirmation(selection, cfg.problems, cfg.out)
-            P.check_fingerprint(proto, ev.run_audit()["fingerprints"])
+            proto = protocol.begin_confirmation(selection, cfg.problems, cfg.out)
+            protocol.check_fingerprint(proto, ev.run_audit()["fingerprints"])
         elif role == "select":
-            P.begin_selection(cfg.problems, cfg.out, metric)
+            protocol.begin_selection(cfg.problems, cfg.out, metric)
         ev.run()
         cap = _F["resample_max_new_tokens"].value
         if cap:
@@ -194,10 +194,10 @@ def main(argv):
             # results.json / results.md rewritten with every model vs the baseline both at `cap`
             logging.info("termination analysis: %s", resample_evaluation(ev, cap))
         if role == "select":
-            rec = P.write_selection(ev.out, formats.read_results(ev.out), metric=metric,
+            rec = protocol.write_selection(ev.out, formats.read_results(ev.out), metric=metric,
                                     base=os.path.abspath(cfg.base))
-            print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({ev.out / P.SELECTION_FILE}); "
-                  f"confirm it once with --confirm={ev.out / P.SELECTION_FILE}")
+            print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({ev.out / protocol.SELECTION_FILE}); "
+                  f"confirm it once with --confirm={ev.out / protocol.SELECTION_FILE}")
     finally:
         ev.close()
     print((ev.out / "results.md").read_text())

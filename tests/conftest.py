@@ -58,7 +58,7 @@ def hf_text(tmp_path_factory):
 # end with one worker running the demo alone while the other idles. Order inside a file is kept. (The Makefile
 # passes --no-loadscope-reorder: xdist otherwise reorders files by their number of tests.)
 _LONGEST_FIRST = ("test_multihost_train.py", "test_real_width_smoke.py", "test_demo.py", "test_interrupts.py",
-                  "test_sweep.py", "test_ppo_trainer.py", "test_grpo_trainer.py", "test_dpo_train.py",
+                  "test_sweep.py", "test_ppo_task.py", "test_grpo_task.py", "test_dpo_train.py",
                   "test_sharded_rollouts.py", "test_fast_paths.py", "test_resume.py", "test_qwen35_cache.py",
                   "test_qwen35_parity.py")
 
@@ -78,9 +78,9 @@ _HEAVY = {
     "test_server_backend.py": None,       # an OpenAI-compatible server over loopback (65 s, 30 s, 18 s, ...)
     "test_sharded_rollouts.py": {"test_rollouts_over_two_processes_equal_one_device_and_resume_per_part",
                                  "test_evaluation_over_two_processes_equals_one_device"},  # 53 s, 33 s
-    "test_ppo_trainer.py": {"test_ppo_raises_reward_and_lowers_value_loss",               # 100 s
+    "test_ppo_task.py": {"test_ppo_raises_reward_and_lowers_value_loss",               # 100 s
                             "test_resume_inside_a_rollout_gives_identical_adapters"},      # 29 s
-    "test_grpo_trainer.py": {"test_grpo_raises_reward_from_chance_to_above_0_8",          # 54 s
+    "test_grpo_task.py": {"test_grpo_raises_reward_from_chance_to_above_0_8",          # 54 s
                              "test_kl_stays_bounded_and_shrinks_with_beta",               # 42 s
                              "test_update_is_invariant_to_the_micro_batch_split",         # 61 s
                              "test_grpo_curve_is_reproducible"},  # 50 s: it reruns the learning run's first steps

@@ -47,7 +47,7 @@ def build(folder: str | os.PathLike, n_problems: int = 4) -> dict:
     from jaxrl.models.adapters import Adapter, write_adapter_checkpoint
     from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics import red_flags
 from jaxrl.diagnostics.curves import checkpoint_curves
 from jaxrl.data.formats import write_samples, samples_path
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
@@ -91,8 +91,8 @@ def test_the_best_checkpoint_is_corrected_even_when_it_is_the_last():
 
 
 def test_non_monotonic_ignores_moves_within_tol_and_names_noisy_curves():
-    assert F.non_monotonic_checkpoints("strict_rate", [0, 4, 8], [0.1, 0.1005, 0.1], tol=0.001) is None
-    f = F.non_monotonic_checkpoints("strict_rate", [0, 4, 8, 12], [0.1, 0.2, 0.15, 0.25])
+    assert red_flags.non_monotonic_checkpoints("strict_rate", [0, 4, 8], [0.1, 0.1005, 0.1], tol=0.001) is None
+    f = red_flags.non_monotonic_checkpoints("strict_rate", [0, 4, 8, 12], [0.1, 0.2, 0.15, 0.25])
     assert f is not None and "changes direction 2 time(s)" in f.message  # best is last: noisy, not overtrained
 
 
@@ -131,17 +131,17 @@ def test_adjusted_interval_crossing_zero_is_a_warning():
     pts = [{"step": 4, "diff": 0.03, "ci_low": 0.002, "ci_high": 0.06, "n_pairs": 100, "n_checkpoints": 10,
             "ci_low_adjusted": -0.01, "ci_high_adjusted": 0.07, "adjusted_confidence": 0.995},
            {"step": 8, "diff": -0.01, "ci_low": -0.04, "ci_high": 0.02, "n_pairs": 100}]
-    (f,) = F.early_gain_not_significant("partial_reward_mean", pts)
+    (f,) = red_flags.early_gain_not_significant("partial_reward_mean", pts)
     assert f.severity == "warning" and "best of 10 checkpoints" in f.message
     assert "interval [-1.00, +7.00] pp" in f.message
 
 
 def test_kl_rising_while_reward_falls():
-    f = F.kl_rising_reward_falling([0, 4, 8, 12], [0.0, 0.01, 0.03, 0.06], [0.20, 0.25, 0.22, 0.19], n=100)
+    f = red_flags.kl_rising_reward_falling([0, 4, 8, 12], [0.0, 0.01, 0.03, 0.06], [0.20, 0.25, 0.22, 0.19], n=100)
     assert f is not None and f.evidence["peak_step"] == 4 and f.evidence["kl_last"] == 0.06
     assert "peaks at step 4 (0.2500)" in f.message
-    assert F.kl_rising_reward_falling([0, 4, 8, 12], [0.0, 0.01, 0.01, 0.005], [0.20, 0.25, 0.22, 0.19]) is None
-    assert F.kl_rising_reward_falling([0, 4, 8], [0.0, 0.01, 0.03], [0.20, 0.22, 0.25]) is None
+    assert red_flags.kl_rising_reward_falling([0, 4, 8, 12], [0.0, 0.01, 0.01, 0.005], [0.20, 0.25, 0.22, 0.19]) is None
+    assert red_flags.kl_rising_reward_falling([0, 4, 8], [0.0, 0.01, 0.03], [0.20, 0.22, 0.25]) is None
 
 
 def test_diagnose_launcher_curves(tmp_path):

@@ -243,7 +243,7 @@ def test_fixed_sequences_are_the_base_models_greedy_continuations(tiny_run, tmp_
 
     from jaxrl.utils.io import write_jsonl
     from jaxrl.models import qwen35
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 
     _, base_dir, _, _, _ = tiny_run
     model_dir = tmp_path / "base"

@@ -51,7 +51,7 @@ def test_training_metrics_as_the_trainer_writes_them(tmp_path):
     recs = formats.read_training_metrics(p)
     assert [r["nonfinite"] for r in recs] == [False, True]
     assert recs[1]["nonfinite_groups"] == ["q_proj"]
-    from jaxrl.diagnostics.flags import nonfinite_updates
+    from jaxrl.diagnostics.red_flags import nonfinite_updates
     flag = nonfinite_updates(recs)
     assert flag.evidence["steps"] == [2] and "reported: loss is nan" in flag.message
 

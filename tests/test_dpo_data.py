@@ -8,7 +8,7 @@ from jaxrl.data import dpo_data
 from jaxrl.data.dpo_data import EncodedPair, SequenceConfig, build_sequences
 from jaxrl.data.pairs import pair_id
 from jaxrl.data.chat import format_chat, load_tokenizer
-from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 
 CORPUS = ["Read two integers a and b from standard input and print a + b.",
           "```python\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n```",

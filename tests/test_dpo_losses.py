@@ -261,7 +261,7 @@ def jax_combined(ct, cm, rt, rm, ref_c, ref_r, loss_types, weights, **kw):
 try:  # the test extra installs torch + trl; without them only the TRL comparisons are skipped
     import torch
     from trl.experimental.cpo import cpo_trainer as cpo_mod
-    from trl.trainer import dpo_trainer as trl_dpo
+    from trl.trainer import dpo_task as trl_dpo
 except Exception:  # noqa: BLE001
     trl_dpo = None
 needs_trl = pytest.mark.skipif(trl_dpo is None, reason="torch/trl not installed")

@@ -16,8 +16,8 @@ from flax import nnx
 
 from conftest import tiny_config
 from jaxrl.algorithms import dpo as dpo_lib
-from jaxrl.algorithms import dpo_trainer
-from jaxrl.algorithms.dpo_trainer import DPOObjective, DPOTask, sequence_logps_all
+from jaxrl.algorithms import dpo_task
+from jaxrl.algorithms.dpo_task import DPOObjective, DPOTask, sequence_logps_all
 from jaxrl.data import dpo_data
 from jaxrl.data.pairs import CohortError, freeze_cohort
 from jaxrl.models.lora import LoRAParam, iter_lora
@@ -232,7 +232,7 @@ def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
 
     # the reference stays fixed: recomputed with the adapters off from the trained model == the cache, bitwise;
     # and each step's ref_chosen_logps metric is the cache's mean over that step's pairs
-    with np.load(os.path.join(workdir, dpo_trainer.REF_CACHE)) as f:
+    with np.load(os.path.join(workdir, dpo_task.REF_CACHE)) as f:
         cached_c, cached_r = np.asarray(f["ref_chosen_logps"]), np.asarray(f["ref_rejected_logps"])
     now_c, now_r = sequence_logps_all(trained, task.train.arrays, adapters=False, batch_size=task.ref_batch_size,
                                       chunk_size=64, mesh=mesh, compile_options=QUICK)
@@ -241,11 +241,11 @@ def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
     for r in (records[0], records[-1]):
         rows = task.rows(r["step"] - 1)
         np.testing.assert_allclose(r["ref_chosen_logps"], cached_c[rows].mean(), rtol=1e-6)
-    stats = json.load(open(os.path.join(workdir, dpo_trainer.DATA_STATS)))
+    stats = json.load(open(os.path.join(workdir, dpo_task.DATA_STATS)))
     assert stats["train"]["kept"] == 192 and stats["train_pairs"] == 168 and stats["eval_pairs"] == 24
 
     # the cache is reused when its fingerprint matches and recomputed when it is stale
-    path = os.path.join(workdir, dpo_trainer.REF_CACHE)
+    path = os.path.join(workdir, dpo_task.REF_CACHE)
     mtime = os.stat(path).st_mtime_ns
     again = DPOTask(c, model, mesh)
     again.batch(0, trainer)
@@ -304,7 +304,7 @@ def test_killed_dpo_run_resumes_to_the_same_adapter(tmp_path, cohort):
     ckpt = RunCheckpoints(broken, async_save=False)
     assert ckpt.latest_step() == 2
     ckpt.close()
-    ref_path = os.path.join(broken, dpo_trainer.REF_CACHE)
+    ref_path = os.path.join(broken, dpo_task.REF_CACHE)
     ref_mtime = os.stat(ref_path).st_mtime_ns
 
     resumed = launch(broken, cache, *data)
@@ -322,7 +322,7 @@ def test_killed_dpo_run_resumes_to_the_same_adapter(tmp_path, cohort):
     assert [r["step"] for r in b_m] == list(range(1, 7))
     for key in ("loss", "preference_accuracy", "reward_margin", "chosen_logps", "ref_chosen_logps"):
         assert [r[key] for r in b_m] == [r[key] for r in a_m], key
-    stats = json.load(open(os.path.join(broken, dpo_trainer.DATA_STATS)))
+    stats = json.load(open(os.path.join(broken, dpo_task.DATA_STATS)))
     assert stats["cohort"]["sha256"] == manifest["sha256"] and stats["train_pairs"] == 48
 
 
@@ -405,7 +405,7 @@ def test_plugin_loss_from_the_config_is_registered_and_used(tmp_path, untrained)
         assert task.objective.loss_types == ("t_twice_sigmoid",)
         rng = np.random.default_rng(0)
         c_, r_, rc, rr = (rng.normal(-20, 3, 16) for _ in range(4))
-        summary = dpo_trainer.preference_summary(c_, r_, rc, rr, task.objective)
+        summary = dpo_task.preference_summary(c_, r_, rc, rr, task.objective)
         z = 0.1 * ((c_ - rc) - (r_ - rr))
         np.testing.assert_allclose(summary["loss"], np.mean(2 * np.logaddexp(0, -z)), rtol=1e-5)
         c.dpo.plugin, c.dpo.loss_type = f"{tmp_path}/bad.py:t_scalar", "t_scalar"

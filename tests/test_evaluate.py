@@ -39,7 +39,7 @@ def env(tmp_path_factory):
     from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
     from jaxrl.data.chat import load_tokenizer
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("evaluate")
     problems = [json.loads(line) for line in TASKS.read_text().splitlines()]

@@ -14,7 +14,7 @@ from jaxrl.rewards.base import RewardResult
 from jaxrl.rollout.backends import Generation, ModelSpec, SamplingParams
 from jaxrl.data.chat import load_tokenizer
 from jaxrl.rollout.collect import Collector, decode_completion
-from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
 from test_evaluate import numpy_init
 
@@ -47,7 +47,7 @@ def env(tmp_path_factory):
 def test_rollouts_online_and_evaluation_score_the_same_text(env):
     """The same samples (same keys: seed, problem key, sample index) through the three consumers: same tokens,
     same text, same reward, sample for sample."""
-    from jaxrl.algorithms.online import RolloutEngine
+    from jaxrl.algorithms.online_rollouts import RolloutEngine
     from jaxrl.evaluation.runner import EvalConfig, Evaluator
     from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 

@@ -19,7 +19,7 @@ from jaxrl.algorithms import grpo, kl
 
 try:
     import torch
-    from trl.trainer import grpo_trainer as trl_grpo
+    from trl.trainer import grpo_task as trl_grpo
     from trl.trainer.utils import nanstd as trl_nanstd
 except Exception:  # noqa: BLE001
     trl_grpo = None
@@ -86,7 +86,7 @@ def test_group_advantages_known_numbers():
 def test_group_advantages_match_trl_transcription(scale):
     G = 4
     rewards = torch.tensor(REWARDS)
-    # trl/trainer/grpo_trainer.py, sum_then_normalize branch (lines ~2763-2810 of trl 1.16)
+    # trl/trainer/grpo_task.py, sum_then_normalize branch (lines ~2763-2810 of trl 1.16)
     mean_grouped = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
     if scale in ["group", "none"]:
         std = trl_nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)

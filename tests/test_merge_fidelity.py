@@ -150,7 +150,7 @@ def test_evaluator_shows_a_lossy_merged_model_as_lossy(small_update, tmp_path):
     from jaxrl.evaluation.runner import EvalConfig, Evaluator, ModelSpec
     from jaxrl.rewards.base import RewardResult
     from jaxrl.data.chat import load_tokenizer
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
     base, adapter = small_update
     out = str(tmp_path / "merged")
     export_merged(adapter, base, out, probe=False)

@@ -8,7 +8,7 @@ import pytest
 
 from configs import grpo_tiny, ppo_tiny
 from jaxrl.algorithms.run import build_model
-from jaxrl.algorithms.trainers import get_trainer
+from jaxrl.algorithms.tasks import get_trainer
 from jaxrl.parallel.mesh import DATA, FSDP, make_mesh
 from jaxrl.train.loop import Trainer
 

@@ -15,7 +15,7 @@ from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny
 from jaxrl.data.chat import PromptTooLongError, load_tokenizer
 from jaxrl.rollout.runner import ResumeError, RolloutConfig, run_rollouts
-from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "jaxrl" / "assets" / "tasks" / "problems.jsonl"

@@ -24,7 +24,7 @@ REWARD = "test_generation_path:text_reward"
 
 
 def post(url, path, body):
-    from jaxrl.rollout.backends.openai_server import http_json
+    from jaxrl.rollout.backends.openai_client import http_json
     return http_json("POST", url + path, body, timeout=600)
 
 
@@ -38,7 +38,7 @@ def env(tmp_path_factory):
     from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
     from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
     from test_evaluate import numpy_init
 
     root = tmp_path_factory.mktemp("server")
@@ -156,7 +156,7 @@ def test_server_samples_equal_the_jax_backend_for_the_same_keys(env):
 
 
 def backend_models(env):
-    from jaxrl.rollout.backends.openai_server import http_json
+    from jaxrl.rollout.backends.openai_client import http_json
     return http_json("GET", env["url"] + "/v1/models")[1]["data"]
 
 
@@ -169,7 +169,7 @@ def completion(env, **body):
 
 
 def test_seeds_same_request_same_tokens_and_samples_keyed_by_their_own_seed(env):
-    from jaxrl.rollout.backends.openai_server import request_seed, split_request_seed
+    from jaxrl.rollout.backends.openai_client import request_seed, split_request_seed
     seed = request_seed(5, env["groups"][0])
     four = completion(env, n=4, seed=seed)
     assert [c["token_ids"] for c in completion(env, n=4, seed=seed)] == [c["token_ids"] for c in four]
@@ -191,7 +191,7 @@ def test_stop_ids_and_logprobs(env):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.rollout.backends.openai_server import request_seed
+    from jaxrl.rollout.backends.openai_client import request_seed
     seed = request_seed(9, 1)
     free = completion(env, n=4, seed=seed, stop_token_ids=[], ignore_eos=True)
     full = max(free, key=lambda c: len(c["token_ids"]))["token_ids"]

@@ -25,7 +25,7 @@ from jaxrl.data.chat import load_tokenizer
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
-from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 from jaxrl.utils.io import read_jsonl
 
 TASKS = multihost.ROOT / "jaxrl" / "assets" / "tasks" / "problems.jsonl"

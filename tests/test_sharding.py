@@ -14,7 +14,7 @@ from jaxrl.parallel import distributed
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.mesh import MeshConfigError, make_mesh, mesh_from_config
 from jaxrl.train.objective import NextToken
-from jaxrl.algorithms.sft import synthetic_batch
+from jaxrl.algorithms.sft_task import synthetic_batch
 from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.train.state import ParamCodec, create_train_state
 from jaxrl.utils.tree import dotted

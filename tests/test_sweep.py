@@ -523,7 +523,7 @@ def tiny_base(tmp_path_factory):
 
     from jaxrl.models import qwen35
     from jaxrl.models.qwen35.config import tiny
-    from jaxrl.rollout.tokenizer import build_tiny_tokenizer
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
     folder = str(tmp_path_factory.mktemp("tiny_base"))
     problems = [json.loads(line) for line in (ROOT / "jaxrl/assets/tasks/problems.jsonl").read_text().splitlines()]
     cfg = tiny(num_hidden_layers=1, layer_types=("full_attention",))

@@ -15,7 +15,7 @@ from jaxrl.train.checkpoints import RunCheckpoints
 from jaxrl.algorithms.run import build_model
 from jaxrl.train.loop import NonFiniteError, Trainer
 from jaxrl.train.metrics import read_metrics
-from jaxrl.algorithms.sft import SFTTask
+from jaxrl.algorithms.sft_task import SFTTask
 
 NAN, INF = float("nan"), float("inf")
 # 0-based step -> (added to the loss, added to the in_proj_qkv gradients)

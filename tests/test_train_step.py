@@ -16,7 +16,7 @@ from jaxrl.parallel.mesh import make_mesh
 from jaxrl.parallel.sharding import nnx_state_shardings
 from jaxrl.train.objective import NextToken
 from jaxrl.train.optim import make_optimizer, make_schedule
-from jaxrl.algorithms.sft import synthetic_batch
+from jaxrl.algorithms.sft_task import synthetic_batch
 from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.train.state import ParamCodec, create_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
@@ -165,7 +165,7 @@ def test_adamw_with_clipping_matches_torch():
 
 
 def test_sft_jsonl_rows_masks_and_epoch_order(tmp_path):
-    from jaxrl.algorithms.sft import JsonlTokens
+    from jaxrl.algorithms.sft_task import JsonlTokens
     path = tmp_path / "tokens.jsonl"
     path.write_text('{"input_ids": [5, 6, 7]}\n\n{"input_ids": [8, 9, 10, 11, 12], "loss_mask": [0, 0, 1, 1, 1]}\n'
                     '{"input_ids": [13]}\n')
@@ -194,4 +194,4 @@ def test_registry_resolves_sft_and_names_the_missing_algorithm():
     assert "sft" in registry.trainer_names()
     with pytest.raises(registry.UnknownAlgorithm, match=r"algorithm='nope' is not a registered trainer"):
         registry.get_trainer("nope")
-    assert registry.get_trainer("jaxrl.algorithms.sft:build_sft") is registry.get_trainer("sft")
+    assert registry.get_trainer("jaxrl.algorithms.sft_task:build_sft") is registry.get_trainer("sft")

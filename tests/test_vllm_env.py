@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.rollout.backends.openai_server import TARGET_VLLM
+from jaxrl.rollout.backends.openai_client import TARGET_VLLM
 from jaxrl.rollout.backends.vllm_backend import ENV_RECIPE, VLLM_REQUIREMENT, VLLM_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]

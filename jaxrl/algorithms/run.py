@@ -7,7 +7,7 @@
 Order: the config is resolved first (jaxrl.utils.schema: a config not built on configs/base.py gets the same
 defaults; an unknown key in any block is an error naming it and the nearest valid one), then the plug-ins (a
 broken user objective fails before any model or data work), the mesh, the micro-batch fitted to it, the model,
-the task (`config.algorithm`, jaxrl.algorithms.trainers), the Trainer. The resolved config is the run's
+the task (`config.algorithm`, jaxrl.algorithms.tasks), the Trainer. The resolved config is the run's
 config.json.
 """
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from jaxrl.algorithms.plugins import load_config_plugins
-from jaxrl.algorithms.trainers import get_trainer
+from jaxrl.algorithms.tasks import get_trainer
 from jaxrl.models import qwen35
 from jaxrl.models.lora import apply_lora_from_config
 from jaxrl.models.qwen35.init import init_model_jit

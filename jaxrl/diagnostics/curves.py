@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from jaxrl.data.formats import BASE_MODEL, available_samples, model_step, read_results, read_samples
-from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics import red_flags
 from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.stats import compare
 
@@ -101,7 +101,7 @@ def checkpoint_curves(
         return rows[0]
 
     out_metrics = {}
-    flags: list[Optional[F.Flag]] = []
+    flags: list[Optional[red_flags.Flag]] = []
     m = len(ckpts)
     for metric in metrics:
         if any(models[n].get(metric) is None for _, n in ckpts) or models[baseline].get(metric) is None:
@@ -154,13 +154,13 @@ def checkpoint_curves(
                 best_vs_last.update(best=top["model"], last=last["model"])
         out_metrics[metric] = {"higher_is_better": higher, "points": points, "best_vs_last": best_vs_last}
         if metric in flag_metrics:
-            flags.append(F.non_monotonic_checkpoints(metric, [p["step"] for p in points],
+            flags.append(red_flags.non_monotonic_checkpoints(metric, [p["step"] for p in points],
                                                      [p["value"] for p in points], tol=tol,
                                                      n_prompts=base_entry["n_prompts"], higher_is_better=higher,
                                                      best_vs_last=best_vs_last))
-            flags.extend(F.early_gain_not_significant(metric, with_ci))
+            flags.extend(red_flags.early_gain_not_significant(metric, with_ci))
     return {"baseline": baseline, "confidence": confidence, "n_checkpoints": m, "metrics": out_metrics,
-            "flags": [f.to_dict() for f in F.sort_flags(flags)]}
+            "flags": [f.to_dict() for f in red_flags.sort_flags(flags)]}
 
 
 def curves_from_eval_dir(eval_dir: str | os.PathLike, **kwargs) -> dict:

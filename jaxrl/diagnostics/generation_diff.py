@@ -40,7 +40,7 @@ import re
 import tokenize
 from typing import Mapping, Optional, Sequence
 
-from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics import red_flags
 from jaxrl.rewards.extract import extract_code
 
 __all__ = ["TAGS", "normalized_tokens", "code_similarity", "tag_change", "diff_generations", "trim_text"]
@@ -181,6 +181,6 @@ def diff_generations(samples_a: Sequence[Mapping], samples_b: Sequence[Mapping],
     }
     out = {"model_a": name_a, "model_b": name_b, "similarity_threshold": similarity_threshold,
            "summary": summary, "changes": changes}
-    flag = F.termination_only_change(out)
+    flag = red_flags.termination_only_change(out)
     out["flags"] = [flag.to_dict()] if flag else []
     return out

@@ -39,7 +39,7 @@ import scipy.stats
 
 from jaxrl.data import pairs as pairs_lib
 from jaxrl.data.problems import Problem, load_problems
-from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics import red_flags
 from jaxrl.diagnostics.generation_diff import trim_text
 from jaxrl.evaluation.stats import mcnemar_exact, paired_bootstrap
 from jaxrl.rewards.code import CodeVerifier
@@ -163,6 +163,6 @@ def audit_pairs(pairs: Sequence[Mapping] | str | os.PathLike, *, config: Optiona
     if problems is not None:
         out["semantic"] = semantic_audit(pairs, problems, verifier=verifier, sample_size=sample_size, seed=seed,
                                          timeout_s=timeout_s, workers=workers)
-    flags = [F.length_bias_in_pairs(out), F.semantic_failures_in_pairs(out)]
-    out["flags"] = [f.to_dict() for f in F.sort_flags(flags)]
+    flags = [red_flags.length_bias_in_pairs(out), red_flags.semantic_failures_in_pairs(out)]
+    out["flags"] = [f.to_dict() for f in red_flags.sort_flags(flags)]
     return out

@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless, and before pyplot is imported anywhere in this process
 import matplotlib.pyplot as plt  # noqa: E402
 
-from jaxrl.diagnostics.flags import is_rate  # noqa: E402
+from jaxrl.diagnostics.red_flags import is_rate  # noqa: E402
 from jaxrl.data.formats import TRAIN_KEYS  # noqa: E402
 
 __all__ = ["TRAINING_PANELS", "training_panels", "training_curves", "checkpoint_curves_plot", "termination_plot",

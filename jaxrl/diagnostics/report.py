@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, DIAGNOSTICS_DIR, EVAL_DIR, METRICS_FILE, REPORT_FILE,
                                 diagnostics_path, model_step, read_config, read_diagnostic, read_results,
                                 read_training_metrics)
-from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics import red_flags
 from jaxrl.diagnostics import plots
 from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples
 from jaxrl.diagnostics.generation_diff import diff_generations
@@ -120,7 +120,7 @@ def _kl_reward_flag(drift: Optional[Mapping], curves: Optional[Mapping], metrics
             if before:
                 kl[s] = before[-1]
     steps = sorted(set(kl) & set(reward))
-    return F.kl_rising_reward_falling(steps, [kl[s] for s in steps], [reward[s] for s in steps],
+    return red_flags.kl_rising_reward_falling(steps, [kl[s] for s in steps], [reward[s] for s in steps],
                                       n=pts[0].get("n_prompts"), reward_name="held-out partial reward")
 
 
@@ -159,28 +159,28 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
         data["pairs"] = audit_pairs(pairs, problems=problems, sample_size=sample_size, seed=seed)
     data["drift"] = read_diagnostic(diagnostics_path(workdir, "drift"))
 
-    flags: list = [F.nonfinite_updates(data["metrics"])] if data["metrics"] else []
+    flags: list = [red_flags.nonfinite_updates(data["metrics"])] if data["metrics"] else []
     if results:
         term_models = (data["termination"] or {}).get("models", {})
         for name, m in results["models"].items():
             cap = results.get("max_new_tokens") or term_models.get(name, {}).get("max_new_tokens")
-            flags.append(F.truncation_censoring(name, m["truncation_rate"], m["n_samples"], max_new_tokens=cap))
+            flags.append(red_flags.truncation_censoring(name, m["truncation_rate"], m["n_samples"], max_new_tokens=cap))
         for c in results.get("comparisons", []):
             if c["metric"] in _TASK_METRICS:
-                flags += [F.interval_crosses_zero(c), F.not_significant_after_selection(c), F.underpowered(c)]
+                flags += [red_flags.interval_crosses_zero(c), red_flags.not_significant_after_selection(c), red_flags.underpowered(c)]
         extra_sections = _complete_from_samples(results, samples)
         data["selection"] = results.get("selection") or extra_sections.get("selection")
         data["censoring"] = results.get("censoring") or extra_sections.get("censoring")
         for sel in (data["selection"] or {}).values():
-            flags.append(F.selection_adjusted_gain(sel))
+            flags.append(red_flags.selection_adjusted_gain(sel))
         for name, by_metric in ((data["censoring"] or {}).get("models") or {}).items():
             for metric, entry in by_metric.items():
-                flags.append(F.gain_from_finishing(name, metric, entry))
+                flags.append(red_flags.gain_from_finishing(name, metric, entry))
     data["confirmations"] = _confirmations(workdir, eval_dir)
     for conf in data["confirmations"]:
-        flags.append(F.confirmation_result(conf["row"], conf["protocol"]))
+        flags.append(red_flags.confirmation_result(conf["row"], conf["protocol"]))
     flags.append(_kl_reward_flag(data["drift"], data["curves"], data["metrics"]))
-    as_flags = [f for f in F.sort_flags(flags)]
+    as_flags = [f for f in red_flags.sort_flags(flags)]
     # Flags the diagnostics computed themselves (dicts); truncation from results.json already covers termination.
     extra = []
     for section in ("curves", "pairs"):
@@ -190,7 +190,7 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
     if not results and data["termination"]:
         extra += data["termination"].get("flags", [])
     all_flags = [f.to_dict() for f in as_flags] + list(extra)
-    all_flags.sort(key=lambda f: F.SEVERITIES.index(f["severity"]))
+    all_flags.sort(key=lambda f: red_flags.SEVERITIES.index(f["severity"]))
     data["flags"] = all_flags
     return data
 
@@ -321,9 +321,9 @@ def _evaluation_section(data: Mapping) -> str:
             p = c.get("p_value")
             after = c.get("significant_after_selection")
             sim = ("–" if c.get("simultaneous_ci_low") is None else
-                   escape(F.fmt_interval(c["metric"], c["simultaneous_ci_low"], c["simultaneous_ci_high"], None)))
-            crow.append([escape(c["model"]), escape(c["baseline"]), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
-                         escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
+                   escape(red_flags.fmt_interval(c["metric"], c["simultaneous_ci_low"], c["simultaneous_ci_high"], None)))
+            crow.append([escape(c["model"]), escape(c["baseline"]), escape(c["metric"]), escape(red_flags.fmt_diff(c["metric"], c["diff"])),
+                         escape(red_flags.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
                          sim, str(c["n_pairs"]),
                          "–" if p is None else f"{p:.3g} ({escape(c.get('test', c.get('p_value_test', '')))})",
                          _num(c.get("simultaneous_p_value"), ".3g"), "<b>yes</b>" if crosses else "no",
@@ -351,8 +351,8 @@ def _evaluation_section(data: Mapping) -> str:
     for conf in data.get("confirmations") or []:
         c, pr = conf["row"], conf["protocol"]
         rows.append([escape(os.path.basename(conf["dir"])), escape((pr.get("split") or {}).get("split")), escape(c["model"]),
-                     escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
-                     escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
+                     escape(c["metric"]), escape(red_flags.fmt_diff(c["metric"], c["diff"])),
+                     escape(red_flags.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
                      str(c["n_pairs"]), f"{c['p_value']:.3g} ({escape(c.get('test', ''))})", "<b>confirmatory</b>"])
     if rows:
         out += ("<h3>Confirmation on held-out (once per checkpoint and split)</h3>"
@@ -371,12 +371,12 @@ def _selection_html(selection: Optional[Mapping]) -> str:
     for metric, sel in selection.items():
         nv, cf = sel["naive"], sel["cross_fit"]
         naive_iv = ("–" if nv.get("ci_low") is None else
-                    escape(F.fmt_interval(metric, nv["ci_low"], nv["ci_high"], None)))
+                    escape(red_flags.fmt_interval(metric, nv["ci_low"], nv["ci_high"], None)))
         sim_iv = ("–" if nv.get("simultaneous_ci_low") is None else
-                  escape(F.fmt_interval(metric, nv["simultaneous_ci_low"], nv["simultaneous_ci_high"], None)))
-        rows.append([escape(metric), f"{escape(nv['model'])} (of {sel['n_candidates']})", escape(F.fmt_diff(metric, nv["diff"])),
-                     naive_iv, sim_iv, escape(F.fmt_diff(metric, cf["diff"])),
-                     escape(F.fmt_interval(metric, cf["ci_low"], cf["ci_high"], None)), str(cf["n_pairs"]),
+                  escape(red_flags.fmt_interval(metric, nv["simultaneous_ci_low"], nv["simultaneous_ci_high"], None)))
+        rows.append([escape(metric), f"{escape(nv['model'])} (of {sel['n_candidates']})", escape(red_flags.fmt_diff(metric, nv["diff"])),
+                     naive_iv, sim_iv, escape(red_flags.fmt_diff(metric, cf["diff"])),
+                     escape(red_flags.fmt_interval(metric, cf["ci_low"], cf["ci_high"], None)), str(cf["n_pairs"]),
                      escape(" / ".join(cf["chosen_on_half"]))])
     return ("<h3>Selection: the best model's gain, naive and selection-adjusted</h3><p class='muted'>Cross-fit: the "
             "best model chosen on one half of the prompts, its difference measured on the other half, and the other "
@@ -391,7 +391,7 @@ def _power_html(comps: Sequence[Mapping]) -> str:
         pw = c.get("power")
         if not pw or c["metric"] not in _TASK_METRICS:
             continue
-        rows.append([escape(c["model"]), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
+        rows.append([escape(c["model"]), escape(c["metric"]), escape(red_flags.fmt_diff(c["metric"], c["diff"])),
                      f"{100 * pw.get('sd', c['sd_diff']):.1f} pp", str(c["n_pairs"]), f"{100 * pw['mde']:.2f} pp",
                      f"{100 * pw['mde_family']:.2f} pp", _num(pw["n_for_diff"]), _num(pw["n_for_diff_family"])])
     if not rows:
@@ -415,10 +415,10 @@ def _censoring_html(data: Mapping, termination: Optional[Mapping]) -> str:
                 def part(r):
                     if r.get("diff") is None:
                         return "–"
-                    return escape(f"{F.fmt_diff(metric, r['diff'])} {F.fmt_interval(metric, r['ci_low'], r['ci_high'], None)}"
+                    return escape(f"{red_flags.fmt_diff(metric, r['diff'])} {red_flags.fmt_interval(metric, r['ci_low'], r['ci_high'], None)}"
                               f" (n={r['n_pairs']})")
                 rows.append([escape(name), escape(metric), part(fin),
-                             escape(F.fmt_interval(metric, b["ci_low"], b["ci_high"], None)),
+                             escape(red_flags.fmt_interval(metric, b["ci_low"], b["ci_high"], None)),
                              part(dec["finish"]), part(dec["quality"]),
                              f"{_pct(e['finish_rate_model'])} / {_pct(e['finish_rate_baseline'])}"])
         out += ("<h3>Censoring-aware comparison with the baseline</h3><p class='muted'>Finished only: prompts both "
@@ -432,8 +432,8 @@ def _censoring_html(data: Mapping, termination: Optional[Mapping]) -> str:
         rows = []
         for name, m in ext["models"].items():
             for c in m["comparisons"]:
-                rows.append([escape(name), escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
-                             escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))),
+                rows.append([escape(name), escape(c["metric"]), escape(red_flags.fmt_diff(c["metric"], c["diff"])),
+                             escape(red_flags.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))),
                              f"{c['p_value']:.3g} ({escape(c['test'])})", str(c["n_pairs"]),
                              f"{_pct(m['truncation_rate'])} / {_pct(m['baseline_truncation_rate'])}"])
         out += (f"<h3>Model vs base, both re-sampled at {ext['max_new_tokens']} tokens</h3>"
@@ -451,15 +451,15 @@ def _curves_section(data: Mapping) -> str:
         rows = []
         for p in mc["points"]:
             interval = "–" if p["diff"] is None or p["model"] == cur["baseline"] else escape(
-                F.fmt_interval(metric, p["ci_low"], p["ci_high"], p.get("confidence")))
+                red_flags.fmt_interval(metric, p["ci_low"], p["ci_high"], p.get("confidence")))
             adj = ""
             if p.get("ci_low_adjusted") is not None:
-                adj = escape(F.fmt_interval(metric, p["ci_low_adjusted"], p["ci_high_adjusted"],
+                adj = escape(red_flags.fmt_interval(metric, p["ci_low_adjusted"], p["ci_high_adjusted"],
                                         p.get("adjusted_confidence")))
             sim = ("" if p.get("simultaneous_ci_low") is None else
-                   escape(F.fmt_interval(metric, p["simultaneous_ci_low"], p["simultaneous_ci_high"], None)))
-            rows.append([str(p["step"]), escape(p["model"]), escape(F.fmt_value(metric, p["value"])),
-                         "–" if p["diff"] is None else escape(F.fmt_diff(metric, p["diff"])), interval, sim, adj,
+                   escape(red_flags.fmt_interval(metric, p["simultaneous_ci_low"], p["simultaneous_ci_high"], None)))
+            rows.append([str(p["step"]), escape(p["model"]), escape(red_flags.fmt_value(metric, p["value"])),
+                         "–" if p["diff"] is None else escape(red_flags.fmt_diff(metric, p["diff"])), interval, sim, adj,
                          str(p["n_prompts"])])
         out += f"<h3>{escape(metric)}</h3>" + table(
             ["step", "model", "value", "diff vs base", "interval", "simultaneous", "best-of-m adjusted",
@@ -467,8 +467,8 @@ def _curves_section(data: Mapping) -> str:
         bvl = mc.get("best_vs_last")
         if bvl:
             out += (f"<p class='muted'>{escape(bvl['last'])} vs {escape(bvl['best'])} (last vs best, paired): "
-                    f"{escape(F.fmt_diff(metric, bvl['diff']))}, "
-                    f"{escape(F.fmt_interval(metric, bvl['ci_low'], bvl['ci_high'], bvl.get('confidence')))} over "
+                    f"{escape(red_flags.fmt_diff(metric, bvl['diff']))}, "
+                    f"{escape(red_flags.fmt_interval(metric, bvl['ci_low'], bvl['ci_high'], bvl.get('confidence')))} over "
                     f"{bvl['n_pairs']} prompts.</p>")
     return out
 
@@ -491,8 +491,8 @@ def _termination_section(data: Mapping) -> str:
                      "excl. truncated: prompts / samples"], rows))
     out += _censoring_html(data, t)
     for name, r in (t.get("resampled") or {}).items():
-        crow = [[escape(c["metric"]), escape(F.fmt_diff(c["metric"], c["diff"])),
-                 escape(F.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))), str(c["n_pairs"])]
+        crow = [[escape(c["metric"]), escape(red_flags.fmt_diff(c["metric"], c["diff"])),
+                 escape(red_flags.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence"))), str(c["n_pairs"])]
                 for c in r["comparisons"]]
         out += (f"<h3>{escape(name)}: truncated samples re-sampled at {r['max_new_tokens']} tokens "
                 f"({r['n_resampled']} re-sampled, {r['still_truncated']} still truncated)</h3>"

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxrl.data import formats
 from jaxrl.data.formats import validate_sample
-from jaxrl.diagnostics import flags as F
+from jaxrl.diagnostics import red_flags
 from jaxrl.evaluation.censoring import censoring_section, save_resampled
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare
@@ -112,9 +112,9 @@ def termination_analysis(samples: Mapping[str, Sequence[Mapping]], *, n_bins: in
         compares every model with the baseline, both at the larger cap.
     """
     models = {name: _model_summary(recs, n_bins) for name, recs in samples.items()}
-    flags = [F.truncation_censoring(name, m["truncation_rate"], m["n_samples"], threshold, m["max_new_tokens"])
+    flags = [red_flags.truncation_censoring(name, m["truncation_rate"], m["n_samples"], threshold, m["max_new_tokens"])
              for name, m in models.items()]
-    out = {"threshold": threshold, "models": models, "flags": [f.to_dict() for f in F.sort_flags(flags)]}
+    out = {"threshold": threshold, "models": models, "flags": [f.to_dict() for f in red_flags.sort_flags(flags)]}
     if resampled:
         out["resampled"] = {n: {k: v for k, v in r.items() if k != "records"} for n, r in resampled.items()}
         caps = {int(r["max_new_tokens"]) for r in resampled.values()}

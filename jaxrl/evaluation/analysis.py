@@ -4,7 +4,7 @@ the evaluator (``runner.Evaluator.write``) and of anyone holding records.
     out = analyze({"base": base_records, "step_28": step_records}, "base", problems="heldout.jsonl")
     write_results(folder, out.pop("models"), out.pop("comparisons"), warnings=out.pop("warnings"), extra=out)
 
-Sections (keys of the returned dict; the results.json schema is in jaxrl/diagnostics/formats.py):
+Sections (keys of the returned dict; the results.json schema is in jaxrl/data/formats.py):
 
 * ``models`` -- ``model_metrics`` per model, with ``intervals`` (each mean with its interval and n);
 * ``comparisons`` -- every model against the baseline on each compared metric (:func:`stats.compare`: interval

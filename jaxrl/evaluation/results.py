@@ -1,4 +1,4 @@
-"""results.json and results.md: the evaluation's files (schema: jaxrl/diagnostics/formats.py RESULTS).
+"""results.json and results.md: the evaluation's files (schema: jaxrl/data/formats.py RESULTS).
 
 ``write_results`` writes both atomically; ``format_results_md`` renders the human-readable page from a
 results.json dict: warnings, models (each mean with its interval and sample size), comparisons (marginal and

@@ -82,7 +82,7 @@ def is_main_process() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launcher flags (name, absl kind, default, help), as jaxrl.evaluation.cli.FLAGS
+# Launcher flags (name, absl kind, default, help), as jaxrl.evaluation.flags.FLAGS
 
 FLAGS = (
     ("coordinator_address", "string", None, "host:port of process 0 (several processes / hosts)."),

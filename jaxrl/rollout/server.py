@@ -19,7 +19,7 @@ them. It speaks the subset of vLLM 0.33's API that jaxrl's server backend uses, 
                              adapter checkpoint; POST /v1/unload_lora_adapter {"lora_name"}
 
 Seeds: choice i of a request with seed R is sampled with the jax backend's key for `split_request_seed(R + i)` =
-(seed, group id, sample index) (`jaxrl.rollout.backends.openai_server`), as vLLM seeds choice i with R + i; a
+(seed, group id, sample index) (`jaxrl.rollout.backends.openai_client`), as vLLM seeds choice i with R + i; a
 request without a seed gets a random one. So the same request twice gives the same tokens, and the server
 backend's requests reproduce the in-process jax backend's samples key for key.
 
@@ -53,7 +53,7 @@ from jaxrl.models import qwen35
 from jaxrl.models.adapters import AdapterError, attach, attached_digest, check_against_model, detach
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.rollout.backends.base import SamplingParams
-from jaxrl.rollout.backends.openai_server import JAXRL_SERVER, split_request_seed
+from jaxrl.rollout.backends.openai_client import JAXRL_SERVER, split_request_seed
 from jaxrl.rollout.collect import decode_completion
 from jaxrl.rollout.sampler import Sampler
 

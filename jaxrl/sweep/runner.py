@@ -53,7 +53,7 @@ from typing import Callable, Optional, Sequence
 
 from jaxrl.algorithms.plugins import REFERENCES
 from jaxrl.data.formats import CONFIG_FILE, EVAL_DIR
-from jaxrl.evaluation import cli as evaluate_cli
+from jaxrl.evaluation import flags as evaluate_flags
 from jaxrl.sweep.spec import Point, SweepError, SweepSpec
 from jaxrl.utils import interrupt
 from jaxrl.utils.io import atomic_copy, atomic_write_json, iter_jsonl
@@ -147,8 +147,8 @@ def _error_summary(log_path: Path, max_chars: int = 1500) -> str:
 
 def evaluate_args(evaluate: dict, where: str) -> list[str]:
     """launchers.evaluate command-line flags from a sweep's `evaluate` dict (checked against its flags,
-    jaxrl.evaluation.cli)."""
-    known = set(evaluate_cli.NAMES)
+    jaxrl.evaluation.flags)."""
+    known = set(evaluate_flags.NAMES)
     args = []
     for key, value in evaluate.items():
         if key in _EVAL_RESERVED:

@@ -48,7 +48,7 @@ from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import barrier, is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.train import checkpoints as ckpt_lib
-from jaxrl.train.inference import compile_options
+from jaxrl.train.batched_forward import compile_options
 from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state

@@ -6,7 +6,7 @@ missing keys from here and refuses an unknown key in any block.
     resolve(config)                            # in place: missing keys get their defaults; a typo is an error
     DPO.resolve(config.get("dpo"), "dpo")      # one block as a plain dict (what the algorithm reads)
 
-A trainer registered by users (jaxrl.algorithms.trainers) may declare its own blocks
+A trainer registered by users (jaxrl.algorithms.tasks) may declare its own blocks
 (`factory.config_blocks`); without them its `data` block is taken as it is.
 """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from jaxrl.rollout.backends.base import MODEL_KINDS, Generation, GenerationBackend, ModelSpec, SamplingParams
 from jaxrl.rollout.backends.jax_backend import JaxBackend
-from jaxrl.rollout.backends.openai_server import ServerBackend, ServerError
+from jaxrl.rollout.backends.openai_client import ServerBackend, ServerError
 from jaxrl.rollout.backends.vllm_backend import VLLMBackend
 
 BACKENDS = ("jax", "vllm", "server")

@@ -13,7 +13,7 @@ from absl import app, flags
 
 from jaxrl.rollout.backends import BACKENDS
 
-# (name, absl kind, default, [enum values,] help), as jaxrl.evaluation.cli.FLAGS
+# (name, absl kind, default, [enum values,] help), as jaxrl.evaluation.flags.FLAGS
 BACKEND_FLAGS = (
     ("backend", "enum", "jax", list(BACKENDS), "jax (in-process sampler), vllm (starts vllm serve 0.33 from its "
      "own environment, adapters as LoRA, or --server_url of a running vLLM; docs/vllm.md) or server (any "

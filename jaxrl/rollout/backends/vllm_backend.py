@@ -3,7 +3,7 @@
 vLLM cannot share jaxrl's environment: vLLM 0.31-0.33 pin `torch==2.14` and `transformers<5.21`, jaxrl needs
 `transformers>=5.24`, so `pip install vllm` next to jaxrl resolves to vLLM 0.30 (no Qwen3.5 text-layout LoRA
 remap). So vLLM lives in a venv of its own (ENV_RECIPE, docs/vllm.md) and runs as a server, as TRL and verl run it
-beside a trainer; this process only speaks HTTP to it (`jaxrl.rollout.backends.openai_server.ServerBackend`).
+beside a trainer; this process only speaks HTTP to it (`jaxrl.rollout.backends.openai_client.ServerBackend`).
 
     backend = VLLMBackend(BASE, out_dir="run/eval", python="~/.venvs/vllm", stop_ids=stop_ids,
                           tensor_parallel_size=1, data_parallel_size=8)
@@ -42,7 +42,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxrl.rollout.backends.openai_server import (TARGET_VLLM, ServerBackend, ServerError, http_json,
+from jaxrl.rollout.backends.openai_client import (TARGET_VLLM, ServerBackend, ServerError, http_json,
                                                   lora_rank_slot, parse_version)
 
 VLLM_VERSION = "0.33.0"

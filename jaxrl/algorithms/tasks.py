@@ -19,10 +19,10 @@ from typing import Callable, Mapping, Optional
 from jaxrl.utils.registry import PluginError, Registry, resolve
 
 TRAINERS = Registry("trainer", lazy={
-    "sft": "jaxrl.algorithms.sft:build_sft",
-    "dpo": "jaxrl.algorithms.dpo_trainer:build_dpo",
-    "grpo": "jaxrl.algorithms.grpo_trainer:build_grpo",
-    "ppo": "jaxrl.algorithms.ppo_trainer:build_ppo",
+    "sft": "jaxrl.algorithms.sft_task:build_sft",
+    "dpo": "jaxrl.algorithms.dpo_task:build_dpo",
+    "grpo": "jaxrl.algorithms.grpo_task:build_grpo",
+    "ppo": "jaxrl.algorithms.ppo_task:build_ppo",
 })
 
 

@@ -1,4 +1,4 @@
-"""PPO trainer (jaxrl.algorithms.ppo_trainer): learning on the token task with a falling value loss, a NaN
+"""PPO trainer (jaxrl.algorithms.ppo_task): learning on the token task with a falling value loss, a NaN
 injected into a step skipped and counted, exact resume inside a rollout, the value head's place in checkpoints,
 configs."""
 
@@ -11,7 +11,7 @@ from flax import nnx
 
 from configs import ppo as ppo_family
 from conftest import tiny_config
-from jaxrl.algorithms.ppo_trainer import PPOTask, ValueHead
+from jaxrl.algorithms.ppo_task import PPOTask, ValueHead
 from jaxrl.models.qwen35.checkpoint import is_base_param
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.models.adapters import load_adapter
@@ -150,7 +150,7 @@ def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
     long completions do not dominate it). A real rollout with ragged completions (temperature 1 reaches the stop
     token early in some rows) and a policy away from its reference (random LoRA B)."""
     from jaxrl.algorithms import kl as kl_lib
-    from jaxrl.algorithms import online
+    from jaxrl.algorithms import completion_passes
     from jaxrl.algorithms import ppo as ppo_lib
     from jaxrl.models.lora import iter_lora
 
@@ -169,7 +169,7 @@ def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
 
     task.controller = Recording(*task.controller)
     buffer, metrics = task.make_rollout(0, model, None)
-    ref = online.teacher_forced(model, buffer, completion_len=cfg.ppo.max_new_tokens, adapters=False,
+    ref = completion_passes.teacher_forced(model, buffer, completion_len=cfg.ppo.max_new_tokens, adapters=False,
                                 batch_size=cfg.ppo.logprob_batch_size, temperature=1.0,
                                 chunk_size=cfg.logprob_chunk_size)["logp"]
     mask = buffer["completion_mask"] > 0

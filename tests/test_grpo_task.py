@@ -1,4 +1,4 @@
-"""GRPO trainer (jaxrl.algorithms.grpo_trainer): micro-batch split invariance of one update, learning on the
+"""GRPO trainer (jaxrl.algorithms.grpo_task): micro-batch split invariance of one update, learning on the
 token task, bounded KL, reproducibility, rollout options, configs."""
 
 import jax
@@ -8,11 +8,11 @@ import pytest
 from configs import grpo as grpo_family
 from conftest import tiny_config
 from jaxrl.algorithms import grpo as grpo_lib
-from jaxrl.algorithms import online
-from jaxrl.algorithms.grpo_trainer import GRPOObjective, GRPOTask
+from jaxrl.algorithms import completion_passes
+from jaxrl.algorithms.grpo_task import GRPOObjective, GRPOTask
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.algorithms.run import build_model, run_training
-from jaxrl.algorithms.trainers import get_trainer
+from jaxrl.algorithms.tasks import get_trainer
 from jaxrl.train.loop import Trainer
 from jaxrl.train.step import accumulate_gradients, make_micro_loss, split_batch
 
@@ -109,7 +109,7 @@ def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     assert np.all(np.abs(adv[~dropped].sum(1)) < 1e-4)  # centred per group
     # the policy is the reference at step 0 (LoRA B = 0): identical log-probs, k3 KL 0
     ref = batch["ref_logp"]
-    cur = online.teacher_forced(trainer.current_model(), batch, completion_len=8, adapters=True, batch_size=32,
+    cur = completion_passes.teacher_forced(trainer.current_model(), batch, completion_len=8, adapters=True, batch_size=32,
                                 temperature=0.2, chunk_size=64)["logp"]
     on = batch["completion_mask"] > 0
     np.testing.assert_allclose(cur[on], ref[on], atol=1e-6)
@@ -128,7 +128,7 @@ def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
     task = GRPOTask(cfg, model, make_mesh(MESH))
     trainer = Trainer(cfg, model, task, str(tmp_path / "run"), mesh=make_mesh(MESH))
     batch, _ = task.batch(0, trainer)
-    teacher = online.teacher_forced(trainer.current_model(), batch, completion_len=8, adapters=True,
+    teacher = completion_passes.teacher_forced(trainer.current_model(), batch, completion_len=8, adapters=True,
                                     batch_size=cfg.grpo.logprob_batch_size, chunk_size=cfg.logprob_chunk_size)
     on = batch["completion_mask"] > 0
     assert on.any()

@@ -45,7 +45,7 @@ from flax import nnx
 
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
-from jaxrl.algorithms import online
+from jaxrl.algorithms import completion_passes, online_rollouts, online_task
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.models.lora import LoRAParam
 from jaxrl.utils.schema import PPO
@@ -115,7 +115,7 @@ class PPOObjective:
 
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
-        h, logp, ent = online.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
+        h, logp, ent = completion_passes.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
                                              temperature=self.temperature,
                                              entropy=self.entropy or bool(self.entropy_coef))
         values = model.value_head(jax.lax.stop_gradient(h) if self.value_head_detach else h)
@@ -139,7 +139,7 @@ def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, *,
     return white, adv, ret, kl
 
 
-class PPOTask(online.OnlineTask):
+class PPOTask(online_task.OnlineTask):
     trainable = TRAINABLE
 
     def __init__(self, config, model, mesh):
@@ -158,7 +158,7 @@ class PPOTask(online.OnlineTask):
             raise ValueError(f"ppo.prompts_per_rollout x ppo.num_generations = {rows} rows must equal ppo.minibatches "
                              f"({p['minibatches']}) x the global batch batch.micro_batch_size x batch.grad_accum "
                              f"({global_batch})")
-        super().__init__(config, online.Schedule(rows, global_batch, int(p["epochs"]), int(config.seed)))
+        super().__init__(config, online_task.Schedule(rows, global_batch, int(p["epochs"]), int(config.seed)))
         lr = float(config.optimizer.learning_rate)
         value_lr = float(p["value_learning_rate"]) or lr
         if not (value_lr > 0 and lr > 0):
@@ -178,7 +178,7 @@ class PPOTask(online.OnlineTask):
             entropy=bool(p["log_entropy"]), entropy_coef=float(p["entropy_coef"]), chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
                            "returns")
-        self.engine = online.RolloutEngine(config, model, mesh, max_new_tokens=self.C,
+        self.engine = online_rollouts.RolloutEngine(config, model, mesh, max_new_tokens=self.C,
                                            num_generations=int(p["num_generations"]),
                                            prompts_per_rollout=int(p["prompts_per_rollout"]),
                                            temperature=self.temperature, top_p=float(p["top_p"]),
@@ -196,16 +196,16 @@ class PPOTask(online.OnlineTask):
     def make_rollout(self, rollout: int, model, trainer):
         p = self.p
         s = self.engine.run(model, rollout)
-        metrics = online.sample_metrics(s, self.C)
+        metrics = online_rollouts.sample_metrics(s, self.C)
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
         common = dict(completion_len=self.C, batch_size=int(p["logprob_batch_size"]), chunk_size=self.chunk_size,
                       temperature=self.temperature, mesh=self.mesh, compile_options=self.compile_options)
         t0 = time.perf_counter()
         # Old log-probs from a teacher-forced pass (the same numerics as the loss) in the pass the values need.
-        cur = online.teacher_forced(model, arrays, adapters=True, values=True, **common)
+        cur = completion_passes.teacher_forced(model, arrays, adapters=True, values=True, **common)
         t1 = time.perf_counter()
-        ref = online.teacher_forced(model, arrays, adapters=False, **common)["logp"]
+        ref = completion_passes.teacher_forced(model, arrays, adapters=False, **common)["logp"]
         t2 = time.perf_counter()
         metrics.update({"time/policy_pass_s": t1 - t0, "time/ref_logp_s": t2 - t1})
 

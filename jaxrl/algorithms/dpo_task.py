@@ -52,7 +52,7 @@ from jaxrl.data.stream import epoch_stream
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.distributed import is_main_process
-from jaxrl.train import inference
+from jaxrl.train import batched_forward
 from jaxrl.train.objective import target_mask
 from jaxrl.utils.config import to_plain
 from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
@@ -182,10 +182,10 @@ def sequence_logps_all(model, arrays: dict, *, adapters: bool, batch_size: int, 
                        mesh=None, compile_options: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
     """(chosen_logps [N], rejected_logps [N]) of every pair in `arrays` (dpo_data.ARRAY_KEYS, [N, T]) under
     `model` with its adapters on or off; one jitted program, `batch_size` pairs a call
-    (jaxrl.train.inference.map_batches)."""
-    program = inference.jit_program(_logps, ("graphdef", "adapters", "chunk_size"), compile_options, mesh)
+    (jaxrl.train.batched_forward.map_batches)."""
+    program = batched_forward.jit_program(_logps, ("graphdef", "adapters", "chunk_size"), compile_options, mesh)
     graphdef, state = nnx.split(model)
-    chosen, rejected = inference.map_batches(
+    chosen, rejected = batched_forward.map_batches(
         lambda batch: program(graphdef, state, batch, adapters=adapters, chunk_size=chunk_size), arrays,
         dpo_data.ARRAY_KEYS, batch_size=batch_size, mesh=mesh)
     return chosen, rejected
@@ -308,7 +308,7 @@ class DPOTask:
         self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
         self.chunk_size = int(config.logprob_chunk_size)
         self.ref_batch_size = int(dcfg["ref_batch_size"]) or int(config.batch.micro_batch_size)
-        self.compile_options = inference.compile_options(config)
+        self.compile_options = batched_forward.compile_options(config)
 
         self.objective = self._build_objective(dcfg)  # first: a broken plug-in or loss fails before data work
         check_pair_coupled_losses(self.objective.loss_types, int(config.batch.micro_batch_size),

@@ -46,7 +46,7 @@ from absl import logging
 
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
-from jaxrl.algorithms import online
+from jaxrl.algorithms import completion_passes, online_rollouts, online_task
 from jaxrl.utils.schema import GRPO
 
 
@@ -79,7 +79,7 @@ class GRPOObjective:
 
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
-        h, logp, ent = online.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
+        h, logp, ent = completion_passes.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
                                              temperature=self.temperature,
                                              entropy=self.entropy or bool(self.entropy_coef))
         loss, metrics = grpo_lib.grpo_loss(
@@ -103,7 +103,7 @@ def advantages_of(rewards: np.ndarray, num_generations: int, estimator: str, sca
     return np.asarray(grpo_lib.compute_advantages(rewards, num_generations, estimator), np.float32)
 
 
-class GRPOTask(online.OnlineTask):
+class GRPOTask(online_task.OnlineTask):
     def __init__(self, config, model, mesh):
         g = _cfg(config)
         self.g = g
@@ -120,8 +120,8 @@ class GRPOTask(online.OnlineTask):
             logging.warning("grpo.num_generations=1: every group has zero variance and zero advantage")
         global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
         rows = int(g["prompts_per_step"]) * self.K
-        online.check_rows(rows, global_batch, "grpo.prompts_per_step x grpo.num_generations")
-        super().__init__(config, online.Schedule(rows, global_batch, int(g["num_iterations"]), int(config.seed)))
+        online_task.check_rows(rows, global_batch, "grpo.prompts_per_step x grpo.num_generations")
+        super().__init__(config, online_task.Schedule(rows, global_batch, int(g["num_iterations"]), int(config.seed)))
         self.beta = float(g["beta"])
         self.temperature = float(g["temperature"])
         self.C = int(g["max_new_tokens"])
@@ -147,7 +147,7 @@ class GRPOTask(online.OnlineTask):
             entropy=bool(g["log_entropy"]), entropy_coef=float(g["entropy_coef"]), chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (
             ("ref_logp",) if self.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",))
-        self.engine = online.RolloutEngine(config, model, mesh, max_new_tokens=self.C, num_generations=self.K,
+        self.engine = online_rollouts.RolloutEngine(config, model, mesh, max_new_tokens=self.C, num_generations=self.K,
                                            prompts_per_rollout=int(g["prompts_per_step"]),
                                            temperature=self.temperature, top_p=float(g["top_p"]),
                                            top_k=int(g["top_k"]), rollout_batch_size=int(g["rollout_batch_size"]))
@@ -156,7 +156,7 @@ class GRPOTask(online.OnlineTask):
     def make_rollout(self, rollout: int, model, trainer):
         g = self.g
         s = self.engine.run(model, rollout)
-        metrics = online.sample_metrics(s, self.C)
+        metrics = online_rollouts.sample_metrics(s, self.C)
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         rewards = s.rewards.copy()
         if int(g["overlong_buffer"]) > 0:
@@ -188,13 +188,13 @@ class GRPOTask(online.OnlineTask):
                       mesh=self.mesh, compile_options=self.compile_options)
         t0 = time.perf_counter()
         if self.beta != 0.0:  # the reference at the sampling temperature, like the policy's log-probs
-            buffer["ref_logp"] = online.teacher_forced(model, arrays, adapters=False, temperature=self.temperature,
+            buffer["ref_logp"] = completion_passes.teacher_forced(model, arrays, adapters=False, temperature=self.temperature,
                                                        **common)["logp"]
         t1 = time.perf_counter()
         metrics["time/ref_logp_s"] = t1 - t0
         old = s.behaviour_logp if self.temperature == 1.0 else None  # the sampler's are untempered
         if not self.on_policy and self.recompute:
-            old = online.teacher_forced(model, arrays, adapters=True, temperature=self.temperature, **common)["logp"]
+            old = completion_passes.teacher_forced(model, arrays, adapters=True, temperature=self.temperature, **common)["logp"]
         metrics["time/old_logp_s"] = time.perf_counter() - t1
         if not self.on_policy:
             buffer["old_logp"] = old
