@@ -63,7 +63,7 @@ def weight_shapes(shape: str) -> list[tuple[int, int]]:
 
 
 def dense_attention(q, k, v, scale):
-    """The formulation the fused path replaced: K/V repeated, fp32 scores over every (t, s), a boolean mask."""
+    """The reference formulation: K/V repeated, fp32 scores over every (t, s), a boolean mask."""
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale

@@ -46,12 +46,11 @@ def _batch(batch: int, seq_len: int) -> np.ndarray:
 def jax_worker(model_dir: str, batch: int, seq_len: int, steps: int) -> dict:
     import jax
     import jax.numpy as jnp
-    import ml_collections
 
     from jaxrl.models import lora, qwen35
     from jaxrl.parallel.mesh import make_mesh
     from jaxrl.train.objective import NextToken
-    from jaxrl.train.optim import make_optimizer
+    from jaxrl.train.optim import OptimizerConfig, make_optimizer
     from jaxrl.train.state import ParamCodec, create_train_state
     from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
 
@@ -59,8 +58,8 @@ def jax_worker(model_dir: str, batch: int, seq_len: int, steps: int) -> dict:
     lora.apply_lora(model, "all-linear", rank=LORA["rank"], alpha=LORA["alpha"])
     graphdef, trainable, frozen = lora.split_lora(model)
     codec = ParamCodec(trainable)
-    opt_cfg = ml_collections.ConfigDict(dict(learning_rate=LR, schedule="constant", warmup_steps=0,
-                                             weight_decay=0.0, max_grad_norm=1.0))
+    opt_cfg = OptimizerConfig(learning_rate=LR, schedule="constant", warmup_steps=0, weight_decay=0.0,
+                              max_grad_norm=1.0)
     tx, schedule = make_optimizer(opt_cfg, total_steps=steps + 1)
     mesh = make_mesh((1, 1, 1))
     step_fn = make_train_step(NextToken(chunk_size=512), tx, schedule, graphdef, codec)

@@ -158,11 +158,10 @@ def run(model: str = "9b", seq_len: int = 4096, pairs_per_device: int = 1, grad_
         lora_dropout: float = 0.0) -> dict:
     import jax
     import jax.numpy as jnp
-    import ml_collections
 
     from jaxrl.models import lora, qwen35
     from jaxrl.parallel.mesh import make_mesh
-    from jaxrl.train.optim import make_optimizer
+    from jaxrl.train.optim import OptimizerConfig, make_optimizer
     from jaxrl.train.state import ParamCodec, create_train_state
     from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
 
@@ -180,8 +179,8 @@ def run(model: str = "9b", seq_len: int = 4096, pairs_per_device: int = 1, grad_
     init_s = time.perf_counter() - t0
     graphdef, trainable, frozen = lora.split_lora(policy)
     codec = ParamCodec(trainable)
-    opt_cfg = ml_collections.ConfigDict(dict(learning_rate=5e-7, schedule="linear", warmup_steps=0,
-                                             weight_decay=0.0, max_grad_norm=1.0))
+    opt_cfg = OptimizerConfig(learning_rate=5e-7, schedule="linear", warmup_steps=0, weight_decay=0.0,
+                              max_grad_norm=1.0)
     tx, schedule = make_optimizer(opt_cfg, total_steps=steps + 2)
     step_fn = make_train_step(DPOStyle(), tx, schedule, graphdef, codec)
     state = create_train_state(codec.to_flat(trainable), tx, seed=0, mesh=mesh)

@@ -2,7 +2,7 @@
 the LoRA changes vLLM's outputs at all (vllm#49354), and rollout throughput (K samples per prompt, long caps) of
 vLLM vs the JAX sampler. Prints one JSON object and a markdown row for benchmarks/RESULTS.md.
 
-    # H200, the official 4B checkpoint, vLLM in its own venv (docs/vllm.md)
+    # H200, the official 4B checkpoint, vLLM in its own venv (docs/guides/vllm.md)
     python -m benchmarks.gpu_vllm --base=/models/Qwen3.5-4B --vllm_python=~/.venvs/vllm --out=/tmp/gpu_vllm
     # CPU dry run of the same code: a tiny random model, jaxrl's launchers.serve standing in for vLLM
     python -m benchmarks.gpu_vllm --tiny --out=/tmp/gpu_vllm_tiny
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", help="HF folder of the base (the official Qwen3.5-4B on a GPU)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny random model, launchers.serve as server")
-    ap.add_argument("--vllm_python", default=None, help="the vLLM environment (docs/vllm.md)")
+    ap.add_argument("--vllm_python", default=None, help="the vLLM environment (docs/guides/vllm.md)")
     ap.add_argument("--problems", default=None, help="problems.jsonl (default: jaxrl's toy tasks, repeated)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--update_rel", type=float, default=1e-2, help="||s*B*A|| / ||W|| of every adapted module")

@@ -1,7 +1,7 @@
 """Every side-by-side CPU benchmark in one go, one table of ratios: `make bench`.
 
-    python -m benchmarks.run_all                       # full sizes (about half an hour on two cores)
-    python -m benchmarks.run_all --quick               # smaller sizes, fewer steps: a few minutes
+    python -m benchmarks.run_all                       # full sizes (durations: benchmarks/RESULTS.md, 'Reproduce')
+    python -m benchmarks.run_all --quick               # smaller sizes, fewer steps
     python -m benchmarks.run_all --only=train_step,dpo --out=bench_out
 
 Each benchmark (benchmarks/bench_*.py) runs in its own subprocess, one after another (never in parallel: they

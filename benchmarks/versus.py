@@ -95,9 +95,12 @@ def bench_train_step(pkgs: dict, folder: str, batch: int, seq_len: int, repeats:
         lora.apply_lora(model, "all-linear", rank=16, alpha=32.0)
         graphdef, trainable, frozen = lora.split_lora(model)
         codec = state_mod.ParamCodec(trainable)
-        opt = ml_collections.ConfigDict(dict(learning_rate=1e-4, schedule="constant", warmup_steps=0,
-                                             weight_decay=0.0, max_grad_norm=1.0))
-        tx, schedule = sub("train.optim").make_optimizer(opt, total_steps=1000)
+        optim = sub("train.optim")
+        values = dict(learning_rate=1e-4, schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0)
+        # a tree from before the typed configs takes the optimizer block as a ConfigDict
+        opt = optim.OptimizerConfig(**values) if hasattr(optim, "OptimizerConfig") else ml_collections.ConfigDict(
+            values)
+        tx, schedule = optim.make_optimizer(opt, total_steps=1000)
         mesh = sub("parallel.mesh").make_mesh((1, 1, 1), jax.devices()[:1])
         step_fn = step_mod.make_train_step(sub("train.objective").NextToken(chunk_size=512), tx, schedule,
                                            graphdef, codec)

@@ -104,7 +104,7 @@ class DemoSettings:
 
 
 def make_problems(n: int, seed: int, split: str) -> list[dict]:
-    """`n` canonical problem records (docs/interfaces.md schema), half asking for digits, half for letters."""
+    """`n` canonical problem records (docs/reference/interfaces.md schema), half asking for digits, half for letters."""
     rng = np.random.default_rng([seed, {"train": 1, "eval": 2}[split]])
     out = []
     for i in range(n):

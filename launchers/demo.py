@@ -27,10 +27,10 @@ _QUICK_COMPILES = flags.DEFINE_bool(
 
 
 def _quick_compiles() -> None:
-    """The demo compiles about 60 programs of a 2-layer, hidden-64 model and runs each for milliseconds: at -O0
-    they compile 2-4x faster, while its training steps run up to 2x slower (they are ~2,200 small operations
-    each); the whole demo took 4 min 40 s against 5 min 20 s at -O3 on two CPU cores within one hour
-    (benchmarks/RESULTS.md). XLA reads XLA_FLAGS when its first backend starts, which is after this point."""
+    """The demo compiles dozens of programs of a 2-layer, hidden-64 model and runs each for milliseconds, so at
+    -O0 its compiles save more time than its training steps (thousands of small operations each) lose (measured
+    in benchmarks/RESULTS.md, section 'Idle machine, late on 2026-12-01'). XLA reads XLA_FLAGS when its first
+    backend starts, which is after this point."""
     current = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in current:
         os.environ["XLA_FLAGS"] = f"{current} --xla_backend_optimization_level=0".strip()

@@ -4,7 +4,7 @@ r"""Evaluate the base model and checkpoints on a problems file: metrics, paired 
     python -m launchers.evaluate --problems=heldout.jsonl --checkpoints=RUN_DIR --steps=28,125 \
         --num_samples=1 --temperature=0 --max_new_tokens=8192
     # adapters trained elsewhere (PEFT folders), merged containers; on vLLM 0.33 (GPU, its own environment,
-    # docs/vllm.md: adapters served unmerged as LoRA) or on a running server (--backend=server --server_url=URL)
+    # docs/guides/vllm.md: adapters served unmerged as LoRA) or on a running server (--backend=server --server_url=URL)
     python -m launchers.evaluate --problems=lcb.jsonl --base=/models/Qwen3.5-4B --out=eval_lcb \
         --adapters=dpo28=/adapters/dpo_step28 --models=merged125=/export/merged_125 --backend=vllm \
         --batch_size=512 --backend_kwargs='{"python": "~/.venvs/vllm", "tensor_parallel_size": 1}'
@@ -44,7 +44,6 @@ same command to resume. Exit status 1 for refused work, 2 for usage errors (laun
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -54,107 +53,12 @@ from jaxrl.data import formats
 from jaxrl.diagnostics.termination import resample_evaluation
 from jaxrl.evaluation import flags as evaluate_flags
 from jaxrl.evaluation import protocol
-from jaxrl.evaluation.analysis import sampling_warning
-from jaxrl.evaluation.runner import BASE, EvalConfig, Evaluator, ModelSpec, checkpoint_specs
+from jaxrl.evaluation.runner import Evaluator
 from jaxrl.parallel import distributed
-from jaxrl.rollout.backends.flags import backend_options, mesh_shape_of
 from launchers import _main
 
 _F = evaluate_flags.define_flags()
 flags.adopt_module_key_flags(evaluate_flags)  # --helpshort lists them as this launcher's own
-
-
-def _named(values, flag):
-    out = []
-    for v in values:
-        name, sep, path = v.partition("=")
-        if not sep:
-            name, path = os.path.basename(v.rstrip("/")), v
-        if not name or not path:
-            raise app.UsageError(f"--{flag}: expected NAME=PATH, got {v!r}")
-        out.append((name, path))
-    return out
-
-
-def _default_base(workdir):
-    cfg_path = os.path.join(workdir, "config.json")
-    if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            path = json.load(f).get("model_path")
-        if path:
-            return path
-    raise app.UsageError(f"--base is required ({cfg_path} names no model_path)")
-
-
-def _config(problems: str, base: str, out: str, models: list, baseline: str) -> EvalConfig:
-    """EvalConfig of the flags (sampling, reward, backend, statistics) for these models."""
-    v = {name: holder.value for name, holder in _F.items()}
-    backend, backend_kwargs = backend_options(_F)
-    try:
-        reward_kwargs = json.loads(v["reward_kwargs"])
-    except json.JSONDecodeError as e:
-        raise app.UsageError(f"--reward_kwargs: not JSON ({e.msg} at column {e.colno})") from None
-    try:
-        buckets = tuple(int(b) for b in v["prompt_buckets"])
-    except ValueError:
-        raise app.UsageError(f"--prompt_buckets: expected integers, got {','.join(v['prompt_buckets'])}") from None
-    return EvalConfig(problems=problems, base=base, out=out, models=models, num_samples=v["num_samples"],
-                      temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
-                      max_new_tokens=v["max_new_tokens"], max_prompt_len=v["max_prompt_len"],
-                      prompt_buckets=buckets,
-                      enable_thinking=v["enable_thinking"], reward=v["reward"],
-                      reward_kwargs=reward_kwargs, baseline=baseline,
-                      backend=backend, backend_kwargs=backend_kwargs,
-                      truncation_threshold=v["truncation_threshold"], seed=v["seed"], dtype=v["dtype"],
-                      batch_size=v["batch_size"], limit=v["limit"], on_overlong=v["on_overlong"],
-                      n_resamples=v["n_resamples"], confidence=v["confidence"], progress=v["progress"],
-                      mesh_shape=mesh_shape_of(_F), overwrite=v["overwrite"])
-
-
-def build_config(selection=None) -> EvalConfig:
-    if not _F["problems"].value:
-        raise app.UsageError("--problems is required")
-    refused = sampling_warning(_F["temperature"].value, _F["num_samples"].value)
-    if refused:
-        raise app.UsageError(refused)
-    if selection is not None:
-        return _confirmation_config(selection)
-    workdir = _F["checkpoints"].value
-    base = _F["base"].value or (_default_base(workdir) if workdir else None)
-    if not base:
-        raise app.UsageError("--base is required without --checkpoints")
-    out = _F["out"].value or (os.path.join(workdir, "eval") if workdir else None)
-    if not out:
-        raise app.UsageError("--out is required without --checkpoints")
-    if _F["steps"].value and not workdir:
-        raise app.UsageError("--steps needs --checkpoints")
-    try:
-        steps = [int(s) for s in _F["steps"].value]
-    except ValueError:
-        raise app.UsageError(f"--steps: expected integers, got {','.join(_F['steps'].value)}") from None
-    models = checkpoint_specs(workdir, steps) if workdir else []
-    models += [ModelSpec(n, "adapter", p) for n, p in _named(_F["adapters"].value, "adapters")]
-    models += [ModelSpec(n, "hf", p) for n, p in _named(_F["models"].value, "models")]
-    return _config(_F["problems"].value, base, out, models, _F["baseline"].value)
-
-
-def _confirmation_config(selection) -> EvalConfig:
-    """Base + the selected model, as the selection recorded them; the problems are --problems (held-out)."""
-    if _F["checkpoints"].value or _F["adapters"].value or _F["models"].value or _F["steps"].value:
-        raise app.UsageError("--confirm evaluates the selected model only; drop --checkpoints/--steps/--adapters/"
-                             "--models")
-    if not _F["out"].value:
-        raise app.UsageError("--out is required with --confirm")
-    model = selection["model"]
-    source = model.get("source") or {}
-    if selection["baseline"] != BASE or not source.get("path"):
-        raise app.UsageError(f"{selection['path']}: can only confirm a model selected against {BASE!r} with a "
-                             "recorded source")
-    base = _F["base"].value or selection.get("base")
-    if not base:
-        raise app.UsageError("--base is required (the selection does not record the base folder)")
-    spec = ModelSpec(model["name"], source["kind"], source["path"], step=model.get("step"))
-    return _config(_F["problems"].value, base, _F["out"].value, [spec], BASE)
 
 
 def _start_processes(role: str, confirm) -> None:
@@ -177,7 +81,7 @@ def main(argv):
     if _F["resample_max_new_tokens"].value < 0:
         raise app.UsageError(f"--resample_max_new_tokens must be >= 0, got {_F['resample_max_new_tokens'].value}")
     selection = protocol.read_selection(confirm) if confirm else None
-    cfg = build_config(selection)
+    cfg = evaluate_flags.build_config(_F, selection)
     # refused here, before any model is loaded: bad values, unreadable model folders or adapters, an --out that
     # holds other results (ResumeError, AdapterError, ServerError, OutputExistsError, ...: launchers/_main.py)
     ev = Evaluator(cfg)
@@ -195,9 +99,10 @@ def main(argv):
             logging.info("termination analysis: %s", resample_evaluation(ev, cap))
         if role == "select":
             rec = protocol.write_selection(ev.out, formats.read_results(ev.out), metric=metric,
-                                    base=os.path.abspath(cfg.base))
-            print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({ev.out / protocol.SELECTION_FILE}); "
-                  f"confirm it once with --confirm={ev.out / protocol.SELECTION_FILE}")
+                                           base=os.path.abspath(cfg.base))
+            selection_file = ev.out / protocol.SELECTION_FILE
+            print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({selection_file}); confirm it once "
+                  f"with --confirm={selection_file}")
     finally:
         ev.close()
     print((ev.out / "results.md").read_text())

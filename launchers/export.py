@@ -1,7 +1,7 @@
 r"""Export an adapter checkpoint as a PEFT adapter folder, or merged into a full checkpoint.
 
     # PEFT folder (adapter_model.safetensors + adapter_config.json), keys in the base's layout: what vLLM 0.33
-    # serves as a LoRA adapter (vllm serve BASE --enable-lora --lora-modules NAME=DIR; docs/vllm.md)
+    # serves as a LoRA adapter (vllm serve BASE --enable-lora --lora-modules NAME=DIR; docs/guides/vllm.md)
     python -m launchers.export --checkpoint=RUN_DIR --step=28 --base=/models/Qwen3.5-4B --out=RUN_DIR/export/peft_28
     # merged: the full container with the LoRA merged into the language tower (vision, mtp.*, configs and
     # tokenizer byte-identical to the base), for tools that cannot apply an adapter
@@ -12,7 +12,7 @@ r"""Export an adapter checkpoint as a PEFT adapter folder, or merged into a full
 PEFT adapter folder (to merge an adapter trained elsewhere). --step picks a step (default: the newest).
 --layout: the PEFT key layout; default the base's own (container: base_model.model.model.language_model.layers...,
 text-only: base_model.model.model.layers...). The other layout is refused: PEFT would load it as a silent no-op
-(vLLM 0.33 remaps it, vLLM 0.30 does not; docs/vllm.md), unless --allow_layout_mismatch (only for a container you
+(vLLM 0.33 remaps it, vLLM 0.30 does not; docs/guides/vllm.md), unless --allow_layout_mismatch (only for a container you
 will load with AutoModelForCausalLM).
 --merge rounds each merged weight to the base's stored dtype (bf16): a small update is mostly rounded away. The
 export measures it (merge_fidelity in jaxrl_export.json: update_rel_error, zeroed entries, probe logits) and warns

@@ -27,6 +27,16 @@ def tiny_config(preset: str, **block):
     return cfg
 
 
+def first_batch(trainer, step: int = 0):
+    """The task's batch of `step` through the phases the Trainer calls (jaxrl.train.task): setup, the rollout
+    when one is due, batch."""
+    task = trainer.task
+    task.setup(trainer.context())
+    if hasattr(task, "needs_rollout") and task.needs_rollout(step):
+        task.rollout(step, trainer.current_model())
+    return task.batch(step)
+
+
 def jitted_forward(model, fn=None):
     """`model(ids, attention_mask=, cache=)`, or `fn(model, *args, **kwargs)`, as one jitted program per shape
     (static values go in `fn`'s closure). Eager calls dispatch and compile every primitive one by one: a cache

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3.5 checkpoints built with `transformers` at test time (offline; docs/qwen35-architecture.md §5).
+"""Tiny random Qwen3.5 checkpoints built with `transformers` at test time (offline; docs/design/qwen35-architecture.md §5).
 
 The reference side of every parity test. Norm weights, A_log and dt_bias are perturbed away from their init so a
 `1 + w` mistake or a swapped norm cannot hide behind w = 0 / w = 1.

@@ -1,7 +1,8 @@
-"""One typed default per config key (jaxrl/utils/schema.py): the family configs build from it, a config not built
-on configs/base.py resolves to the same values, a typo in any block is an error naming the nearest valid key, and
-run_training writes the resolved config to config.json."""
+"""One typed default per config key (jaxrl/utils/train_config.py): the family configs build from it, a config not
+built on configs/base.py resolves to the same values, a typo in any block is an error naming the nearest valid key,
+the resolved TrainConfig is typed, and run_training writes it to config.json."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,8 +12,8 @@ import pytest
 
 from configs import base, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny
 from jaxrl.algorithms.run import resolve_config, run_training
-from jaxrl.utils import schema
-from jaxrl.utils.config import ConfigKeyError, to_plain
+from jaxrl.utils import train_config
+from jaxrl.utils.typed_config import ConfigKeyError, setting, to_plain
 
 
 def test_configs_are_built_from_the_schema_without_importing_jax():
@@ -25,7 +26,7 @@ def test_configs_are_built_from_the_schema_without_importing_jax():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
     for algorithm in ("sft", "dpo", "grpo", "ppo"):
-        assert to_plain(base.get_config(algorithm)) == to_plain(schema.default_config(algorithm))
+        assert to_plain(base.get_config(algorithm)) == to_plain(train_config.default_config(algorithm))
 
 
 @pytest.mark.parametrize("make", [sft_tiny.get_config, dpo_tiny.get_config, grpo_tiny.get_config,
@@ -33,7 +34,8 @@ def test_configs_are_built_from_the_schema_without_importing_jax():
 def test_family_configs_are_complete(make):
     c = make()
     before = to_plain(c)
-    assert to_plain(schema.resolve(c)) == before  # nothing to fill, nothing refused
+    assert train_config.complete(c) == before  # nothing to fill, nothing refused
+    assert resolve_config(c).to_json() == before
 
 
 @pytest.mark.parametrize("algorithm,given", [
@@ -43,8 +45,7 @@ def test_family_configs_are_complete(make):
     ("ppo", {"ppo": {"epochs": 2}, "lora": {"rank": 8}}),
 ])
 def test_a_config_without_base_resolves_like_one_with_it(algorithm, given):
-    bare = ml_collections.ConfigDict({"algorithm": algorithm, **given})
-    resolve_config(bare)
+    bare = resolve_config(ml_collections.ConfigDict({"algorithm": algorithm, **given}))
     expected = base.get_config(algorithm)
     for key, value in given.items():
         if isinstance(value, dict):
@@ -52,8 +53,7 @@ def test_a_config_without_base_resolves_like_one_with_it(algorithm, given):
                 expected[key][k] = v
         else:
             expected[key] = value
-    assert to_plain(bare) == to_plain(expected)
-    # the two defaults that used to disagree between configs/base.py and the trainer
+    assert bare.to_json() == to_plain(expected)
     assert (bare.dtype, bare.max_consecutive_nonfinite, bare.keep_checkpoints) == ("bfloat16", 10, 2)
 
 
@@ -108,24 +108,64 @@ def test_the_family_configs_json_round_trip(tmp_path):
     for make in (dpo_tiny.get_config, grpo_tiny.get_config, ppo_tiny.get_config):
         c = make()
         again = resolve_config(ml_collections.ConfigDict(json.loads(c.to_json_best_effort())))
-        assert json.loads(again.to_json_best_effort()) == json.loads(c.to_json_best_effort())
+        assert again.to_json() == json.loads(c.to_json_best_effort())
+        assert resolve_config(again.to_json()) == again  # config.json read back: the same typed config
 
 
-def test_a_trainer_of_your_own_may_declare_its_blocks():
-    from jaxrl.utils.config import Block, Key
+@dataclasses.dataclass(frozen=True)
+class MineConfig:
+    alpha: float = setting(1.0)
+    beta: float = setting(0.5)
 
+
+def test_an_algorithm_of_your_own_may_declare_its_blocks():
     def build(config, model, mesh):  # never called here
         raise AssertionError
 
-    c = ml_collections.ConfigDict({"algorithm": "my_pkg.algo:build", "mine": {"alpha": 2.0}})
+    c = ml_collections.ConfigDict({"algorithm": "my_pkg.algo:build", "mine": {"alpha": 2}})
     with pytest.raises(ConfigKeyError, match="unknown config key 'mine'"):
-        resolve_config(c)  # no declared blocks: a block nobody reads is refused
-    build.config_blocks = {"mine": Block("mine", {"alpha": Key(1.0, float), "beta": Key(0.5, float)})}
-    resolve_config(c, build)
-    assert (c.mine.alpha, c.mine.beta, c.dtype, "data" in c) == (2.0, 0.5, "bfloat16", False)
+        resolve_config(c, build)  # no declared blocks: a block nobody reads is refused
+    build.config_blocks = {"mine": MineConfig}
+    resolved = resolve_config(c, build)
+    assert resolved.block("mine") == MineConfig(alpha=2.0, beta=0.5)
+    assert (resolved.dtype, resolved.data, "data" in resolved.to_json()) == ("bfloat16", None, False)
     c.mine.alhpa = 3.0
     with pytest.raises(ConfigKeyError, match="did you mean 'mine.alpha'"):
         resolve_config(c, build)
+
+
+def test_the_resolved_config_is_typed_and_frozen():
+    """Values are cast once, where the config is resolved: an int learning rate is a float, a JSON list a tuple."""
+    c = ml_collections.ConfigDict({"algorithm": "grpo", "optimizer": {"learning_rate": 1}, "mesh": {"shape": [1, 1, 1]},
+                                   "grpo": {"beta": 0}, "reward": {"name": "code", "timeout_s": 3}})
+    run = resolve_config(c.to_dict())
+    assert isinstance(run.optimizer.learning_rate, float) and run.optimizer.learning_rate == 1.0
+    assert run.mesh.shape == (1, 1, 1) and isinstance(run.grpo.beta, float)
+    assert (run.reward.name, run.reward.options) == ("code", {"timeout_s": 3})
+    assert run.to_json()["reward"] == {"name": "code", "score": "partial", "timeout_s": 3}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.steps = 3
+
+
+@pytest.mark.parametrize("block,key,value,message", [
+    ("", "steps", 0, "config: steps must be an integer >= 1, got 0"),
+    ("batch", "grad_accum", 0, "batch.grad_accum must be an integer >= 1, got 0"),
+    ("optimizer", "schedule", "cosin", "optimizer.schedule='cosin'; choose one of"),
+    ("grpo", "num_generations", 0, "grpo.num_generations must be >= 1, got 0"),
+    ("grpo", "scale_rewards", "groups", "grpo.scale_rewards='groups'; choose one of"),
+    ("ppo", "init_kl_coef", -1.0, "ppo.init_kl_coef must be >= 0, got -1.0"),
+    ("reward", "score", "full", "reward.score='full'; choose 'partial' or 'strict'"),
+])
+def test_a_bad_value_fails_where_the_config_is_resolved(block, key, value, message):
+    algorithm = block if block in ("grpo", "ppo") else "grpo" if block == "reward" else "sft"
+    c = base.get_config(algorithm)
+    if block:
+        c[block][key] = value
+    else:
+        c[key] = value
+    with pytest.raises(ValueError) as info:
+        resolve_config(c)
+    assert message in str(info.value)
 
 
 def test_run_training_refuses_a_typo_before_building_anything(tmp_path):

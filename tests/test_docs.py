@@ -1,15 +1,18 @@
 """The docs agree with the repository.
 
-* Every ``docs/*.md`` the code, README.md or docs/ names exists, and every section it cites (``§4.5``,
-  ``section 2.1``, ``docs/algorithms.md 2.2``) is a numbered heading of that document.
+* Every ``docs/**.md`` the code, README.md or docs/ names exists, and every section it cites (``§4.5``,
+  ``section 2.1``, ``docs/design/algorithms.md 2.2``) is a numbered heading of that document.
 * A ``§`` citation in a source file is unambiguous: the file names the document it cites.
-* Every relative link in README.md and docs/*.md resolves, anchors included (GitHub's heading slugs).
+* Every relative link in README.md and docs/**.md resolves, anchors included (GitHub's heading slugs).
 * Every repository path, every ``python -m`` module and every dotted ``jaxrl.`` name that README.md and docs/
   name exists (dotted names are imported).
-* The config tables of docs/config.md list every key of the config files with its value there.
+* docs/ is laid out as its index says: every page sits in guides/ (how to), reference/ (look up) or design/ (for
+  contributors), every file and folder name is lowercase kebab-case (``my-page.md``, not ``my_page.md``;
+  docs/README.md, the index, excepted), and docs/README.md links every page.
+* The config tables of docs/reference/config.md list every key of the config files with its value there.
 
-After changing a config, refresh the default column of docs/config.md (meanings are kept; a new key gets an
-empty meaning, which the test then asks you to fill in):
+After changing a config, refresh the default column of docs/reference/config.md (meanings are kept; a new key gets
+an empty meaning, which the test then asks you to fill in):
 
     python tests/test_docs.py --write
 """
@@ -60,7 +63,7 @@ def code_files(root: Path = ROOT) -> list[Path]:
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
-    return [root / "README.md"] + sorted((root / "docs").glob("*.md"))
+    return [root / "README.md"] + sorted((root / "docs").rglob("*.md"))
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -228,12 +231,48 @@ def dotted_name_problems(md_files: Sequence[Path], root: Path) -> list[str]:
     return problems
 
 
+# ------------------------------------------------------------------------------------------- layout
+
+# docs/ as Levanter's docs: how-to guides, look-up reference, design notes for contributors; docs/README.md indexes.
+DOC_SECTIONS = ("guides", "reference", "design")
+_KEBAB = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+
+
+def layout_problems(root: Path) -> list[str]:
+    """'docs/...: ...' for each file or folder under docs/ whose name is not lowercase kebab-case, each page outside
+    the sections, and each non-Markdown file."""
+    docs, problems = root / "docs", []
+    for path in sorted(docs.rglob("*")):
+        rel = _rel(path, root)
+        if "__pycache__" in path.parts or path == docs / "README.md":
+            continue
+        stem, _, ext = path.name.partition(".")
+        if not _KEBAB.fullmatch(stem) or (path.is_file() and ext != "md"):
+            what = "folder" if path.is_dir() else "page"
+            problems.append(f"{rel}: not a kebab-case {what} name (a-z, 0-9 and '-'; pages end in .md: my-page.md)")
+        if path.is_file() and path.relative_to(docs).parts[0] not in DOC_SECTIONS:
+            problems.append(f"{rel}: a page belongs in docs/{{{','.join(DOC_SECTIONS)}}}/")
+    return problems
+
+
+def index_problems(root: Path) -> list[str]:
+    """'docs/...: ...' for each page under docs/ that docs/README.md does not link."""
+    index = root / "docs" / "README.md"
+    linked = set()
+    for _, prose in prose_lines(index.read_text(encoding="utf-8")):
+        for target in _LINK.findall(prose):
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                linked.add((index.parent / target.partition("#")[0]).resolve())
+    return [f"{_rel(p, root)}: not linked from docs/README.md" for p in sorted((root / "docs").rglob("*.md"))
+            if p != index and p.resolve() not in linked]
+
+
 # --------------------------------------------------------------------------------------- config tables
 
-# docs/config.md holds one table after each marker `<!-- config-table: NAME -->`. NAME -> (config module, the keys
-# the table lists: all (None) or those under these prefixes, and whether it also lists the keys outside data.*
-# whose value differs from configs/base.py).
-CONFIG_DOC = ROOT / "docs" / "config.md"
+# docs/reference/config.md holds one table after each marker `<!-- config-table: NAME -->`. NAME -> (config module,
+# the keys the table lists: all (None) or those under these prefixes, and whether it also lists the keys outside
+# data.* whose value differs from configs/base.py).
+CONFIG_DOC = ROOT / "docs/reference/config.md"
 CONFIG_TABLES = {
     "base": ("configs.base", None, False),
     "dpo": ("configs.dpo", ("run", "start", "dpo.", "data."), True),
@@ -316,7 +355,7 @@ def parse_tables(text: str) -> dict[str, list[tuple[str, str, str]]]:
 
 
 def table_problems(documented: Mapping[str, Sequence[tuple[str, str, str]]],
-                   expected: Mapping[str, Mapping[str, str]], where: str = "docs/config.md") -> list[str]:
+                   expected: Mapping[str, Mapping[str, str]], where: str = "docs/reference/config.md") -> list[str]:
     problems = []
     for name, keys in expected.items():
         if name not in documented:
@@ -385,6 +424,16 @@ def test_named_python_objects_exist():
     assert not problems, "\n".join(problems)
 
 
+def test_docs_layout_and_names():
+    problems = layout_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_index_links_every_page():
+    problems = index_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
 def test_config_tables_match_the_configs():
     problems = table_problems(parse_tables(CONFIG_DOC.read_text(encoding="utf-8")), expected_tables())
     assert not problems, "\n".join(problems) + "\n(refresh the values with: python tests/test_docs.py --write)"
@@ -394,7 +443,7 @@ def test_shared_config_blocks_agree():
     for first, second, prefixes in SHARED_BLOCKS:
         a = {k: v for k, v in _load_config(first).items() if k.startswith(prefixes)}
         b = {k: v for k, v in _load_config(second).items() if k.startswith(prefixes)}
-        assert a == b, f"{first} and {second} differ in {prefixes}: docs/config.md needs a table for each"
+        assert a == b, f"{first} and {second} differ in {prefixes}: docs/reference/config.md needs a table for each"
 
 
 # ------------------------------------------------------------------------------- the checkers can fail
@@ -466,6 +515,33 @@ def test_dotted_name_checker(tree):
         "docs/api.md:2: jaxrl.train.checkpoints.no_such_function: jaxrl.train.checkpoints has no no_such_function",
         "docs/api.md:2: jaxrl.train.no_such_module: jaxrl.train has no no_such_module",
     ]
+
+
+def test_layout_checker(tree):
+    for page in ("guides/how-to-x.md", "reference/keys-2.md", "design/Snake_Case.md", "design/camelCase.md",
+                 "reference/notes.txt", "loose-page.md", "Guides_Old/page.md"):
+        (tree / "docs" / page).parent.mkdir(parents=True, exist_ok=True)
+        (tree / "docs" / page).write_text("# Page\n", encoding="utf-8")
+    (tree / "docs" / "README.md").write_text("# Index\n", encoding="utf-8")
+    assert layout_problems(tree) == [
+        "docs/Guides_Old: not a kebab-case folder name (a-z, 0-9 and '-'; pages end in .md: my-page.md)",
+        "docs/Guides_Old/page.md: a page belongs in docs/{guides,reference,design}/",
+        "docs/design/Snake_Case.md: not a kebab-case page name (a-z, 0-9 and '-'; pages end in .md: my-page.md)",
+        "docs/design/camelCase.md: not a kebab-case page name (a-z, 0-9 and '-'; pages end in .md: my-page.md)",
+        "docs/guide.md: a page belongs in docs/{guides,reference,design}/",
+        "docs/loose-page.md: a page belongs in docs/{guides,reference,design}/",
+        "docs/reference/notes.txt: not a kebab-case page name (a-z, 0-9 and '-'; pages end in .md: my-page.md)",
+    ]
+
+
+def test_index_checker(tree):
+    (tree / "docs" / "guides").mkdir()
+    (tree / "docs" / "guides" / "listed.md").write_text("# Listed\n", encoding="utf-8")
+    (tree / "docs" / "guides" / "forgotten.md").write_text("# Forgotten\n", encoding="utf-8")
+    (tree / "docs" / "README.md").write_text(
+        "# Index\n\n[listed](guides/listed.md#listed) [guide](guide.md)\n```\n[fenced](guides/forgotten.md)\n```\n",
+        encoding="utf-8")
+    assert index_problems(tree) == ["docs/guides/forgotten.md: not linked from docs/README.md"]
 
 
 def test_config_table_checker_and_writer():

@@ -1,4 +1,4 @@
-"""DPO-family losses against (a) float64 numpy transcriptions of docs/algorithms.md 2.1 with finite-difference
+"""DPO-family losses against (a) float64 numpy transcriptions of docs/design/algorithms.md 2.1 with finite-difference
 gradients, and (b) TRL 1.16's own code (DPOTrainer._compute_loss, CPOTrainer.cpo_loss) run through torch autograd.
 
 TRL's loss code is a trainer method; it only reads a handful of attributes of ``self`` and the model's fused-head
@@ -6,7 +6,7 @@ outputs, so a SimpleNamespace standing in for the trainer and a callable returni
 real TRL lines without building a model or a dataset.
 
 f-divergence scores: TRL 1.16 uses the f(0)=0 normalisation (forward_kl 1-exp(-r), js log2+log sig(r), alpha
-(exp((a-1)r)-1)/(a-1)); docs/algorithms.md lists the same functions without the constants. The constants cancel in
+(exp((a-1)r)-1)/(a-1)); docs/design/algorithms.md lists the same functions without the constants. The constants cancel in
 delta = s_w - s_l but not in the length-normalised losses (ipo, sigmoid_norm), so we follow TRL 1.16 and the
 references below do too.
 """
@@ -14,6 +14,7 @@ references below do too.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import warnings
 from collections import defaultdict
@@ -50,7 +51,7 @@ def np_scores(r, f="reverse_kl", alpha=0.5):
 
 
 def np_loss(name, cl, rl, rcl, rrl, lw, ll, beta, eps, gamma=0.5, tau=0.05, f="reverse_kl", alpha=0.5):
-    """docs/algorithms.md 2.1, one line per loss_type."""
+    """docs/design/algorithms.md 2.1, one line per loss_type."""
     rw, rr = cl - rcl, rl - rrl
     sw, sl = np_scores(rw, f, alpha), np_scores(rr, f, alpha)
     D = sw - sl
@@ -216,6 +217,21 @@ def test_argument_checks():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_builtin_losses_register_what_they_read():
+    """Each built-in registers with the LossSpec that the argument checks and the DPO trainer read: f-divergences
+    only where the log Z term cancels in delta, reference-free only simpo, lengths for the length-normalised ones,
+    pair coupling for aot*."""
+    def having(field):
+        return sorted(n for n in dpo.LOSS_TYPES if getattr(dpo.loss_spec(n), field))
+
+    assert having("f_divergence") == ["discopop", "exo_pair", "hinge", "ipo", "robust", "sigmoid", "sigmoid_norm"]
+    assert having("reference_free") == ["simpo"]
+    assert having("needs_lengths") == ["ipo", "sigmoid_norm", "simpo"]
+    assert having("across_pairs") == ["aot", "aot_unpaired"]
+    assert having("label_smoothing") == ["aot", "aot_unpaired", "exo_pair", "robust", "simpo"]
+    assert not hasattr(dpo, "register_loss")  # a user's loss goes through jaxrl.algorithms.plugins
+
+
 def test_metric_helpers():
     c, r = jnp.array([-10.0, -10.0, -4.0]), jnp.array([-12.0, -9.0, -4.0])
     rc, rr = jnp.array([-11.0, -10.0, -4.0]), jnp.array([-11.0, -10.0, -4.0])
@@ -258,11 +274,13 @@ def jax_combined(ct, cm, rt, rm, ref_c, ref_r, loss_types, weights, **kw):
 
 # --------------------------------------------------------------------------------------- TRL's own code
 
-try:  # the test extra installs torch + trl; without them only the TRL comparisons are skipped
+# The test extra installs torch + trl; without them only the TRL comparisons are skipped. With both present a
+# failing import is an error, never a silent skip.
+if importlib.util.find_spec("torch") and importlib.util.find_spec("trl"):
     import torch
     from trl.experimental.cpo import cpo_trainer as cpo_mod
-    from trl.trainer import dpo_task as trl_dpo
-except Exception:  # noqa: BLE001
+    from trl.trainer import dpo_trainer as trl_dpo
+else:
     trl_dpo = None
 needs_trl = pytest.mark.skipif(trl_dpo is None, reason="torch/trl not installed")
 

@@ -25,7 +25,7 @@ from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rollout import generate
 from jaxrl.models.adapters import load_adapter
 from jaxrl.train.checkpoints import RunCheckpoints
-from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.algorithms.run import build_model, load_run_plugins, resolve_config, run_training
 from jaxrl.train.loop import Trainer
 from jaxrl.train.metrics import read_metrics
 
@@ -76,7 +76,7 @@ def _run_objective(objective, model, batch, normalisers=None, grad=False):
 
 @pytest.mark.slow
 def test_objective_equals_dpo_on_an_independent_forward():
-    c = tiny_config("dpo")
+    c = resolve_config(tiny_config("dpo"))
     model = build_model(c, mesh_from_config(c))
     recs = _ragged_pairs(6, 256, seed=0)
     seqs = dpo_data.build_sequences(dpo_data.pretokenized_pairs(recs), dpo_data.SequenceConfig(
@@ -183,7 +183,7 @@ def _pattern_rate(model, prompts, targets):
 
 @pytest.mark.slow
 def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
-    c = tiny_config("dpo")
+    c = resolve_config(tiny_config("dpo"))
     mesh = mesh_from_config(c)
     model = build_model(c, mesh)
     task = DPOTask(c, model, mesh)
@@ -248,12 +248,12 @@ def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
     path = os.path.join(workdir, dpo_task.REF_CACHE)
     mtime = os.stat(path).st_mtime_ns
     again = DPOTask(c, model, mesh)
-    again.batch(0, trainer)
+    again.setup(trainer.context())
     assert os.stat(path).st_mtime_ns == mtime
     np.testing.assert_array_equal(again.ref["chosen"], cached_c)
-    c2 = tiny_config("dpo", max_length=48)  # same sequences, another length policy: the fingerprint differs
+    c2 = resolve_config(tiny_config("dpo", max_length=48))  # another length policy: the fingerprint differs
     stale = DPOTask(c2, model, mesh)
-    stale.batch(0, trainer)
+    stale.setup(trainer.context())
     with np.load(path) as f:
         assert json.loads(str(f["fingerprint"]))["max_length"] == 48
     np.testing.assert_array_equal(stale.ref["chosen"], cached_c)
@@ -265,7 +265,7 @@ def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
 @pytest.fixture(scope="module")
 def untrained():
     """(model, mesh) of the tiny config, for tests that only build tasks (they never change the model)."""
-    c = tiny_config("dpo")
+    c = resolve_config(tiny_config("dpo"))
     mesh = mesh_from_config(c)
     return build_model(c, mesh), mesh
 
@@ -330,7 +330,7 @@ def test_tampered_cohort_fails_at_start_naming_the_file(tmp_path, cohort, untrai
     cohort_dir, manifest = cohort
     c = tiny_config("dpo", source="pairs", pairs=cohort_dir, eval_fraction=0.0)
     model, mesh = untrained
-    task = DPOTask(c, model, mesh)  # intact: accepted, every pair used
+    task = DPOTask(resolve_config(c), model, mesh)  # intact: accepted, every pair used
     assert len(task.train) == 48 and task.manifest["sha256"] == manifest["sha256"]
 
     copy = tmp_path / "cohort"
@@ -350,10 +350,10 @@ def test_tampered_cohort_fails_at_start_naming_the_file(tmp_path, cohort, untrai
     assert not (workdir / "checkpoints").exists()
     c.data.pairs = str(copy / "pairs.jsonl")  # the pairs file of a cohort is verified too
     with pytest.raises(CohortError, match=mismatch):
-        DPOTask(c, model, mesh)
+        DPOTask(resolve_config(c), model, mesh)
     c.data.pairs, c.data.expected_pairs = cohort_dir, 50
     with pytest.raises(ValueError, match="holds 48 pairs; data.expected_pairs=50"):
-        DPOTask(c, model, mesh)
+        DPOTask(resolve_config(c), model, mesh)
 
 
 # ------------------------------------------------------------------------------------------ config family, plug-in
@@ -388,20 +388,26 @@ def test_family_config_reproduces_the_users_runs():
     c = family.get_config("run=4b_base_final")
     c.model_path = ""
     with pytest.raises(ValueError, match="model_path is empty"):
-        build(c)
+        build(resolve_config(c))
 
 
 def test_plugin_loss_from_the_config_is_registered_and_used(tmp_path, untrained):
-    from jaxrl.algorithms import registry
-    from jaxrl.algorithms.registry import PluginError
+    from jaxrl.algorithms import plugins
+    from jaxrl.algorithms.plugins import PluginError
     (tmp_path / "losses.py").write_text(
         "import jax\n\ndef t_twice_sigmoid(p):\n    return -2.0 * jax.nn.log_sigmoid(p.beta * p.delta)\n")
     (tmp_path / "bad.py").write_text("def t_scalar(p):\n    return p.delta.sum()\n")
     c = tiny_config("dpo")
     model, mesh = untrained
+
+    def task_of(c):  # what run_training does: plug-ins (dpo.plugin, the deprecated alias, included), then the task
+        resolved = resolve_config(c)
+        load_run_plugins(resolved)
+        return DPOTask(resolved, model, mesh)
+
     try:
         c.dpo.plugin, c.dpo.loss_type = f"{tmp_path}/losses.py:t_twice_sigmoid", "t_twice_sigmoid"
-        task = DPOTask(c, model, mesh)
+        task = task_of(c)
         assert task.objective.loss_types == ("t_twice_sigmoid",)
         rng = np.random.default_rng(0)
         c_, r_, rc, rr = (rng.normal(-20, 3, 16) for _ in range(4))
@@ -410,14 +416,13 @@ def test_plugin_loss_from_the_config_is_registered_and_used(tmp_path, untrained)
         np.testing.assert_allclose(summary["loss"], np.mean(2 * np.logaddexp(0, -z)), rtol=1e-5)
         c.dpo.plugin, c.dpo.loss_type = f"{tmp_path}/bad.py:t_scalar", "t_scalar"
         with pytest.raises(PluginError, match="t_scalar"):
-            DPOTask(c, model, mesh)
+            task_of(c)
         c.dpo.plugin, c.dpo.loss_type = "", "sigmoid,nope"
         with pytest.raises(ValueError, match="dpo.loss_type"):
-            DPOTask(c, model, mesh)
+            task_of(c)
     finally:
         for name in ("t_twice_sigmoid", "t_scalar"):
-            if name in registry.names("dpo_loss"):
-                registry.unregister("dpo_loss", name)
+            plugins.unregister("dpo_loss", name)
 
 
 @pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "sigmoid,aot"])
@@ -430,10 +435,10 @@ def test_losses_that_sort_across_pairs_refuse_a_micro_batch_of_one(loss_type, un
     c.dpo.loss_type, c.dpo.label_smoothing = loss_type, 0.1
     c.batch.micro_batch_size, c.batch.grad_accum = 1, 8
     with pytest.raises(ValueError, match=r"dpo.loss_type.*aot.*batch.micro_batch_size=1"):
-        DPOTask(c, model, mesh)
+        DPOTask(resolve_config(c), model, mesh)
     c.batch.micro_batch_size = 4
     with pytest.warns(UserWarning, match="depends on batch.micro_batch_size"):
-        task = DPOTask(c, model, mesh)
+        task = DPOTask(resolve_config(c), model, mesh)
     assert "aot" in task.objective.loss_types[-1]
     # The fact behind the refusal: sorting one pair is the identity, so at b = 1 aot is smoothed sigmoid DPO.
     c_, r_, rc, rr = (np.array([x], np.float32) for x in (-18.0, -23.0, -20.0, -21.0))

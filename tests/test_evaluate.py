@@ -471,7 +471,7 @@ def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_pat
 
 
 def test_vllm_backend_without_its_environment_fails_before_any_work(env, tmp_path):
-    """vLLM runs from its own environment (docs/vllm.md); without one, the evaluator refuses to start with the two
+    """vLLM runs from its own environment (docs/guides/vllm.md); without one, the evaluator refuses to start with the two
     lines that make it, and nothing is written."""
     from jaxrl.rollout.backends import ServerError
     from jaxrl.rollout.backends.vllm_backend import ENV_RECIPE

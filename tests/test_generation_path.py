@@ -48,15 +48,16 @@ def test_rollouts_online_and_evaluation_score_the_same_text(env):
     """The same samples (same keys: seed, problem key, sample index) through the three consumers: same tokens,
     same text, same reward, sample for sample."""
     from jaxrl.algorithms.online_rollouts import RolloutEngine
+    from jaxrl.algorithms.run import resolve_config
     from jaxrl.evaluation.runner import EvalConfig, Evaluator
     from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 
-    config = ml_collections.ConfigDict({
+    config = resolve_config(ml_collections.ConfigDict({
         "seed": 0, "model_path": env["model_dir"], "algorithm": "grpo",
         "data": {"source": "problems", "problems": env["problems"], "max_prompt_len": 192},
-        "reward": {"name": REWARD, "score": "partial"}})
-    engine = RolloutEngine(config, env["model"], None, max_new_tokens=CAP, num_generations=N,
-                           prompts_per_rollout=len(env["ids"]), temperature=1.0, top_p=1.0)
+        "grpo": {"max_new_tokens": CAP, "num_generations": N, "temperature": 1.0, "top_p": 1.0},
+        "reward": {"name": REWARD, "score": "partial"}}))
+    engine = RolloutEngine(config, env["model"], None, prompts_per_rollout=len(env["ids"]), sampling=config.grpo)
     sampled = engine.run(env["model"], 0)
     problems = engine.source.prompts(0, len(env["ids"]))[1]
     assert sorted(p.id for p in problems) == sorted(env["ids"])  # rollout 0 covers every problem once

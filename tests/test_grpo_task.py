@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from configs import grpo as grpo_family
-from conftest import tiny_config
+from conftest import first_batch, tiny_config
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import completion_passes
 from jaxrl.algorithms.grpo_task import GRPOObjective, GRPOTask
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.algorithms.run import build_model, run_training
-from jaxrl.algorithms.tasks import get_trainer
+from jaxrl.algorithms.run import build_model, resolve_config, run_training
+from jaxrl.algorithms.tasks import get_task_factory
 from jaxrl.train.loop import Trainer
 from jaxrl.train.step import accumulate_gradients, make_micro_loss, split_batch
 
@@ -34,11 +34,12 @@ def test_update_is_invariant_to_the_micro_batch_split(tmp_path):
     cfg = tiny_config("grpo", num_generations=4, prompts_per_step=4, num_iterations=2, drop_zero_variance_groups=True,
                       mask_truncated=True, beta=0.1, kl_estimator="k3")
     cfg.batch.micro_batch_size, cfg.batch.grad_accum = 4, 4
+    cfg = resolve_config(cfg)
     model = build_model(cfg)
-    task = get_trainer("grpo")(cfg, model, make_mesh(MESH))
+    task = get_task_factory("grpo")(cfg, model, make_mesh(MESH))
     assert isinstance(task, GRPOTask)
     trainer = Trainer(cfg, model, task, str(tmp_path / "run"), mesh=make_mesh(MESH))
-    batch, host = task.batch(0, trainer)
+    batch, host = first_batch(trainer)
     assert set(batch) == {"input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask",
                           "ref_logp", "old_logp"}
     assert batch["input_ids"].shape == (16, 6 + 8) and batch["completion_mask"].shape == (16, 8)
@@ -51,7 +52,7 @@ def test_update_is_invariant_to_the_micro_batch_split(tmp_path):
     for name in params:
         if name.endswith("lora_B"):
             params[name] = rng.standard_normal(params[name].shape).astype(np.float32) * 0.3
-    objectives = [GRPOObjective(max_completion_length=8, aggregation=a, beta=0.1, kl_estimator="k3",
+    objectives = [GRPOObjective(max_new_tokens=8, aggregation=a, beta=0.1, kl_estimator="k3",
                                 epsilon_low=0.2, epsilon_high=0.28, temperature=0.2, chunk_size=64)
                   for a in grpo_lib.AGGREGATIONS]
     rng_key = jax.random.key(0)
@@ -92,10 +93,11 @@ def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     cfg = tiny_config("grpo", num_generations=4, prompts_per_step=8, drop_zero_variance_groups=True, beta=0.04)
     cfg.batch.micro_batch_size, cfg.batch.grad_accum = 8, 4
     cfg.data.score_tokens = 2  # coarse rewards: some groups come out all-equal
+    cfg = resolve_config(cfg)
     model = build_model(cfg)
     task = GRPOTask(cfg, model, make_mesh(MESH))
     trainer = Trainer(cfg, model, task, str(tmp_path / "run"), mesh=make_mesh(MESH))
-    batch, host = task.batch(0, trainer)
+    batch, host = first_batch(trainer)
     assert "old_logp" not in batch  # one update per rollout: on-policy, ratio exactly 1
     seq = batch["sequence_mask"]
     groups = seq.reshape(-1, 4)
@@ -109,8 +111,8 @@ def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     assert np.all(np.abs(adv[~dropped].sum(1)) < 1e-4)  # centred per group
     # the policy is the reference at step 0 (LoRA B = 0): identical log-probs, k3 KL 0
     ref = batch["ref_logp"]
-    cur = completion_passes.teacher_forced(trainer.current_model(), batch, completion_len=8, adapters=True, batch_size=32,
-                                temperature=0.2, chunk_size=64)["logp"]
+    cur = completion_passes.teacher_forced(trainer.current_model(), batch, max_new_tokens=8, adapters=True,
+                                           batch_size=32, temperature=0.2, chunk_size=64)["logp"]
     on = batch["completion_mask"] > 0
     np.testing.assert_allclose(cur[on], ref[on], atol=1e-6)
     assert np.all(ref[on] < 0)
@@ -124,17 +126,20 @@ def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
     cfg = tiny_config("grpo", num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
     cfg.batch.micro_batch_size, cfg.batch.grad_accum = 4, 4
     cfg.dtype = "bfloat16"
+    cfg = resolve_config(cfg)
     model = build_model(cfg)
     task = GRPOTask(cfg, model, make_mesh(MESH))
     trainer = Trainer(cfg, model, task, str(tmp_path / "run"), mesh=make_mesh(MESH))
-    batch, _ = task.batch(0, trainer)
-    teacher = completion_passes.teacher_forced(trainer.current_model(), batch, completion_len=8, adapters=True,
-                                    batch_size=cfg.grpo.logprob_batch_size, chunk_size=cfg.logprob_chunk_size)
+    batch, _ = first_batch(trainer)
+    teacher = completion_passes.teacher_forced(trainer.current_model(), batch, max_new_tokens=8, adapters=True,
+                                               batch_size=cfg.grpo.logprob_batch_size,
+                                               chunk_size=cfg.logprob_chunk_size)
     on = batch["completion_mask"] > 0
     assert on.any()
     np.testing.assert_allclose(batch["old_logp"][on], teacher["logp"][on], atol=1e-6, rtol=0)
     fp32 = tiny_config("grpo", num_generations=4, prompts_per_step=4, num_iterations=2, temperature=1.0, beta=0.0)
     fp32.batch.micro_batch_size, fp32.batch.grad_accum = 4, 4
+    fp32 = resolve_config(fp32)
     assert not GRPOTask(fp32, build_model(fp32), make_mesh(MESH)).recompute
 
 
@@ -226,9 +231,8 @@ def test_configs_reproduce_the_users_runs():
 
 @pytest.mark.slow
 def test_rollout_rows_must_fill_whole_global_batches():
-    cfg = tiny_config("grpo", prompts_per_step=3)  # 24 rows, global batch 64
+    cfg = resolve_config(tiny_config("grpo", prompts_per_step=3))  # 24 rows, global batch 64
     with pytest.raises(ValueError, match=r"grpo.prompts_per_step x grpo.num_generations = 24 rows"):
         GRPOTask(cfg, build_model(cfg), make_mesh(MESH))
-    cfg = tiny_config("grpo", aggregation="mean")
     with pytest.raises(ValueError, match="grpo.aggregation='mean'"):
-        GRPOTask(cfg, build_model(cfg), make_mesh(MESH))
+        resolve_config(tiny_config("grpo", aggregation="mean"))

@@ -51,7 +51,7 @@ def test_all_linear_targets_the_12_tower_projections_never_lm_head():
     assert set(report["by_name"]) == set(lora.ALL_LINEAR)
     assert report["by_name"]["gate_proj"] == 4 and report["by_name"]["in_proj_qkv"] == 2
     assert not any("lm_head" in m for m in report["modules"])
-    # PEFT on the tiny container with the same shapes, docs/qwen35-architecture.md §6 (r=4): 17,984 trainable parameters
+    # PEFT on the tiny container with the same shapes, docs/design/qwen35-architecture.md §6 (r=4): 17,984 trainable parameters
     assert report["trainable_params"] == 17984
 
 

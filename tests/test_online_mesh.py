@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from configs import grpo_tiny, ppo_tiny
-from jaxrl.algorithms.run import build_model
-from jaxrl.algorithms.tasks import get_trainer
+from jaxrl.algorithms.run import build_model, resolve_config
+from jaxrl.algorithms.tasks import get_task_factory
 from jaxrl.parallel.mesh import DATA, FSDP, make_mesh
 from jaxrl.train.loop import Trainer
 
@@ -21,8 +21,9 @@ def first_rollout(name, shape, tmp_path):
     cfg.tensorboard, cfg.checkpoint_async = False, False
     cfg.mesh.shape = shape
     mesh = make_mesh(shape)
+    cfg = resolve_config(cfg)
     model = build_model(cfg)
-    task = get_trainer(name)(cfg, model, mesh)
+    task = get_task_factory(name)(cfg, model, mesh)
     trainer = Trainer(cfg, model, task, str(tmp_path / f"{name}_{mesh.devices.size}"), mesh=mesh)
     sampled = task.engine.run(trainer.current_model(), 0)
     backend = task.engine.collector.backend

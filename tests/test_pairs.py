@@ -70,7 +70,7 @@ def test_best_worst_kept_set_and_audit():
     assert (tb["chosen_sample_index"], tb["rejected_sample_index"]) == (1, 4)
     assert (tb["chosen"], tb["rejected"]) == ("same", "tiebreak-s4")
     assert (tb["chosen_tokens"], tb["rejected_tokens"]) == (200, 150)
-    # schema of interfaces.md, plus our provenance keys
+    # schema of docs/reference/interfaces.md, plus our provenance keys
     for p in pairs:
         assert set(P.PAIR_KEYS) <= set(p)
         assert p["messages"] == MSGS and p["model"] == "base" and p["max_new_tokens"] == CAP

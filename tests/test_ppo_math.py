@@ -1,4 +1,4 @@
-"""PPO math against plain numpy loops transcribed from docs/algorithms.md 2.3 (TRL's PPO trainer is not in trl
+"""PPO math against plain numpy loops transcribed from docs/design/algorithms.md 2.3 (TRL's PPO trainer is not in trl
 1.16's package any more, so there is no TRL code to call) and torch autograd for the loss gradients."""
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def loss_batch(seed=0, B=8, T=6):
 
 
 def np_ppo(logp, old, adv, values, old_v, returns, mask, c=0.2, cv=0.2, vf_coef=0.1):
-    """docs/algorithms.md 2.3: pg = mean_t max(-A rho, -A clip(rho)); vf = 1/2 mean_t max((V-R)^2,
+    """docs/design/algorithms.md 2.3: pg = mean_t max(-A rho, -A clip(rho)); vf = 1/2 mean_t max((V-R)^2,
     (clip(V, V_old +- c_v) - R)^2); loss = pg + vf_coef vf (masked means over the batch)."""
     rho = np.exp(logp - old)
     pg = np.maximum(-adv * rho, -adv * np.clip(rho, 1 - c, 1 + c))

@@ -15,7 +15,7 @@ from jaxrl.algorithms.ppo_task import PPOTask, ValueHead
 from jaxrl.models.qwen35.checkpoint import is_base_param
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.models.adapters import load_adapter
-from jaxrl.algorithms.run import build_model, run_training
+from jaxrl.algorithms.run import build_model, resolve_config, run_training
 from jaxrl.train.loop import Trainer
 from jaxrl.train.metrics import read_metrics
 
@@ -24,6 +24,7 @@ NAN, INF = float("nan"), float("inf")
 
 
 def _run(cfg, workdir, **kwargs):
+    cfg = resolve_config(cfg)
     model = build_model(cfg)
     task = PPOTask(cfg, model, make_mesh(MESH))
     trainer = Trainer(cfg, model, task, workdir, mesh=make_mesh(MESH), **kwargs)
@@ -154,7 +155,7 @@ def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
     from jaxrl.algorithms import ppo as ppo_lib
     from jaxrl.models.lora import iter_lora
 
-    cfg = tiny_config("ppo", adaptive_kl=True, temperature=1.0, kl_estimator="k1")
+    cfg = resolve_config(tiny_config("ppo", adaptive_kl=True, temperature=1.0, kl_estimator="k1"))
     model = build_model(cfg)
     rng = np.random.default_rng(0)
     for _, lora in iter_lora(model):
@@ -168,10 +169,10 @@ def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
             return super().update(coef, current_kl, n_steps)
 
     task.controller = Recording(*task.controller)
-    buffer, metrics = task.make_rollout(0, model, None)
-    ref = completion_passes.teacher_forced(model, buffer, completion_len=cfg.ppo.max_new_tokens, adapters=False,
-                                batch_size=cfg.ppo.logprob_batch_size, temperature=1.0,
-                                chunk_size=cfg.logprob_chunk_size)["logp"]
+    buffer, metrics = task.make_rollout(0, model)
+    ref = completion_passes.teacher_forced(model, buffer, max_new_tokens=cfg.ppo.max_new_tokens, adapters=False,
+                                           batch_size=cfg.ppo.logprob_batch_size, temperature=1.0,
+                                           chunk_size=cfg.logprob_chunk_size)["logp"]
     mask = buffer["completion_mask"] > 0
     kl = np.asarray(kl_lib.kl(buffer["old_logp"], ref, "k1", mask=mask), np.float64)
     lengths = mask.sum(-1)
@@ -226,6 +227,6 @@ def test_configs_reproduce_the_users_runs():
 
 @pytest.mark.slow
 def test_rows_must_equal_minibatches_times_the_global_batch():
-    cfg = tiny_config("ppo", minibatches=3)
+    cfg = resolve_config(tiny_config("ppo", minibatches=3))
     with pytest.raises(ValueError, match=r"must equal ppo.minibatches \(3\)"):
         PPOTask(cfg, build_model(cfg), make_mesh(MESH))

@@ -28,7 +28,7 @@ def random_inputs(seed, batch=2, seq_len=150, hk=2, hv=4, dk=16, dv=8):
 
 
 def numpy_recurrence(q, k, v, g, beta):
-    """Independent float64 transcription of docs/qwen35-architecture.md §3.1 (one loop per token)."""
+    """Independent float64 transcription of docs/design/qwen35-architecture.md §3.1 (one loop per token)."""
     q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
     rep = v.shape[2] // k.shape[2]
     q, k = np.repeat(q, rep, 2), np.repeat(k, rep, 2)

@@ -233,4 +233,4 @@ def test_presets_have_the_real_shapes():
     from flax import nnx
     abstract = nnx.eval_shape(lambda: qwen35.Qwen35(four, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     n_params = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
-    assert abs(n_params - 4.206e9) / 4.206e9 < 0.01  # docs/qwen35-architecture.md §1.2: 4.206B with tied embeddings
+    assert abs(n_params - 4.206e9) / 4.206e9 < 0.01  # docs/design/qwen35-architecture.md §1.2: 4.206B with tied embeddings

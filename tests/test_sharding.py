@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxrl.models import lora, qwen35
 from jaxrl.parallel import distributed
 from jaxrl.parallel import sharding as shd
+from jaxrl.algorithms.run import resolve_config
 from jaxrl.parallel.mesh import MeshConfigError, make_mesh, mesh_from_config
 from jaxrl.train.objective import NextToken
 from jaxrl.algorithms.sft_task import synthetic_batch
@@ -103,7 +104,7 @@ def test_batch_that_cannot_split_over_the_mesh_fails_clearly(parts):
 
 
 def test_mesh_from_config():
-    cfg = ml_collections.ConfigDict({"mesh": {"shape": (2, -1, 2)}})
+    cfg = resolve_config(ml_collections.ConfigDict({"mesh": {"shape": (2, -1, 2)}}))
     assert dict(mesh_from_config(cfg).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert make_mesh((1, 1, 1)).devices.size == 1  # a subset of the devices on one process
     with pytest.raises(MeshConfigError, match="needs 16 devices"):
@@ -133,7 +134,7 @@ def test_users_micro_batch_of_one_is_refit_to_the_mesh_keeping_the_global_batch(
     # the trainer takes 8 x 1 instead (the update does not depend on the split) and config.json records it.
     import json
     from configs import sft_tiny
-    from jaxrl.algorithms.run import fit_micro_batch_to_mesh, run_training
+    from jaxrl.algorithms.run import fit_micro_batch_to_mesh, resolve_config, run_training
     mesh = make_mesh((1, 8, 1))
     c = sft_tiny.get_config()
     c.batch.micro_batch_size, c.batch.grad_accum, c.steps, c.checkpoint_every = 1, 8, 2, 2
@@ -145,8 +146,9 @@ def test_users_micro_batch_of_one_is_refit_to_the_mesh_keeping_the_global_batch(
     c2 = sft_tiny.get_config()
     c2.batch.micro_batch_size, c2.batch.grad_accum = 2, 6  # 12 rows over 8 devices: no split exists
     with pytest.raises(ValueError, match=r"12 rows per step cannot be split over data x fsdp = 8 devices"):
-        fit_micro_batch_to_mesh(c2, mesh)
+        fit_micro_batch_to_mesh(resolve_config(c2), mesh)
     c3 = sft_tiny.get_config()
     c3.batch.micro_batch_size, c3.batch.grad_accum = 4, 4  # 4 -> 8 x 2
-    assert fit_micro_batch_to_mesh(c3, mesh) and (c3.batch.micro_batch_size, c3.batch.grad_accum) == (8, 2)
-    assert not fit_micro_batch_to_mesh(c3, mesh)
+    fitted = fit_micro_batch_to_mesh(resolve_config(c3), mesh)
+    assert (fitted.batch.micro_batch_size, fitted.batch.grad_accum) == (8, 2)
+    assert fit_micro_batch_to_mesh(fitted, mesh) is fitted  # already fits: unchanged

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxrl.algorithms.registry import PluginError
+from jaxrl.algorithms.plugins import PluginError
 from jaxrl.sweep.runner import merged_metrics
 from jaxrl.sweep.spec import SweepError, load_sweep, parse_spec
 

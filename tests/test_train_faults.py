@@ -12,7 +12,7 @@ from configs import sft_tiny
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.models.adapters import load_adapter
 from jaxrl.train.checkpoints import RunCheckpoints
-from jaxrl.algorithms.run import build_model
+from jaxrl.algorithms.run import build_model, resolve_config
 from jaxrl.train.loop import NonFiniteError, Trainer
 from jaxrl.train.metrics import read_metrics
 from jaxrl.algorithms.sft_task import SFTTask
@@ -35,6 +35,7 @@ def test_nonfinite_steps_are_skipped_counted_and_the_limit_stops_with_a_checkpoi
     cfg.model_overrides.num_hidden_layers = 1
     cfg.model_overrides.layer_types = ("linear_attention",)
     cfg.compile_options.xla_backend_optimization_level = 0  # and a quicker one
+    cfg = resolve_config(cfg)
     model = build_model(cfg)
     snapshots = {}
 

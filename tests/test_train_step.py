@@ -2,7 +2,6 @@
 transformers, chunked log-probs against the full softmax."""
 
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -15,7 +14,7 @@ from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.parallel.sharding import nnx_state_shardings
 from jaxrl.train.objective import NextToken
-from jaxrl.train.optim import make_optimizer, make_schedule
+from jaxrl.train.optim import OptimizerConfig, make_optimizer, make_schedule
 from jaxrl.algorithms.sft_task import synthetic_batch
 from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.train.state import ParamCodec, create_train_state
@@ -45,11 +44,10 @@ def test_update_does_not_depend_on_the_micro_batch_split():
     """The same 8-row global batch (ragged left padding) as 1 x 8, 8 x 1 and 2 x 4 (micro_batch_size x
     grad_accum): equal loss, gradient norm and parameters after two AdamW steps, within fp32 rounding. A trainer
     that averaged micro-batch losses by count would be off by the factor grad_accum."""
-    cfg = sft_tiny.get_config()
-    cfg.optimizer.warmup_steps = 0
-    cfg.optimizer.max_grad_norm = 0.05  # clipping active: it must act on the summed gradient
+    optimizer = OptimizerConfig(learning_rate=sft_tiny.get_config().optimizer.learning_rate, warmup_steps=0,
+                                max_grad_norm=0.05)  # clipping active: it must act on the summed gradient
     graphdef, codec, params, frozen = make_parts()
-    tx, schedule = make_optimizer(cfg.optimizer, total_steps=10)
+    tx, schedule = make_optimizer(optimizer, total_steps=10)
     step_fn = make_train_step(NextToken(chunk_size=32), tx, schedule, graphdef, codec)
     mesh = make_mesh((1, 1, 1))
     frozen = jax.device_put(frozen, nnx_state_shardings(frozen, mesh))
@@ -69,7 +67,7 @@ def test_update_does_not_depend_on_the_micro_batch_split():
         results[(mb, accum)] = (metrics, jax.device_get(state.params))
 
     ref_metrics, ref_params = results[(8, 1)]
-    assert ref_metrics[0]["grad_norm"] > cfg.optimizer.max_grad_norm  # so clipping really acted
+    assert ref_metrics[0]["grad_norm"] > optimizer.max_grad_norm  # so clipping really acted
     for key, (metrics, params_after) in results.items():
         for m, r in zip(metrics, ref_metrics):
             np.testing.assert_allclose(m["loss"], r["loss"], rtol=2e-6, err_msg=str(key))
@@ -128,10 +126,10 @@ HF_SCHEDULES = {
 @pytest.mark.parametrize("name", sorted(HF_SCHEDULES))
 def test_schedules_match_transformers(name):
     total, warmup, lr = 20, 3, 2e-5
-    opt_cfg = ml_collections.ConfigDict(dict(learning_rate=lr, schedule=name, warmup_steps=warmup))
+    opt_cfg = OptimizerConfig(learning_rate=lr, schedule=name, warmup_steps=warmup)
     ours = np.asarray(make_schedule(opt_cfg, total)(jnp.arange(total + 1)))
     np.testing.assert_allclose(ours / lr, HF_SCHEDULES[name], rtol=1e-6, atol=1e-9)
-    ratio = ml_collections.ConfigDict(dict(learning_rate=lr, schedule=name, warmup_steps=0, warmup_ratio=0.1))
+    ratio = OptimizerConfig(learning_rate=lr, schedule=name, warmup_steps=0, warmup_ratio=0.1)
     assert np.asarray(make_schedule(ratio, total)(jnp.arange(4)))[1] == pytest.approx(lr / 2)  # ceil(2.0) = 2
 
 
@@ -139,8 +137,8 @@ def test_adamw_with_clipping_matches_torch():
     """Three steps of our optimizer (clip_by_global_norm + AdamW, weight decay) against torch's
     clip_grad_norm_ + torch.optim.AdamW on the same gradients."""
     import torch
-    opt_cfg = ml_collections.ConfigDict(dict(learning_rate=1e-2, schedule="constant", warmup_steps=0,
-                                             weight_decay=0.1, b1=0.9, b2=0.99, eps=1e-8, max_grad_norm=0.5))
+    opt_cfg = OptimizerConfig(learning_rate=1e-2, schedule="constant", warmup_steps=0, weight_decay=0.1, b1=0.9,
+                              b2=0.99, eps=1e-8, max_grad_norm=0.5)
     tx, _ = make_optimizer(opt_cfg, total_steps=10)
     rng = np.random.default_rng(0)
     params = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
@@ -189,9 +187,9 @@ def test_sft_jsonl_rows_masks_and_epoch_order(tmp_path):
 
 
 def test_registry_resolves_sft_and_names_the_missing_algorithm():
-    from jaxrl.algorithms import trainers as registry
-    assert registry.get_trainer("sft").__name__ == "build_sft"
-    assert "sft" in registry.trainer_names()
-    with pytest.raises(registry.UnknownAlgorithm, match=r"algorithm='nope' is not a registered trainer"):
-        registry.get_trainer("nope")
-    assert registry.get_trainer("jaxrl.algorithms.sft_task:build_sft") is registry.get_trainer("sft")
+    from jaxrl.algorithms import tasks
+    assert tasks.get_task_factory("sft").__name__ == "build_sft"
+    assert "sft" in tasks.algorithm_names()
+    with pytest.raises(tasks.UnknownAlgorithm, match=r"algorithm='nope' is not a registered algorithm"):
+        tasks.get_task_factory("nope")
+    assert tasks.get_task_factory("jaxrl.algorithms.sft_task:build_sft") is tasks.get_task_factory("sft")

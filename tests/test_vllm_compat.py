@@ -251,21 +251,21 @@ def test_partial_gdn_targets_pack_exactly_when_the_refusal_says(base, tmp_path, 
 
 
 def test_unpackable_targets_are_refused_at_training_start(base):
-    import ml_collections
+    import dataclasses
 
+    from jaxrl.utils.train_config import LoRAConfig
     from jaxrl.models import qwen35
     import jax.numpy as jnp
     model = qwen35.from_pretrained(base[0], dtype=jnp.float32)
-    cfg = ml_collections.ConfigDict({"rank": 4, "alpha": 8.0, "targets": "in_proj_z,out_proj", "use_rslora": False,
-                                     "dropout": 0.0, "allow_vllm_unpackable": False})
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets="in_proj_z,out_proj")
     with pytest.raises(LoRAError, match=r"vLLM 0.33 cannot serve.*in_proj_z without .*in_proj_qkv.*"
                                         r"Add in_proj_qkv to lora.targets.*allow_vllm_unpackable"):
         apply_lora_from_config(model, cfg)
-    cfg.allow_vllm_unpackable = True  # the explicit key: allowed (jaxrl and PEFT serve it)
-    report = apply_lora_from_config(model, cfg)
+    # the explicit key: allowed (jaxrl and PEFT serve it)
+    report = apply_lora_from_config(model, dataclasses.replace(cfg, allow_vllm_unpackable=True))
     assert report["by_name"] == {"in_proj_z": 2, "out_proj": 2}
     model2 = qwen35.from_pretrained(base[0], dtype=jnp.float32)
-    cfg2 = ml_collections.ConfigDict({"rank": 4, "alpha": 8.0, "targets": "all-linear"})  # an old config block
+    cfg2 = LoRAConfig(rank=4, alpha=8.0, targets="all-linear")
     assert len(apply_lora_from_config(model2, cfg2)["modules"]) == 2 * 8 + 2 * 7
 
 

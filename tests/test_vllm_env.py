@@ -1,4 +1,4 @@
-"""The documented vLLM environment (vllm_backend.ENV_RECIPE, docs/vllm.md) resolves, with pip's own resolver against
+"""The documented vLLM environment (vllm_backend.ENV_RECIPE, docs/guides/vllm.md) resolves, with pip's own resolver against
 PyPI, to the vLLM version the backend targets, for a GPU machine (CPython 3.12, manylinux x86_64); and vLLM 0.33
 cannot share jaxrl's environment (its transformers pin excludes ours), which is why it has its own."""
 
@@ -37,7 +37,7 @@ def pypi():
 
 
 def test_docs_give_the_recipe_the_backend_states():
-    doc = (ROOT / "docs" / "vllm.md").read_text()
+    doc = (ROOT / "docs" / "guides/vllm.md").read_text()
     for line in ENV_RECIPE:
         assert line in doc, line
     assert ENV_RECIPE[1].endswith(f"'{VLLM_REQUIREMENT}'")

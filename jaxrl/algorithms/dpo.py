@@ -1,6 +1,6 @@
 """DPO-family preference losses: pure, jit-compatible, float32.
 
-Definitions follow TRL's ``DPOTrainer._compute_loss`` (trl 1.16) and ``docs/algorithms.md`` section 2.1; SimPO
+Definitions follow TRL's ``DPOTrainer._compute_loss`` (trl 1.16) and ``docs/design/algorithms.md`` section 2.1; SimPO
 follows TRL's ``CPOTrainer.cpo_loss``. Notation per pair i of the batch (all ``[B]``):
 
 * ``chosen_logps`` = sum over the chosen completion's tokens of log pi_theta; ``rejected_logps`` likewise;
@@ -11,14 +11,10 @@ follows TRL's ``CPOTrainer.cpo_loss``. Notation per pair i of the batch (all ``[
   Every form is 0 at r = 0; only ``delta = s_w - s_l`` enters the losses that accept a transform.
 * ``|y|`` = number of completion tokens (``chosen_lengths``), clamped to >= 1.
 
-Adding a variant is one decorated function of a :class:`PairInputs`::
-
-    @register_loss("my_loss")
-    def my_loss(p: PairInputs) -> jax.Array:          # [B]
-        return -jax.nn.log_sigmoid(p.beta * p.delta)
-
-or, from a user's file, ``jaxrl.algorithms.registry.load_plugin("my_losses.py:my_loss", kind="dpo_loss")``;
-either way ``dpo_loss(..., loss_type="my_loss")`` then uses it.
+A loss is a function of a :class:`PairInputs` returning per-pair losses ``[B]``, registered in ``LOSSES`` with the
+:class:`LossSpec` of what it reads. The built-ins below register themselves with ``_builtin_loss``; a user's loss
+comes in through ``jaxrl.algorithms.plugins`` (``plugins.register("dpo_loss", name)`` or a ``plugins`` config
+entry), which checks it on example pairs first. Either way ``dpo_loss(..., loss_type=name)`` then uses it.
 
 Micro-batch contract of :func:`combined_dpo_loss` (the trainer sums micro-batch contributions; pass the
 normalisers of the whole accumulated batch):
@@ -40,16 +36,15 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxrl.algorithms import checks
 from jaxrl.utils.registry import Registry
 
 __all__ = [
     "PairInputs",
     "DPOInputs",
     "LossSpec",
-    "register_loss",
+    "LOSSES",
+    "PLUGIN_SPEC",
     "loss_spec",
     "make_pair_inputs",
     "f_divergence_scores",
@@ -93,7 +88,9 @@ class PairInputs(NamedTuple):
 
 
 class LossSpec(NamedTuple):
-    """What a loss reads, for argument checks: TRL's rules on which losses accept what."""
+    """What a loss reads, for argument checks: TRL's rules on which losses accept what. A plug-in declares these
+    as keywords of its registration (``plugins.register("dpo_loss", name, reference_free=True)`` or the same keys
+    in its `plugins` config entry); undeclared ones take the values of :data:`PLUGIN_SPEC`."""
 
     label_smoothing: bool = False  # reads label_smoothing (others warn if it is set)
     f_divergence: bool = False  # valid with a non-reverse_kl score transform
@@ -102,52 +99,28 @@ class LossSpec(NamedTuple):
     across_pairs: bool = False  # couples the pairs it is given (sorts them): depends on the micro-batch size
 
 
-# Plug-ins get the permissive spec: they may read anything in PairInputs.
-_PLUGIN_SPEC = LossSpec(label_smoothing=True, f_divergence=True)
-_SPECS: dict[str, LossSpec] = {}
+# A loss registered without a spec (a plug-in that declares nothing) may read anything in PairInputs: label
+# smoothing and f-divergences are allowed for it; it needs the reference log-probs, and it does not need lengths.
+PLUGIN_SPEC = LossSpec(label_smoothing=True, f_divergence=True)
 
-SIGNATURE = "fn(p: jaxrl.algorithms.dpo.PairInputs) -> per-pair losses, float array of shape [B]"
-
-
-def check_loss_plugin(label: str, fn: Callable) -> None:
-    """A user's DPO loss on example pairs: eagerly, under jit, and differentiated through the log-probs the way
-    training does (PluginError naming what is wrong)."""
-    checks.check_signature(label, fn, SIGNATURE, 1)
-    B = 3
-    # Fixed, well-behaved example inputs (numpy: no jax.random compile on the start-up path).
-    rng = np.random.default_rng(0)
-    logps = [jnp.asarray(-20.0 + 5.0 * rng.standard_normal(B), jnp.float32) for _ in range(4)]
-    lengths = jnp.array([3.0, 7.0, 12.0])
-    p = make_pair_inputs(*logps, beta=0.1, label_smoothing=0.1, chosen_lengths=lengths,
-                         rejected_lengths=lengths + 2.0)
-
-    def via_logps(cl, rl):
-        return fn(make_pair_inputs(cl, rl, logps[2], logps[3], beta=0.1, label_smoothing=0.1,
-                                   chosen_lengths=lengths, rejected_lengths=lengths + 2.0))
-
-    checks.run_checks(label, SIGNATURE, fn, (p,), (B,))
-    checks.run_checks(label, SIGNATURE, via_logps, (logps[0], logps[1]), (B,), grad_argnums=(0, 1))
+LOSSES = Registry("dpo_loss", hint="A loss of your own: a `plugins` entry of kind dpo_loss (jaxrl.algorithms.plugins)")
 
 
-LOSSES = Registry("dpo_loss", signature=SIGNATURE, validate=check_loss_plugin,
-                  hint="A function of your own can be added with "
-                       "jaxrl.algorithms.registry.load_plugin('file.py:fn', kind='dpo_loss')")
-
-
-def register_loss(name: str, **spec) -> Callable:
-    """Decorator registering ``fn(p: PairInputs) -> [B]`` as DPO ``loss_type=name`` (see :class:`LossSpec`)."""
+def _builtin_loss(name: str, **spec) -> Callable:
+    """Decorator registering one of this module's losses as ``loss_type=name`` with its :class:`LossSpec`
+    (unchecked: the built-ins are tested against TRL instead)."""
 
     def deco(fn):
-        LOSSES.add(name, fn)
-        _SPECS[name] = LossSpec(**spec)
+        LOSSES.add(name, fn, info=LossSpec(**spec))
         return fn
 
     return deco
 
 
 def loss_spec(name: str) -> LossSpec:
-    LOSSES.get(name)  # raises a helpful KeyError for unknown names
-    return _SPECS.get(name, _PLUGIN_SPEC)
+    """What loss ``name`` reads; a helpful KeyError for an unknown name."""
+    spec = LOSSES.info(name)
+    return PLUGIN_SPEC if spec is None else spec
 
 
 # ------------------------------------------------------------------------------------------------- inputs
@@ -235,26 +208,26 @@ def _smoothed_sigmoid(z, eps):
 # Each: PairInputs -> [B] float32. Comments give the paper / TRL reference.
 
 
-@register_loss("sigmoid", f_divergence=True)
+@_builtin_loss("sigmoid", f_divergence=True)
 def sigmoid_loss(p: PairInputs) -> jax.Array:
     """DPO (Rafailov et al. 2023): -log sigmoid(beta * delta). Not label-smoothed (TRL >= 1.x: use robust)."""
     return -jax.nn.log_sigmoid(p.beta * p.delta)
 
 
-@register_loss("hinge", f_divergence=True)
+@_builtin_loss("hinge", f_divergence=True)
 def hinge_loss(p: PairInputs) -> jax.Array:
     """SLiC (Zhao et al. 2023): max(0, 1 - beta * delta)."""
     return jax.nn.relu(1.0 - p.beta * p.delta)
 
 
-@register_loss("ipo", f_divergence=True, needs_lengths=True)
+@_builtin_loss("ipo", f_divergence=True, needs_lengths=True)
 def ipo_loss(p: PairInputs) -> jax.Array:
     """IPO (Azar et al. 2023, eq. 17), length-normalised as TRL: (s_w/|y_w| - s_l/|y_l| - 1/(2 beta))^2."""
     lw, ll = _lengths(p, "ipo")
     return (p.chosen_scores / lw - p.rejected_scores / ll - 1.0 / (2.0 * p.beta)) ** 2
 
 
-@register_loss("exo_pair", f_divergence=True, label_smoothing=True)
+@_builtin_loss("exo_pair", f_divergence=True, label_smoothing=True)
 def exo_pair_loss(p: PairInputs) -> jax.Array:
     """EXO-pref (Ji et al. 2024, eq. 16): KL(softmax(beta*s) || [1-eps, eps]) over {chosen, rejected}; eps > 0."""
     z = p.beta * p.delta
@@ -264,54 +237,54 @@ def exo_pair_loss(p: PairInputs) -> jax.Array:
     )
 
 
-@register_loss("nca_pair")
+@_builtin_loss("nca_pair")
 def nca_pair_loss(p: PairInputs) -> jax.Array:
     """NCA (Chen et al. 2024): -log sig(beta r_w) - 1/2 log sig(-beta r_w) - 1/2 log sig(-beta r_l)."""
     cw, cl = p.beta * p.chosen_logratios, p.beta * p.rejected_logratios
     return -jax.nn.log_sigmoid(cw) - 0.5 * jax.nn.log_sigmoid(-cw) - 0.5 * jax.nn.log_sigmoid(-cl)
 
 
-@register_loss("robust", f_divergence=True, label_smoothing=True)
+@_builtin_loss("robust", f_divergence=True, label_smoothing=True)
 def robust_loss(p: PairInputs) -> jax.Array:
     """rDPO (Chowdhury et al. 2024): [-(1-eps) log sig(z) + eps log sig(-z)] / (1 - 2 eps), z = beta delta."""
     z, eps = p.beta * p.delta, p.label_smoothing
     return (-(1.0 - eps) * jax.nn.log_sigmoid(z) + eps * jax.nn.log_sigmoid(-z)) / (1.0 - 2.0 * eps)
 
 
-@register_loss("bco_pair")
+@_builtin_loss("bco_pair")
 def bco_pair_loss(p: PairInputs) -> jax.Array:
     """BCO on pairs (Jung et al. 2024), without the running reward shift: -log sig(beta r_w) - log sig(-beta r_l)."""
     return -jax.nn.log_sigmoid(p.beta * p.chosen_logratios) - jax.nn.log_sigmoid(-p.beta * p.rejected_logratios)
 
 
-@register_loss("sppo_hard")
+@_builtin_loss("sppo_hard")
 def sppo_hard_loss(p: PairInputs) -> jax.Array:
     """SPPO with hard win probabilities (Wu et al. 2024): (r_w - 1/(2 beta))^2 + (r_l + 1/(2 beta))^2."""
     half = 0.5 / p.beta
     return (p.chosen_logratios - half) ** 2 + (p.rejected_logratios + half) ** 2
 
 
-@register_loss("aot", label_smoothing=True, across_pairs=True)
+@_builtin_loss("aot", label_smoothing=True, across_pairs=True)
 def aot_loss(p: PairInputs) -> jax.Array:
     """AOT paired (Melnyk et al. 2024): delta = sort_B(pi_w - pi_l) - sort_B(ref_w - ref_l); smoothed sigmoid."""
     d = jnp.sort(p.chosen_logps - p.rejected_logps) - jnp.sort(p.ref_chosen_logps - p.ref_rejected_logps)
     return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
 
 
-@register_loss("aot_unpaired", label_smoothing=True, across_pairs=True)
+@_builtin_loss("aot_unpaired", label_smoothing=True, across_pairs=True)
 def aot_unpaired_loss(p: PairInputs) -> jax.Array:
     """AOT unpaired: delta = sort_B(r_w) - sort_B(r_l); smoothed sigmoid."""
     d = jnp.sort(p.chosen_logratios) - jnp.sort(p.rejected_logratios)
     return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
 
 
-@register_loss("apo_zero")
+@_builtin_loss("apo_zero")
 def apo_zero_loss(p: PairInputs) -> jax.Array:
     """APO-zero (D'Oosterlinck et al. 2024, eq. 7): (1 - sig(beta r_w)) + sig(beta r_l)."""
     return (1.0 - jax.nn.sigmoid(p.beta * p.chosen_logratios)) + jax.nn.sigmoid(p.beta * p.rejected_logratios)
 
 
-@register_loss("apo_down")
+@_builtin_loss("apo_down")
 def apo_down_loss(p: PairInputs) -> jax.Array:
     """APO-down (eq. 8): sig(beta r_w) + (1 - sig(beta (r_w - r_l)))."""
     return jax.nn.sigmoid(p.beta * p.chosen_logratios) + (
@@ -319,7 +292,7 @@ def apo_down_loss(p: PairInputs) -> jax.Array:
     )
 
 
-@register_loss("discopop", f_divergence=True)
+@_builtin_loss("discopop", f_divergence=True)
 def discopop_loss(p: PairInputs) -> jax.Array:
     """DiscoPOP (Chris Lu et al. 2024, eq. 5): z = beta delta, g = sig(z/tau): (1-g)(-log sig(z)) + g exp(-z)."""
     z = p.beta * p.delta
@@ -327,14 +300,14 @@ def discopop_loss(p: PairInputs) -> jax.Array:
     return (1.0 - g) * (-jax.nn.log_sigmoid(z)) + g * jnp.exp(-z)
 
 
-@register_loss("sigmoid_norm", f_divergence=True, needs_lengths=True)
+@_builtin_loss("sigmoid_norm", f_divergence=True, needs_lengths=True)
 def sigmoid_norm_loss(p: PairInputs) -> jax.Array:
     """Length-normalised DPO: -log sig(beta (s_w/|y_w| - s_l/|y_l|))."""
     lw, ll = _lengths(p, "sigmoid_norm")
     return -jax.nn.log_sigmoid(p.beta * (p.chosen_scores / lw - p.rejected_scores / ll))
 
 
-@register_loss("simpo", label_smoothing=True, reference_free=True, needs_lengths=True)
+@_builtin_loss("simpo", label_smoothing=True, reference_free=True, needs_lengths=True)
 def simpo_loss(p: PairInputs) -> jax.Array:
     """SimPO (Meng et al. 2024; TRL CPOTrainer): u = logp_w/|y_w| - logp_l/|y_l| - gamma/beta, no reference;
     -(1-eps) log sig(beta u) - eps log sig(-beta u)."""
@@ -343,7 +316,7 @@ def simpo_loss(p: PairInputs) -> jax.Array:
     return _smoothed_sigmoid(p.beta * u, p.label_smoothing)
 
 
-LOSS_TYPES = tuple(_SPECS)  # the built-ins; LOSSES.names() also lists plug-ins
+LOSS_TYPES = LOSSES.names()  # the built-ins; LOSSES.names() also lists plug-ins once loaded
 
 
 # ------------------------------------------------------------------------------------------------- entry points
@@ -356,7 +329,7 @@ def _check_args(name: str, spec: LossSpec, label_smoothing, f_divergence: str, h
         raise ValueError(f"unknown f_divergence {f_divergence!r}; choose one of {F_DIVERGENCES}")
     if f_divergence != "reverse_kl" and not spec.f_divergence:
         # The f-DPO reparameterisation leaves a beta*log Z(x) term that only cancels in s_w - s_l.
-        ok = sorted(n for n, s in _SPECS.items() if s.f_divergence)
+        ok = [n for n in LOSSES.names() if loss_spec(n).f_divergence]
         raise ValueError(f"f_divergence={f_divergence!r} is not valid for loss_type={name!r}; only for {ok}")
     if not have_ref and not spec.reference_free:
         raise ValueError(f"loss_type={name!r} needs ref_chosen_logps and ref_rejected_logps")
@@ -369,7 +342,7 @@ def _check_args(name: str, spec: LossSpec, label_smoothing, f_divergence: str, h
         if eps != 0.0 and not spec.label_smoothing:
             warnings.warn(
                 f"label_smoothing={eps} is ignored by loss_type={name!r} (as in TRL); losses that read it: "
-                f"{sorted(n for n, s in _SPECS.items() if s.label_smoothing)}",
+                f"{[n for n in LOSSES.names() if loss_spec(n).label_smoothing]}",
                 stacklevel=3,
             )
 

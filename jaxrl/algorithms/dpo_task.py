@@ -44,7 +44,6 @@ from absl import logging
 from flax import nnx
 
 from jaxrl.algorithms import dpo as dpo_lib
-from jaxrl.algorithms import plugins
 from jaxrl.data import dpo_data
 from jaxrl.data.chat import load_tokenizer
 from jaxrl.data.pairs import read_pairs, read_problem_messages, verify_cohort
@@ -54,10 +53,9 @@ from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.train import batched_forward
 from jaxrl.train.objective import target_mask
-from jaxrl.utils.config import to_plain
+from jaxrl.train.task import TaskContext
 from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
-from jaxrl.utils.schema import DPO, DPO_DATA
-
+from jaxrl.utils.train_config import DPOConfig, DPODataConfig, TrainConfig
 REF_CACHE = "ref_logps.npz"
 DATA_STATS = "data_stats.json"
 
@@ -265,7 +263,7 @@ def resolve_pairs_path(path: str) -> tuple[Path, Optional[dict]]:
     return p, None
 
 
-def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[list, Optional[dict]]:
+def load_encoded_pairs(path: str, data: DPODataConfig, tokenizer_path: str) -> tuple[list, Optional[dict]]:
     """Encoded pairs of a pairs file / cohort (text or pre-tokenised) and the cohort manifest, if any."""
     file, manifest = resolve_pairs_path(path)
     records = read_jsonl(file)
@@ -273,25 +271,56 @@ def load_encoded_pairs(path: str, data_cfg: dict, tokenizer_path: str) -> tuple[
         raise ValueError(f"{file}: no pairs")
     if dpo_data.is_pretokenized(records[0]):
         return dpo_data.pretokenized_pairs(records, where=str(file)), manifest
-    records = read_pairs(file)  # checks the interfaces.md keys, naming file and line
+    records = read_pairs(file)  # checks the docs/reference/interfaces.md keys, naming file and line
     if not tokenizer_path:
         raise ValueError(f"{file} holds text pairs: set data.tokenizer or model_path to a folder with a tokenizer "
                          "and chat template")
     tokenizer = load_tokenizer(tokenizer_path)
-    problems = data_cfg.get("problems") or ""
-    messages = read_problem_messages(problems) if problems else None
-    return dpo_data.tokenize_pairs(records, tokenizer, bool(data_cfg["enable_thinking"]), messages), manifest
+    messages = read_problem_messages(data.problems) if data.problems else None
+    return dpo_data.tokenize_pairs(records, tokenizer, data.enable_thinking, messages), manifest
 
 
-def _model_identity(config) -> dict:
+def _model_identity(config: TrainConfig) -> dict:
     """What identifies the base weights, for the reference cache's fingerprint."""
     path = config.model_path
     if path:
         files = sorted(Path(path).glob("*.safetensors")) + sorted(Path(path).glob("config.json"))
         return {"model_path": os.path.abspath(path),
                 "files": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
-    return {"model_preset": config.model_preset, "model_seed": int(config.model_seed),
-            "model_overrides": to_plain(config.model_overrides) or {}}
+    return {"model_preset": config.model_preset, "model_seed": config.model_seed,
+            "model_overrides": dict(config.model_overrides)}
+
+
+def build_objective(dpo: DPOConfig, chunk_size: int) -> DPOObjective:
+    """The objective of a run's `dpo` block: loss names and weights checked, the reference source chosen (batch /
+    adapters_off / none for reference-free losses). Plug-in losses are registered before this (run_training)."""
+    loss_types = parse_loss_types(dpo.loss_type)
+    for name in loss_types:
+        if name != "sft":
+            try:
+                dpo_lib.loss_spec(name)
+            except KeyError as e:
+                raise ValueError(f"dpo.loss_type: {e}") from None
+    weights = tuple(float(w) for w in dpo.loss_weights)
+    if weights and len(weights) != len(loss_types):
+        raise ValueError(f"dpo.loss_weights has {len(weights)} entries for {len(loss_types)} loss types "
+                         f"{loss_types}")
+    reference_free = all(n == "sft" or dpo_lib.loss_spec(n).reference_free for n in loss_types)
+    reference = "none" if reference_free else ("batch" if dpo.precompute_ref_logps else "adapters_off")
+    objective = DPOObjective(
+        loss_types=loss_types, loss_weights=weights or None, beta=dpo.beta, label_smoothing=dpo.label_smoothing,
+        gamma=dpo.simpo_gamma, discopop_tau=dpo.discopop_tau, f_divergence=dpo.f_divergence, f_alpha=dpo.f_alpha,
+        reference=reference, chunk_size=chunk_size)
+    # Argument checks of the loss (f-divergence validity, label smoothing ranges) now, not inside the jit.
+    z = jnp.zeros((1,), jnp.float32)
+    dpo_lib.combined_dpo_loss(dpo_lib.DPOInputs(jnp.zeros((1, 1)), jnp.ones((1, 1)), jnp.zeros((1, 1)),
+                                                jnp.ones((1, 1)), None if reference_free else z,
+                                                None if reference_free else z),
+                              loss_types, weights or None, beta=objective.beta,
+                              label_smoothing=objective.label_smoothing, gamma=objective.gamma,
+                              discopop_tau=objective.discopop_tau, f_divergence=objective.f_divergence,
+                              f_alpha=objective.f_alpha)
+    return objective
 
 
 # ------------------------------------------------------------------------------------------------- task
@@ -300,80 +329,41 @@ def _model_identity(config) -> dict:
 class DPOTask:
     """Batches of pairs for the Trainer, reference log-probs, held-out evaluation (module docstring)."""
 
-    def __init__(self, config, model, mesh):
+    def __init__(self, config: TrainConfig, model, mesh):
         self.config, self.mesh = config, mesh
-        dcfg = DPO.resolve(config.get("dpo", None), "dpo")
-        self.data_cfg = DPO_DATA.resolve(config.get("data", None), "data")
-        self.seed = int(config.seed)
-        self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        self.chunk_size = int(config.logprob_chunk_size)
-        self.ref_batch_size = int(dcfg["ref_batch_size"]) or int(config.batch.micro_batch_size)
-        self.compile_options = batched_forward.compile_options(config)
+        self.data: DPODataConfig = config.data
+        self.seed = config.seed
+        self.global_batch = config.batch.global_batch
+        self.chunk_size = config.logprob_chunk_size
+        self.ref_batch_size = config.dpo.ref_batch_size or config.batch.micro_batch_size
+        self.compile_options = dict(config.compile_options)
 
-        self.objective = self._build_objective(dcfg)  # first: a broken plug-in or loss fails before data work
-        check_pair_coupled_losses(self.objective.loss_types, int(config.batch.micro_batch_size),
-                                  int(config.batch.grad_accum))
+        self.objective = build_objective(config.dpo, self.chunk_size)  # first: a bad loss fails before data work
+        check_pair_coupled_losses(self.objective.loss_types, config.batch.micro_batch_size, config.batch.grad_accum)
         self.precompute = self.objective.reference == "batch"
 
         self.train, self.eval = self._build_data(model)
         if len(self.train) == 0:
             raise ValueError("no training pairs")
         self.position = 0
-        self.ref: Optional[dict[str, np.ndarray]] = None  # train: {"chosen", "rejected"}, set on the first batch
+        self.ref: Optional[dict[str, np.ndarray]] = None  # train: {"chosen", "rejected"}, set by setup()
         self.eval_ref: Optional[dict[str, np.ndarray]] = None
-        self._prepared = False
+        self.context: Optional[TaskContext] = None
 
     # ---------------------------------------------------------------------------------------------- building
-    def _build_objective(self, dcfg: dict) -> DPOObjective:
-        """The objective from the `dpo` block: plug-ins registered, loss names and weights checked, the
-        reference source chosen (batch / adapters_off / none for reference-free losses)."""
-        for p in plugins.load_plugins(plugins.dpo_plugin_entries(dcfg["plugin"])):
-            logging.info("dpo.plugin %s registered as loss_type %r", p["path"], p["name"])
-        loss_types = parse_loss_types(dcfg["loss_type"])
-        for name in loss_types:
-            if name != "sft":
-                try:
-                    dpo_lib.loss_spec(name)
-                except KeyError as e:
-                    raise ValueError(f"dpo.loss_type: {e}") from None
-        weights = tuple(float(w) for w in (dcfg["loss_weights"] or ()))
-        if weights and len(weights) != len(loss_types):
-            raise ValueError(f"dpo.loss_weights has {len(weights)} entries for {len(loss_types)} loss types "
-                             f"{loss_types}")
-        reference_free = all(n == "sft" or dpo_lib.loss_spec(n).reference_free for n in loss_types)
-        precompute = bool(dcfg["precompute_ref_logps"])
-        reference = "none" if reference_free else ("batch" if precompute else "adapters_off")
-        objective = DPOObjective(
-            loss_types=loss_types, loss_weights=weights or None, beta=float(dcfg["beta"]),
-            label_smoothing=float(dcfg["label_smoothing"]), gamma=float(dcfg["simpo_gamma"]),
-            discopop_tau=float(dcfg["discopop_tau"]), f_divergence=str(dcfg["f_divergence"]),
-            f_alpha=float(dcfg["f_alpha"]), reference=reference, chunk_size=self.chunk_size)
-        # Argument checks of the loss (f-divergence validity, label smoothing ranges) now, not inside the jit.
-        z = jnp.zeros((1,), jnp.float32)
-        dpo_lib.combined_dpo_loss(dpo_lib.DPOInputs(jnp.zeros((1, 1)), jnp.ones((1, 1)), jnp.zeros((1, 1)),
-                                                    jnp.ones((1, 1)), None if reference_free else z,
-                                                    None if reference_free else z),
-                                  loss_types, weights or None, beta=objective.beta,
-                                  label_smoothing=objective.label_smoothing, gamma=objective.gamma,
-                                  discopop_tau=objective.discopop_tau, f_divergence=objective.f_divergence,
-                                  f_alpha=objective.f_alpha)
-        return objective
-
-
     def _build_data(self, model) -> tuple[dpo_data.PairSequences, Optional[dpo_data.PairSequences]]:
         """(training pairs, held-out pairs or None) as arrays, after the length policy; sets seq_cfg, manifest,
         stats."""
+        data = self.data
         pad = model.config.pad_token_id
-        max_prompt = int(self.data_cfg["max_prompt_length"] or 0)
         self.seq_cfg = dpo_data.SequenceConfig(
-            max_length=int(self.data_cfg["max_length"]), max_prompt_length=max_prompt or None,
-            overlong=str(self.data_cfg["overlong"]), min_prompt_tokens=int(self.data_cfg["min_prompt_tokens"]),
-            pad_multiple=int(self.data_cfg["pad_multiple"]), pad_id=0 if pad is None else int(pad))
+            max_length=data.max_length, max_prompt_length=data.max_prompt_length or None, overlong=data.overlong,
+            min_prompt_tokens=data.min_prompt_tokens, pad_multiple=data.pad_multiple,
+            pad_id=0 if pad is None else int(pad))
         encoded, self.manifest = self._load(model)
-        expected = int(self.data_cfg["expected_pairs"] or 0)
-        if expected and len(encoded) != expected:
-            raise ValueError(f"data.pairs={self.data_cfg['pairs']!r} holds {len(encoded)} pairs; "
-                             f"data.expected_pairs={expected}")
+        if data.expected_pairs and len(encoded) != data.expected_pairs:
+            raise ValueError(f"data.pairs={data.pairs!r} holds {len(encoded)} pairs; "
+                             f"data.expected_pairs={data.expected_pairs}")
         full = dpo_data.build_sequences(encoded, self.seq_cfg)
         logging.info("DPO data: %s", dpo_data.format_stats(full.stats))
         vocab = int(model.config.vocab_size)
@@ -382,42 +372,36 @@ class DPOTask:
             raise ValueError(f"data.pairs: token id {top} is outside the model's vocabulary ({vocab})")
         self.stats = {"train": full.stats}
 
-        eval_path = self.data_cfg["eval_pairs"]
-        eval_fraction = float(self.data_cfg["eval_fraction"])
-        if eval_path and eval_fraction:
-            raise ValueError("set data.eval_pairs or data.eval_fraction, not both")
-        if eval_fraction:
-            train_rows, eval_rows = dpo_data.split_eval(full.pair_ids, eval_fraction, self.seed)
+        if data.eval_fraction:
+            train_rows, eval_rows = dpo_data.split_eval(full.pair_ids, data.eval_fraction, self.seed)
             return full.subset(train_rows), full.subset(eval_rows)
-        if eval_path:
-            enc, _ = load_encoded_pairs(eval_path, self.data_cfg, self._tokenizer_path())
+        if data.eval_pairs:
+            enc, _ = load_encoded_pairs(data.eval_pairs, data, self._tokenizer_path())
             held = dpo_data.build_sequences(enc, self.seq_cfg)
             self.stats["eval"] = held.stats
-            logging.info("DPO held-out data (%s): %s", eval_path, dpo_data.format_stats(held.stats))
+            logging.info("DPO held-out data (%s): %s", data.eval_pairs, dpo_data.format_stats(held.stats))
             return full, held
         return full, None
 
     # ---------------------------------------------------------------------------------------------- loading
     def _tokenizer_path(self) -> str:
-        return self.data_cfg["tokenizer"] or self.config.model_path
+        return self.data.tokenizer or self.config.model_path
 
     def _load(self, model):
-        source = self.data_cfg["source"]
-        if source == "synthetic":
+        data = self.data
+        if data.source == "synthetic":
             records = dpo_data.synthetic_pairs(
-                int(self.data_cfg["synthetic_pairs"]), int(model.config.vocab_size), self.seed,
-                prompt_len=int(self.data_cfg["synthetic_prompt_len"]),
-                completion_len=int(self.data_cfg["synthetic_completion_len"]),
-                num_tokens=int(self.data_cfg["synthetic_num_tokens"]) or None,
+                data.synthetic_pairs, int(model.config.vocab_size), self.seed, prompt_len=data.synthetic_prompt_len,
+                completion_len=data.synthetic_completion_len, num_tokens=data.synthetic_num_tokens or None,
                 eos_id=int(np.ravel(model.config.eos_token_id)[0]))
             return dpo_data.pretokenized_pairs(records, where="synthetic"), None
-        if source != "pairs":
-            raise ValueError(f"data.source={source!r}; choose 'pairs' or 'synthetic'")
-        if not self.data_cfg["pairs"]:
+        if data.source != "pairs":
+            raise ValueError(f"data.source={data.source!r}; choose 'pairs' or 'synthetic'")
+        if not data.pairs:
             raise ValueError("data.pairs is empty: set it to a pairs.jsonl or a frozen cohort folder")
-        encoded, manifest = load_encoded_pairs(self.data_cfg["pairs"], self.data_cfg, self._tokenizer_path())
+        encoded, manifest = load_encoded_pairs(data.pairs, data, self._tokenizer_path())
         if manifest is not None:
-            logging.info("cohort %s verified: %d pairs, sha256 %s", self.data_cfg["pairs"], manifest.get("size", 0),
+            logging.info("cohort %s verified: %d pairs, sha256 %s", data.pairs, manifest.get("size", 0),
                          manifest["sha256"])
         return encoded, manifest
 
@@ -426,13 +410,13 @@ class DPOTask:
         return {"data_sha256": seqs.digest(), "num_pairs": len(seqs),
                 "pair_ids_sha256": hashlib.sha256("\n".join(seqs.pair_ids).encode()).hexdigest(),
                 "max_length": self.seq_cfg.max_length, "seq_len": int(seqs.arrays["chosen_input_ids"].shape[1]),
-                "dtype": str(self.config.dtype), "logprob_chunk_size": self.chunk_size,
+                "dtype": self.config.dtype, "logprob_chunk_size": self.chunk_size,
                 "model": _model_identity(self.config)}
 
-    def _reference(self, trainer, seqs: dpo_data.PairSequences, name: str) -> dict[str, np.ndarray]:
+    def _reference(self, context: TaskContext, seqs: dpo_data.PairSequences, name: str) -> dict[str, np.ndarray]:
         """Reference log-probs of `seqs` from `<workdir>/<name>` when its fingerprint matches, else computed
         with the adapters off and written there (atomically)."""
-        path = os.path.join(trainer.workdir, name)
+        path = os.path.join(context.workdir, name)
         want = json.loads(json.dumps(self.fingerprint(seqs), sort_keys=True))  # as read back (tuples -> lists)
         if os.path.exists(path):
             try:
@@ -448,7 +432,7 @@ class DPOTask:
                     return cached
                 diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
                 logging.warning("%s is stale (differs in %s); recomputing the reference log-probs", path, diff)
-        model = trainer.current_model()
+        model = context.current_policy()
         chosen, rejected = sequence_logps_all(model, seqs.arrays, adapters=False, batch_size=self.ref_batch_size,
                                               chunk_size=self.chunk_size, mesh=self.mesh,
                                               compile_options=self.compile_options)
@@ -463,12 +447,13 @@ class DPOTask:
         logging.info("reference log-probs of %d pairs computed (adapters off) and cached in %s", len(seqs), path)
         return {"chosen": chosen, "rejected": rejected}
 
-    def _prepare(self, trainer) -> None:
-        """Workdir-dependent set-up on the first batch: reference log-probs and data_stats.json."""
+    def setup(self, context: TaskContext) -> None:
+        """Before the first step: reference log-probs (cached in the workdir) and data_stats.json."""
+        self.context = context
         if self.precompute:
-            self.ref = self._reference(trainer, self.train, REF_CACHE)
+            self.ref = self._reference(context, self.train, REF_CACHE)
             if self.eval is not None:
-                self.eval_ref = self._reference(trainer, self.eval, "eval_" + REF_CACHE)
+                self.eval_ref = self._reference(context, self.eval, "eval_" + REF_CACHE)
         if is_main_process():
             info = {**self.stats, "train_pairs": len(self.train), "eval_pairs": 0 if self.eval is None else
                     len(self.eval), "global_batch": self.global_batch,
@@ -476,8 +461,7 @@ class DPOTask:
                     "reference": self.objective.reference, "loss_types": list(self.objective.loss_types)}
             if self.manifest is not None:
                 info["cohort"] = {k: self.manifest.get(k) for k in ("sha256", "size", "seed", "source", "file")}
-            atomic_write_json(os.path.join(trainer.workdir, DATA_STATS), info)
-        self._prepared = True
+            atomic_write_json(os.path.join(context.workdir, DATA_STATS), info)
 
     # ---------------------------------------------------------------------------------------------- Task
     def rows(self, step: int) -> np.ndarray:
@@ -485,11 +469,9 @@ class DPOTask:
         permutations (epoch e: permutation(seed, e))."""
         return epoch_stream(len(self.train), step * self.global_batch, self.global_batch, seed=self.seed, salt=6121)
 
-    def batch(self, step: int, trainer=None):
-        if not self._prepared:
-            if trainer is None:
-                raise ValueError("DPOTask.batch needs the trainer on its first call (workdir, current model)")
-            self._prepare(trainer)
+    def batch(self, step: int):
+        if self.context is None:
+            raise RuntimeError("DPOTask.batch before setup(context): the reference log-probs are not prepared")
         index = self.rows(step)
         out = {k: v[index] for k, v in self.train.arrays.items()}
         if self.objective.reference == "batch":
@@ -521,7 +503,7 @@ class DPOTask:
                                         chunk_size=self.chunk_size, mesh=self.mesh,
                                         compile_options=self.compile_options)
             ref = {"chosen": rc, "rejected": rr}
-            if seqs is self.eval and self._prepared:  # the base never changes: score it once per run
+            if seqs is self.eval and self.context is not None:  # the base never changes: score it once per run
                 self.eval_ref = ref
         c, r = sequence_logps_all(model, seqs.arrays, adapters=True, batch_size=self.ref_batch_size,
                                   chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options)
@@ -530,14 +512,14 @@ class DPOTask:
         out["eval_pairs"] = float(len(seqs))
         return out
 
-    def on_checkpoint(self, step: int, trainer) -> Optional[dict]:
+    def on_checkpoint(self, step: int, policy) -> Optional[dict]:
         if self.eval is None:
             return None
-        out = self.evaluate(trainer.current_model())
+        out = self.evaluate(policy)
         logging.info("step %d held-out: preference accuracy %.3f, reward margin %.4f (%d pairs)", step,
                      out["eval_preference_accuracy"], out["eval_reward_margin"], len(self.eval))
         return out
 
 
-def build_dpo(config, model, mesh) -> DPOTask:
+def build_dpo(config: TrainConfig, model, mesh) -> DPOTask:
     return DPOTask(config, model, mesh)

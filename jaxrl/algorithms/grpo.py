@@ -1,7 +1,7 @@
 """GRPO objective math: group-relative advantages, the clipped surrogate, KL, and micro-batch-exact aggregation.
 
 Pure and jit-compatible; the trainer loop lives elsewhere. Definitions follow TRL's ``GRPOTrainer``
-(``_generate_and_score_completions`` and ``_compute_loss``, trl 1.16) and ``docs/algorithms.md`` section 2.2.
+(``_generate_and_score_completions`` and ``_compute_loss``, trl 1.16) and ``docs/design/algorithms.md`` section 2.2.
 
 Shapes: ``N`` completions = prompts x ``num_generations``, laid out prompt-major (prompt j's samples are
 ``j*G ... j*G+G-1``, as ``jaxrl.rollout.generate`` returns them). A micro-batch holds ``b`` completions padded
@@ -45,7 +45,6 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxrl.algorithms import checks
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.utils.registry import Registry
 
@@ -177,21 +176,10 @@ def rloo_advantages(rewards: jax.Array, num_generations: int) -> jax.Array:
     return jnp.where(jnp.isnan(adv), 0.0, adv)
 
 
-# Registered estimators: fn(rewards [N], num_generations) -> [N].
-ADVANTAGE_SIGNATURE = "fn(rewards: float array [N], num_generations: int) -> advantages, float array [N]"
-
-
-def check_advantage_plugin(label: str, fn) -> None:
-    """A user's advantage estimator on example rewards (3 groups of 4), eagerly and under jit."""
-    checks.check_signature(label, fn, ADVANTAGE_SIGNATURE, 2)
-    G, n_groups = 4, 3
-    rewards = jnp.array([0.0, 1.0, 0.5, 1.0, 0.2, 0.2, 0.9, 0.0, 1.0, 0.0, 0.0, 0.25], jnp.float32)
-    checks.run_checks(label, ADVANTAGE_SIGNATURE, lambda r: fn(r, G), (rewards,), (G * n_groups,))
-
-
-ADVANTAGES = Registry("advantage", signature=ADVANTAGE_SIGNATURE, validate=check_advantage_plugin,
-                      hint="A function of your own can be added with "
-                           "jaxrl.algorithms.registry.load_plugin('file.py:fn', kind='advantage')")
+# Advantage estimators by name: fn(rewards [N], num_generations) -> [N]. The built-ins are added here; a user's
+# own comes in through jaxrl.algorithms.plugins, which checks it first.
+ADVANTAGES = Registry("advantage",
+                      hint="An estimator of your own: a `plugins` entry of kind advantage (jaxrl.algorithms.plugins)")
 ADVANTAGES.add("grpo", lambda r, g: group_advantages(r, g, "group"))
 ADVANTAGES.add("grpo_batch_std", lambda r, g: group_advantages(r, g, "batch"))
 ADVANTAGES.add("dr_grpo", lambda r, g: group_advantages(r, g, "none"))

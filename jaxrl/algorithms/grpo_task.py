@@ -47,11 +47,7 @@ from absl import logging
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import completion_passes, online_rollouts, online_task
-from jaxrl.utils.schema import GRPO
-
-
-def _cfg(config) -> dict:
-    return GRPO.resolve(config.get("grpo", None), "grpo")
+from jaxrl.utils.train_config import GRPOConfig, TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +56,7 @@ class GRPOObjective:
     mask), advantages [b]; sequence_mask [b] (1 = counts in num_sequences); ref_logp [b, C] when beta != 0;
     old_logp [b, C] unless on-policy."""
 
-    max_completion_length: int
+    max_new_tokens: int  # the completion cap: Dr. GRPO's L_max
     aggregation: str = "sequence_mean"
     beta: float = 0.0
     kl_estimator: str = "k3"
@@ -74,14 +70,14 @@ class GRPOObjective:
     chunk_size: int = 512
 
     def normalisers(self, batch):
-        return grpo_lib.global_normalizers(batch["completion_mask"], self.max_completion_length,
+        return grpo_lib.global_normalizers(batch["completion_mask"], self.max_new_tokens,
                                            sequence_mask=batch["sequence_mask"])
 
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
         h, logp, ent = completion_passes.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
-                                             temperature=self.temperature,
-                                             entropy=self.entropy or bool(self.entropy_coef))
+                                                        temperature=self.temperature,
+                                                        entropy=self.entropy or bool(self.entropy_coef))
         loss, metrics = grpo_lib.grpo_loss(
             logp, micro_batch.get("old_logp"), micro_batch["advantages"], mask, normalisers,
             ref_logp=micro_batch.get("ref_logp"), beta=self.beta, kl_estimator=self.kl_estimator,
@@ -104,79 +100,63 @@ def advantages_of(rewards: np.ndarray, num_generations: int, estimator: str, sca
 
 
 class GRPOTask(online_task.OnlineTask):
-    def __init__(self, config, model, mesh):
-        g = _cfg(config)
-        self.g = g
-        for key in ("num_generations", "prompts_per_step", "max_new_tokens", "num_iterations"):
-            if int(g[key]) < 1:
-                raise ValueError(f"grpo.{key} must be >= 1, got {g[key]}")
-        if g["scale_rewards"] not in grpo_lib.SCALE_REWARDS:
-            raise ValueError(f"grpo.scale_rewards={g['scale_rewards']!r}; choose one of {grpo_lib.SCALE_REWARDS}")
-        if g["aggregation"] not in grpo_lib.AGGREGATIONS:
-            raise ValueError(f"grpo.aggregation={g['aggregation']!r}; choose one of {grpo_lib.AGGREGATIONS}")
-        kl_lib.kl(jnp.zeros((1, 1)), jnp.zeros((1, 1)), g["kl_estimator"])  # unknown estimator: error now
-        self.K = int(g["num_generations"])
-        if self.K < 2:
+    def __init__(self, config: TrainConfig, model, mesh):
+        grpo: GRPOConfig = config.grpo
+        self.grpo = grpo
+        kl_lib.kl(jnp.zeros((1, 1)), jnp.zeros((1, 1)), grpo.kl_estimator)  # unknown estimator: error now
+        if grpo.num_generations < 2:
             logging.warning("grpo.num_generations=1: every group has zero variance and zero advantage")
-        global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        rows = int(g["prompts_per_step"]) * self.K
-        online_task.check_rows(rows, global_batch, "grpo.prompts_per_step x grpo.num_generations")
-        super().__init__(config, online_task.Schedule(rows, global_batch, int(g["num_iterations"]), int(config.seed)))
-        self.beta = float(g["beta"])
-        self.temperature = float(g["temperature"])
-        self.C = int(g["max_new_tokens"])
+        global_batch = config.batch.global_batch
+        online_task.check_rows(grpo.rows_per_rollout, global_batch, "grpo.prompts_per_step x grpo.num_generations")
+        super().__init__(config, online_task.Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations,
+                                                      config.seed))
         self.on_policy = self.schedule.steps_per_rollout == 1
         # The sampler's log-probs match a teacher-forced pass to ~1e-6 in float32 only; in bf16 its KV-cache
-        # decode drifts (4e-3 mean, 4e-2 max on a 2-layer model), so the first update's ratio would not be 1.
-        compute_dtype = jnp.dtype(getattr(model, "dtype", None) or config.get("dtype", "float32"))
+        # decode drifts, so the first update's ratio would not be 1.
+        compute_dtype = jnp.dtype(getattr(model, "dtype", None) or config.dtype)
         low_precision = compute_dtype != jnp.float32
-        self.recompute = bool(g["recompute_old_logprobs"]) or self.temperature != 1.0 or low_precision
-        if self.recompute and not g["recompute_old_logprobs"] and not self.on_policy:
-            why = (f"grpo.temperature={self.temperature}: the sampler reports untempered log-probs"
-                   if self.temperature != 1.0 else f"dtype={compute_dtype.name}: the sampler's log-probs drift")
+        self.recompute = grpo.recompute_old_logprobs or grpo.temperature != 1.0 or low_precision
+        if self.recompute and not grpo.recompute_old_logprobs and not self.on_policy:
+            why = (f"grpo.temperature={grpo.temperature}: the sampler reports untempered log-probs"
+                   if grpo.temperature != 1.0 else f"dtype={compute_dtype.name}: the sampler's log-probs drift")
             logging.info("old log-probs are recomputed teacher-forced (%s)", why)
-        delta = float(g["delta"])
-        if delta and delta <= 1.0 + float(g["epsilon_high"]):
-            raise ValueError(f"grpo.delta={delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
-        self.chunk_size = int(config.logprob_chunk_size)
+        self.chunk_size = config.logprob_chunk_size
         self.objective = GRPOObjective(
-            max_completion_length=self.C, aggregation=g["aggregation"], beta=self.beta,
-            kl_estimator=g["kl_estimator"], epsilon_low=float(g["epsilon_low"]),
-            epsilon_high=float(g["epsilon_high"]), delta=delta or None,
-            importance_sampling_level=g["importance_sampling_level"], temperature=self.temperature,
-            entropy=bool(g["log_entropy"]), entropy_coef=float(g["entropy_coef"]), chunk_size=self.chunk_size)
+            max_new_tokens=grpo.max_new_tokens, aggregation=grpo.aggregation, beta=grpo.beta,
+            kl_estimator=grpo.kl_estimator, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
+            delta=grpo.delta or None, importance_sampling_level=grpo.importance_sampling_level,
+            temperature=grpo.temperature, entropy=grpo.log_entropy, entropy_coef=grpo.entropy_coef,
+            chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (
-            ("ref_logp",) if self.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",))
-        self.engine = online_rollouts.RolloutEngine(config, model, mesh, max_new_tokens=self.C, num_generations=self.K,
-                                           prompts_per_rollout=int(g["prompts_per_step"]),
-                                           temperature=self.temperature, top_p=float(g["top_p"]),
-                                           top_k=int(g["top_k"]), rollout_batch_size=int(g["rollout_batch_size"]))
+            ("ref_logp",) if grpo.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",))
+        self.engine = online_rollouts.RolloutEngine(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step,
+                                                    sampling=grpo)
         self.mesh = mesh
 
-    def make_rollout(self, rollout: int, model, trainer):
-        g = self.g
-        s = self.engine.run(model, rollout)
-        metrics = online_rollouts.sample_metrics(s, self.C)
+    def make_rollout(self, rollout: int, policy):
+        grpo, group = self.grpo, self.grpo.num_generations
+        s = self.engine.run(policy, rollout)
+        metrics = online_rollouts.sample_metrics(s, grpo.max_new_tokens)
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         rewards = s.rewards.copy()
-        if int(g["overlong_buffer"]) > 0:
-            pen = np.asarray(grpo_lib.overlong_penalty(s.lengths, self.C, int(g["overlong_buffer"]),
-                                                       float(g["overlong_penalty"])))
+        if grpo.overlong_buffer > 0:
+            pen = np.asarray(grpo_lib.overlong_penalty(s.lengths, grpo.max_new_tokens, grpo.overlong_buffer,
+                                                       grpo.overlong_penalty))
             rewards = rewards + pen
             metrics["reward/overlong_penalty"] = float(pen.mean())
-        adv = advantages_of(rewards, self.K, g["advantage_estimator"], g["scale_rewards"])
-        zero_var = np.asarray(grpo_lib.zero_variance_groups(rewards, self.K))
-        metrics["zero_variance_groups"] = float(zero_var.reshape(-1, self.K)[:, 0].mean())
+        adv = advantages_of(rewards, group, grpo.advantage_estimator, grpo.scale_rewards)
+        zero_var = np.asarray(grpo_lib.zero_variance_groups(rewards, group))
+        metrics["zero_variance_groups"] = float(zero_var.reshape(-1, group)[:, 0].mean())
         metrics.update({"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()),
                         "advantage/min": float(adv.min()), "advantage/max": float(adv.max()),
                         "advantage/abs_mean": float(np.abs(adv).mean())})
 
         mask = s.completion_mask.copy()
         mask[np.isnan(s.rewards)] = 0.0  # masked by the reward (truncation policy "mask"): no gradient
-        if g["mask_truncated"]:
+        if grpo.mask_truncated:
             mask[s.truncated] = 0.0
         seq = np.ones(len(rewards), np.float32)
-        if g["drop_zero_variance_groups"]:
+        if grpo.drop_zero_variance_groups:
             mask[zero_var] = 0.0
             seq[zero_var] = 0.0
         metrics["loss_tokens_fraction"] = float(mask.sum() / max(s.completion_mask.sum(), 1.0))
@@ -184,25 +164,25 @@ class GRPOTask(online_task.OnlineTask):
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
         buffer = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": mask,
                   "advantages": adv, "sequence_mask": seq}
-        common = dict(completion_len=self.C, batch_size=int(g["logprob_batch_size"]), chunk_size=self.chunk_size,
-                      mesh=self.mesh, compile_options=self.compile_options)
+        common = dict(max_new_tokens=grpo.max_new_tokens, batch_size=grpo.logprob_batch_size,
+                      chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options,
+                      temperature=grpo.temperature)
         t0 = time.perf_counter()
-        if self.beta != 0.0:  # the reference at the sampling temperature, like the policy's log-probs
-            buffer["ref_logp"] = completion_passes.teacher_forced(model, arrays, adapters=False, temperature=self.temperature,
-                                                       **common)["logp"]
+        if grpo.beta != 0.0:  # the reference at the sampling temperature, like the policy's log-probs
+            buffer["ref_logp"] = completion_passes.teacher_forced(policy, arrays, adapters=False, **common)["logp"]
         t1 = time.perf_counter()
         metrics["time/ref_logp_s"] = t1 - t0
-        old = s.behaviour_logp if self.temperature == 1.0 else None  # the sampler's are untempered
+        old = s.behaviour_logp if grpo.temperature == 1.0 else None  # the sampler's are untempered
         if not self.on_policy and self.recompute:
-            old = completion_passes.teacher_forced(model, arrays, adapters=True, temperature=self.temperature, **common)["logp"]
+            old = completion_passes.teacher_forced(policy, arrays, adapters=True, **common)["logp"]
         metrics["time/old_logp_s"] = time.perf_counter() - t1
         if not self.on_policy:
             buffer["old_logp"] = old
-        if self.beta != 0.0 and old is not None:
-            kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], self.g["kl_estimator"], mask=s.completion_mask))
+        if grpo.beta != 0.0 and old is not None:
+            kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], grpo.kl_estimator, mask=s.completion_mask))
             metrics["rollout/kl_ref"] = float((kl * s.completion_mask).sum() / max(s.completion_mask.sum(), 1.0))
         return buffer, metrics
 
 
-def build_grpo(config, model, mesh) -> GRPOTask:
+def build_grpo(config: TrainConfig, model, mesh) -> GRPOTask:
     return GRPOTask(config, model, mesh)

@@ -31,7 +31,7 @@ from jaxrl.rewards.toy import TokenTask
 from jaxrl.rollout.backends import JaxBackend, SamplingParams
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.keys import problem_key
-from jaxrl.utils.schema import ONLINE_DATA, REWARD
+from jaxrl.utils.train_config import OnlineDataConfig, RewardConfig, TrainConfig
 
 # ------------------------------------------------------------------------------------------------- prompts
 
@@ -86,54 +86,41 @@ class ProblemPrompts(PromptSource):
         return [self.ids[i] for i in idx], problems, [problem_key(p.id) for p in problems]
 
 
-def make_prompt_source(config, model) -> tuple[PromptSource, tuple[int, ...], int]:
-    """(prompt source, stop ids, pad id) from `config.data` (and the tokenizer of data.tokenizer / model_path)."""
-    data = ONLINE_DATA.resolve(config.get("data", None), "data")
-    source = data["source"]
-    seed = int(config.seed)
-    max_prompt_len = int(data["max_prompt_len"])
+def make_prompt_source(data: OnlineDataConfig, model, *, seed: int, model_path: str, max_new_tokens: int
+                       ) -> tuple[PromptSource, tuple[int, ...], int]:
+    """(prompt source, stop ids, pad id) from a run's `data` block (and the tokenizer of data.tokenizer, else
+    model_path). `max_new_tokens`: the completion cap the token task scores when data.score_tokens is 0."""
     eos = model.config.eos_token_id
     eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
     pad = model.config.pad_token_id
     pad = 0 if pad is None else int(pad)
-    if source == "token_task":
-        prompt_len = int(data["prompt_len"])
-        if prompt_len > max_prompt_len:
-            raise ValueError(f"data.prompt_len={prompt_len} exceeds data.max_prompt_len={max_prompt_len}")
-        score_tokens = int(data["score_tokens"]) or int(max_new_tokens_of(config))
-        task = TokenTask(vocab_size=int(model.config.vocab_size), prompt_len=prompt_len,
-                         num_classes=int(data["num_classes"]), score_tokens=score_tokens)
+    if data.source == "token_task":
+        if data.prompt_len > data.max_prompt_len:
+            raise ValueError(f"data.prompt_len={data.prompt_len} exceeds data.max_prompt_len={data.max_prompt_len}")
+        task = TokenTask(vocab_size=int(model.config.vocab_size), prompt_len=data.prompt_len,
+                         num_classes=data.num_classes, score_tokens=data.score_tokens or max_new_tokens)
         return TokenTaskPrompts(task, seed), eos, pad
-    if source == "problems":
-        tok_dir = data["tokenizer"] or config.model_path
+    if data.source == "problems":
+        tok_dir = data.tokenizer or model_path
         if not tok_dir:
             raise ValueError("data.source='problems' needs a tokenizer: set data.tokenizer or model_path")
         tokenizer = load_tokenizer(tok_dir)
-        prompts = ProblemPrompts(data["problems"], tokenizer,
-                                 enable_thinking=bool(data["enable_thinking"]),
-                                 max_prompt_len=max_prompt_len,
-                                 on_overlong=data["on_overlong"], seed=seed)
+        prompts = ProblemPrompts(data.problems, tokenizer, enable_thinking=data.enable_thinking,
+                                 max_prompt_len=data.max_prompt_len, on_overlong=data.on_overlong, seed=seed)
         if tokenizer.pad_token_id is not None:
             pad = int(tokenizer.pad_token_id)
         return prompts, chat_stop_ids(tokenizer, model.config.eos_token_id), pad
-    raise ValueError(f"data.source={source!r}; choose 'problems' or 'token_task'")
+    raise ValueError(f"data.source={data.source!r}; choose 'problems' or 'token_task'")
 
 
-def max_new_tokens_of(config) -> int:
-    block = config.get(config.algorithm, None) if isinstance(config.get("algorithm", None), str) else None
-    return int(block.get("max_new_tokens")) if block is not None and "max_new_tokens" in block else 0
-
-
-def make_reward(config):
-    """(Reward, field) from `config.reward`: `name`, `score` (partial | strict), the rest constructor kwargs."""
-    spec = REWARD.resolve(config.get("reward", None), "reward")
-    name, field = spec.pop("name"), spec.pop("score")
-    if field not in ("partial", "strict"):
-        raise ValueError(f"reward.score={field!r}; choose 'partial' or 'strict'")
+def make_reward(reward: RewardConfig):
+    """(Reward, field) from a run's `reward` block: `name`, `score` (partial | strict), the rest constructor
+    kwargs."""
     try:
-        return get_reward(name, **spec), field
+        return get_reward(reward.name, **reward.options), reward.score
     except TypeError as e:
-        raise ValueError(f"reward.name={name!r} does not take the keys {sorted(spec)} of config.reward: {e}") from e
+        raise ValueError(f"reward.name={reward.name!r} does not take the keys {sorted(reward.options)} of "
+                         f"config.reward: {e}") from e
 
 
 # ------------------------------------------------------------------------------------------------- rollouts
@@ -156,19 +143,19 @@ class Sampled:
 
 
 def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], logprobs, prompt_indices,
-              prompt_len: int, completion_len: int, pad_id: int) -> dict[str, np.ndarray]:
+              max_prompt_len: int, max_new_tokens: int, pad_id: int) -> dict[str, np.ndarray]:
     """Prompt-left-padded / completion-right-padded arrays of the module docstring."""
     n = len(tokens)
-    ids = np.full((n, prompt_len + completion_len), pad_id, np.int32)
-    attn = np.zeros((n, prompt_len + completion_len), np.int32)
-    cmask = np.zeros((n, completion_len), np.float32)
-    blogp = np.zeros((n, completion_len), np.float32)
+    ids = np.full((n, max_prompt_len + max_new_tokens), pad_id, np.int32)
+    attn = np.zeros((n, max_prompt_len + max_new_tokens), np.int32)
+    cmask = np.zeros((n, max_new_tokens), np.float32)
+    blogp = np.zeros((n, max_new_tokens), np.float32)
     for i in range(n):
         p = np.asarray(prompts[prompt_indices[i]], np.int32)
-        c = np.asarray(tokens[i], np.int32)[:completion_len]
-        ids[i, prompt_len - len(p):prompt_len] = p
-        ids[i, prompt_len:prompt_len + len(c)] = c
-        attn[i, prompt_len - len(p):prompt_len + len(c)] = 1
+        c = np.asarray(tokens[i], np.int32)[:max_new_tokens]
+        ids[i, max_prompt_len - len(p):max_prompt_len] = p
+        ids[i, max_prompt_len:max_prompt_len + len(c)] = c
+        attn[i, max_prompt_len - len(p):max_prompt_len + len(c)] = 1
         cmask[i, :len(c)] = 1.0
         blogp[i, :len(c)] = np.asarray(logprobs[i], np.float32)[:len(c)]
     return {"input_ids": ids, "attention_mask": attn, "completion_mask": cmask, "behaviour_logp": blogp}
@@ -179,28 +166,32 @@ class RolloutEngine:
     (`jaxrl.rollout.collect.Collector` over a `JaxBackend` holding the policy; its programs compile once per bucket
     and the policy's current weights are an argument of every call)."""
 
-    def __init__(self, config, model, mesh, *, max_new_tokens: int, num_generations: int, prompts_per_rollout: int,
-                 temperature: float, top_p: float, top_k: int = 0, rollout_batch_size: int = 0):
-        self.source, self.stop_ids, self.pad_id = make_prompt_source(config, model)
-        self.reward, self.reward_field = make_reward(config)
-        self.prompt_len = int(ONLINE_DATA.resolve(config.get("data", None), "data")["max_prompt_len"])
-        self.max_new_tokens, self.n = int(max_new_tokens), int(num_generations)
-        self.count = int(prompts_per_rollout)
-        self.rows = self.count * self.n
-        self.seed = int(config.seed)
-        self.sampling = SamplingParams(n=self.n, max_new_tokens=self.max_new_tokens, temperature=float(temperature),
-                                       top_p=float(top_p), top_k=int(top_k), seed=0)
+    def __init__(self, config: TrainConfig, model, mesh, *, prompts_per_rollout: int, sampling):
+        """`sampling`: the algorithm's block (GRPOConfig, PPOConfig): num_generations, max_new_tokens,
+        temperature, top_p, top_k, rollout_batch_size."""
+        self.max_new_tokens, self.num_generations = sampling.max_new_tokens, sampling.num_generations
+        self.source, self.stop_ids, self.pad_id = make_prompt_source(
+            config.data, model, seed=config.seed, model_path=config.model_path, max_new_tokens=self.max_new_tokens)
+        self.reward, self.reward_field = make_reward(config.reward)
+        self.max_prompt_len = config.data.max_prompt_len
+        self.prompts_per_rollout = prompts_per_rollout
+        self.rows = prompts_per_rollout * self.num_generations
+        self.seed = config.seed
+        self.sampling = SamplingParams(n=self.num_generations, max_new_tokens=self.max_new_tokens,
+                                       temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                       seed=0)
         self.mesh = mesh
-        self.batch_size = int(rollout_batch_size) or self.rows
+        self.batch_size = sampling.rollout_batch_size or self.rows
         self.collector: Optional[Collector] = None
 
     def collector_for(self, model) -> Collector:
-        """Built at the first rollout from the live policy (`trainer.current_model()`), not from the model the
+        """Built at the first rollout from the live policy (the Trainer's current model), not from the model the
         task factory saw: the backend keeps its model, and the trainer's copy of the frozen base (resharded) is
         the one that must stay alive. Later rollouts pass the current weights; nothing recompiles."""
         if self.collector is None:
-            backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size, max_prompt_len=self.prompt_len,
-                                 stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh)
+            backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size,
+                                 max_prompt_len=self.max_prompt_len, stop_ids=self.stop_ids, pad_id=self.pad_id,
+                                 mesh=self.mesh)
             self.collector = Collector(backend, self.reward, tokenizer=self.source.tokenizer, stop_ids=self.stop_ids)
         return self.collector
 
@@ -208,12 +199,12 @@ class RolloutEngine:
         return (self.seed * 1_000_003 + rollout * 7919 + 17) % 2 ** 32
 
     def run(self, model, rollout: int) -> Sampled:
-        prompts, problems, group_ids = self.source.prompts(rollout, self.count)
+        prompts, problems, group_ids = self.source.prompts(rollout, self.prompts_per_rollout)
         collector = self.collector_for(model)
         samples = collector.collect(prompts, group_ids, problems, self.sampling.replace(seed=self.sample_seed(rollout)),
                                     params=nnx.state(model))
         arrays = to_arrays(prompts, [s.tokens for s in samples], [s.logprobs for s in samples],
-                           [s.prompt_index for s in samples], self.prompt_len, self.max_new_tokens, self.pad_id)
+                           [s.prompt_index for s in samples], self.max_prompt_len, self.max_new_tokens, self.pad_id)
         rewards = np.asarray([np.nan if s.result.masked else float(getattr(s.result, self.reward_field))
                               for s in samples], np.float32)
         return Sampled(**arrays, lengths=np.asarray([len(s.tokens) for s in samples], np.int32),

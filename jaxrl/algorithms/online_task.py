@@ -1,11 +1,11 @@
 """The task base of online GRPO and PPO: the mapping of rollouts onto train steps, the rollout buffer on disk, and
-the Trainer's `batch` / `state_dict` / `on_checkpoint` over them.
+its Task phases over them (jaxrl.train.task: setup, needs_rollout / rollout, batch, on_checkpoint).
 
 Rollouts and train steps (the Trainer's unit is one optimizer update per step): a rollout of N rows is made when
 one is due and then served as U = N / B_global minibatches (B_global = batch.micro_batch_size x
 batch.grad_accum), `iterations` times over (GRPO num_iterations, PPO epochs), so rollout r covers train steps
 [r*S, (r+1)*S) with S = iterations x U. Within a rollout, pass i serves its rows in a permutation seeded by
-(seed, r, i). `trainer.current_model()` at the rollout's first step is the behaviour policy.
+(seed, r, i). The policy the Trainer holds at the rollout's first step is the behaviour policy.
 
 Resume: a rollout made from the same parameters is bit-identical (`jaxrl.algorithms.online_rollouts`). A run
 resumed at a rollout boundary therefore regenerates it from the restored parameters; a run resumed in the middle
@@ -29,8 +29,9 @@ import numpy as np
 from absl import logging
 
 from jaxrl.parallel.distributed import is_main_process
-from jaxrl.train import batched_forward
+from jaxrl.train.task import TaskContext
 from jaxrl.utils.io import atomic_write_bytes
+from jaxrl.utils.train_config import TrainConfig
 
 ROLLOUT_DIR = "rollouts"
 
@@ -128,25 +129,27 @@ class RolloutStore:
 
 
 class OnlineTask:
-    """Task base of GRPO and PPO (the Trainer's `batch` / `state_dict` / `on_checkpoint`), see the module
-    docstring. Subclasses implement `make_rollout(rollout, model, trainer) -> (buffer: {key: [N, ...]},
-    metrics)` and `train_keys` (the buffer keys a train batch carries), and may keep host state in
-    `host_state()` / `load_host_state(d)` (e.g. PPO's KL coefficient)."""
+    """Task base of GRPO and PPO (the phases of jaxrl.train.task), see the module docstring. Subclasses implement
+    `make_rollout(rollout, policy) -> (buffer: {key: [N, ...]}, metrics)` and `train_keys` (the buffer keys a train
+    batch carries), and may keep host state in `host_state()` / `load_host_state(d)` (e.g. PPO's KL
+    coefficient)."""
 
     train_keys: tuple[str, ...] = ()
 
-    def __init__(self, config, schedule: Schedule):
+    def __init__(self, config: TrainConfig, schedule: Schedule):
         self.config, self.schedule = config, schedule
-        self.compile_options = batched_forward.compile_options(config) or None
+        self.compile_options = dict(config.compile_options) or None
         self.buffer: Optional[dict] = None
         self.buffer_rollout = -1
         self.rollout_metrics: dict = {}
+        self.rollout_timing: dict = {}  # time/* of the rollout made for the next batch (logged once)
         self.loaded_state: dict = {}
+        self.context: Optional[TaskContext] = None
         self.store: Optional[RolloutStore] = None
         self.position = 0
 
     # subclasses -------------------------------------------------------------------------------------------
-    def make_rollout(self, rollout: int, model, trainer) -> tuple[dict, dict]:
+    def make_rollout(self, rollout: int, policy) -> tuple[dict, dict]:
         raise NotImplementedError
 
     def host_state(self) -> dict:
@@ -155,41 +158,50 @@ class OnlineTask:
     def load_host_state(self, state: dict) -> None:
         pass
 
-    # Task ---------------------------------------------------------------------------------------------------
-    def _ensure_rollout(self, rollout: int, first_step: bool, trainer) -> dict:
-        timing = {}
-        if self.buffer is not None and self.buffer_rollout == rollout:
-            return timing
-        if self.store is None:
-            self.store = RolloutStore(trainer.workdir)
-        if not first_step:  # resumed inside a rollout: it must be the one the interrupted run trained on
+    # Task phases --------------------------------------------------------------------------------------------
+    def setup(self, context: TaskContext) -> None:
+        self.context = context
+        self.store = RolloutStore(context.workdir)
+
+    def needs_rollout(self, step: int) -> bool:
+        """Whether train step `step` trains on a rollout this task does not hold yet."""
+        return self.buffer is None or self.buffer_rollout != self.schedule.locate(step)[0]
+
+    def rollout(self, step: int, policy) -> None:
+        """Make the rollout train step `step` trains on: sampled from `policy` when `step` is the rollout's first
+        step, else (a run resumed inside a rollout) read back from the buffer the interrupted run wrote."""
+        rollout = self.schedule.locate(step)[0]
+        self.rollout_timing = {}
+        if step % self.schedule.steps_per_rollout:  # resumed inside a rollout: it must be the one trained on
             loaded = self.store.load(rollout)
             if loaded is not None:
                 self.buffer, self.rollout_metrics = loaded
                 self.buffer_rollout = rollout
                 logging.info("resumed inside rollout %d: loaded %s", rollout, self.store.path(rollout))
-                return timing
+                return
             logging.warning("resumed inside rollout %d but %s is missing; sampling a new rollout from the current "
                             "policy (training goes on, but not bit-identical to an uninterrupted run)", rollout,
                             self.store.path(rollout))
         t0 = time.perf_counter()
-        self.buffer, metrics = self.make_rollout(rollout, trainer.current_model(), trainer)
+        self.buffer, metrics = self.make_rollout(rollout, policy)
         metrics = {k: float(v) for k, v in metrics.items()}
         self.buffer_rollout = rollout
         timing = {k: v for k, v in metrics.items() if k.startswith("time/")}
         self.rollout_metrics = {k: v for k, v in metrics.items() if not k.startswith("time/")}
         timing["time/rollout_s"] = time.perf_counter() - t0
+        self.rollout_timing = timing
         if self.schedule.steps_per_rollout > 1:  # a resume inside this rollout will need it
             self.store.save(rollout, self.buffer, self.rollout_metrics)
-        return timing
 
-    def batch(self, step: int, trainer):
+    def batch(self, step: int):
         r, i, u = self.schedule.locate(step)
-        timing = self._ensure_rollout(r, step % self.schedule.steps_per_rollout == 0, trainer)
+        if self.buffer_rollout != r:
+            raise RuntimeError(f"train step {step} needs rollout {r}; call rollout({step}, policy) first")
         rows = self.schedule.rows_of(r, i, u)
         out = {k: self.buffer[k][rows] for k in self.train_keys}
         self.position = step + 1
-        host = {**self.rollout_metrics, **timing, "rollout": float(r), "rollout_pass": float(i)}
+        host = {**self.rollout_metrics, **self.rollout_timing, "rollout": float(r), "rollout_pass": float(i)}
+        self.rollout_timing = {}
         return out, host
 
     def state_dict(self) -> dict:
@@ -206,22 +218,13 @@ class OnlineTask:
                              f"sizes changed); resume with the same values or use a new --workdir")
         self.load_host_state(state)
 
-    def on_checkpoint(self, step: int, trainer) -> None:
+    def on_checkpoint(self, step: int, policy) -> None:
         """Delete rollout buffers no kept checkpoint can need (a checkpoint at step s needs rollout s // S only
         when s is inside it)."""
         if self.store is None or self.schedule.steps_per_rollout == 1:
             return None
-        keep = trainer.config.keep_checkpoints
-        steps = sorted(self._state_steps(trainer))
-        if keep is None or not steps:
+        steps = self.context.checkpoint_steps()
+        if self.context.keep_checkpoints is None or not steps:
             return None
-        oldest = steps[0]
-        self.store.prune(oldest // self.schedule.steps_per_rollout)
+        self.store.prune(min(steps) // self.schedule.steps_per_rollout)
         return None
-
-    @staticmethod
-    def _state_steps(trainer) -> list[int]:
-        state_dir = trainer.ckpt.state_dir
-        if not os.path.isdir(state_dir):
-            return []
-        return [int(d) for d in os.listdir(state_dir) if d.isdigit()]

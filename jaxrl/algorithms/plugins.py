@@ -1,51 +1,305 @@
-"""The `plugins` config section: user objectives from the user's own Python files, loaded and checked BEFORE the
-model is built, then used by name from any algorithm's config.
+"""User plug-ins: a DPO loss, an advantage estimator, a KL estimator or a reward of your own, checked on example
+inputs and then used by name from any config. There is one way in, reached from code or from the config:
 
-    c.plugins = (
+    from jaxrl.algorithms import plugins
+
+    @plugins.register("dpo_loss", "margin_dpo")             # in code: checked now, then registered
+    def margin_dpo(p):
+        return -jax.nn.log_sigmoid(p.beta * p.delta - 0.5)
+
+    plugins.load("kl", "my_kl.py:squared")                  # a "file.py:fn" or "package.module:fn"
+
+    c.plugins = (                                           # the config: loaded by run_training first thing
         {"kind": "dpo_loss", "name": "margin_dpo", "path": "my_losses.py:margin_dpo"},
-        "advantage:centered=my_pkg.estimators:centered",        # "kind:name=path:fn"
-        "kl:my_kl.py:squared",                                   # "kind:path:fn" (name = function name)
+        "advantage:centered=my_pkg.estimators:centered",    # "kind:name=path:fn"
+        "kl:my_kl.py:squared",                              # "kind:path:fn" (name = the function's name)
     )
-    c.dpo.loss_type = "margin_dpo"          # or grpo.advantage_estimator=centered, grpo.kl_estimator=squared,
-                                            # reward.name=my_reward
+    c.dpo.loss_type = "margin_dpo"    # or grpo.advantage_estimator=centered, grpo.kl_estimator=squared, reward.name
 
-Kinds (`jaxrl.algorithms.registry`): `dpo_loss`, `advantage`, `kl` (checked: signature, output shape,
-finiteness, under jax.jit and jax.grad) and `reward` (a function `fn(completion, problem, **kwargs) -> bool |
-float in [0, 1] | RewardResult` is called on two example completions of a toy problem; a Reward class must have
-`score`). Anything wrong raises `jaxrl.utils.registry.PluginError` naming the entry (`plugins[i]`), the file and
-what was wrong. The DPO block's `dpo.plugin` ("file.py:fn,...") goes through the same loader
-(`dpo_plugin_entries`).
+Each goes through `_admit`: the name must be free (or held by the same function: a file loaded again on
+resume), the kind's check must pass, and only then is the function added to the kind's registry (KINDS), where
+the built-ins already are. The checks (`KINDS[kind].check`) run the function on small, well-behaved example
+inputs, eagerly, under jax.jit and, for losses and KL estimators, under jax.grad; a wrong signature, a wrong
+output shape or dtype, NaN/inf or an exception raises PluginError naming the plug-in (and the config entry,
+`plugins[i]`), the expected signature and what was wrong, before any model is loaded.
 
-`run_training` calls `load_config_plugins(config)` first thing, so `launchers.train`, the sweep runner and any
-script get the same fail-fast behaviour. `python -m jaxrl.algorithms.plugins CONFIG.json` checks a resolved
-config's plug-ins on the CPU (what `launchers.sweep` runs before it starts any point).
+A DPO loss may declare what it reads, with the keywords of jaxrl.algorithms.dpo.LossSpec (`reference_free`,
+`needs_lengths`, `across_pairs`, `label_smoothing`, `f_divergence`), as keyword arguments of `register` / `load`
+or as keys of its config entry; undeclared ones take dpo.PLUGIN_SPEC's values.
+
+`python -m jaxrl.algorithms.plugins CONFIG.json` loads a resolved config's plug-ins and checks the objective
+names it uses on the CPU (what `launchers.sweep` runs before any point starts). The DPO block's older key
+`dpo.plugin` ("file.py:fn,...") is read as entries of kind dpo_loss (`dpo_plugin_entries`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxrl.algorithms import registry
-from jaxrl.utils.registry import PluginError
+from jaxrl.algorithms import dpo, grpo, kl
+from jaxrl.rewards.base import RewardResult
+from jaxrl.rewards.registry import REWARDS, as_factory, example_problem
+from jaxrl.utils.registry import PluginError, Registry, origin_of, resolve
 
-KINDS = registry.kinds()
+__all__ = ["KINDS", "Kind", "PluginEntry", "PluginError", "REFERENCES", "absolute_paths", "check_references",
+           "dpo_plugin_entries", "get", "load", "load_plugins", "names", "parse_plugins",
+           "register", "unregister"]
+
+# ------------------------------------------------------------------------------------------------ the checks
+
+
+def _check_signature(label: str, fn: Callable, expected: str, n_args: int) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins / C functions: let the call decide
+    try:
+        sig.bind(*([None] * n_args))
+    except TypeError as e:
+        raise PluginError(f"{label}: wrong signature {sig}; expected {expected} ({e})") from None
+
+
+def _call(label: str, expected: str, how: str, fn: Callable, *args):
+    try:
+        return fn(*args)
+    except PluginError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in
+        hint = ""
+        if "jit" in how or "grad" in how:
+            hint = (" Training runs it inside jax.jit and jax.grad: use jnp operations, no Python if/float() on "
+                    "array values (jnp.where instead).")
+        raise PluginError(f"{label}: raised {type(e).__name__} when called {how} on example inputs; expected "
+                          f"{expected}.{hint} Error: {e}") from e
+
+
+def _check_output(label: str, expected: str, how: str, out: Any, shape: tuple[int, ...]) -> None:
+    try:
+        arr = np.asarray(out)
+    except Exception as e:  # noqa: BLE001
+        raise PluginError(f"{label}: returned {type(out).__name__} {how}, not an array; expected {expected}") from e
+    if arr.shape != tuple(shape):
+        what = "a scalar" if arr.ndim == 0 else f"shape {arr.shape}"
+        raise PluginError(f"{label}: returned {what} {how}; expected shape {tuple(shape)} from {expected}")
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise PluginError(f"{label}: returned dtype {arr.dtype} {how}; expected a floating array from {expected}")
+    if not np.all(np.isfinite(arr)):
+        bad = int(np.sum(~np.isfinite(arr)))
+        raise PluginError(f"{label}: returned {bad} non-finite value(s) (NaN/inf) {how} on well-behaved example "
+                          f"inputs: {arr}; expected {expected}")
+
+
+def _run_checks(label: str, expected: str, fn: Callable, args: tuple, shape: tuple[int, ...],
+                grad_argnums: Optional[tuple[int, ...]] = None) -> None:
+    """`fn(*args)` eagerly and under jax.jit must give a finite float array of `shape`; with `grad_argnums`
+    the gradient of its sum with respect to those arguments must be finite too."""
+    out = _call(label, expected, "eagerly", fn, *args)
+    _check_output(label, expected, "eagerly", out, shape)
+    out_jit = _call(label, expected, "under jax.jit", jax.jit(lambda *a: fn(*a)), *args)
+    _check_output(label, expected, "under jax.jit", out_jit, shape)
+    if grad_argnums is not None:
+        g = _call(label, expected, "under jax.grad", jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=grad_argnums),
+                  *args)
+        for leaf in jax.tree_util.tree_leaves(g):
+            _check_output(label, expected, "as a gradient (jax.grad of its sum)", leaf, leaf.shape)
+
+
+DPO_LOSS_SIGNATURE = "fn(p: jaxrl.algorithms.dpo.PairInputs) -> per-pair losses, float array of shape [B]"
+ADVANTAGE_SIGNATURE = "fn(rewards: float array [N], num_generations: int) -> advantages, float array [N]"
+KL_SIGNATURE = "fn(logp: float array [B, T], ref_logp: float array [B, T]) -> per-token KL, float array [B, T]"
+REWARD_SIGNATURE = ("fn(completion: str, problem: jaxrl.data.problems.Problem, **kwargs) -> bool | float in "
+                    "[0, 1] | RewardResult, or a Reward class (with score(completions, problems, truncated))")
+
+
+def _check_dpo_loss(label: str, fn: Callable, options: Mapping[str, bool]) -> None:
+    """Three example pairs, as training builds them (no reference log-probs for a reference-free loss): eagerly,
+    under jit, and differentiated through the policy log-probs."""
+    _check_signature(label, fn, DPO_LOSS_SIGNATURE, 1)
+    B = 3
+    # Fixed, well-behaved example inputs (numpy: no jax.random compile on the start-up path).
+    rng = np.random.default_rng(0)
+    chosen, rejected, ref_chosen, ref_rejected = (
+        jnp.asarray(-20.0 + 5.0 * rng.standard_normal(B), jnp.float32) for _ in range(4))
+    refs = (None, None) if options.get("reference_free") else (ref_chosen, ref_rejected)
+    lengths = jnp.array([3.0, 7.0, 12.0])
+
+    def pairs(c, r):
+        return dpo.make_pair_inputs(c, r, *refs, beta=0.1, label_smoothing=0.1, chosen_lengths=lengths,
+                                    rejected_lengths=lengths + 2.0)
+
+    _run_checks(label, DPO_LOSS_SIGNATURE, fn, (pairs(chosen, rejected),), (B,))
+    _run_checks(label, DPO_LOSS_SIGNATURE, lambda c, r: fn(pairs(c, r)), (chosen, rejected), (B,),
+                grad_argnums=(0, 1))
+
+
+def _check_advantage(label: str, fn: Callable, options: Mapping[str, bool]) -> None:
+    """Example rewards of 3 groups of 4, eagerly and under jit."""
+    _check_signature(label, fn, ADVANTAGE_SIGNATURE, 2)
+    G, n_groups = 4, 3
+    rewards = jnp.array([0.0, 1.0, 0.5, 1.0, 0.2, 0.2, 0.9, 0.0, 1.0, 0.0, 0.0, 0.25], jnp.float32)
+    _run_checks(label, ADVANTAGE_SIGNATURE, lambda r: fn(r, G), (rewards,), (G * n_groups,))
+
+
+def _check_kl(label: str, fn: Callable, options: Mapping[str, bool]) -> None:
+    """Example log-probs [2, 5]: eagerly, under jit and under grad (with respect to logp)."""
+    _check_signature(label, fn, KL_SIGNATURE, 2)
+    rng = np.random.default_rng(1)
+    logp = -3.0 + rng.standard_normal((2, 5))
+    ref = jnp.asarray(logp + 0.3 * rng.standard_normal((2, 5)), jnp.float32)
+    _run_checks(label, KL_SIGNATURE, fn, (jnp.asarray(logp, jnp.float32), ref), (2, 5), grad_argnums=(0,))
+
+
+def _check_reward(label: str, target: Any, options: Mapping[str, bool]) -> None:
+    """A Reward class must have `score`; a per-sample function must score two example completions of a toy
+    problem with one number in [0, 1] each."""
+    if isinstance(target, type):
+        if not callable(getattr(target, "score", None)):
+            raise PluginError(f"{label}: class {target.__name__} has no score(completions, problems, truncated); "
+                              f"expected {REWARD_SIGNATURE}")
+        return
+    _check_signature(label, target, REWARD_SIGNATURE, 2)
+    problem = example_problem()
+    for completion in ("", "```python\nprint(input())\n```"):
+        try:
+            value = target(completion, problem)
+        except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in
+            raise PluginError(f"{label}: raised {type(e).__name__} on the example completion {completion!r} of toy "
+                              f"problem {problem.id!r}; expected {REWARD_SIGNATURE}. Error: {e}") from e
+        if isinstance(value, RewardResult):
+            value = value.partial
+        if isinstance(value, bool):
+            continue
+        if getattr(value, "ndim", 0) != 0 or isinstance(value, (list, tuple, dict, str)):
+            raise PluginError(f"{label}: returned {type(value).__name__} {value!r}, not one number; expected "
+                              f"{REWARD_SIGNATURE}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise PluginError(f"{label}: returned {type(value).__name__} {value!r}; expected "
+                              f"{REWARD_SIGNATURE}") from None
+        if not 0.0 <= number <= 1.0:  # also false for NaN
+            raise PluginError(f"{label}: returned {number!r} on the example completion {completion!r}; rewards "
+                              f"are in [0, 1]: {REWARD_SIGNATURE}")
+
+
+# ------------------------------------------------------------------------------------------------ the kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One kind of plug-in: where its entries live, what a function of it must be, and how that is checked."""
+
+    registry: Registry  # its built-ins and plug-ins, by name
+    signature: str
+    check: Callable[[str, Any, Mapping[str, bool]], None]  # (label, fn, options): PluginError when unfit
+    used_by: tuple[str, ...]  # the config keys that name an entry of this kind
+    options: tuple[str, ...] = ()  # keywords a registration may carry (True / False)
+
+
+KINDS: dict[str, Kind] = {
+    "dpo_loss": Kind(dpo.LOSSES, DPO_LOSS_SIGNATURE, _check_dpo_loss, ("dpo.loss_type",), dpo.LossSpec._fields),
+    "advantage": Kind(grpo.ADVANTAGES, ADVANTAGE_SIGNATURE, _check_advantage, ("grpo.advantage_estimator",)),
+    "kl": Kind(kl.KL_ESTIMATORS, KL_SIGNATURE, _check_kl, ("grpo.kl_estimator", "ppo.kl_estimator")),
+    "reward": Kind(REWARDS, REWARD_SIGNATURE, _check_reward, ("reward.name",)),
+}
+
+# (config key, kind) of every key that names a registered objective; "sft" is the DPO trainer's own term and a
+# reward.name "module:attr" is imported on use.
+REFERENCES = tuple((key, kind) for kind, k in KINDS.items() for key in k.used_by)
+
+
+def _kind(kind: str) -> Kind:
+    if kind not in KINDS:
+        raise PluginError(f"unknown plug-in kind {kind!r}; kinds: {', '.join(KINDS)}")
+    return KINDS[kind]
+
+
+def _admit(kind: str, name: str, obj: Any, label: str, options: Mapping[str, Any]) -> None:
+    """The one way in (module docstring): name free or held by this same function, options known, the kind's
+    check passed; then added to the kind's registry (a reward as a factory, a DPO loss with its LossSpec)."""
+    k = _kind(kind)
+    if not isinstance(name, str) or not name.strip() or any(c in name for c in ",: \t"):
+        raise PluginError(f"{label}: {name!r} is not a usable name (non-empty, without ',', ':' or spaces)")
+    unknown = sorted(set(options) - set(k.options))
+    if unknown:
+        raise PluginError(f"{label}: unknown option(s) {unknown}; a {kind} plug-in takes "
+                          f"{', '.join(k.options) if k.options else 'none'}")
+    not_bool = sorted(key for key, value in options.items() if not isinstance(value, bool))
+    if not_bool:
+        raise PluginError(f"{label}: option(s) {not_bool} must be True or False")
+    origin = origin_of(obj)
+    have = k.registry.origin(name)
+    if have is not None and have != origin:
+        raise PluginError(f"{label}: the name {name!r} is already taken by {have}; choose another name")
+    k.check(label, obj, options)
+    entry = as_factory(obj) if kind == "reward" else obj
+    info = dpo.PLUGIN_SPEC._replace(**options) if kind == "dpo_loss" else None
+    k.registry.add(name, entry, origin=origin, info=info)
+
+
+def register(kind: str, name: Optional[str] = None, **options: bool) -> Callable:
+    """Decorator: check ``fn`` on the kind's example inputs, then register it as `name` (default: its own
+    name); returns ``fn`` unchanged. A DPO loss may carry LossSpec keywords (module docstring)."""
+    _kind(kind)
+
+    def deco(fn):
+        label_name = name or getattr(fn, "__name__", "")
+        _admit(kind, label_name, fn, f"{kind} plug-in {label_name!r} ({origin_of(fn)})", options)
+        return fn
+
+    return deco
+
+
+def load(kind: str, spec: str, name: Optional[str] = None, **options: bool) -> Any:
+    """Import ``spec`` ("path/to/file.py:fn" or "package.module:fn"), check it and register it as `name`
+    (default: the function's name), like `register`; returns the function."""
+    _kind(kind)
+    obj = resolve(spec)
+    name = name or getattr(obj, "__name__", "")
+    _admit(kind, name, obj, f"{kind} plug-in {name!r} ({spec})", options)
+    return obj
+
+
+def get(kind: str, name: str) -> Callable:
+    """The entry registered as `name` (a reward: its factory ``(**kwargs) -> Reward``); KeyError listing the
+    names otherwise."""
+    return _kind(kind).registry.get(name)
+
+
+def names(kind: str) -> tuple[str, ...]:
+    """Every name of the kind: built-ins and plug-ins."""
+    return _kind(kind).registry.names()
+
+
+def unregister(kind: str, name: str) -> None:
+    """Remove `name` (no error if absent); for tests and interactive sessions."""
+    _kind(kind).registry.unregister(name)
+
+
+# ------------------------------------------------------------------------------------------------ the config
 
 
 @dataclasses.dataclass(frozen=True)
 class PluginEntry:
+    """One entry of a config's `plugins` section."""
+
     kind: str
     name: str  # "" = the function's own name
     path: str  # "file.py:fn" or "package.module:fn"
+    options: Mapping[str, bool] = dataclasses.field(default_factory=dict)  # a DPO loss's LossSpec keywords
     where: str = "plugins"  # for errors: which config entry this is
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "path": self.path}
+        return {"kind": self.kind, "name": self.name, "path": self.path, **self.options}
 
 
 def _parse_string(text: str, where: str) -> PluginEntry:
@@ -57,7 +311,21 @@ def _parse_string(text: str, where: str) -> PluginEntry:
     name, eq, path = rest.partition("=")
     if not eq:
         name, path = "", rest
-    return PluginEntry(kind.strip(), name.strip(), path.strip(), where)
+    return PluginEntry(kind.strip(), name.strip(), path.strip(), where=where)
+
+
+def _parse_dict(item: dict, where: str) -> PluginEntry:
+    """{"kind", "path", optionally "name" and the kind's options}."""
+    kind = str(item.get("kind", ""))
+    allowed = {"kind", "name", "path"} | set(KINDS[kind].options if kind in KINDS else ())
+    unknown = sorted(set(item) - allowed)
+    if unknown or "kind" not in item or "path" not in item:
+        raise PluginError(f"{where}={item!r}: expected keys 'kind', 'path' and optionally 'name'"
+                          + (f" and {', '.join(repr(o) for o in KINDS[kind].options)}"
+                             if kind in KINDS and KINDS[kind].options else "")
+                          + (f"; unknown keys {unknown}" if unknown else ""))
+    options = {key: item[key] for key in item if key not in ("kind", "name", "path")}
+    return PluginEntry(kind, str(item.get("name") or ""), str(item["path"]), options, where)
 
 
 def parse_plugins(value: Any, where: str = "plugins") -> list[PluginEntry]:
@@ -79,11 +347,7 @@ def parse_plugins(value: Any, where: str = "plugins") -> list[PluginEntry]:
         if isinstance(item, str):
             entry = _parse_string(item, w)
         elif isinstance(item, dict):
-            unknown = sorted(set(item) - {"kind", "name", "path"})
-            if unknown or "kind" not in item or "path" not in item:
-                raise PluginError(f"{w}={item!r}: expected keys 'kind', 'path' and optionally 'name'"
-                                  + (f"; unknown keys {unknown}" if unknown else ""))
-            entry = PluginEntry(str(item["kind"]), str(item.get("name") or ""), str(item["path"]), w)
+            entry = _parse_dict(item, w)
         else:
             raise PluginError(f"{w}: expected a dict {{'kind', 'name', 'path'}} or a 'kind:name=path:fn' string, "
                               f"got {type(item).__name__}")
@@ -94,6 +358,13 @@ def parse_plugins(value: Any, where: str = "plugins") -> list[PluginEntry]:
                               "'package.module:function'")
         out.append(entry)
     return out
+
+
+def dpo_plugin_entries(value: Any, where: str = "dpo.plugin") -> list[PluginEntry]:
+    """The DPO block's older key, "my_losses.py:fn[,other.py:fn2]", as `plugins` entries: DPO losses registered
+    under their function names (``[e.to_dict() for e in ...]`` gives the `plugins` section's dicts)."""
+    specs = [s.strip() for s in str(value or "").split(",") if s.strip()]
+    return [PluginEntry("dpo_loss", "", spec, where=where) for spec in specs]
 
 
 def absolute_paths(value: Any, base_dir: str) -> list[dict]:
@@ -108,71 +379,52 @@ def absolute_paths(value: Any, base_dir: str) -> list[dict]:
     return out
 
 
-def dpo_plugin_entries(value: Any, where: str = "dpo.plugin") -> list[PluginEntry]:
-    """The DPO block's own plug-in key, "my_losses.py:fn[,other.py:fn2]": DPO losses registered under their
-    function names (the older spelling of `plugins` entries of kind dpo_loss)."""
-    specs = [s.strip() for s in str(value or "").split(",") if s.strip()]
-    return [PluginEntry("dpo_loss", "", spec, where) for spec in specs]
-
-
-# ------------------------------------------------------------------------------------------------ loading
-
-
-def load_plugins(entries: list[PluginEntry], check: bool = True) -> list[dict]:
-    """Import, check and register every entry; returns [{"kind", "name", "path"}] of what was registered."""
+def load_plugins(entries: list[PluginEntry]) -> list[dict]:
+    """Load, check and register every entry; returns the entries as dicts, with the names they got."""
     loaded = []
     for e in entries:
         try:
-            fn = registry.load_plugin(e.path, kind=e.kind, name=e.name or None, check=check)
+            obj = load(e.kind, e.path, e.name or None, **e.options)
         except PluginError as err:
-            msg = str(err)
-            raise PluginError(msg if msg.startswith(e.where) else f"{e.where}: {msg}") from err
-        loaded.append({"kind": e.kind, "name": e.name or fn.__name__, "path": e.path})
+            raise PluginError(f"{e.where}: {err}") from err
+        loaded.append(dataclasses.replace(e, name=e.name or obj.__name__).to_dict())
     return loaded
 
 
-def load_config_plugins(config, check: bool = True) -> list[dict]:
-    """Load the config's `plugins` section (absent or empty: nothing to do). Call before building the model."""
-    value = config.get("plugins", None) if hasattr(config, "get") else None
-    entries = parse_plugins(value)
-    if not entries:
-        return []
-    loaded = load_plugins(entries, check=check)
-    for p in loaded:
-        logging.info("plug-in %s %r loaded from %s", p["kind"], p["name"], p["path"])
-    return loaded
+def _config_entries(cfg: Mapping) -> list[PluginEntry]:
+    """What a resolved config (a dict, as in config.json) asks for: its `plugins` section, then the older
+    `dpo.plugin` key of files written before it became an alias of `plugins`."""
+    dpo_block = cfg.get("dpo") if isinstance(cfg.get("dpo"), dict) else {}
+    return parse_plugins(cfg.get("plugins")) + dpo_plugin_entries(dpo_block.get("plugin"))
 
 
-# Config keys that name a registered objective (kind); "sft" is the DPO trainer's own term, "module:attr" a reward
-# imported on use.
-REFERENCES = (("dpo.loss_type", "dpo_loss"), ("grpo.advantage_estimator", "advantage"),
-              ("grpo.kl_estimator", "kl"), ("ppo.kl_estimator", "kl"), ("reward.name", "reward"))
-
-
-def check_references(cfg: dict) -> None:
-    """Every objective a resolved config names (REFERENCES) exists -- built in, or loaded from `plugins` /
-    `dpo.plugin` first -- so a typo fails before any model is loaded. PluginError naming the key otherwise."""
-    load_plugins(dpo_plugin_entries((cfg.get("dpo") or {}).get("plugin")))
+def check_references(cfg: Mapping) -> list[dict]:
+    """Load the plug-ins of a resolved config (a dict: `plugins`, and `dpo.plugin` of older config.json files),
+    then check that every objective it names (REFERENCES) exists, so a typo fails before any model is loaded.
+    Returns what was loaded; PluginError naming the entry or the key otherwise."""
+    loaded = load_plugins(_config_entries(cfg))
     for key, kind in REFERENCES:
         block, leaf = key.split(".")
         value = (cfg.get(block) or {}).get(leaf) if isinstance(cfg.get(block), dict) else None
         if value in (None, ""):
             continue
-        names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if str(n).strip()]
-        known = set(registry.names(kind))
+        wanted = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if str(n).strip()]
+        known = set(names(kind))
         if kind == "reward":
-            missing = [n for n in names if ":" not in n and n not in known]
+            missing = [n for n in wanted if ":" not in n and n not in known]
         else:
-            missing = [n for n in names if n not in known and not (kind == "dpo_loss" and n == "sft")]
+            missing = [n for n in wanted if n not in known and not (kind == "dpo_loss" and n == "sft")]
         if missing:
             raise PluginError(f"{key}={value!r}: no {kind} named {', '.join(repr(m) for m in missing)}; known: "
                               f"{', '.join(sorted(known))}. A function of your own: add it to `plugins` "
                               f"({{'kind': {kind!r}, 'name': ..., 'path': 'file.py:fn'}})")
+    return loaded
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m jaxrl.algorithms.plugins CONFIG.json [...]`: check the plug-ins of resolved configs and the objective
-    names they refer to (check_references); exit 2 with the PluginError message on stderr when one is unfit."""
+    """`python -m jaxrl.algorithms.plugins CONFIG.json [...]`: load the plug-ins of resolved configs and check the
+    objective names they use (check_references); exit 2 with the PluginError message on stderr when one is
+    unfit."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print("usage: python -m jaxrl.algorithms.plugins CONFIG.json [CONFIG.json ...]", file=sys.stderr)
@@ -181,8 +433,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
         try:
-            loaded = load_plugins(parse_plugins(cfg.get("plugins")), check=True)
-            check_references(cfg)
+            loaded = check_references(cfg)
         except PluginError as e:
             print(f"PluginError: {path}: {e}", file=sys.stderr, flush=True)
             return 2

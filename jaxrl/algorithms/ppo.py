@@ -1,6 +1,6 @@
 """PPO objective math (RLHF-style, token-level rewards with a KL penalty): pure and jit-compatible.
 
-Definitions follow TRL's PPO trainer (``docs/algorithms.md`` section 2.3) and, for the adaptive KL controller,
+Definitions follow TRL's PPO trainer (``docs/design/algorithms.md`` section 2.3) and, for the adaptive KL controller,
 Ziegler et al. 2019 as in verl / OpenRLHF. Shapes: ``[B, T]`` completion tokens, ``mask`` 1 on completion tokens
 (right padding, or holes such as tool output: masked positions are skipped by GAE as if absent).
 

@@ -48,11 +48,7 @@ from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import completion_passes, online_rollouts, online_task
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.models.lora import LoRAParam
-from jaxrl.utils.schema import PPO
-
-
-def _cfg(config) -> dict:
-    return PPO.resolve(config.get("ppo", None), "ppo")
+from jaxrl.utils.train_config import PPOConfig, TrainConfig
 
 
 def _lr_scaled(x: jax.Array, scale: float) -> jax.Array:
@@ -116,8 +112,8 @@ class PPOObjective:
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
         h, logp, ent = completion_passes.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
-                                             temperature=self.temperature,
-                                             entropy=self.entropy or bool(self.entropy_coef))
+                                                        temperature=self.temperature,
+                                                        entropy=self.entropy or bool(self.entropy_coef))
         values = model.value_head(jax.lax.stop_gradient(h) if self.value_head_detach else h)
         return ppo_lib.ppo_loss(
             logp, micro_batch["old_logp"], micro_batch["advantages"], values, micro_batch["old_values"],
@@ -142,47 +138,36 @@ def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, *,
 class PPOTask(online_task.OnlineTask):
     trainable = TRAINABLE
 
-    def __init__(self, config, model, mesh):
-        p = _cfg(config)
-        self.p = p
-        for key in ("prompts_per_rollout", "num_generations", "max_new_tokens", "epochs", "minibatches"):
-            if int(p[key]) < 1:
-                raise ValueError(f"ppo.{key} must be >= 1, got {p[key]}")
-        if p["kl_estimator"] not in ("k1", "k3"):
-            kl_lib.kl(jnp.zeros((1, 1)), jnp.zeros((1, 1)), p["kl_estimator"])  # unknown: a KeyError naming them
-        if float(p["init_kl_coef"]) < 0:
-            raise ValueError(f"ppo.init_kl_coef must be >= 0, got {p['init_kl_coef']}")
-        global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        rows = int(p["prompts_per_rollout"]) * int(p["num_generations"])
-        if rows != int(p["minibatches"]) * global_batch:
+    def __init__(self, config: TrainConfig, model, mesh):
+        ppo: PPOConfig = config.ppo
+        self.ppo = ppo
+        if ppo.kl_estimator not in ("k1", "k3"):
+            kl_lib.kl(jnp.zeros((1, 1)), jnp.zeros((1, 1)), ppo.kl_estimator)  # unknown: a KeyError naming them
+        global_batch = config.batch.global_batch
+        rows = ppo.rows_per_rollout
+        if rows != ppo.minibatches * global_batch:
             raise ValueError(f"ppo.prompts_per_rollout x ppo.num_generations = {rows} rows must equal ppo.minibatches "
-                             f"({p['minibatches']}) x the global batch batch.micro_batch_size x batch.grad_accum "
+                             f"({ppo.minibatches}) x the global batch batch.micro_batch_size x batch.grad_accum "
                              f"({global_batch})")
-        super().__init__(config, online_task.Schedule(rows, global_batch, int(p["epochs"]), int(config.seed)))
-        lr = float(config.optimizer.learning_rate)
-        value_lr = float(p["value_learning_rate"]) or lr
+        super().__init__(config, online_task.Schedule(rows, global_batch, ppo.epochs, config.seed))
+        lr = config.optimizer.learning_rate
+        value_lr = ppo.value_learning_rate or lr
         if not (value_lr > 0 and lr > 0):
-            raise ValueError(f"ppo.value_learning_rate ({p['value_learning_rate']}) and optimizer.learning_rate "
+            raise ValueError(f"ppo.value_learning_rate ({ppo.value_learning_rate}) and optimizer.learning_rate "
                              f"({lr}) must be > 0")
         attach_value_head(model, value_lr / lr)  # follows the optimizer's schedule, scaled
-        self.C = int(p["max_new_tokens"])
-        self.temperature = float(p["temperature"])
-        self.controller = (ppo_lib.AdaptiveKLController(float(p["init_kl_coef"]), float(p["kl_target"]),
-                                                        float(p["kl_horizon"])) if p["adaptive_kl"]
-                           else ppo_lib.FixedKLController(float(p["init_kl_coef"])))
+        self.controller = (ppo_lib.AdaptiveKLController(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
+                           if ppo.adaptive_kl else ppo_lib.FixedKLController(ppo.init_kl_coef))
         self.kl_coef = float(self.controller.init())
-        self.chunk_size = int(config.logprob_chunk_size)
+        self.chunk_size = config.logprob_chunk_size
         self.objective = PPOObjective(
-            cliprange=float(p["cliprange"]), cliprange_value=float(p["cliprange_value"]), vf_coef=float(p["vf_coef"]),
-            temperature=self.temperature, value_head_detach=bool(p["value_head_detach"]),
-            entropy=bool(p["log_entropy"]), entropy_coef=float(p["entropy_coef"]), chunk_size=self.chunk_size)
+            cliprange=ppo.cliprange, cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
+            temperature=ppo.temperature, value_head_detach=ppo.value_head_detach, entropy=ppo.log_entropy,
+            entropy_coef=ppo.entropy_coef, chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
                            "returns")
-        self.engine = online_rollouts.RolloutEngine(config, model, mesh, max_new_tokens=self.C,
-                                           num_generations=int(p["num_generations"]),
-                                           prompts_per_rollout=int(p["prompts_per_rollout"]),
-                                           temperature=self.temperature, top_p=float(p["top_p"]),
-                                           top_k=int(p["top_k"]), rollout_batch_size=int(p["rollout_batch_size"]))
+        self.engine = online_rollouts.RolloutEngine(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout,
+                                                    sampling=ppo)
         self.mesh = mesh
 
     # host state: the KL coefficient -------------------------------------------------------------------------
@@ -193,19 +178,20 @@ class PPOTask(online_task.OnlineTask):
         if "kl_coef" in state:
             self.kl_coef = float(state["kl_coef"])
 
-    def make_rollout(self, rollout: int, model, trainer):
-        p = self.p
-        s = self.engine.run(model, rollout)
-        metrics = online_rollouts.sample_metrics(s, self.C)
+    def make_rollout(self, rollout: int, policy):
+        ppo = self.ppo
+        s = self.engine.run(policy, rollout)
+        metrics = online_rollouts.sample_metrics(s, ppo.max_new_tokens)
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
-        common = dict(completion_len=self.C, batch_size=int(p["logprob_batch_size"]), chunk_size=self.chunk_size,
-                      temperature=self.temperature, mesh=self.mesh, compile_options=self.compile_options)
+        common = dict(max_new_tokens=ppo.max_new_tokens, batch_size=ppo.logprob_batch_size,
+                      chunk_size=self.chunk_size, temperature=ppo.temperature, mesh=self.mesh,
+                      compile_options=self.compile_options)
         t0 = time.perf_counter()
         # Old log-probs from a teacher-forced pass (the same numerics as the loss) in the pass the values need.
-        cur = completion_passes.teacher_forced(model, arrays, adapters=True, values=True, **common)
+        cur = completion_passes.teacher_forced(policy, arrays, adapters=True, values=True, **common)
         t1 = time.perf_counter()
-        ref = completion_passes.teacher_forced(model, arrays, adapters=False, **common)["logp"]
+        ref = completion_passes.teacher_forced(policy, arrays, adapters=False, **common)["logp"]
         t2 = time.perf_counter()
         metrics.update({"time/policy_pass_s": t1 - t0, "time/ref_logp_s": t2 - t1})
 
@@ -214,9 +200,9 @@ class PPOTask(online_task.OnlineTask):
         scores = np.where(masked, 0.0, s.rewards).astype(np.float32)
         kl_coef = self.kl_coef
         adv, raw_adv, ret, kl = jax.device_get(returns_and_advantages(
-            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), estimator=p["kl_estimator"],
-            gamma=float(p["gamma"]), lam=float(p["lam"]), whiten_rewards=bool(p["whiten_rewards"]),
-            whiten_advantages=bool(p["whiten_advantages"])))
+            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), estimator=ppo.kl_estimator,
+            gamma=ppo.gamma, lam=ppo.lam, whiten_rewards=ppo.whiten_rewards,
+            whiten_advantages=ppo.whiten_advantages))
         m = mask > 0
         n_tok = max(int(m.sum()), 1)
         token_kl = float(np.where(m, kl, 0.0).sum() / n_tok)
@@ -250,5 +236,5 @@ class PPOTask(online_task.OnlineTask):
         return buffer, metrics
 
 
-def build_ppo(config, model, mesh) -> PPOTask:
+def build_ppo(config: TrainConfig, model, mesh) -> PPOTask:
     return PPOTask(config, model, mesh)

@@ -1,14 +1,15 @@
 """A training run from a config: model + LoRA + the algorithm's task -> the Trainer (what launchers.train runs).
 
     result = run_training(config, workdir)       # resumes from workdir by itself
-    resolve_config(config)                       # in place: every missing key at its default, typos refused
-    model = build_model(config, mesh)            # the base model of `model_path` / `model_preset`, LoRA attached
+    run_config = resolve_config(config)          # -> TrainConfig: every missing key at its default, typos refused
+    model = build_model(run_config, mesh)        # the base model of `model_path` / `model_preset`, LoRA attached
 
-Order: the config is resolved first (jaxrl.utils.schema: a config not built on configs/base.py gets the same
-defaults; an unknown key in any block is an error naming it and the nearest valid one), then the plug-ins (a
-broken user objective fails before any model or data work), the mesh, the micro-batch fitted to it, the model,
-the task (`config.algorithm`, jaxrl.algorithms.tasks), the Trainer. The resolved config is the run's
-config.json.
+Order: the config is resolved once, into a `TrainConfig` that everything below reads (jaxrl.utils.train_config:
+a config not built on configs/base.py gets the same defaults; an unknown key in any block is an error naming it
+and the nearest valid one; values are validated), then checked against the run already in the workdir, then the
+plug-ins are loaded (a broken user objective fails before any model or data work), then the mesh, the micro-batch
+fitted to it, the model, the task (`config.algorithm`, jaxrl.algorithms.tasks), the Trainer. The resolved config
+is the run's config.json.
 """
 
 from __future__ import annotations
@@ -20,98 +21,118 @@ import math
 import jax.numpy as jnp
 from absl import logging
 
-from jaxrl.algorithms.plugins import load_config_plugins
-from jaxrl.algorithms.tasks import get_trainer
+from jaxrl.algorithms import plugins
+from jaxrl.algorithms.tasks import get_task_factory
 from jaxrl.models import qwen35
 from jaxrl.models.lora import apply_lora_from_config
 from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rewards import REWARDS
-from jaxrl.train.loop import RunResult, Trainer, check_run_config, check_same_run
-from jaxrl.utils import schema
-from jaxrl.utils.config import to_plain, unknown_key_error
+from jaxrl.train.loop import RunResult, Trainer, check_same_run
+from jaxrl.utils import train_config
+from jaxrl.utils.train_config import RewardConfig, TrainConfig
+from jaxrl.utils.typed_config import keys_of, unknown_key_error
 
 
-def resolve_config(config, factory=None):
-    """Fill `config` in place from the schema of its algorithm (the blocks `factory.config_blocks` declares for
-    a trainer of your own) and check every key, the reward's constructor arguments and the model overrides;
-    returns it. ConfigKeyError naming the key (and the nearest valid one) otherwise."""
-    schema.resolve(config, getattr(factory, "config_blocks", None))
-    _check_reward_arguments(config)
-    _check_model_overrides(config)
-    return config
+def resolve_config(config, factory=None) -> TrainConfig:
+    """The TrainConfig of `config` (a ConfigDict, a mapping, or a TrainConfig): every key checked against the
+    schema of its algorithm (the blocks `factory.config_blocks` declares for an algorithm of your own), the
+    reward's constructor arguments and the model overrides included. ConfigKeyError naming the key (and the
+    nearest valid one) otherwise."""
+    if isinstance(config, TrainConfig):
+        return config
+    if factory is None:
+        factory = get_task_factory(_algorithm_of(config))
+    resolved = train_config.resolve(config, getattr(factory, "config_blocks", None))
+    _check_reward_arguments(resolved.reward)
+    _check_model_overrides(resolved.model_overrides)
+    return resolved
 
 
-def _check_reward_arguments(config) -> None:
+def _algorithm_of(config) -> str:
+    value = config.get("algorithm", None) if hasattr(config, "get") else None
+    return value or train_config.TrainConfig.algorithm
+
+
+def _check_reward_arguments(reward) -> None:
     """The keys of `reward` beyond name / score are the reward's constructor arguments: each must be one."""
-    block = config.get("reward", None)
-    if block is None or block.get("name", None) is None or ":" in block["name"]:
-        return  # user code named by module:attr: its constructor decides
-    extras = schema.REWARD.extras(block)
-    if not extras or block["name"] not in REWARDS:
-        return  # an unknown name is reported where the reward is made (with the registered names)
+    if reward is None or ":" in reward.name or not reward.options or reward.name not in REWARDS:
+        return  # user code named by module:attr decides; an unknown name is reported where the reward is made
     try:
-        params = inspect.signature(REWARDS.get(block["name"])).parameters
+        params = inspect.signature(REWARDS.get(reward.name)).parameters
     except (TypeError, ValueError):
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    for key in extras:
+    for key in reward.options:
         if key not in params:
-            raise unknown_key_error("reward", key, list(schema.REWARD.keys) + list(params))
+            raise unknown_key_error("reward", key, list(keys_of(RewardConfig)) + list(params))
 
 
-def _check_model_overrides(config) -> None:
+def _check_model_overrides(overrides: dict) -> None:
     fields = [f.name for f in dataclasses.fields(qwen35.Qwen35Config)]
-    for key in to_plain(config.get("model_overrides", None)) or {}:
+    for key in overrides:
         if key not in fields:
             raise unknown_key_error("model_overrides", key, fields)
 
 
-def build_model(config, mesh=None):
+def load_run_plugins(config: TrainConfig) -> list[dict]:
+    """Import, check and register the run's plug-ins: `plugins`, then the deprecated `dpo.plugin` alias (with a
+    warning). Returns what was registered ({"kind", "name", "path"})."""
+    entries = plugins.parse_plugins(config.plugins)
+    if config.dpo is not None and config.dpo.plugin:
+        logging.warning("dpo.plugin is deprecated: write it as plugins=('dpo_loss:%s',) (one entry per function)",
+                        config.dpo.plugin)
+        entries += plugins.dpo_plugin_entries(config.dpo.plugin)
+    loaded = plugins.load_plugins(entries)
+    for entry in loaded:
+        logging.info("plug-in %s %r loaded from %s", entry["kind"], entry["name"], entry["path"])
+    return loaded
+
+
+def build_model(config: TrainConfig, mesh=None):
     """The base model from `model_path` (HF folder) or `model_preset` (+ `model_overrides`, random init with
-    `model_seed`), in `dtype`, with `remat` and the compute settings (qwen35.COMPUTE_FIELDS); then LoRA from `config.lora` (A drawn with `seed`)."""
-    schema.CORE.resolve(config, strict=False)
+    `model_seed`), in `dtype`, with `remat` and the compute settings (qwen35.COMPUTE_FIELDS); then LoRA from
+    `config.lora` (A drawn with `seed`)."""
     dtype = jnp.dtype(config.dtype)
-    remat = config.remat
-    path = config.model_path
-    if path:
-        model = qwen35.from_pretrained(path, dtype=dtype, mesh=mesh, remat=remat)
+    if config.model_path:
+        model = qwen35.from_pretrained(config.model_path, dtype=dtype, mesh=mesh, remat=config.remat)
     else:
         preset = config.model_preset
         if preset not in qwen35.PRESETS:
             raise ValueError(f"model_path is empty and model_preset={preset!r}; set model_path to an HF folder or "
                              f"model_preset to one of {sorted(qwen35.PRESETS)}")
-        overrides = to_plain(config.model_overrides) or {}
+        overrides = dict(config.model_overrides)
         if "layer_types" in overrides:
             overrides["layer_types"] = tuple(overrides["layer_types"])
         try:
             model_cfg = dataclasses.replace(qwen35.PRESETS[preset](), **overrides)
         except TypeError as e:
             raise ValueError(f"model_overrides={overrides}: {e}") from e
-        model = init_model_jit(model_cfg, dtype, int(config.model_seed), remat, mesh)
-    model.set_compute(**{k: config[k] for k in qwen35.COMPUTE_FIELDS})
-    report = apply_lora_from_config(model, config.lora, seed=int(config.seed))
+        model = init_model_jit(model_cfg, dtype, config.model_seed, config.remat, mesh)
+    model.set_compute(**{k: getattr(config, k) for k in qwen35.COMPUTE_FIELDS})
+    report = apply_lora_from_config(model, config.lora, seed=config.seed)
     logging.info("LoRA on %d modules (%s): %d trainable of %d parameters", len(report["modules"]),
                  ", ".join(f"{k} x{v}" for k, v in report["by_name"].items()), report["trainable_params"],
                  report["total_params"])
     return model
 
 
-def fit_micro_batch_to_mesh(config, mesh) -> bool:
-    """Make batch.micro_batch_size a multiple of the data-parallel size (data x fsdp), keeping the global batch.
+def fit_micro_batch_to_mesh(config: TrainConfig, mesh) -> TrainConfig:
+    """The config with batch.micro_batch_size a multiple of the data-parallel size (data x fsdp), keeping the
+    global batch (the same config when it already is).
 
     The users' runs use micro-batch 1 with accumulation 8 (a memory setting on their machine); on 8 devices a
     micro-batch of 1 cannot be split. The update does not depend on the split (token-weighted accumulation,
     tested) for every loss except those that couple the pairs of a micro-batch (dpo aot / aot_unpaired: their
-    check runs on the fitted sizes and warns), so the smallest micro-batch that divides over the mesh and the global batch is taken instead, with
-    a warning; the resolved config.json records it. Returns whether it changed anything; raises when no split
+    check runs on the fitted sizes and warns), so the smallest micro-batch that divides over the mesh and the
+    global batch is taken instead, with a warning; the resolved config.json records it. Raises when no split
     fits (the global batch is not a multiple of data x fsdp).
     """
     dp = int(mesh.shape.get("data", 1)) * int(mesh.shape.get("fsdp", 1))
-    mb, accum = int(config.batch.micro_batch_size), int(config.batch.grad_accum)
-    if mb <= 0 or accum <= 0 or mb % dp == 0:
-        return False
+    mb, accum = config.batch.micro_batch_size, config.batch.grad_accum
+    if mb % dp == 0:
+        return config
     total = mb * accum
     fitted = math.lcm(mb, dp)
     if total % fitted:
@@ -119,21 +140,20 @@ def fit_micro_batch_to_mesh(config, mesh) -> bool:
                          f"split over data x fsdp = {dp} devices (mesh {dict(mesh.shape)}); make the global batch a "
                          f"multiple of {dp}, or change mesh.shape")
     logging.warning("batch.micro_batch_size=%d does not divide over data x fsdp = %d devices: using micro-batch %d x "
-                    "accumulation %d (the same %d rows per update)", mb, dp,
-                    fitted, total // fitted, total)
-    config.batch.micro_batch_size, config.batch.grad_accum = fitted, total // fitted
-    return True
+                    "accumulation %d (the same %d rows per update)", mb, dp, fitted, total // fitted, total)
+    return config.replace(batch=dataclasses.replace(config.batch, micro_batch_size=fitted,
+                                                    grad_accum=total // fitted))
 
 
 def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunResult:
-    """Build the model and the algorithm's task from the config and run (resuming from the workdir)."""
-    factory = get_trainer(config.get("algorithm", None) or schema.TOP["algorithm"].default)
-    resolve_config(config, factory)
-    check_run_config(config)  # step counts, batch split, optimizer: a bad value fails before any model is built
-    check_same_run(config, workdir)  # a workdir holding a run of another shape: refused before any work too
-    load_config_plugins(config)  # `plugins`: user objectives checked before any model or data work (fail fast)
+    """Build the model and the algorithm's task from the config and run (resuming from the workdir). `config`: a
+    ConfigDict (a family file), a config.json's dict, or a TrainConfig."""
+    factory = get_task_factory(config.algorithm if isinstance(config, TrainConfig) else _algorithm_of(config))
+    config = resolve_config(config, factory)
+    check_same_run(config, workdir)  # a workdir holding a run of another shape: refused before any work
+    load_run_plugins(config)  # user objectives checked before any model or data work
     mesh = mesh if mesh is not None else mesh_from_config(config)
-    fit_micro_batch_to_mesh(config, mesh)
+    config = fit_micro_batch_to_mesh(config, mesh)
     model = build_model(config, mesh)
     task = factory(config, model, mesh)
     return Trainer(config, model, task, workdir, mesh=mesh, **trainer_kwargs).run()

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrl.data.stream import epoch_stream
 from jaxrl.train.objective import NextToken
-from jaxrl.utils.schema import SFT_DATA
+from jaxrl.utils.train_config import TrainConfig
 
 
 def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab_size: int, seed: int,
@@ -89,25 +89,24 @@ class JsonlTokens:
 class SFTTask:
     """Next-token objective over synthetic or JSON Lines token data."""
 
-    def __init__(self, config, vocab_size: int, pad_id: int = 0):
-        data = SFT_DATA.resolve(config.get("data", None), "data")
-        self.objective = NextToken(chunk_size=int(config.logprob_chunk_size))
-        self.global_batch = int(config.batch.micro_batch_size) * int(config.batch.grad_accum)
-        self.seq_len = int(data["seq_len"])
-        self.seed = int(config.seed)
+    def __init__(self, config: TrainConfig, vocab_size: int, pad_id: int = 0):
+        data = config.data
+        self.objective = NextToken(chunk_size=config.logprob_chunk_size)
+        self.global_batch = config.batch.global_batch
+        self.seq_len = data.seq_len
+        self.seed = config.seed
         self.vocab_size, self.pad_id = vocab_size, pad_id
         self.position = 0
-        source = data["source"]
-        if source == "synthetic":
+        if data.source == "synthetic":
             self.source: Optional[JsonlTokens] = None
-        elif source == "jsonl":
-            if not data["path"]:
+        elif data.source == "jsonl":
+            if not data.path:
                 raise ValueError("data.source='jsonl' needs data.path")
-            self.source = JsonlTokens(data["path"], self.seq_len, self.seed, pad_id)
+            self.source = JsonlTokens(data.path, self.seq_len, self.seed, pad_id)
         else:
-            raise ValueError(f"data.source={source!r}; choose 'synthetic' or 'jsonl'")
+            raise ValueError(f"data.source={data.source!r}; choose 'synthetic' or 'jsonl'")
 
-    def batch(self, step: int, trainer=None) -> dict[str, np.ndarray]:
+    def batch(self, step: int) -> dict[str, np.ndarray]:
         self.position = (step + 1) * self.global_batch
         if self.source is None:
             return synthetic_batch(step, batch_size=self.global_batch, seq_len=self.seq_len,
@@ -121,6 +120,6 @@ class SFTTask:
         self.position = int(state.get("position", 0))
 
 
-def build_sft(config, model, mesh) -> SFTTask:
+def build_sft(config: TrainConfig, model, mesh) -> SFTTask:
     pad = model.config.pad_token_id
     return SFTTask(config, vocab_size=model.config.vocab_size, pad_id=0 if pad is None else int(pad))

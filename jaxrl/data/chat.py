@@ -5,7 +5,7 @@
     enc = encode_prompts(tok, [p["messages"] for p in problems], enable_thinking=True,
                          max_prompt_len=1024, on_overlong="skip")    # enc.ids, enc.kept, enc.skipped
 
-Qwen3.5's generation prompts (docs/qwen35-architecture.md §8): thinking on `<|im_start|>assistant\\n<think>\\n`,
+Qwen3.5's generation prompts (docs/design/qwen35-architecture.md §8): thinking on `<|im_start|>assistant\\n<think>\\n`,
 off `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`. The template of the folder decides; `enable_thinking`
 is passed to it.
 

@@ -3,7 +3,7 @@
 The trainer and the evaluator WRITE these; this module is the contract they write to. Every reader raises an
 error that names the file, the line (JSON Lines) or the key path (JSON), and the offending key.
 
-Workdir (``docs/interfaces.md``)::
+Workdir (``docs/reference/interfaces.md``)::
 
     DIR/config.json            the resolved training config (any JSON object)
     DIR/metrics.jsonl          one JSON object per optimizer step (TRAINING METRICS below)

@@ -1,6 +1,6 @@
 """Preference pairs for DPO: build them from scored rollouts, filter them, audit them, freeze a cohort.
 
-Inputs and outputs follow docs/interfaces.md:
+Inputs and outputs follow docs/reference/interfaces.md:
 
 * ``rollouts.jsonl``: ``{"problem_id", "sample_index", "completion", "completion_tokens", "finish_reason",
   "reward": {"partial", "strict"}, "model"}``, optionally ``"messages"`` (the prompt) and ``"max_new_tokens"``
@@ -221,7 +221,7 @@ def _validate_pair(rec: Mapping) -> None:
 
 def read_pairs(path: str | os.PathLike, *, skip_malformed: bool = False,
                skipped: Optional[list] = None) -> list[dict]:
-    """Records of a pairs.jsonl, each checked for the interfaces.md keys (errors name file and line)."""
+    """Records of a pairs.jsonl, each checked for the docs/reference/interfaces.md keys (errors name file and line)."""
     return read_jsonl(path, validate=_validate_pair, skip_malformed=skip_malformed, skipped=skipped)
 
 

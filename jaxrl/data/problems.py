@@ -1,6 +1,6 @@
 """The canonical coding-problem schema (``problems.jsonl``), its validation, loading and atomic writing.
 
-One JSON object per line (``docs/interfaces.md``)::
+One JSON object per line (``docs/reference/interfaces.md``)::
 
     {"id": str, "messages": [{"role": ..., "content": ...}, ...],
      "test_type": "stdin" | "functional", "fn_name": str | null, "starter_code": str,

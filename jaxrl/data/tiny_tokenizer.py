@@ -3,7 +3,7 @@
     build_tiny_tokenizer(out_dir, corpus_texts, vocab_size=256)
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
 
-It is the real tokenizer's pipeline at a tiny size (docs/qwen35-architecture.md §8): NFC normaliser, Qwen3.5's
+It is the real tokenizer's pipeline at a tiny size (docs/design/qwen35-architecture.md §8): NFC normaliser, Qwen3.5's
 split regex, byte-level BPE without a prefix space, byte-level decoder, so `Qwen3_5Tokenizer` (which transformers
 builds for a qwen3_5 model folder, with its own pre-tokeniser) and the plain tokenizer.json encode alike. The
 vocabulary is

@@ -52,7 +52,8 @@ _NOT_PLOTTED = {"step", "nonfinite", "update_skipped", "reward_std"}
 def to_png(fig) -> bytes:
     buf = io.BytesIO()
     # Every figure is laid out before it gets here (tight_layout, or fixed margins), so no bbox_inches="tight":
-    # that draws the whole figure a second time to measure it (a third of the report's time).
+    # that draws the whole figure a second time to measure it (its cost: benchmarks/RESULTS.md, section
+    # 'Figures formerly quoted in code comments').
     fig.savefig(buf, format="png", dpi=DPI)
     plt.close(fig)
     return buf.getvalue()
@@ -112,9 +113,10 @@ def training_curves(records: Sequence[Mapping]) -> Optional[bytes]:
     height = fig.get_figheight()
     fig.suptitle(f"Training curves ({len(steps)} logged steps; red lines: non-finite updates)", fontsize=11,
                  y=1 - 0.12 / height, va="top")
-    # Fixed margins in inches instead of tight_layout, which measures every tick label of every panel (5.4 s
-    # of the demo's 29-panel DPO grid): 0.9 in for y tick labels and 1.1 in between columns, 0.9 in between
-    # rows for the x label and the next title, the top 0.6 in for the suptitle.
+    # Fixed margins in inches instead of tight_layout, which measures every tick label of every panel (slow on a
+    # grid of many panels: benchmarks/RESULTS.md, section 'Figures formerly quoted in code comments'): 0.9 in
+    # for y tick labels and 1.1 in between columns, 0.9 in between rows for the x label and the next title, the
+    # top 0.6 in for the suptitle.
     width = fig.get_figwidth()
     axes_height = (height - 0.6 - 0.5 - 0.9 * (rows - 1)) / rows
     fig.subplots_adjust(left=0.9 / width, right=1 - 0.25 / width, bottom=0.5 / height, top=1 - 0.6 / height,

@@ -273,10 +273,10 @@ def write_results(
     truncation_threshold: float = 0.10,
     extra: Optional[Mapping] = None,
 ) -> tuple[Path, Path]:
-    """Writes ``out_dir/results.json`` (interfaces.md schema + ``warnings`` + ``extra``) and ``results.md``.
+    """Writes ``out_dir/results.json`` (docs/reference/interfaces.md schema + ``warnings`` + ``extra``) and ``results.md``.
 
     Args:
-      models_metrics: ``{name: model_metrics(...)}``; each needs the interfaces.md keys (extra keys kept).
+      models_metrics: ``{name: model_metrics(...)}``; each needs the docs/reference/interfaces.md keys (extra keys kept).
       comparisons: rows of ``stats.compare`` (extra keys kept).
       warnings: messages to add; a :func:`truncation_warning` per model above ``truncation_threshold``
         (prefixed with the model name) is added automatically, naming ``max_new_tokens`` when given.

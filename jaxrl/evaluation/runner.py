@@ -60,10 +60,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 import jax
-from tqdm import tqdm
 
 from jaxrl.data import formats
-from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.chat import OVERLONG_POLICIES, chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
 from jaxrl.evaluation.analysis import COMPARED, analyze, sampling_warning  # [stats]
 from jaxrl.evaluation.censoring import load_resampled
@@ -78,10 +77,13 @@ from jaxrl.parallel import distributed
 from jaxrl.parallel.mesh import local_mesh
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
+from jaxrl.rollout.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
+from jaxrl.rollout.backends.jax_backend import DTYPES
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
-from jaxrl.utils import interrupt
+from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
 from jaxrl.utils.io import OutputExistsError, atomic_write_json, atomic_write_text, sha256_file
 
 __all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_KINDS", "ModelSpec", "ResumeError",
@@ -97,35 +99,43 @@ CACHE_KEYS = ("fingerprint", "adapter_digest", "temperature", "top_p", "top_k", 
 
 @dataclasses.dataclass
 class EvalConfig:
-    problems: str
-    base: str
-    out: str
-    models: list = dataclasses.field(default_factory=list)  # ModelSpec; "base" is added first when absent
-    num_samples: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 8192
-    max_prompt_len: int = 4096
-    prompt_buckets: tuple = ()
-    enable_thinking: bool = False
-    reward: str = "code"
-    reward_kwargs: dict = dataclasses.field(default_factory=dict)
-    baseline: str = BASE
-    backend: str = "jax"
-    backend_kwargs: dict = dataclasses.field(default_factory=dict)
-    truncation_threshold: float = 0.10
-    seed: int = 0
-    dtype: str = "bfloat16"
-    batch_size: int = 64
-    limit: int = 0
-    on_overlong: str = "skip"
-    n_resamples: int = 10000
-    confidence: float = 0.95
-    progress: bool = True
-    mesh_shape: Optional[tuple] = (-1, 1, 1)  # jax backend: (data, fsdp, tensor) over this process's devices;
-    #                                           None = one device without a mesh
-    overwrite: bool = False  # replace results.json of other models / prompts in `out` (module docstring)
+    """The settings of an evaluation; each field but `models` is also a flag of launchers.evaluate
+    (jaxrl.evaluation.flags), its default and help declared here once."""
+
+    problems: str = flag_field(help="problems.jsonl (canonical schema, docs/reference/interfaces.md).")
+    base: str = flag_field(help="Base HF folder (default: model_path of the run's config.json).")
+    out: str = flag_field(help="Output folder (default: <--checkpoints>/eval).")
+    # ModelSpec; "base" is added first when absent (launchers.evaluate: --checkpoints, --adapters, --models)
+    models: list = dataclasses.field(default_factory=list, metadata=NOT_A_FLAG)
+    num_samples: int = flag_field(1, help="Samples per problem (n; pass@k for k <= n).")
+    temperature: float = flag_field(0.0, help="0 = greedy.")
+    top_p: float = flag_field(1.0, help="Nucleus mass in (0, 1].")
+    top_k: int = flag_field(0, help="Top-k; 0 = off.")
+    max_new_tokens: int = flag_field(8192, help="Completion cap (a sample hitting it is truncated).")
+    max_prompt_len: int = flag_field(4096, help="Prompt budget after the chat template.")
+    prompt_buckets: tuple[int, ...] = flag_field((), help="Prompt lengths with their own compiled program.")
+    enable_thinking: bool = flag_field(False, help="Qwen3.5 thinking mode in the generation prompt.")
+    reward: str = flag_field("code", help="code (the verifier, LiveCodeBench-compatible) or a toy reward name "
+                                          "(exact_match, pattern, arithmetic) or module:function.")
+    reward_kwargs: dict = flag_field(default_factory=dict, help="JSON keyword arguments of the reward, e.g. "
+                                                                "'{\"timeout_s\": 10, \"workers\": 8}'.")
+    baseline: str = flag_field(BASE, help="The model every other one is compared with.")
+    backend: str = backend_field()
+    backend_kwargs: dict = backend_kwargs_field()
+    truncation_threshold: float = flag_field(0.10, help="Warn when more completions than this hit the cap.")
+    seed: int = flag_field(0, help="Sampling and bootstrap seed.")
+    dtype: str = flag_field("bfloat16", choices=DTYPES, help="Compute dtype.")
+    batch_size: int = flag_field(64, help="Samples per compiled batch (jax backend); samples in flight at once "
+                                          "(server backends: vLLM wants hundreds).")
+    limit: int = flag_field(0, help="Only the first N problems (0 = all).")
+    on_overlong: str = flag_field("skip", choices=OVERLONG_POLICIES, help="Over-long prompts.")
+    n_resamples: int = flag_field(10000, help="Bootstrap resamples.")
+    confidence: float = flag_field(0.95, help="Interval confidence level.")
+    progress: bool = flag_field(True, help="Progress bars.")
+    mesh_shape: Optional[tuple[int, ...]] = mesh_shape_field()  # jax backend: (data, fsdp, tensor) over this
+    #                                     process's devices; None = one device without a mesh
+    overwrite: bool = flag_field(False, help="Replace the results in --out of models or prompts this run leaves "
+                                             "out (without it a narrower rerun is refused).")
 
 
 def check_values(cfg: EvalConfig) -> SamplingParams:
@@ -381,59 +391,32 @@ class Evaluator:
     def sample_model(self, name: str, on_batch: Optional[Callable[[dict], None]] = None) -> list[dict]:
         """Draws (or resumes) model `name`'s samples; returns its records in problem order, then sample index.
         Several processes: this process's share into its part of the cache, then the parts merged (module
-        docstring)."""
+        docstring; the loop: jaxrl.rollout.sampling_loop)."""
         cfg = self.cfg
         log = self.cache(name)
-        cached = self.cached_records(log)
-        for part in log.parts():  # of several processes, not merged yet (this run's or an interrupted one's)
-            for key, rec in self.cached_records(part).items():
+        cached: dict[tuple[str, int], dict] = {}
+        for source in on_disk(log):  # the cache, then the parts of several processes not merged yet
+            for key, rec in self.cached_records(source).items():
                 cached.setdefault(key, rec)
-        n = cfg.num_samples
-        processes = jax.process_count()
-        mine = [self.problems[j] for j in distributed.share(len(self.problems))]
-        todo = [p.id for p in mine if any((p.id, i) not in cached for i in range(n))]
-        writer = log if processes == 1 else log.part(jax.process_index(), processes)
-        writer.start()
-        bar = None
-        try:
-            if todo:
-                self.load(name)
-                per_batch = max(1, getattr(self.backend, "batch_size", cfg.batch_size) // n)
-                if cfg.progress:
-                    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), unit="problem",
-                               desc=name, dynamic_ncols=True)
-                for b in range(0, len(todo), per_batch):
-                    chunk = todo[b: b + per_batch]
-                    records = self.collect(chunk, self.sampling,
-                                           wanted=lambda j, i: (chunk[j], i) not in cached)
-                    # One problem's samples at a time, fsync'ed: a kill loses at most the problems of the batch in
-                    # flight, never a half-written record (a torn line is cut on resume).
-                    for pid in chunk:
-                        lines = [r for r in records if r["problem_id"] == pid]
-                        writer.append(lines)
-                        for r in lines:
-                            cached[(pid, r["sample_index"])] = r
-                    if bar is not None:
-                        bar.update(len(chunk))
-                    if on_batch is not None:
-                        on_batch({"model": name, "problems_done": len(chunk)})
-                    interrupt.check(lambda: self._stop_message(name))
-        finally:
-            if bar is not None:
-                bar.close()
-            writer.close()
-        if processes > 1:
-            distributed.barrier(f"evaluation {self.out} {name}: parts written")
-        if distributed.is_main_process() and log.parts():
-            position = {p.id: j for j, p in enumerate(self.problems)}
-            log.merge_parts(lambda r: (r["problem_id"], int(r["sample_index"])),
-                            order=lambda r: (position[r["problem_id"]], int(r["sample_index"])),
-                            keep=self._current)
-            log.close()
-        if processes > 1:
-            distributed.barrier(f"evaluation {self.out} {name}: merged")
+        loop = SamplingLoop(log, [(p, self.prompts[p.id]) for p in self.problems], cfg.num_samples, cached,
+                            label=f"evaluation {self.out} {name}")
+
+        def record(sample: Sample, problem, prompt: list[int]) -> dict:
+            rec = self.record(sample, problem.id, self.sampling.max_new_tokens)
+            cached[(problem.id, rec["sample_index"])] = rec
+            return rec
+
+        def report(counts: Counts) -> None:
+            on_batch({"model": name, "problems_done": counts.batch_problems})
+
+        loop.run(self.collector, self.sampling, record, batch_size=cfg.batch_size,
+                 stop_message=lambda counts: self._stop_message(name), prepare=lambda: self.load(name),
+                 progress=ProgressBar(name, unit="problem") if cfg.progress else None,
+                 on_batch=report if on_batch is not None else None)
+        loop.finish(keep=self._current)
+        if loop.processes > 1:
             cached = self.cached_records(log)
-        return [cached[(p.id, i)] for p in self.problems for i in range(n)]
+        return [cached[(p.id, i)] for p in self.problems for i in range(cfg.num_samples)]
 
     def _current(self, record: dict) -> bool:
         """A cached record of this evaluation's problems, drawn for their current version."""

@@ -6,7 +6,7 @@
     report = audit(sources, reference="base")         # per tensor / layer / module: max |d|, ||d|| / ||W||
     fingerprint(sources["step_28"])                    # sha256 of the language tower as it would be served
 
-The users' evaluation once scored the wrong weights (the loader dropped the adapter); this is the check that
+A loader that silently drops the adapter makes an evaluation score the base weights; this is the check that
 catches it. A *source* is anything that yields tensors by canonical name:
 
 * `FolderSource(hf_dir)`: an HF folder (container or text-only, one file or shards);

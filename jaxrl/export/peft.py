@@ -5,7 +5,7 @@
     load_peft_adapter(folder, model, layout="container")       # read + check the layout + attach to the model
     adapter = read_adapter(path, step=None)                    # a PEFT folder or a trainer adapter checkpoint
 
-Layouts (docs/qwen35-architecture.md §6-7). PEFT saves the *module path* of the class the adapter was built on:
+Layouts (docs/design/qwen35-architecture.md §6-7). PEFT saves the *module path* of the class the adapter was built on:
 
     container  base_model.model.model.language_model.layers.N....lora_A.weight   (Qwen3_5ForConditionalGeneration,
                                                                                    the official checkpoints, vLLM)
@@ -72,7 +72,7 @@ def mismatch_message(adapter_layout: str, model_layout: str, what: str) -> str:
     return (f"{what}: the adapter's keys are in the {adapter_layout} layout ({LAYOUT_PREFIXES[adapter_layout]}"
             f"layers...) but the model is a {model_layout} checkpoint ({LAYOUT_PREFIXES[model_layout]}layers...). "
             "PEFT does not remap these: the adapter would load without error and change nothing (vLLM 0.33 "
-            "remaps them, vLLM 0.30 does not; docs/vllm.md). Export with the model's layout "
+            "remaps them, vLLM 0.30 does not; docs/guides/vllm.md). Export with the model's layout "
             f"(launchers.export --layout={model_layout}) instead.")
 
 

@@ -8,7 +8,7 @@ reads, and attaching it to the JAX model.
     adapter.delta(module)                         # s * B @ A, [out, in] fp32: what a merge adds to the base weight
 
 Names are ours (`layers.0.linear_attn.in_proj_qkv.lora.lora_A` [r, in], `...lora_B` [out, r]), fp32, exactly
-PEFT's tensors under another name (docs/qwen35-architecture.md §6), so every conversion is a rename.
+PEFT's tensors under another name (docs/design/qwen35-architecture.md §6), so every conversion is a rename.
 
 Checkpoint layout (written by jaxrl.train.checkpoints): `<workdir>/checkpoints/adapters/<step>/{adapter,meta}`.
 """

@@ -1,4 +1,4 @@
-"""LoRA adapters for the Flax Qwen3.5 model, in the PEFT convention (docs/qwen35-architecture.md §6).
+"""LoRA adapters for the Flax Qwen3.5 model, in the PEFT convention (docs/design/qwen35-architecture.md §6).
 
     from jaxrl.models import lora
     report = lora.apply_lora(model, targets="all-linear", rank=16, alpha=32)   # attaches adapters in place
@@ -43,7 +43,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.layers import Linear
-from jaxrl.utils.schema import LORA
+from jaxrl.utils.train_config import LoRAConfig
 from jaxrl.utils.tree import dotted
 
 # The 12 projections of the Qwen3.5 language tower (PEFT's `all-linear` minus the vision tower and lm_head).
@@ -262,24 +262,21 @@ def vllm_unpackable(paths) -> list[str]:
     return out
 
 
-def apply_lora_from_config(model: nnx.Module, lora_cfg, seed: int = 0) -> dict:
-    """`apply_lora` from a `lora` config block (keys and defaults: jaxrl.utils.schema.LORA).
+def apply_lora_from_config(model: nnx.Module, lora: LoRAConfig, seed: int = 0) -> dict:
+    """`apply_lora` from a run's `lora` block (jaxrl.utils.train_config.LoRAConfig).
 
     Refuses (LoRAError) targets whose adapter vLLM 0.33 could not serve (`vllm_unpackable`), before any training,
     unless `lora.allow_vllm_unpackable` is true (the adapter still works in jaxrl and PEFT).
     """
-    cfg = LORA.resolve(lora_cfg, "lora")
-    targets = cfg["targets"]
-    if isinstance(targets, (list, tuple)):
-        targets = tuple(targets)
+    targets = tuple(lora.targets) if isinstance(lora.targets, (list, tuple)) else lora.targets
     unpackable = vllm_unpackable(resolve_targets(model, targets))
-    if unpackable and not cfg["allow_vllm_unpackable"]:
-        raise LoRAError(f"lora.targets={cfg['targets']!r}: vLLM 0.33 cannot serve this adapter ({len(unpackable)} "
+    if unpackable and not lora.allow_vllm_unpackable:
+        raise LoRAError(f"lora.targets={lora.targets!r}: vLLM 0.33 cannot serve this adapter ({len(unpackable)} "
                         f"module(s), e.g. {unpackable[0]}: it packs in_proj_z only together with in_proj_qkv). "
                         "Add in_proj_qkv to lora.targets, drop in_proj_z, or set lora.allow_vllm_unpackable=True "
                         "if the adapter will never be served by vLLM")
-    return apply_lora(model, targets=targets, rank=int(cfg["rank"]), alpha=float(cfg["alpha"]),
-                      use_rslora=bool(cfg["use_rslora"]), dropout=float(cfg["dropout"]), seed=seed)
+    return apply_lora(model, targets=targets, rank=lora.rank, alpha=lora.alpha, use_rslora=lora.use_rslora,
+                      dropout=lora.dropout, seed=seed)
 
 
 def iter_lora(model: nnx.Module) -> Iterator[tuple[str, LoRA]]:

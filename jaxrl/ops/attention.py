@@ -12,9 +12,10 @@ reads KV head h // (nH / nKV); K/V are never repeated to nH heads.
   * "cudnn" (a GPU and bf16/fp16 operands): `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's
     flash attention with a causal + padding mask type: no T x S matrix in memory, the upper triangle skipped.
   * "xla" (the CPU, fp32, and the reference): the same function written head-major, so both einsums have their
-    batch dimensions (B, nKV) leading. XLA:CPU runs dots with non-leading batch dimensions on a slow path (the
-    QK product 25.4 ms vs 3.4 ms head-major at B=4, T=512). Queries go in blocks, and block i multiplies only
-    the keys up to its last query, so the upper triangle is mostly skipped here too.
+    batch dimensions (B, nKV) leading. XLA:CPU runs dots with non-leading batch dimensions on a slow path
+    (measured in benchmarks/RESULTS.md, section 'Figures formerly quoted in code comments'). Queries go in
+    blocks, and block i multiplies only the keys up to its last query, so the upper triangle is mostly skipped
+    here too.
 Rows that are not right-padded (GRPO/PPO rows: a left-padded prompt, then a right-padded completion) reach the
 same kernel through `compaction`: a stable permutation that moves each row's real tokens to the front, in
 order. Attention among the real tokens is unchanged by it (RoPE is applied before, with positions that count
@@ -52,8 +53,9 @@ def resolve_implementation(implementation: str, dtype, head_dim: int) -> str:
 
 
 def query_block_size(seq_len: int) -> int:
-    """Query rows per block of the XLA causal form: 128 (fastest on two CPU cores at T = 1024: 2.2x faster than
-    one block, fwd+bwd), at most 32 blocks. Smaller blocks skip more of the upper triangle but make more dots."""
+    """Query rows per block of the XLA causal form: 128 (the fastest fwd+bwd on two CPU cores at T = 1024,
+    measured in benchmarks/RESULTS.md, section 'Figures formerly quoted in code comments'), at most 32 blocks.
+    Smaller blocks skip more of the upper triangle but make more dots."""
     if seq_len <= 128:
         return seq_len
     return max(128, -(-seq_len // 32))

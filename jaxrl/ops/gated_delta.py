@@ -1,7 +1,7 @@
 """The gated delta rule (Gated DeltaNet core): a chunked form for sequences, a one-pass update for decode, and the
 token-by-token recurrence as the reference.
 
-Recurrence per value head h (docs/qwen35-architecture.md §3.1), with state S [dk, dv] in fp32:
+Recurrence per value head h (docs/design/qwen35-architecture.md §3.1), with state S [dk, dv] in fp32:
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,        o_t = S_t^T q_t
 
@@ -61,7 +61,8 @@ def _unit_lower_inverse(strict: jax.Array) -> jax.Array:
 
     Blocks: inv([[A, 0], [C, D]]) = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], recursively down to 16 x 16, where
     (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8) exactly (N is nilpotent). At n = 64 this is about 15x fewer
-    flops than squaring the whole 64 x 64 matrix (log2(64) squarings), which dominated the chunked kernel's time.
+    flops than squaring the whole 64 x 64 matrix (log2(64) squarings), which would dominate the chunked kernel's
+    time (measured in benchmarks/RESULTS.md, section 'Idle machine (the numbers to quote)').
     """
     size = strict.shape[-1]
     eye = jnp.eye(size, dtype=strict.dtype)
@@ -85,8 +86,8 @@ def unit_lower_inverse(strict: jax.Array, method: str = "auto") -> jax.Array:
 
     "matmul" (the default, "auto"): the exact inverse from matmuls only (`_unit_lower_inverse`: block recursion
     over nilpotent-series 16 x 16 blocks), which every backend runs fast. "triangular": XLA's batched triangular
-    solve against the identity; kept as a cross-check, it is erratic on CPU (measured 20-50x slower than the
-    matmul form at batch >= 128 chunks) and slow on accelerators.
+    solve against the identity; kept as a cross-check, it is erratic and far slower on CPU (measured in
+    benchmarks/RESULTS.md, section 'Figures formerly quoted in code comments') and slow on accelerators.
     """
     if method == "auto":
         method = "matmul"

@@ -1,7 +1,7 @@
 """Partial rotary position embedding (NeoX "rotate_half" style) as Qwen3.5 uses it for text.
 
 For text-only inputs the interleaved M-RoPE of Qwen3.5 reduces exactly to 1-D RoPE on the first
-`rotary_dim = head_dim * partial_rotary_factor` dims of each head (docs/qwen35-architecture.md §2.4); the remaining
+`rotary_dim = head_dim * partial_rotary_factor` dims of each head (docs/design/qwen35-architecture.md §2.4); the remaining
 dims pass through unchanged.
 """
 

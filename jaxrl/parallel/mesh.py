@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.utils.schema import MESH
+from jaxrl.utils.train_config import TrainConfig
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
@@ -70,6 +70,6 @@ def local_mesh(shape: Sequence[int] = (-1, 1, 1)) -> Mesh:
     return _mesh(shape, list(jax.local_devices()), span_all=False)
 
 
-def mesh_from_config(config) -> Mesh:
-    """`config.mesh.shape` (jaxrl.utils.schema.MESH) -> Mesh."""
-    return make_mesh(tuple(MESH.resolve(config.get("mesh", None), "mesh")["shape"]))
+def mesh_from_config(config: TrainConfig) -> Mesh:
+    """A run's `mesh.shape` -> Mesh."""
+    return make_mesh(config.mesh.shape)

@@ -4,9 +4,10 @@ This file runs as a *script* inside the sandbox (``python -S -s _sandbox_server.
 verifier. It uses the standard library only, because once it has built the sandbox's private root the jaxrl
 package is no longer visible.
 
-Why a fork server: starting a cold Python per test costs ~20-60 ms; forking an interpreter that has already
-imported the common modules costs a few ms, and the child still gets a fresh address space, fresh limits and a
-fresh working folder.
+Why a fork server: forking an interpreter that has already imported the common modules costs far less than
+starting a cold Python per test (measured in benchmarks/RESULTS.md, section 'Idle machine (the numbers to
+quote)', the code verifier rows), and the child still gets a fresh address space, fresh limits and a fresh
+working folder.
 
 A blind launcher. Every child is a copy of this process's memory, so this process must never hold anything a
 program could profit from: not expected outputs (they never leave the verifier), and not other programs' code
@@ -587,7 +588,8 @@ def run_program(req: dict, preamble_code, cfg: dict, work_dir: str) -> None:
     namespace = main.__dict__
 
     try:
-        # optimize=0 equals the default here (no -O), but the default (-1) costs ~2 ms on a fresh fork.
+        # optimize=0 equals the default here (no -O), but passing the default (-1) costs time on every fresh fork
+        # (measured in benchmarks/RESULTS.md, section 'Figures formerly quoted in code comments').
         code_obj = compile(source, filename, "exec", dont_inherit=True, optimize=0)
     except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError) as exc:
         _report({"kind": "syntax_error", "type": type(exc).__name__, "message": str(exc)[:300]})

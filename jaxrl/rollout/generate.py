@@ -1,4 +1,4 @@
-"""`generate`: the one-call entry point of docs/interfaces.md over a `Sampler`.
+"""`generate`: the one-call entry point of docs/reference/interfaces.md over a `Sampler`.
 
     from jaxrl.rollout import generate
     out = generate(model, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, n=1, seed=0,

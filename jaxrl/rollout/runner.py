@@ -3,7 +3,7 @@
     summary = run_rollouts(RolloutConfig(problems="problems.jsonl", model="hf_dir", out="rollouts.jsonl",
                                          num_samples=8, temperature=1.0, max_new_tokens=4096, reward="code"))
 
-One record per sample (docs/interfaces.md, plus what pair building and audits need):
+One record per sample (docs/reference/interfaces.md, plus what pair building and audits need):
 
     {"problem_id", "sample_index", "completion", "completion_tokens", "finish_reason": "stop" | "length",
      "reward": {"partial", "strict", "reason"}, "model",
@@ -26,35 +26,32 @@ problem (`jaxrl.parallel.distributed.share`), samples it on its own devices and 
 barrier, process 0 merges the parts into `<out>`, in problem order: the file a single process would have written.
 Records already in `<out>` or in any part file are never drawn again.
 Interrupted (SIGINT / SIGTERM with jaxrl.utils.interrupt installed, as the launcher does): the batch in flight is
-written and fsync'ed, then Interrupted is raised; rerunning the command resumes.
+written and fsync'ed, then Interrupted is raised; rerunning the command resumes. The loop that shares, resumes,
+writes and merges is jaxrl.rollout.sampling_loop (evaluation runs the same one).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import jax
-from tqdm import tqdm
-
-from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
+from jaxrl.data.chat import OVERLONG_POLICIES, chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
 from jaxrl.export.peft import read_adapter
 from jaxrl.models.qwen35.config import load_hf_config
-from jaxrl.parallel import distributed
 from jaxrl.parallel.mesh import local_mesh
 from jaxrl.rewards import get_reward
 from jaxrl.rollout.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
+from jaxrl.rollout.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
 from jaxrl.rollout.backends.jax_backend import DTYPES
 from jaxrl.rollout.collect import Collector, Sample
-from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
-from jaxrl.utils import interrupt
+from jaxrl.utils.dataclass_flags import flag_field
 
 __all__ = ["RolloutConfig", "ResumeError", "record_of", "run_rollouts", "sampling_of"]
 
@@ -67,31 +64,39 @@ _RESUME_KEYS = ("problems", "model", "adapter", "num_samples", "temperature", "t
 
 @dataclasses.dataclass
 class RolloutConfig:
-    problems: str
-    model: str
-    out: str
-    adapter: Optional[str] = None
-    num_samples: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 4096
-    max_prompt_len: int = 2048
-    prompt_buckets: tuple = ()  # prompt lengths with their own compiled program; () = 32, 64, ... max_prompt_len
-    enable_thinking: bool = False
-    reward: str = "code"
-    batch_size: int = 64  # rows (samples) per compiled call; server backends: samples in flight at once
-    seed: int = 0
-    on_overlong: str = "skip"
-    dtype: str = "bfloat16"
-    limit: int = 0  # 0 = every problem
-    model_name: str = ""  # the "model" field; default: the model folder's name (+ adapter)
-    save_logprobs: bool = False
-    progress: bool = True
-    backend: str = "jax"  # jax | vllm | server (jaxrl.rollout.backends)
-    backend_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {"url": ...}, vLLM's parallel sizes
-    mesh_shape: Optional[tuple] = (-1, 1, 1)  # jax backend: (data, fsdp, tensor) over this process's devices;
-    #                                           None = one device without a mesh
+    """The settings of a rollout run; each field is also a flag of launchers.rollout (jaxrl.rollout.flags), its
+    default and help declared here once."""
+
+    problems: str = flag_field(help="problems.jsonl (canonical schema of docs/reference/interfaces.md).")
+    model: str = flag_field(help="HF model folder (weights, config.json, tokenizer, chat template).")
+    out: str = flag_field(help="Output rollouts.jsonl (appended to and resumed if it exists).")
+    adapter: Optional[str] = flag_field(None, help="Optional adapter checkpoint folder (trainer format).")
+    num_samples: int = flag_field(8, help="Samples per problem (K).")
+    temperature: float = flag_field(1.0, help="Sampling temperature; 0 = greedy.")
+    top_p: float = flag_field(1.0, help="Nucleus sampling mass in (0, 1].")
+    top_k: int = flag_field(0, help="Top-k filtering; 0 = off.")
+    max_new_tokens: int = flag_field(4096, help="Generation cap; a sample hitting it is truncated (finish_reason "
+                                                "'length').")
+    max_prompt_len: int = flag_field(2048, help="Prompt budget in tokens after the chat template.")
+    prompt_buckets: tuple[int, ...] = flag_field((), help="Prompt lengths that get their own compiled program "
+                                                         "(default 32, 64, ... up to --max_prompt_len).")
+    enable_thinking: bool = flag_field(False, help="Qwen3.5 thinking mode in the generation prompt.")
+    reward: str = flag_field("code", help="Reward name (jaxrl.rewards.get_reward) or module:function.")
+    batch_size: int = flag_field(64, help="Samples per compiled batch (jax backend); samples in flight at once "
+                                          "(server backends).")
+    seed: int = flag_field(0, help="Sampling seed.")
+    on_overlong: str = flag_field("skip", choices=OVERLONG_POLICIES,
+                                  help="Prompts over --max_prompt_len: skip (counted in the summary) or error.")
+    dtype: str = flag_field("bfloat16", choices=DTYPES, help="Model compute dtype.")
+    limit: int = flag_field(0, help="Use only the first N problems (0 = all).")
+    model_name: str = flag_field("", help="Value of the records' 'model' field (default: the model folder's name, "
+                                          "+ADAPTER with --adapter).")
+    save_logprobs: bool = flag_field(False, help="Also write token_ids and per-token logprobs.")
+    progress: bool = flag_field(True, help="Show a progress bar.")
+    backend: str = backend_field()  # jax | vllm | server (jaxrl.rollout.backends)
+    backend_kwargs: dict = backend_kwargs_field()  # e.g. {"url": ...}, vLLM's parallel sizes
+    mesh_shape: Optional[tuple[int, ...]] = mesh_shape_field()  # jax backend: (data, fsdp, tensor) over this
+    #                                     process's devices; None = one device without a mesh
 
 
 def _validate_record(rec: dict) -> None:
@@ -100,10 +105,6 @@ def _validate_record(rec: dict) -> None:
             raise KeyError(key)
     if not isinstance(rec["sample_index"], int):
         raise TypeError("sample_index must be an integer")
-
-
-def _record_key(rec: dict) -> tuple:
-    return str(rec["problem_id"]), int(rec["sample_index"])
 
 
 def done_samples(existing: list[tuple[int, dict]], path: Path, num_samples: int) -> dict[str, set[int]]:
@@ -184,21 +185,18 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         logger.warning("skipping problem %s: %d prompt tokens > max_prompt_len=%d", s["problem_id"],
                        s["prompt_tokens"], cfg.max_prompt_len)
     # what is on disk: the file, and the part files of several processes (this run's, or an interrupted run's)
-    done: dict[str, set[int]] = {}
-    for source in [log] + log.parts():
+    done: set[tuple[str, int]] = set()
+    for source in on_disk(log):
         for pid, indices in done_samples(source.read(validate=_validate_record), source.path,
                                          cfg.num_samples).items():
-            done.setdefault(pid, set()).update(indices)
+            done.update((pid, i) for i in indices)
     kept_ids = {problems[i].id for i in encoded.kept}
-    foreign = sorted(set(done) - kept_ids)
+    foreign = sorted({pid for pid, _ in done} - kept_ids)
     if foreign:
         raise ResumeError(f"{out} has records for problems not in this run (e.g. {foreign[0]!r}); it belongs to "
                           "another problems file or --limit")
-    processes, index = jax.process_count(), jax.process_index()
-    mine = distributed.share(len(encoded.kept))
-    todo = [(problems[encoded.kept[j]], encoded.ids[j]) for j in mine
-            if len(done.get(problems[encoded.kept[j]].id, ())) < cfg.num_samples]
-    already = sum(len(done.get(problems[encoded.kept[j]].id, ())) for j in mine)
+    loop = SamplingLoop(log, [(problems[i], ids) for i, ids in zip(encoded.kept, encoded.ids)], cfg.num_samples,
+                        done, label=f"rollouts {out}")
 
     adapter = read_adapter(cfg.adapter) if cfg.adapter and (model is None or cfg.backend != "jax") else None
     if reward is None:
@@ -221,64 +219,30 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         backend.load(ModelSpec("rollout", "adapter" if adapter is not None else "base", cfg.adapter), adapter)
     collector = Collector(backend, reward, tokenizer=tokenizer, stop_ids=stop_ids)
 
-    writer = log if processes == 1 else log.part(index, processes)  # several processes: each its own part
-    writer.start()
-    # samples per collect call: the jax backend's compiled batch, a server's requests in flight (its own batching)
-    per_batch = max(1, getattr(backend, "batch_size", cfg.batch_size) // cfg.num_samples)
-    total = len(mine) * cfg.num_samples
-    bar = None
-    if cfg.progress:
-        bar = tqdm(total=total, initial=already, unit="sample", desc="rollouts", dynamic_ncols=True)
-    written, truncated, generated_tokens, start = 0, 0, 0, time.perf_counter()
+    def record(sample: Sample, problem, prompt: list[int]) -> dict:
+        return record_of(sample, problem, len(prompt), cfg, model_name)
+
+    def report(counts: Counts) -> None:
+        on_batch({"written": counts.written, "generated_tokens": counts.generated_tokens})
+
+    def stop_message(counts: Counts) -> str:
+        return (f"rollouts stopped with {counts.resumed + counts.written} of {counts.total} samples in {out}; "
+                "rerun the same command to resume")
+
     try:
-        for b in range(0, len(todo), per_batch):
-            chunk = todo[b:b + per_batch]
-            samples = collector.collect(
-                [ids for _, ids in chunk], [problem_key(p.id) for p, _ in chunk], [p for p, _ in chunk], sampling,
-                wanted=lambda j, i: i not in done.get(chunk[j][0].id, ()))
-            by_problem: dict[int, list[dict]] = {}
-            for s in samples:
-                problem, prompt = chunk[s.prompt_index]
-                by_problem.setdefault(s.prompt_index, []).append(record_of(s, problem, len(prompt), cfg, model_name))
-            for j in sorted(by_problem):
-                writer.append(by_problem[j])
-            written += len(samples)
-            truncated += sum(s.truncated for s in samples)
-            generated_tokens += sum(len(s.tokens) for s in samples)
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            if bar is not None:
-                bar.update(len(samples))
-                bar.set_postfix({"samples/s": f"{written / elapsed:.2f}",
-                                 "tokens/s": f"{generated_tokens / elapsed:.1f}"})
-            if on_batch is not None:
-                on_batch({"written": written, "generated_tokens": generated_tokens})
-            interrupt.check(lambda: f"rollouts stopped with {already + written} of {total} samples in {out}; "
-                                    "rerun the same command to resume")
+        counts = loop.run(collector, sampling, record, batch_size=cfg.batch_size, stop_message=stop_message,
+                          progress=ProgressBar("rollouts", unit="sample") if cfg.progress else None,
+                          on_batch=report if on_batch is not None else None)
     finally:
-        writer.close()
-        if bar is not None:
-            bar.close()
         if cfg.backend != "jax":
             backend.close()  # stops a server this run started (a given jax model stays the caller's)
-    summary = _summary(len(problems), skipped, total, already, written, truncated, generated_tokens,
-                       time.perf_counter() - start)
+    summary = _summary(len(problems), skipped, counts.total, counts.resumed, counts.written, counts.truncated,
+                       counts.generated_tokens, time.perf_counter() - counts.started)
     # the devices this process sampled on (a server's are its own business)
     summary["devices"] = (1 if backend.mesh is None else int(backend.mesh.devices.size)) if cfg.backend == "jax" \
         else None
-    positions = {problems[i].id: j for j, i in enumerate(encoded.kept)}
-    order = lambda rec: (positions[str(rec["problem_id"])], int(rec["sample_index"]))  # noqa: E731
-    if processes == 1:
-        if log.parts():  # left by an interrupted run of several processes: theirs join the file now
-            log.merge_parts(_record_key, order, validate=_validate_record)
-        return log.finish(summary)
-    writer.finish(summary)
-    distributed.barrier(f"rollouts {out}: parts written")
-    if index == 0:
-        parts = [json.loads(log.part(i, processes).meta_path.read_text()) for i in range(processes)]
-        log.merge_parts(_record_key, order, validate=_validate_record)
-        log.finish(_merged_summary(summary, parts, len(log.read())))
-    distributed.barrier(f"rollouts {out}: merged")
-    return json.loads(log.meta_path.read_text())
+    return loop.finish(summary=summary, validate=_validate_record,
+                       merged_summary=lambda parts, records: _merged_summary(summary, parts, records))
 
 
 def _summary(problems: int, skipped: list, total: int, already: int, written: int, truncated: int,

@@ -21,9 +21,8 @@ How a batch runs (one compiled program each, per bucket; nothing in Python per t
      runs on the first U' rows only, U' the smallest of a few static sizes (B/8, B/2, B) that holds the U
      prompts: n samples of a prompt cost one prefill, not n. U' is static (chosen on the host), so each size
      that occurs compiles one model pass; a trainer or evaluator, whose batches hold one number of distinct
-     prompts, compiles one pass per bucket instead of the three a `lax.switch` over the sizes compiles (on
-     two CPU cores the demo's GRPO prefill took 10.8 s to compile with the switch; the evaluation's prefills
-     now take 2.7 s each on average).
+     prompts, compiles one pass per bucket instead of the three a `lax.switch` over the sizes would compile
+     (compile times measured in benchmarks/RESULTS.md, section 'Where the tiny model's time goes on CPU').
   2. decode(graphdef, params, cache, logits, ...): a `lax.while_loop`; each iteration samples one token per row
      from the current logits (sampling.py), writes it into a [B, max_new_tokens] buffer together with its
      log-probability, marks rows that produced a stop token as done, and runs the model on the new tokens
@@ -87,10 +86,10 @@ def default_prompt_buckets(max_prompt_len: int) -> tuple[int, ...]:
 
 def default_batch_buckets(batch_size: int, multiple: int = 1) -> tuple[int, ...]:
     """batch_size, batch_size / 4, batch_size / 16, ... while they are whole multiples of `multiple` (the
-    data-parallel size). Every bucket is a compiled prefill and decode (2.7 s each on average for the demo's
-    tiny model on two CPU cores, far more at real widths), while a padded row costs little where decode is
-    bound by reading the weights (accelerators), so the ladder is coarse: a partial batch runs padded by at most
-    4x (or up to the smallest bucket)."""
+    data-parallel size). Every bucket is a compiled prefill and decode (seconds each for the demo's tiny model
+    on two CPU cores, far more at real widths; benchmarks/RESULTS.md, section 'Figures formerly quoted in code
+    comments'), while a padded row costs little where decode is bound by reading the weights (accelerators), so
+    the ladder is coarse: a partial batch runs padded by at most 4x (or up to the smallest bucket)."""
     if batch_size % multiple:
         raise ValueError(f"batch_size {batch_size} must be a multiple of the data-parallel size {multiple}")
     out, b = [batch_size], batch_size

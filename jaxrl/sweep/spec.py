@@ -44,8 +44,8 @@ from typing import Any, Optional, Sequence
 import ml_collections
 
 from jaxrl.algorithms.plugins import absolute_paths
-from jaxrl.utils import schema
-from jaxrl.utils.config import ConfigKeyError
+from jaxrl.utils import train_config
+from jaxrl.utils.typed_config import ConfigKeyError
 from jaxrl.utils.registry import import_file
 
 SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "name", "description")
@@ -194,10 +194,10 @@ class SweepSpec:
             if not key.startswith(ARG_PREFIX):
                 set_key(config, key, value, where=f"{self.where} ({point.name})")
         try:  # every key at its default where the base config has none, as the trainer will write it
-            schema.resolve(config, strict=config.get("algorithm", None) in schema.ALGORITHMS)
+            resolved = train_config.complete(config,
+                                             strict=config.get("algorithm", None) in train_config.ALGORITHMS)
         except ConfigKeyError as e:
             raise SweepError(f"{self.where} ({point.name}): {e}") from None
-        resolved = json.loads(config.to_json_best_effort())  # what the trainer writes as config.json
         if resolved.get("plugins"):
             resolved["plugins"] = absolute_paths(resolved["plugins"], os.getcwd())
         return resolved

@@ -3,8 +3,8 @@
     from jaxrl.train.loop import Trainer
     Trainer(config, model, task, workdir, mesh=mesh).run()   # resumes from workdir by itself
 
-Modules: objective (the loss protocol, next-token), optim (AdamW + schedules), state (TrainState), step (the
-jitted step), checkpoints (Orbax layout), metrics (jsonl, TensorBoard, progress), inference (batched
-teacher-forced passes), loop (Trainer). Algorithms, their tasks and `run_training` (config -> model + task ->
-Trainer) live in jaxrl.algorithms; nothing here imports them.
+Modules: task (the Task contract and its phases), objective (the loss protocol, next-token), optim (AdamW +
+schedules), state (TrainState), step (the jitted step), checkpoints (Orbax layout), metrics (jsonl, TensorBoard,
+progress), batched_forward (many rows through one jitted forward), loop (Trainer). Algorithms, their tasks and
+`run_training` (config -> model + task -> Trainer) live in jaxrl.algorithms; nothing here imports them.
 """

@@ -1,7 +1,7 @@
 """Batched forward passes over many rows with one jitted program: DPO reference / held-out log-probs, online
 log-probs and values of rollouts.
 
-    program = jit_program(pass_fn, ("graphdef", "adapters"), compile_options(config), mesh)
+    program = jit_program(pass_fn, ("graphdef", "adapters"), config.compile_options, mesh)
     out = map_batches(lambda batch: program(graphdef, state, batch, adapters=False), arrays, keys,
                       batch_size=8, mesh=mesh)            # pytree of float32 [N, ...], one leaf per output
 
@@ -21,12 +21,6 @@ import numpy as np
 from jaxrl.parallel import sharding as shd
 
 _PROGRAMS: dict = {}
-
-
-def compile_options(config) -> dict:
-    """`config.compile_options` (XLA options of every jitted program of a run) as a plain dict."""
-    options = config.get("compile_options", None) or {}
-    return options.to_dict() if hasattr(options, "to_dict") else dict(options)
 
 
 def jit_program(fn: Callable, static_argnames: Sequence[str], options: Optional[dict] = None, mesh=None):

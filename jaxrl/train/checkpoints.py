@@ -79,6 +79,12 @@ class RunCheckpoints:
     def adapter_steps(self) -> list[int]:
         return sorted(self.adapters.all_steps())
 
+    def state_steps(self) -> list[int]:
+        """The steps whose training-state folder is on disk now (finished or being written)."""
+        if not os.path.isdir(self.state_dir):
+            return []
+        return sorted(int(d) for d in os.listdir(self.state_dir) if d.isdigit())
+
     def save(self, step: int, state, state_meta: dict, adapter_params: dict, adapter_meta: dict) -> None:
         """Save the full state, then the adapter, of `step` (asynchronously when enabled; the device-to-host
         copy happens before this returns, so the caller may donate `state` right after)."""

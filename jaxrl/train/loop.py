@@ -1,30 +1,16 @@
 """The one training loop every algorithm runs on.
 
-    task = get_trainer(config.algorithm)(config, model, mesh)      # an algorithm's Task (jaxrl.algorithms)
-    Trainer(config, model, task, workdir, mesh=mesh).run()          # resumes from workdir by itself
+    task = get_task_factory(config.algorithm)(config, model, mesh)   # an algorithm's Task (jaxrl.algorithms)
+    Trainer(config, model, task, workdir, mesh=mesh).run()            # resumes from workdir by itself
 
 or all of it from a config: `jaxrl.algorithms.run.run_training(config, workdir)` (what `launchers/train.py`
-calls).
+calls). `config` is a resolved `jaxrl.utils.train_config.TrainConfig`; the Task contract and the order in which
+its phases are called: jaxrl.train.task.
 
-A `Task` (what an algorithm provides; only `objective` and `batch` are required):
-
-    objective: Objective                         # jaxrl.train.objective (normalisers + loss, micro-batch contract)
-    batch(step, trainer) -> arrays | (arrays, host_metrics)
-        the global batch of train step `step` (0-based): {key: np.ndarray [B_global, ...]},
-        B_global = batch.micro_batch_size * batch.grad_accum, fixed shapes (bucket/pad: every new shape
-        recompiles). `trainer.current_model()` is the current policy (for rollouts); host_metrics (floats)
-        are logged with the step.
-    trainable                                    # nnx filter of the trained variables (default LoRAParam;
-                                                 # PPO: nnx.Any(LoRAParam, nnx.PathContains("value_head")))
-    state_dict() -> dict / load_state_dict(d)    # the data position (JSON), saved with every training state;
-                                                 # default {"position": steps done}: step-indexed data needs none
-    num_tokens(batch) -> int                     # for tokens/s; default sum(attention_mask) or input_ids.size
-    on_checkpoint(step, trainer) -> dict | None  # after each checkpoint (evaluation); logged as metrics
-
-Each step: batch -> split into [grad_accum, micro_batch_size, ...] -> sharded over data x fsdp -> one jitted
-step (accumulation, update, non-finite masking) -> metrics line. Every `checkpoint_every` steps (and at the
-end) an adapter artifact and the full state are saved. `max_consecutive_nonfinite` skipped updates in a row
-(0 = never stop) save a checkpoint and raise NonFiniteError.
+Each step: (rollout when due) -> batch -> split into [grad_accum, micro_batch_size, ...] -> sharded over data x
+fsdp -> one jitted step (accumulation, update, non-finite masking) -> metrics line. Every `checkpoint_every` steps
+(and at the end) an adapter artifact and the full state are saved. `max_consecutive_nonfinite` skipped updates in
+a row (0 = never stop) save a checkpoint and raise NonFiniteError.
 """
 
 from __future__ import annotations
@@ -48,12 +34,13 @@ from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import barrier, is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.train import checkpoints as ckpt_lib
-from jaxrl.train.batched_forward import compile_options
 from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
-from jaxrl.utils import interrupt, schema
+from jaxrl.train.task import TaskContext
+from jaxrl.utils import interrupt
+from jaxrl.utils.train_config import TrainConfig
 
 
 
@@ -66,10 +53,6 @@ class RunResult:
     final_step: int
     state: TrainState
     records: list  # the metrics records written by this process in this run
-
-
-def config_to_dict(config) -> dict:
-    return json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else dict(config)
 
 
 def _default_num_tokens(batch: dict) -> int:
@@ -90,32 +73,12 @@ def _nonfinite_reason(m: dict, groups: list[str]) -> str:
     return "; ".join(parts) or "non-finite update"
 
 
-def check_run_config(config) -> None:
-    """The loop's values (step counts, batch split, checkpoint cadence, the optimizer), checked before any model
-    is built: ValueError naming each bad key (OptimizerConfigError for the optimizer's)."""
-    schema.CORE.resolve(config, strict=False)
-    bad = []
-    for key, minimum in (("steps", 1), ("batch.micro_batch_size", 1), ("batch.grad_accum", 1),
-                         ("checkpoint_every", 1), ("log_every", 1), ("max_consecutive_nonfinite", 0)):
-        value = config
-        for part in key.split("."):
-            value = value[part]
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            bad.append(f"{key} must be an integer >= {minimum}, got {value!r}")
-    keep = config.keep_checkpoints
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        bad.append(f"keep_checkpoints must be an integer >= 1 (or None to keep all), got {keep!r}")
-    if bad:
-        raise ValueError("config: " + "; ".join(bad))
-    make_optimizer(config.optimizer, int(config.steps))  # learning rate, schedule, warm-up
-
-
 # Keys that change the shape of the training state: resuming across a change cannot work.
 STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_preset", "model_overrides",
               "optimizer.name", "optimizer.max_grad_norm")
 
 
-def check_same_run(config, workdir: str, step: Optional[int] = None) -> None:
+def check_same_run(config: TrainConfig, workdir: str, step: Optional[int] = None) -> None:
     """ValueError when `workdir` holds a run (a training state; `step`: its newest, found on disk when None) whose
     config.json differs from `config` in a key that shapes the training state (STATE_KEYS). Reads only."""
     path = os.path.join(workdir, CONFIG_FILE)
@@ -127,7 +90,7 @@ def check_same_run(config, workdir: str, step: Optional[int] = None) -> None:
         return
     with open(path) as f:
         old = json.load(f)
-    new = config_to_dict(config)
+    new = config.to_json()
 
     def get(d, dotted):
         for part in dotted.split("."):
@@ -151,20 +114,18 @@ class Trainer:
     and checkpoint (the launcher's test-only kill switch).
     """
 
-    def __init__(self, config, model: nnx.Module, task, workdir: str, *, mesh=None,
+    def __init__(self, config: TrainConfig, model: nnx.Module, task, workdir: str, *, mesh=None,
                  fault_fn: Optional[Callable] = None, fault_group: Optional[str] = None,
                  on_step_end: Optional[Callable] = None):
-        schema.CORE.resolve(config, strict=False)  # the core's keys at their one default when missing
         self.config, self.task, self.workdir = config, task, workdir
         self.mesh = mesh if mesh is not None else mesh_from_config(config)
         self.fault_fn, self.on_step_end = fault_fn, on_step_end
-        check_run_config(config)
-        self.steps = int(config.steps)
-        self.micro_batch_size = int(config.batch.micro_batch_size)
-        self.grad_accum = int(config.batch.grad_accum)
-        self.checkpoint_every = int(config.checkpoint_every)
-        self.max_nonfinite = int(config.max_consecutive_nonfinite)
-        self.compile_options = compile_options(config)
+        self.steps = config.steps
+        self.micro_batch_size = config.batch.micro_batch_size
+        self.grad_accum = config.batch.grad_accum
+        self.checkpoint_every = config.checkpoint_every
+        self.max_nonfinite = config.max_consecutive_nonfinite
+        self.compile_options = dict(config.compile_options)
 
         trainable = getattr(task, "trainable", LoRAParam)
         self.graphdef, trainable_state, frozen = nnx.split(model, trainable, ...)
@@ -177,7 +138,7 @@ class Trainer:
         init_params = {k: v.astype(jnp.float32) for k, v in self.codec.to_flat(trainable_state).items()}
         abstract = jax.eval_shape(lambda p: init_train_state(p, self.optimizer, 0), init_params)
         self.state_shardings = shd.train_state_shardings(abstract, self.mesh)
-        self.state: TrainState = create_train_state(init_params, self.optimizer, int(config.seed),
+        self.state: TrainState = create_train_state(init_params, self.optimizer, config.seed,
                                                     shardings=self.state_shardings)
         self.step_fn = make_train_step(task.objective, self.optimizer, self.schedule, self.graphdef, self.codec,
                                        fault_injection=fault_fn is not None, fault_group=fault_group)
@@ -189,8 +150,7 @@ class Trainer:
         model_cfg = getattr(model, "config", None)
         self.model_config = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else None
         self.main = is_main_process()
-        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.keep_checkpoints,
-                                            async_save=bool(config.checkpoint_async))
+        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.keep_checkpoints, async_save=config.checkpoint_async)
 
     # ------------------------------------------------------------------------------------------------------------
     def current_model(self) -> nnx.Module:
@@ -235,7 +195,7 @@ class Trainer:
     def save(self, step: int) -> None:
         """Checkpoint after `step` train steps (asynchronous when checkpoint_async)."""
         data_state = (self.task.state_dict() if hasattr(self.task, "state_dict") else {"position": step})
-        meta = {"step": step, "data_state": data_state, "config": config_to_dict(self.config)}
+        meta = {"step": step, "data_state": data_state, "config": self.config.to_json()}
         adapter = {n: v for n, v in self.state.params.items() if ".lora." in f".{n}."}
         self.ckpt.save(step, self.state, meta, adapter, self._adapter_meta(step))
 
@@ -243,10 +203,8 @@ class Trainer:
         """Restore the newest intact training state in the workdir; returns the steps it had done (0: none). A
         damaged newer state is moved to checkpoints/corrupt/ (ckpt_lib.RunCheckpoints.restore_newest), with a
         warning naming its file."""
-        latest = self.ckpt.latest_step()
-        if latest is None:
+        if self.ckpt.latest_step() is None:
             return 0
-        self._check_same_run(latest)
         latest, state, meta, set_aside = self.ckpt.restore_newest(self._abstract_state())
         for err, moved in set_aside:
             logging.warning("%s: corrupted checkpoint (%s); moved it to %s and resumed from the newest intact step, %d",
@@ -259,14 +217,11 @@ class Trainer:
                      f"; removed adapter folders of unfinished steps {stale}" if stale else "")
         return latest
 
-    def _check_same_run(self, step: int) -> None:
-        check_same_run(self.config, self.workdir, step)
-
     def _write_config(self) -> None:
         if not self.main:
             return
         path = os.path.join(self.workdir, CONFIG_FILE)
-        new = config_to_dict(self.config)
+        new = self.config.to_json()
         if os.path.exists(path):
             try:
                 with open(path) as f:
@@ -279,21 +234,28 @@ class Trainer:
         atomic_write_text(path, json.dumps(new, indent=2, sort_keys=True) + "\n")
 
     # ------------------------------------------------------------------------------------------------------------
+    def context(self) -> TaskContext:
+        """What the task may use of this run (jaxrl.train.task)."""
+        return TaskContext(workdir=self.workdir, mesh=self.mesh, current_policy=self.current_model,
+                           checkpoint_steps=self.ckpt.state_steps, keep_checkpoints=self.config.keep_checkpoints)
+
     def run(self) -> RunResult:
         os.makedirs(self.workdir, exist_ok=True)
         start = self.restore_latest()
         self._write_config()
-        writer = MetricsWriter(self.workdir, tensorboard=bool(self.config.tensorboard),
-                               enabled=self.main)
+        writer = MetricsWriter(self.workdir, tensorboard=self.config.tensorboard, enabled=self.main)
         writer.truncate_after(start)
-        progress = Progress(self.steps, initial=start, log_every=int(self.config.log_every),
-                            enabled=self.main)
+        progress = Progress(self.steps, initial=start, log_every=self.config.log_every, enabled=self.main)
         records = []
         try:
+            if start < self.steps and hasattr(self.task, "setup"):
+                self.task.setup(self.context())
             for step in range(start, self.steps):
                 interrupt.check(lambda: self._stop_message(start, saved=False))  # a signal before any step ran
                 t0 = time.perf_counter()
-                out = self.task.batch(step, self)
+                if hasattr(self.task, "needs_rollout") and self.task.needs_rollout(step):
+                    self.task.rollout(step, self.current_model())
+                out = self.task.batch(step)
                 batch, host_metrics = out if isinstance(out, tuple) else (out, {})
                 batch = {k: np.asarray(v) for k, v in batch.items()}
                 expected = self.micro_batch_size * self.grad_accum
@@ -333,7 +295,7 @@ class Trainer:
                 if done % self.checkpoint_every == 0 or done == self.steps:
                     self.save(done)
                     if hasattr(self.task, "on_checkpoint"):
-                        extra = self.task.on_checkpoint(done, self)
+                        extra = self.task.on_checkpoint(done, self.current_model())
                         if extra:
                             writer.write({"step": done, **extra})
                 if self.on_step_end is not None:

@@ -24,38 +24,22 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
-from jaxrl.utils.schema import OPTIMIZER
+from jaxrl.utils.train_config import SCHEDULES, OptimizerConfig, OptimizerConfigError
 
-SCHEDULES = ("linear", "constant_with_warmup", "cosine", "constant")
-
-
-class OptimizerConfigError(ValueError):
-    """An `optimizer.*` config value we cannot use; names the key."""
+__all__ = ["OptimizerConfig", "OptimizerConfigError", "SCHEDULES", "make_optimizer", "make_schedule",
+           "warmup_steps"]
 
 
-def warmup_steps(opt_cfg, total_steps: int) -> int:
-    opt = OPTIMIZER.resolve(opt_cfg, "optimizer")
-    steps = int(opt["warmup_steps"] or 0)
-    if steps < 0:
-        raise OptimizerConfigError(f"optimizer.warmup_steps must be >= 0, got {steps}")
-    if steps == 0:
-        ratio = float(opt["warmup_ratio"] or 0.0)
-        if not (0.0 <= ratio <= 1.0):
-            raise OptimizerConfigError(f"optimizer.warmup_ratio must be in [0, 1], got {ratio}")
-        steps = math.ceil(ratio * total_steps)
-    return steps
+def warmup_steps(opt: OptimizerConfig, total_steps: int) -> int:
+    if opt.warmup_steps:
+        return opt.warmup_steps
+    return math.ceil(opt.warmup_ratio * total_steps)
 
 
-def make_schedule(opt_cfg, total_steps: int) -> Callable:
+def make_schedule(opt: OptimizerConfig, total_steps: int) -> Callable:
     """learning rate as a function of the optimizer step count s (int array or int) -> fp32 scalar."""
-    opt = OPTIMIZER.resolve(opt_cfg, "optimizer")
-    name = opt["schedule"]
-    if name not in SCHEDULES:
-        raise OptimizerConfigError(f"optimizer.schedule={name!r}; choose one of {SCHEDULES}")
-    lr = float(opt["learning_rate"])
-    if not lr >= 0:
-        raise OptimizerConfigError(f"optimizer.learning_rate must be >= 0, got {lr}")
-    w = warmup_steps(opt_cfg, total_steps)
+    name, lr = opt.schedule, opt.learning_rate
+    w = warmup_steps(opt, total_steps)
     total = int(total_steps)
 
     def schedule(count):
@@ -75,17 +59,13 @@ def make_schedule(opt_cfg, total_steps: int) -> Callable:
     return schedule
 
 
-def make_optimizer(opt_cfg, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """(gradient transformation, schedule). Keys (jaxrl.utils.schema.OPTIMIZER): learning_rate, schedule,
-    warmup_steps / warmup_ratio, weight_decay, b1, b2, eps, max_grad_norm (<= 0 disables clipping)."""
-    opt = OPTIMIZER.resolve(opt_cfg, "optimizer")
-    if opt["name"] != "adamw":
-        raise OptimizerConfigError(f"optimizer.name={opt['name']!r}; only 'adamw' is implemented")
-    schedule = make_schedule(opt_cfg, total_steps)
+def make_optimizer(opt: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """(gradient transformation, schedule) of an `optimizer` block (its values are validated where it is built:
+    jaxrl.utils.train_config.OptimizerConfig): learning_rate, schedule, warmup_steps / warmup_ratio,
+    weight_decay, b1, b2, eps, max_grad_norm (<= 0 disables clipping)."""
+    schedule = make_schedule(opt, total_steps)
     parts = []
-    max_norm = float(opt["max_grad_norm"] or 0.0)
-    if max_norm > 0:
-        parts.append(optax.clip_by_global_norm(max_norm))
-    parts.append(optax.adamw(schedule, b1=float(opt["b1"]), b2=float(opt["b2"]), eps=float(opt["eps"]),
-                             weight_decay=float(opt["weight_decay"])))
+    if opt.max_grad_norm > 0:
+        parts.append(optax.clip_by_global_norm(opt.max_grad_norm))
+    parts.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay))
     return optax.chain(*parts), schedule

@@ -1,19 +1,18 @@
 """Named registries and the one resolver of "module:attr" / "file.py:attr" references.
 
-Every registry of the project is a `Registry` (DPO losses, advantage estimators, KL estimators, rewards,
-trainers):
+Every registry of the project is a `Registry`: the DPO losses, advantage and KL estimators, rewards and trainers.
 
-    LOSSES = Registry("dpo_loss", signature="fn(p) -> [B]", validate=check_loss)
-    @LOSSES.register("sigmoid")
-    def sigmoid(p): ...
-    LOSSES.get("sigmoid"); LOSSES.names(); "sigmoid" in LOSSES
-    LOSSES.load("my_losses.py:margin")          # resolve, check (validate), register under the function's name
+    KL_ESTIMATORS = Registry("kl")
+    @KL_ESTIMATORS.register("k1")
+    def kl_k1(logp, ref_logp): ...
+    KL_ESTIMATORS.get("k1"); KL_ESTIMATORS.names(); "k1" in KL_ESTIMATORS
 
     obj = resolve("package.module:attr")        # or "path/to/file.py:attr"; PluginError naming what is wrong
 
-`validate(label, obj)` raises PluginError when `obj` is unfit; `prepare(obj)` turns a loaded plug-in into the
-entry stored (e.g. a function into a factory). `lazy={name: "module:attr"}` names entries that are resolved on
-first use, so a registry can list heavy built-ins without importing them.
+A registry adds what it is given, unchecked: it is how a module lists its own built-ins. User plug-ins come in
+through `jaxrl.algorithms.plugins`, which checks them on example inputs first. An entry may carry `info` for its
+users (a DPO loss: the LossSpec of what it reads). `lazy={name: "module:attr"}` names entries resolved on first
+use, so a registry can list heavy built-ins without importing them.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import re
 import sys
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-__all__ = ["PluginError", "Registry", "import_file", "nearest", "resolve"]
+__all__ = ["PluginError", "Registry", "import_file", "nearest", "origin_of", "resolve"]
 
 
 class PluginError(ValueError):
@@ -96,53 +95,48 @@ def resolve(spec: str, *, callable_only: bool = True) -> Any:
     return obj
 
 
-def _origin_of(obj: Any) -> str:
+def origin_of(obj: Any) -> str:
+    """Where `obj` is defined, "module:qualname": the same for a module imported again (a plug-in file re-loaded
+    on resume), so a registry can tell a re-registration from a clash."""
     return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
 
 
-Validator = Callable[[str, Any], None]
-
-
 class Registry:
-    """Entries of one kind by name (module docstring)."""
+    """Entries of one kind by name (module docstring). `hint` ends the error for an unknown name."""
 
-    def __init__(self, kind: str, *, signature: str = "", validate: Optional[Validator] = None,
-                 lazy: Optional[Mapping[str, str]] = None, prepare: Optional[Callable[[Any], Any]] = None,
-                 hint: str = ""):
-        self.kind, self.signature, self.hint = kind, signature, hint
-        self._validate = validate
+    def __init__(self, kind: str, *, lazy: Optional[Mapping[str, str]] = None, hint: str = ""):
+        self.kind, self.hint = kind, hint
         self._lazy = dict(lazy or {})  # name -> "module:attr", resolved (and registered) on first use
-        self._prepare = prepare
         self._entries: dict[str, Any] = {}
         self._origins: dict[str, str] = {}
+        self._info: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {len(self.names())} entries)"
 
-    # -------------------------------------------------------------------------------------------- entries
-    def register(self, name: str, *, overwrite: bool = False, origin: Optional[str] = None) -> Callable:
-        """Decorator: ``@registry.register("name")`` adds the object under `name` and returns it unchanged.
-
-        Re-registering a name is an error unless `overwrite` or the object comes from the same place (a module
-        imported twice, a plug-in loaded again on resume)."""
+    def register(self, name: str, *, info: Any = None) -> Callable:
+        """Decorator: ``@registry.register("name")`` adds the object under `name` and returns it unchanged."""
 
         def deco(obj):
-            self.add(name, obj, overwrite=overwrite, origin=origin)
+            self.add(name, obj, info=info)
             return obj
 
         return deco
 
-    def add(self, name: str, obj: Any, *, overwrite: bool = False, origin: Optional[str] = None) -> Any:
+    def add(self, name: str, obj: Any, *, overwrite: bool = False, origin: Optional[str] = None,
+            info: Any = None) -> Any:
+        """Add `obj` as `name`. Taking a name held by an entry from elsewhere is a KeyError unless `overwrite`;
+        the same origin again (a module imported twice) replaces the entry."""
         if not callable(obj):
             raise TypeError(f"{self.kind} {name!r}: {obj!r} is not callable")
-        where = origin or _origin_of(obj)
-        have = self._origins.get(name) or self._lazy.get(name)
+        where = origin or origin_of(obj)
+        have = self.origin(name)
         if have is not None and not overwrite and have != where:
-            raise KeyError(f"{self.kind} {name!r} is already registered (from {have}); pick another name or pass "
-                           f"overwrite=True")
+            raise KeyError(f"{self.kind} {name!r} is already registered (from {have}); pick another name")
         self._lazy.pop(name, None)
         self._entries[name] = obj
         self._origins[name] = where
+        self._info[name] = info
         return obj
 
     def get(self, name: str) -> Any:
@@ -158,6 +152,11 @@ class Registry:
                            f"; registered: {', '.join(self.names()) or '(none)'}" +
                            (f". {self.hint}" if self.hint else "")) from None
 
+    def info(self, name: str) -> Any:
+        """The `info` the entry was added with (None when none); a KeyError for an unknown name."""
+        self.get(name)
+        return self._info.get(name)
+
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(set(self._entries) | set(self._lazy)))
 
@@ -165,38 +164,10 @@ class Registry:
         return name in self._entries or name in self._lazy
 
     def origin(self, name: str) -> Optional[str]:
+        """Where the entry `name` comes from ("module:qualname" or its lazy "module:attr"), None if absent."""
         return self._origins.get(name) or self._lazy.get(name)
 
     def unregister(self, name: str) -> None:
         """Remove `name` (no error if absent); for tests and interactive sessions."""
-        self._entries.pop(name, None)
-        self._origins.pop(name, None)
-        self._lazy.pop(name, None)
-
-    # -------------------------------------------------------------------------------------------- plug-ins
-    def validate(self, obj: Any, label: Optional[str] = None) -> None:
-        """Run this kind's check on `obj` (raises PluginError); kinds without a check pass."""
-        if self._validate is not None:
-            self._validate(label or _origin_of(obj), obj)
-
-    def load(self, spec: str, name: Optional[str] = None, *, overwrite: bool = False, check: bool = True,
-             label: Optional[str] = None) -> Any:
-        """Resolve `spec` ("file.py:fn" or "pkg.mod:fn"), check it, register it; returns the resolved object.
-
-        `name` defaults to the object's name. Loading the same spec again replaces the earlier entry; taking
-        the name of a different entry (e.g. a built-in) needs `overwrite=True`."""
-        obj = resolve(spec)
-        name = name or getattr(obj, "__name__", None)
-        if not name:
-            raise PluginError(f"plug-in {spec!r}: give it a name (name=...)")
-        label = label or f"{self.kind} plug-in {name!r} ({spec})"
-        origin = f"plugin:{spec}"
-        have = self.origin(name)
-        if have is not None and not overwrite and have != origin:
-            raise PluginError(f"{label}: the name {name!r} is already taken by {have}; choose another name or "
-                              f"pass overwrite=True")
-        if check:
-            self.validate(obj, label)
-        entry = self._prepare(obj) if self._prepare is not None else obj
-        self.add(name, entry, overwrite=True, origin=origin)
-        return obj
+        for table in (self._entries, self._origins, self._info, self._lazy):
+            table.pop(name, None)

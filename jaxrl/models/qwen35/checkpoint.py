@@ -7,7 +7,7 @@ reads only its own slice of each tensor (`make_array_from_callback` over lazily 
 `save_pretrained` writes the language tower back in the layout, file split and dtypes of `base_dir` and carries
 everything else over unchanged: vision tower (`model.visual.*`), `mtp.*`, an untied `lm_head` of a container,
 config.json (copied verbatim: real checkpoints carry keys HF does not model), tokenizer, chat template and
-generation config (docs/qwen35-architecture.md §4.1, §4.5).
+generation config (docs/design/qwen35-architecture.md §4.1, §4.5).
 
 Parameter names: our NNX paths joined with "." equal the HF names under the tower prefix, except
 `embed_tokens` (HF `embed_tokens.weight`) and `conv1d` (HF `conv1d.weight`); `lm_head.weight` sits at the root.

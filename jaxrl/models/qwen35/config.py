@@ -1,6 +1,6 @@
 """Qwen3.5 text-tower configuration, read from either Hugging Face layout.
 
-Two layouts exist (docs/qwen35-architecture.md §1, §4):
+Two layouts exist (docs/design/qwen35-architecture.md §1, §4):
   * "container": `Qwen3_5ForConditionalGeneration`, the official checkpoints. `config.json` has `text_config`
     and `vision_config`; language-tower tensors are under `model.language_model.`.
   * "text": `Qwen3_5ForCausalLM`. `config.json` is the text config itself; tensors under `model.`.
@@ -17,7 +17,7 @@ import os
 from typing import Any, Optional
 
 from jaxrl.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from jaxrl.utils.schema import TOP as RUN_KEYS
+from jaxrl.utils.train_config import default_of as run_default
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -29,7 +29,7 @@ _ACCEPTED_ACTIVATIONS = ("silu",)
 _ACCEPTED_ROPE_TYPES = ("default",)
 GDN_STATE_DTYPES = ("float32", "bfloat16")
 # The computation settings among the fields: they may differ between two models that load the same weights. Each
-# is also a run-config key of the same name, whose default (jaxrl/utils/schema.py) is the field's default.
+# is also a run-config key of the same name, whose default (jaxrl/utils/train_config.py) is the field's default.
 COMPUTE_FIELDS = ("gdn_chunk_size", "gdn_state_dtype", "attention_implementation")
 
 
@@ -63,12 +63,12 @@ class Qwen35Config:
     eos_token_id: Optional[int | tuple[int, ...]] = None
     # Computation settings (not part of the HF architecture; `Qwen35.set_compute` changes them on a built model).
     # Chunk length of the chunked gated delta rule (the reference uses 64).
-    gdn_chunk_size: int = RUN_KEYS["gdn_chunk_size"].default
+    gdn_chunk_size: int = run_default("gdn_chunk_size")
     # Storage dtype of the Gated DeltaNet recurrent state in decode caches: "float32" (the reference, HF's
     # `mamba_ssm_dtype`) or "bfloat16" (half the bytes a decode step moves; the update's math stays fp32).
-    gdn_state_dtype: str = RUN_KEYS["gdn_state_dtype"].default
+    gdn_state_dtype: str = run_default("gdn_state_dtype")
     # Full-attention kernel of training and prefill (jaxrl.ops.attention.resolve_implementation).
-    attention_implementation: str = RUN_KEYS["attention_implementation"].default
+    attention_implementation: str = run_default("attention_implementation")
 
     def __post_init__(self):
         if not self.layer_types:
@@ -85,9 +85,10 @@ class Qwen35Config:
     def gdn_chunk(self) -> int:
         """Tokens per chunk of the chunked Gated DeltaNet: `gdn_chunk_size`, or for 0 (auto) the key head dim
         within [16, 64]. A chunk costs C^2 per head in its intra-chunk products and d_k x d_v in its state
-        products, so C near d_k balances the two: on two CPU cores a d_k = 16 model trains twice as fast with
-        C = 16 as with 64 (the C x C intermediates outgrow the activations), the d_k = 64 benchmark model is
-        fastest at 64, and 64 is what flash-linear-attention's GPU kernels use for the 4B / 9B (d_k = 128)."""
+        products, so C near d_k balances the two: on two CPU cores a d_k = 16 model trains fastest with C = 16
+        (at 64 the C x C intermediates outgrow the activations; measured in benchmarks/RESULTS.md, section
+        'Where the tiny model's time goes on CPU'), the d_k = 64 benchmark model at 64, and 64 is what
+        flash-linear-attention's GPU kernels use for the 4B / 9B (d_k = 128)."""
         if self.gdn_chunk_size:
             return self.gdn_chunk_size
         return min(64, max(16, self.linear_key_head_dim))
@@ -308,7 +309,7 @@ def qwen35_4b() -> Qwen35Config:
 
 
 def tiny(**overrides) -> Qwen35Config:
-    """The tiny shape of docs/qwen35-architecture.md §5 (4 layers: linear, full, linear, full)."""
+    """The tiny shape of docs/design/qwen35-architecture.md §5 (4 layers: linear, full, linear, full)."""
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,

@@ -22,7 +22,8 @@ def init_model_jit(cfg: Qwen35Config, dtype=jnp.float32, seed: int = 0, remat: s
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     out_sh = None if mesh is None else shd.nnx_state_shardings(abstract, mesh)
-    # Runs once: on CPU a low LLVM optimisation level compiles the random-number code ~3x faster.
+    # Runs once: on CPU a low LLVM optimisation level compiles the random-number code faster (measured in
+    # benchmarks/RESULTS.md, section 'Figures formerly quoted in code comments').
     options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
     init = jax.jit(lambda: nnx.split(make())[1], out_shardings=out_sh).lower().compile(compiler_options=options)
     return nnx.merge(graphdef, init())

@@ -1,4 +1,4 @@
-"""Qwen3.5 text-tower layers in Flax NNX (docs/qwen35-architecture.md §2).
+"""Qwen3.5 text-tower layers in Flax NNX (docs/design/qwen35-architecture.md §2).
 
 Weights keep the Hugging Face layout ([out, in] for linear layers, [C, 1, K] for the conv), so checkpoint
 conversion and PEFT export are renames, never transposes. Every linear layer can carry a LoRA adapter
@@ -48,9 +48,9 @@ class Linear(nnx.Module):
     def transpose_for_decode(self) -> None:
         """Keep a copy of the weight as [in, out] for the rest of this trace (a decode program, whose weights are
         loop constants: the copy is made once, before the loop). XLA:CPU's dot of a few rows (decode: one token
-        per row) ran 1.3-1.9x faster against an [in, out] weight than against torch's [out, in] layout in
-        benchmarks/RESULTS.md; see `Qwen35.transpose_for_decode`. The barrier keeps XLA from folding the
-        transpose back into the dot."""
+        per row) is faster against an [in, out] weight than against torch's [out, in] layout (measured in
+        benchmarks/RESULTS.md, section 'A Zen 5 VM, 2026-12-02'); see `Qwen35.transpose_for_decode`. The
+        barrier keeps XLA from folding the transpose back into the dot."""
         self.weight_in_out = jax.lax.optimization_barrier(jnp.transpose(self.weight[...]))
 
     def __call__(self, x: jax.Array) -> jax.Array:

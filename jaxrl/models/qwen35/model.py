@@ -103,8 +103,7 @@ class Qwen35(nnx.Module):
         """Inside a decode program, before its loop: every projection and the head keep a copy of their weight
         transposed to [in, out] for the rest of the trace (`Linear.transpose_for_decode`). On XLA:CPU a decode
         step's dots (a few rows against each weight) are bound by reading the weights, and they read that layout
-        faster: the small benchmark model's decode step 1.35x faster in fp32 at 8 rows (1.10-1.27x in bf16, at 32
-        rows, on the tiny model), same greedy tokens (benchmarks/RESULTS.md).
+        faster, with the same greedy tokens (measured in benchmarks/RESULTS.md, section 'A Zen 5 VM, 2026-12-02').
         Only on the CPU (a GPU's GEMM takes either layout at one speed), and only when the weights take at most
         DECODE_COPY_FRACTION of the host's memory: the copies double the weights' memory for the program (the
         9B-width smoke model, 5 GB of bf16 weights, would not fit its test's memory bound). Weights must not

@@ -56,7 +56,7 @@ def mtp_tensors(cfg: Qwen35Config, rng: np.random.Generator) -> dict[str, np.nda
 
 def perturb_for_realism(model: Qwen35, seed: int) -> None:
     """Move norm weights, A_log and dt_bias off their init values so parity tests and demos cannot pass by a
-    lucky `w = 0` (docs/qwen35-architecture.md §2.2)."""
+    lucky `w = 0` (docs/design/qwen35-architecture.md §2.2)."""
     rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(map(str, path))

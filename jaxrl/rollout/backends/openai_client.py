@@ -1,5 +1,5 @@
 """A generation backend that talks to an OpenAI-compatible completions server: vLLM 0.33 (`vllm serve`, in its own
-environment, docs/vllm.md) or jaxrl's own JAX server (`python -m launchers.serve`).
+environment, docs/guides/vllm.md) or jaxrl's own JAX server (`python -m launchers.serve`).
 
     backend = ServerBackend(HF_DIR, url="http://127.0.0.1:8000", out_dir="run/eval", stop_ids=stop_ids)
     backend.load(ModelSpec("step_28", "adapter", "run/checkpoints/adapters/28"), adapter)   # served as LoRA
@@ -93,7 +93,7 @@ def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float
         status, raw = e.code, e.read()
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, docs/vllm.md, or "
+        raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, docs/guides/vllm.md, or "
                           "`python -m launchers.serve`) or pass the URL of a running one") from None
     text = raw.decode("utf-8", errors="replace")
     try:
@@ -134,7 +134,7 @@ def check_version(info, url: str) -> str:
     if parsed[:2] < TARGET_VLLM:
         raise ServerError(f"the server at {url} runs vLLM {version}, older than the vLLM {target} this backend "
                           f"targets (its Qwen3.5 LoRA packing, seeds and token-id outputs are what the backend "
-                          f"relies on); make the environment of docs/vllm.md")
+                          f"relies on); make the environment of docs/guides/vllm.md")
     if parsed[:2] > TARGET_VLLM:
         logger.warning("the server at %s runs vLLM %s; this backend was written and checked against vLLM %s",
                        url, version, target)

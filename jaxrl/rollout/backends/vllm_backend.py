@@ -2,7 +2,7 @@
 
 vLLM cannot share jaxrl's environment: vLLM 0.31-0.33 pin `torch==2.14` and `transformers<5.21`, jaxrl needs
 `transformers>=5.24`, so `pip install vllm` next to jaxrl resolves to vLLM 0.30 (no Qwen3.5 text-layout LoRA
-remap). So vLLM lives in a venv of its own (ENV_RECIPE, docs/vllm.md) and runs as a server, as TRL and verl run it
+remap). So vLLM lives in a venv of its own (ENV_RECIPE, docs/guides/vllm.md) and runs as a server, as TRL and verl run it
 beside a trainer; this process only speaks HTTP to it (`jaxrl.rollout.backends.openai_client.ServerBackend`).
 
     backend = VLLMBackend(BASE, out_dir="run/eval", python="~/.venvs/vllm", stop_ids=stop_ids,
@@ -48,7 +48,7 @@ from jaxrl.rollout.backends.openai_client import (TARGET_VLLM, ServerBackend, Se
 VLLM_VERSION = "0.33.0"
 VLLM_REQUIREMENT = f"vllm=={VLLM_VERSION}"
 DEFAULT_VENV = "~/.venvs/vllm"
-# The two lines that make the vLLM environment on a GPU machine (docs/vllm.md; tests/test_vllm_env.py resolves
+# The two lines that make the vLLM environment on a GPU machine (docs/guides/vllm.md; tests/test_vllm_env.py resolves
 # them with pip and checks the version they give).
 ENV_RECIPE = (f"python3 -m venv {DEFAULT_VENV}", f"{DEFAULT_VENV}/bin/pip install '{VLLM_REQUIREMENT}'")
 

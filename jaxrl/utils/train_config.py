@@ -1,0 +1,504 @@
+"""The training config, typed: every key with its one default, resolved once into frozen dataclasses.
+
+    config = default_config("dpo")        # a ConfigDict of every key a DPO run reads (what configs/base.py returns)
+    run = resolve(config)                 # -> TrainConfig: missing keys at their defaults, every key and type
+                                          #    checked, values validated; run.dpo.beta is a float
+    run.to_json()                         # what config.json holds (every key, plain JSON values)
+    complete(config)                      # the same dict without building the dataclasses (sweeps)
+
+Family files (configs/*.py, `get_config()` with presets and `--config.key=value`) stay the user's interface: a
+ConfigDict. `jaxrl.algorithms.run.run_training` resolves it here once and passes the `TrainConfig` down; nothing
+below reads a raw dict. A wrong key anywhere is a ConfigKeyError naming it and the nearest valid key.
+
+An algorithm registered by a user (`jaxrl.algorithms.tasks.register_task(name, blocks={...})`) may declare its own
+blocks as config dataclasses (fields made with `jaxrl.utils.typed_config.setting`); without them its `data` block
+is taken as it is. No jax here: configs import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import ml_collections
+
+from jaxrl.utils.typed_config import (ConfigKeyError, build_block, complete_block, defaults_of, keys_of, setting,
+                                      to_plain, unknown_key_error)
+
+__all__ = ["ALGORITHMS", "AGGREGATIONS", "BatchConfig", "DPOConfig", "DPODataConfig", "GRPOConfig", "LoRAConfig",
+           "MeshConfig", "OnlineDataConfig", "OptimizerConfig", "OptimizerConfigError", "PPOConfig", "RewardConfig",
+           "SCALE_REWARDS", "SCHEDULES", "SFTDataConfig", "TrainConfig", "complete", "default_config",
+           "default_of", "resolve"]
+
+SCHEDULES = ("linear", "constant_with_warmup", "cosine", "constant")
+SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sequence_mean", "token_mean", "dr_grpo")
+REWARD_SCORES = ("partial", "strict")
+
+
+class OptimizerConfigError(ValueError):
+    """An `optimizer.*` config value we cannot use; names the key."""
+
+
+def _at_least(where: str, keys: Mapping[str, int], obj) -> None:
+    for key, minimum in keys.items():
+        value = getattr(obj, key)
+        if value < minimum:
+            raise ValueError(f"{where}.{key} must be >= {minimum}, got {value}")
+
+
+# ------------------------------------------------------------------------------------------------ the core
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = setting("adamw", doc="only adamw")
+    learning_rate: float = setting(1e-6, doc="peak learning rate")
+    schedule: str = setting("linear", doc="linear | constant_with_warmup | cosine | constant")
+    warmup_steps: int = setting(0, doc="takes precedence over warmup_ratio when > 0")
+    warmup_ratio: float = setting(0.0)
+    weight_decay: float = setting(0.0)
+    b1: float = setting(0.9)
+    b2: float = setting(0.999)
+    eps: float = setting(1e-8)
+    max_grad_norm: float = setting(1.0, doc="global-norm clipping; <= 0 disables")
+
+    def __post_init__(self):
+        if self.name != "adamw":
+            raise OptimizerConfigError(f"optimizer.name={self.name!r}; only 'adamw' is implemented")
+        if self.schedule not in SCHEDULES:
+            raise OptimizerConfigError(f"optimizer.schedule={self.schedule!r}; choose one of {SCHEDULES}")
+        if not self.learning_rate >= 0:
+            raise OptimizerConfigError(f"optimizer.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise OptimizerConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps == 0 and not 0.0 <= self.warmup_ratio <= 1.0:
+            raise OptimizerConfigError(f"optimizer.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = setting(16)
+    alpha: float = setting(32.0)
+    targets: Any = setting("all-linear", (str, list, tuple), "'all-linear' | 'q_proj,v_proj,...' | a regex over "
+                           "module paths")
+    use_rslora: bool = setting(False)
+    dropout: float = setting(0.0)
+    allow_vllm_unpackable: bool = setting(False, doc="allow targets vLLM 0.33 cannot serve (in_proj_z without "
+                                          "in_proj_qkv); refused by default (docs/guides/vllm.md)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    micro_batch_size: int = setting(1, doc="rows per forward/backward (a step: micro_batch_size x grad_accum rows)")
+    grad_accum: int = setting(8, doc="micro-batches summed into one update")
+
+    @property
+    def global_batch(self) -> int:
+        """Rows per optimizer step."""
+        return self.micro_batch_size * self.grad_accum
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    shape: tuple = setting((1, -1, 1), tuple, "(data, fsdp, tensor); -1 takes the remaining devices")
+
+
+CORE_BLOCKS = {"optimizer": OptimizerConfig, "lora": LoRAConfig, "batch": BatchConfig, "mesh": MeshConfig}
+
+# ------------------------------------------------------------------------------------------------ algorithms
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTDataConfig:
+    source: str = setting("synthetic", doc="synthetic (arithmetic progressions) | jsonl")
+    path: str = setting("", doc="jsonl: one {'input_ids': [...], 'loss_mask': [...]} per line")
+    seq_len: int = setting(2048, doc="rows are cut / right-padded to it")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    loss_type: Any = setting("sigmoid", (str, list, tuple), "a registered loss, or several comma-separated "
+                             "('sigmoid,sft' = RPO)")
+    loss_weights: tuple = setting((), tuple, "one weight per loss_type; () = all 1")
+    beta: float = setting(0.1)
+    label_smoothing: float = setting(0.0, doc="robust, exo_pair, aot, aot_unpaired, simpo")
+    simpo_gamma: float = setting(0.5, doc="SimPO target margin")
+    discopop_tau: float = setting(0.05)
+    f_divergence: str = setting("reverse_kl", doc="reverse_kl | forward_kl | js_divergence | alpha_divergence")
+    f_alpha: float = setting(0.5)
+    plugin: str = setting("", doc="deprecated alias of `plugins` entries of kind dpo_loss: "
+                          "'my_losses.py:fn[,other.py:fn2]' (registered by function name)")
+    precompute_ref_logps: bool = setting(True, doc="False: a second forward with the adapters off in every step")
+    ref_batch_size: int = setting(0, doc="rows per reference / evaluation pass; 0 = batch.micro_batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPODataConfig:
+    source: str = setting("pairs", doc="pairs | synthetic")
+    pairs: str = setting("", doc="pairs.jsonl, a frozen cohort folder, or a build folder holding cohort/")
+    problems: str = setting("", doc="problems.jsonl supplying `messages` of pairs that have none")
+    tokenizer: str = setting("", doc="HF tokenizer folder; '' = model_path")
+    max_length: int = setting(2048, doc="prompt + completion tokens of one sequence")
+    max_prompt_length: int = setting(0, doc="0 = bounded by max_length only")
+    overlong: str = setting("truncate_prompt", doc="truncate_prompt (cut the prompt from the left) | drop")
+    min_prompt_tokens: int = setting(64, doc="truncate_prompt keeps at least this many prompt tokens, else the "
+                                     "pair is dropped")
+    enable_thinking: bool = setting(False, doc="the chat template's generation prompt (as the pairs were sampled)")
+    pad_multiple: int = setting(64, doc="sequence-length bucket")
+    eval_fraction: float = setting(0.0, doc="held-out share of the pairs (seeded by pair id), scored at every "
+                                   "checkpoint")
+    eval_pairs: str = setting("", doc="or a separate held-out pairs file")
+    expected_pairs: int = setting(0, doc="> 0: refuse a pair set of any other size (e.g. 1000 for the frozen "
+                                  "cohort)")
+    synthetic_pairs: int = setting(256, doc="source = synthetic: arithmetic-progression pairs "
+                                   "(dpo_data.synthetic_pairs)")
+    synthetic_prompt_len: int = setting(6)
+    synthetic_completion_len: int = setting(4)
+    synthetic_num_tokens: int = setting(0, doc="tokens [2, 2 + n) (0 = the whole vocabulary)")
+
+    def __post_init__(self):
+        if self.eval_pairs and self.eval_fraction:
+            raise ValueError("set data.eval_pairs or data.eval_fraction, not both")
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineDataConfig:
+    source: str = setting("problems", doc="problems (problems.jsonl + tokenizer + chat template) | token_task "
+                          "(synthetic ids)")
+    problems: str = setting("", doc="problems.jsonl (jaxrl.data.problems schema)")
+    tokenizer: str = setting("", doc="HF tokenizer folder; '' = model_path")
+    enable_thinking: bool = setting(False, doc="the chat template's generation prompt")
+    max_prompt_len: int = setting(2048, doc="P: prompts are left-padded to it; longer prompts follow on_overlong")
+    on_overlong: str = setting("skip", doc="skip (logged and counted) | error; prompts are never cut")
+    prompt_len: int = setting(6, doc="source = token_task (the CPU learning task, jaxrl.rewards.toy.TokenTask)")
+    num_classes: int = setting(2)
+    score_tokens: int = setting(0, doc="completion tokens scored; 0 = all max_new_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """`name` and `score`; every other key of the block is a keyword argument of the reward's constructor."""
+
+    EXTRA_KEYS = "options"
+    name: str = setting("code", doc="jaxrl.rewards.get_reward name or 'module:function'")
+    score: str = setting("partial", doc="the RewardResult field that is the scalar reward: partial | strict")
+    options: dict = dataclasses.field(default_factory=dict)  # the reward's constructor arguments
+
+    def __post_init__(self):
+        if self.score not in REWARD_SCORES:
+            raise ValueError(f"reward.score={self.score!r}; choose 'partial' or 'strict'")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    num_generations: int = setting(8, doc="K samples per prompt (a group)")
+    prompts_per_step: int = setting(20, doc="prompts per rollout (= per optimizer step when N = B_global)")
+    max_new_tokens: int = setting(4096, doc="the completion cap")
+    temperature: float = setting(1.0)
+    top_p: float = setting(1.0)
+    top_k: int = setting(0)
+    num_iterations: int = setting(1, doc="passes over each rollout (TRL num_iterations, 'mu')")
+    scale_rewards: str = setting("group", doc="group | batch | none (Dr. GRPO)")
+    advantage_estimator: str = setting("grpo", doc="grpo (honours scale_rewards) | rloo | dr_grpo | "
+                                       "grpo_batch_std | a plug-in")
+    epsilon_low: float = setting(0.2)
+    epsilon_high: float = setting(0.2, doc="DAPO clip-higher: 0.28")
+    delta: float = setting(0.0, doc="> 0: two-sided clipping, the ratio is also capped at delta (INTELLECT-2; e.g. "
+                           "4.0)")
+    importance_sampling_level: str = setting("token", doc="token | sequence (GSPO)")
+    beta: float = setting(0.04, doc="KL coefficient; 0 skips the reference pass")
+    kl_estimator: str = setting("k3", doc="k1 | k2 | k3 | low_var_kl | abs | k3+ | a plug-in")
+    aggregation: str = setting("sequence_mean", doc="sequence_mean (grpo) | token_mean (dapo) | dr_grpo")
+    mask_truncated: bool = setting(False, doc="truncated completions give no gradient (still counted as "
+                                   "sequences)")
+    drop_zero_variance_groups: bool = setting(False, doc="groups whose rewards are all equal leave the loss and its "
+                                              "normalisers")
+    overlong_buffer: int = setting(0, doc="> 0: DAPO soft overlong penalty over the last `overlong_buffer` tokens "
+                                   "of the cap")
+    overlong_penalty: float = setting(1.0, doc="its maximum")
+    recompute_old_logprobs: bool = setting(False, doc="teacher-forced old log-probs instead of the sampler's "
+                                           "(forced when the compute dtype is not float32 or temperature != 1)")
+    entropy_coef: float = setting(0.0)
+    log_entropy: bool = setting(True, doc="the `entropy` metric (one more reduction over the vocab per chunk)")
+    rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
+    logprob_batch_size: int = setting(8, doc="rows per reference / old-log-prob pass")
+
+    def __post_init__(self):
+        _at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1},
+                  self)
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"grpo.scale_rewards={self.scale_rewards!r}; choose one of {SCALE_REWARDS}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"grpo.aggregation={self.aggregation!r}; choose one of {AGGREGATIONS}")
+        if self.delta and self.delta <= 1.0 + self.epsilon_high:
+            raise ValueError(f"grpo.delta={self.delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
+
+    @property
+    def rows_per_rollout(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    prompts_per_rollout: int = setting(32)
+    num_generations: int = setting(1, doc="samples per prompt")
+    max_new_tokens: int = setting(1024)
+    temperature: float = setting(1.0)
+    top_p: float = setting(1.0)
+    top_k: int = setting(0)
+    init_kl_coef: float = setting(0.05)
+    adaptive_kl: bool = setting(False, doc="TRL: fixed; True: Ziegler et al. (verl / OpenRLHF)")
+    kl_target: float = setting(0.1, doc="KL the adaptive controller steers to: the mean over sequences of their "
+                               "token-mean KL (verl, OpenRLHF)")
+    kl_horizon: float = setting(10000.0)
+    kl_estimator: str = setting("k1", doc="k1 | k3 (or any registered kl)")
+    gamma: float = setting(1.0)
+    lam: float = setting(0.95)
+    whiten_rewards: bool = setting(False)
+    whiten_advantages: bool = setting(True)
+    cliprange: float = setting(0.2)
+    cliprange_value: float = setting(0.2, doc="0 = unclipped value loss")
+    vf_coef: float = setting(0.1)
+    epochs: int = setting(4, doc="passes over each rollout")
+    minibatches: int = setting(1, doc="global batches per pass: prompts_per_rollout x num_generations = minibatches "
+                               "x B_global")
+    value_head_detach: bool = setting(False, doc="True: the value loss trains only the head (no gradient into the "
+                                      "LoRA factors)")
+    value_learning_rate: float = setting(0.0, doc="the value head's (peak) learning rate; 0 = "
+                                         "optimizer.learning_rate")
+    entropy_coef: float = setting(0.0)
+    log_entropy: bool = setting(True)
+    rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
+    logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass")
+
+    def __post_init__(self):
+        _at_least("ppo", {"prompts_per_rollout": 1, "num_generations": 1, "max_new_tokens": 1, "epochs": 1,
+                          "minibatches": 1}, self)
+        if self.init_kl_coef < 0:
+            raise ValueError(f"ppo.init_kl_coef must be >= 0, got {self.init_kl_coef}")
+
+    @property
+    def rows_per_rollout(self) -> int:
+        return self.prompts_per_rollout * self.num_generations
+
+
+ALGORITHMS = {
+    "sft": {"data": SFTDataConfig},
+    "dpo": {"dpo": DPOConfig, "data": DPODataConfig},
+    "grpo": {"grpo": GRPOConfig, "data": OnlineDataConfig, "reward": RewardConfig},
+    "ppo": {"ppo": PPOConfig, "data": OnlineDataConfig, "reward": RewardConfig},
+}
+# Labels the family configs (configs/dpo.py, grpo.py, ppo.py) record in config.json; no code reads them.
+LABELS = {
+    "run": "the family config's named run (configs/dpo.py run=...)",
+    "start": "which weights model_path points to (base | m0)",
+    "probe": "the family config's named probe (configs/grpo.py probe=...)",
+}
+ALGORITHM_LABELS = {"dpo": ("run", "start"), "grpo": ("run", "start", "probe"), "ppo": ("run", "start")}
+OPEN_DATA = None  # the `data` block of an algorithm that declares no blocks: taken as it is
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A run's whole config. The core reads the top-level keys and `optimizer`, `lora`, `batch`, `mesh`; each
+    algorithm its own blocks (`data` and `dpo` | `grpo` | `ppo`, `reward`); a user's algorithm its declared
+    blocks in `blocks`."""
+
+    algorithm: str = setting("sft", doc="a registered algorithm: sft | dpo | grpo | ppo | 'pkg.module:factory'")
+    model_path: str = setting("", doc="HF folder (container or text-only); empty: random init of `model_preset`")
+    model_preset: str = setting("tiny", doc="qwen35.PRESETS key used when model_path is empty")
+    model_overrides: dict = setting({}, dict, "Qwen35Config fields replacing the preset's (random init only)")
+    model_seed: int = setting(0, doc="init seed of a preset model")
+    dtype: str = setting("bfloat16", doc="base weights and compute; LoRA factors are always fp32")
+    remat: str = setting("auto", doc="activation rematerialisation of the training forward: auto (the least "
+                         "recomputation whose estimated activations fit half the device memory after the weights) | "
+                         "none | matmuls (keep projection outputs) | attention (keep attention / GDN outputs) | full "
+                         "| dots | dots_no_batch")
+    gdn_chunk_size: int = setting(0, doc="tokens per chunk of the chunked Gated DeltaNet form (training, prefill); "
+                                  "0: auto, the key head dim within 16..64 (64 for the 4B and 9B; 16 for a tiny "
+                                  "model)")
+    gdn_state_dtype: str = setting("float32", doc="storage dtype of the Gated DeltaNet state in decode caches: "
+                                   "float32 | bfloat16 (half the bytes a decode step moves; fp32 math either way; "
+                                   "drift in docs/guides/benchmarks.md)")
+    attention_implementation: str = setting("auto", doc="full-attention kernel: auto (cudnn on a GPU with "
+                                            "bf16/fp16, else xla) | cudnn | xla")
+    steps: int = setting(125, doc="train steps (global batches); the schedule's length")
+    checkpoint_every: int = setting(4, doc="adapter + training state every N steps (and at the end)")
+    keep_checkpoints: Optional[int] = setting(2, (int, type(None)), "full training states kept (adapters are all "
+                                              "kept); None: all")
+    checkpoint_async: bool = setting(True, doc="write checkpoints in the background")
+    seed: int = setting(0, doc="LoRA init, dropout, data order")
+    max_consecutive_nonfinite: int = setting(10, doc="stop (with a checkpoint) after this many skipped updates in "
+                                             "a row; 0 never")
+    log_every: int = setting(1, doc="console log cadence when not on a terminal (metrics.jsonl gets every step)")
+    tensorboard: bool = setting(True, doc="TensorBoard event files beside metrics.jsonl")
+    logprob_chunk_size: int = setting(512, doc="rows per chunk of the chunked log-prob over the vocab")
+    compile_options: dict = setting({}, dict, "XLA options of every jitted program of the run (normally none)")
+    plugins: Any = setting((), (tuple, list, str, dict), "user objectives loaded and checked before the model is "
+                           "built (jaxrl.algorithms.plugins): {'kind', 'name', 'path'} entries or "
+                           "'kind:name=file.py:fn'")
+    run: str = setting("", doc=LABELS["run"])
+    start: str = setting("", doc=LABELS["start"])
+    probe: str = setting("", doc=LABELS["probe"])
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    data: Any = None  # SFTDataConfig | DPODataConfig | OnlineDataConfig | a user algorithm's block | dict
+    dpo: Optional[DPOConfig] = None
+    grpo: Optional[GRPOConfig] = None
+    ppo: Optional[PPOConfig] = None
+    reward: Optional[RewardConfig] = None
+    blocks: dict = dataclasses.field(default_factory=dict)  # a user algorithm's other declared blocks, by name
+
+    def __post_init__(self):
+        bad = []
+        for key, minimum in (("steps", 1), ("batch.micro_batch_size", 1), ("batch.grad_accum", 1),
+                             ("checkpoint_every", 1), ("log_every", 1), ("max_consecutive_nonfinite", 0)):
+            value = self
+            for part in key.split("."):
+                value = getattr(value, part)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                bad.append(f"{key} must be an integer >= {minimum}, got {value!r}")
+        keep = self.keep_checkpoints
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            bad.append(f"keep_checkpoints must be an integer >= 1 (or None to keep all), got {keep!r}")
+        if bad:
+            raise ValueError("config: " + "; ".join(bad))
+
+    def block(self, name: str) -> Any:
+        """An algorithm block by name (`data`, `dpo`, ..., or a user algorithm's declared block)."""
+        if name in _ALGORITHM_FIELDS:
+            return getattr(self, name)
+        return self.blocks.get(name)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict:
+        """Every key as plain JSON values: what config.json holds (and what `resolve` reads back)."""
+        out = {k: to_plain(getattr(self, k)) for k in _TOP_KEYS}
+        out.update({k: getattr(self, k) for k in ALGORITHM_LABELS.get(self.algorithm, ())})
+        out.update({name: to_plain(getattr(self, name)) for name in CORE_BLOCKS})
+        for name in (*_ALGORITHM_FIELDS, *self.blocks):
+            value = self.block(name)
+            if value is None:
+                continue
+            out[name] = _block_json(value)
+        return out
+
+
+def _block_json(value: Any) -> dict:
+    plain = to_plain(value)
+    extra = getattr(type(value), "EXTRA_KEYS", None)
+    if extra:  # the extra keys stand beside the declared ones, as in the config
+        plain.update(plain.pop(extra))
+    return plain
+
+
+_ALGORITHM_FIELDS = ("data", "dpo", "grpo", "ppo", "reward")
+_TOP_KEYS = tuple(k for k in keys_of(TrainConfig) if k not in LABELS and k not in CORE_BLOCKS
+                  and k not in _ALGORITHM_FIELDS and k != "blocks")
+
+
+def default_of(key: str) -> Any:
+    """The default of a top-level key (e.g. the model's compute settings share them)."""
+    return keys_of(TrainConfig)[key].default
+
+
+def _algorithm_blocks(algorithm: str, blocks: Optional[Mapping[str, Any]]) -> dict:
+    """{block name: config dataclass or None (taken as it is)} of a run of `algorithm`."""
+    if blocks is not None:
+        return dict(blocks)
+    return dict(ALGORITHMS.get(algorithm, {"data": OPEN_DATA}))
+
+
+def _top_items(config: Any) -> list:
+    if config is None:
+        return []
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise ConfigKeyError(f"a config is a block of keys, got {type(config).__name__}")
+    return list(config.items())
+
+
+def complete(config: Any, blocks: Optional[Mapping[str, Any]] = None, *, strict: bool = True) -> dict:
+    """`config` (a ConfigDict or mapping) as plain JSON with every key of its algorithm at its default where
+    missing, each key and type checked: what config.json holds. `blocks`: the declared blocks of a user's
+    algorithm ({name: config dataclass or None}); `strict`: a top-level key nobody reads is an error."""
+    items = dict(_top_items(config))
+    algorithm = items.get("algorithm") or TrainConfig.algorithm
+    top_keys = keys_of(TrainConfig)
+    top_keys["algorithm"].check("algorithm", algorithm)
+    own = _algorithm_blocks(algorithm, blocks)
+    labels = ALGORITHM_LABELS.get(algorithm, ())
+    valid_top = [k for k in _TOP_KEYS] + list(labels)
+    valid = valid_top + list(CORE_BLOCKS) + list(own)
+    out = {}
+    for key in _TOP_KEYS + labels:
+        if key in items:
+            top_keys[key].check(key, items[key])
+            out[key] = to_plain(top_keys[key].convert(items[key]))
+        else:
+            out[key] = to_plain(top_keys[key].default)
+    out["algorithm"] = algorithm
+    for name, cls in CORE_BLOCKS.items():
+        out[name] = to_plain(complete_block(cls, items.get(name), name))
+    for name, cls in own.items():
+        value = items.get(name)
+        if cls is None:
+            out[name] = to_plain(value) if value is not None else {}
+        else:
+            out[name] = to_plain(complete_block(cls, value, name))
+    for key in items:
+        if key in valid:
+            continue
+        if strict:
+            raise unknown_key_error("", key, valid)
+        out[key] = to_plain(items[key])  # a block of an algorithm whose declared blocks are not known here
+    return out
+
+
+def resolve(config: Any, blocks: Optional[Mapping[str, Any]] = None) -> TrainConfig:
+    """The TrainConfig of `config` (a ConfigDict, a mapping such as a config.json, or a TrainConfig, returned as
+    it is): `complete`, then every block built and validated. ConfigKeyError / ValueError naming the key."""
+    if isinstance(config, TrainConfig):
+        return config
+    full = complete(config, blocks)
+    own = _algorithm_blocks(full["algorithm"], blocks)
+    kwargs = {k: full[k] for k in _TOP_KEYS}
+    kwargs.update({k: full[k] for k in ALGORITHM_LABELS.get(full["algorithm"], ())})
+    kwargs["plugins"] = _frozen(full["plugins"])
+    kwargs.update({name: build_block(cls, full[name], name) for name, cls in CORE_BLOCKS.items()})
+    extra_blocks = {}
+    for name, cls in own.items():
+        value = full[name] if cls is None else build_block(cls, full[name], name)
+        if name in _ALGORITHM_FIELDS:
+            kwargs[name] = value
+        else:
+            extra_blocks[name] = value
+    return TrainConfig(**kwargs, blocks=extra_blocks)
+
+
+def _frozen(value: Any) -> Any:
+    """Lists as tuples (the dataclass is frozen; config.json writes them back as lists)."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def default_config(algorithm: str = "sft") -> ml_collections.ConfigDict:
+    """Every key a run of the built-in `algorithm` reads, at its default (what configs/base.py returns)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"default_config: algorithm={algorithm!r}; built-in algorithms: {sorted(ALGORITHMS)}")
+    values = {k: to_plain(v.default) if isinstance(v.default, dict) else v.default
+              for k, v in keys_of(TrainConfig).items()
+              if k in _TOP_KEYS or k in ALGORITHM_LABELS.get(algorithm, ())}
+    values["algorithm"] = algorithm
+    for name, cls in {**CORE_BLOCKS, **ALGORITHMS[algorithm]}.items():
+        values[name] = {k: v for k, v in defaults_of(cls).items()}
+    return ml_collections.ConfigDict(values)
