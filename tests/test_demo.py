@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the demo end to end (minutes)
+pytestmark = pytest.mark.heavy  # the demo end to end
 
 REPO = Path(__file__).resolve().parents[1]
 

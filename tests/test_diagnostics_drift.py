@@ -235,7 +235,7 @@ def test_diagnose_launcher_drift(tiny_run, tmp_path):
     assert proc.returncode != 0 and "no adapter for steps [5]; found [0, 4, 8, 12]" in proc.stderr
 
 
-@pytest.mark.slow  # compiles the rollout engine's sampler (~15-20 s on two busy cores)
+@pytest.mark.slow  # compiles the rollout engine's sampler
 def test_fixed_sequences_are_the_base_models_greedy_continuations(tiny_run, tmp_path):
     """The launcher's default prompt set: chat-templated problems and the base's greedy continuations."""
     import jax.numpy as jnp

@@ -181,6 +181,7 @@ def _pattern_rate(model, prompts, targets):
     return hits / sum(len(t) for t in targets)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
     c = resolve_config(tiny_config("dpo"))
@@ -288,6 +289,7 @@ def launch(workdir, cache_dir, *extra):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_killed_dpo_run_resumes_to_the_same_adapter(tmp_path, cohort):
     cohort_dir, manifest = cohort

@@ -84,8 +84,8 @@ def env(tmp_path_factory):
 
 
 def numpy_init(cfg, seed=0):
-    """A random model drawn with numpy (init_model's eager jax.random compiles one program per parameter shape:
-    ~12 s on a loaded 2-core machine). Small weights as in init_model: near-uniform next-token distributions,
+    """A random model drawn with numpy (init_model's eager jax.random compiles one program per parameter
+    shape). Small weights as in init_model: near-uniform next-token distributions,
     so completions stop (on one of the two stop ids) often enough within the cap to be scored."""
     import jax.numpy as jnp
     import numpy as np
@@ -376,6 +376,7 @@ def test_select_on_dev_then_confirm_once_on_heldout(env, tmp_path):
         P.begin_confirmation(selection, split_dir / "heldout.jsonl", tmp_path / "again")
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_launcher_selects_confirms_and_refuses_a_second_confirmation(env, tmp_path):
     from jaxrl.data.problems import load_problems
@@ -418,6 +419,7 @@ def test_greedy_decoding_with_several_samples_is_refused(env, tmp_path):
     assert proc.returncode != 0 and "temperature 0 with num_samples=4" in proc.stderr
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_path):
     from jaxrl.data import formats

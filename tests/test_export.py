@@ -46,7 +46,7 @@ def random_adapter(folder, modules=None, rank=4, alpha=8.0, use_rslora=True, see
     return Adapter(params=params, rank=rank, alpha=alpha, use_rslora=use_rslora, source=f"random seed {seed}")
 
 
-_FORWARD = {}  # graphdef -> jitted forward: one quick compile per model structure (eager: ~20 s of op compiles)
+_FORWARD = {}  # graphdef -> jitted forward: one compile per model structure (eager calls compile every op on its own)
 
 
 def forward(model, ids):

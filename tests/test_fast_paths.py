@@ -26,7 +26,7 @@ from test_qwen35_cache import chunk_rule, random_inputs, recurrence
 
 
 # The references and kernels run as jitted programs: called eagerly, every primitive is dispatched and
-# compiled on its own, which took most of these tests' time (the compiled programs are the ones users run).
+# compiled on its own, far slower than one compiled program (and the compiled programs are the ones users run).
 causal_attention = jax.jit(attn.causal_attention, static_argnames=("scale", "implementation", "block_size"))
 cache_attention = jax.jit(attn.cache_attention, static_argnames=("scale",))
 
@@ -187,7 +187,7 @@ def model(hf_container):
     return qwen35.from_pretrained(hf_container[0], dtype=jnp.float32)
 
 
-@pytest.mark.slow  # ~20-30 s on two idle cores (estimated from a loaded run)
+@pytest.mark.slow  # compiles the prefill-mode and preallocated-cache paths
 def test_prefill_mode_cache_equals_the_preallocated_cache_path(model):
     rng = np.random.default_rng(3)
     ids = rng.integers(2, 250, size=(3, 90)).astype(np.int32)
@@ -217,7 +217,7 @@ def test_prefill_mode_cache_equals_the_preallocated_cache_path(model):
                                atol=1e-4)
 
 
-@pytest.mark.slow  # 11 s alone on two idle cores: two 256-step decode scans
+@pytest.mark.slow  # two 256-step decode scans
 def test_bf16_decode_state_drift_is_small_and_does_not_grow(model):
     """Teacher-forced decode of 256 tokens with the Gated DeltaNet state stored in bf16 vs fp32 (fp32 model,
     perturbed tiny checkpoint, logits of scale ~10): every step's log-probabilities within 0.05 (measured max
@@ -255,7 +255,7 @@ def test_bf16_decode_state_drift_is_small_and_does_not_grow(model):
     assert float(jnp.max(jnp.abs(s16 - s32))) <= 0.01 * float(jnp.max(jnp.abs(s32)))
 
 
-@pytest.mark.slow  # 28-41 s on two idle cores (2026-12-01)
+@pytest.mark.slow  # one gradient per remat policy
 def test_remat_policies_give_the_same_gradients():
     """none / matmuls / attention / full: the same LoRA gradients (a remat policy changes what is kept, never the
     result); auto, at a size that fits anywhere, traces exactly the program of none. Two layers, one of each

@@ -103,7 +103,7 @@ def test_decoding_drops_only_a_final_stop_id(env):
     stop = {1}
     assert decode_completion(tok, body + [1], stop) == "print(1)"
     # A completion a backend reports as "stop" whose last token is not a stop id (a stop string, or an engine
-    # that leaves the stop token out) keeps every token: the old evaluator did this, the old rollouts did not.
+    # that leaves the stop token out) keeps every token: evaluation and rollouts decode it alike.
     assert decode_completion(tok, body, stop) == "print(1)"
     assert decode_completion(None, [17, 42, 1], stop) == "17 42"
     assert decode_completion(None, [17, 1, 42], stop) == "17 1 42"  # only the final token is a stop

@@ -26,6 +26,7 @@ def _records_by_step(records):
 # ------------------------------------------------------------------------------------------------- one update
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_update_is_invariant_to_the_micro_batch_split(tmp_path):
     """One rollout through the real task, then the summed gradients of GRPOObjective for 1 x 16 and 4 x 4 splits
@@ -118,7 +119,7 @@ def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     assert np.all(ref[on] < 0)
 
 
-@pytest.mark.slow  # ~30-50 s on two cores: a rollout and its teacher-forced passes compile
+@pytest.mark.slow  # a rollout and its teacher-forced passes compile
 def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
     """Off-policy (num_iterations=2) in bf16: the ratio's denominator must be the teacher-forced log-probs of the
     sampling parameters. The sampler's KV-cache decode differs from that pass by ~1e-2 in bf16 (equal to ~1e-6
@@ -153,6 +154,7 @@ def learning_run(tmp_path_factory):
     return cfg, result.records
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_grpo_raises_reward_from_chance_to_above_0_8(learning_run):
     cfg, records = learning_run
@@ -178,6 +180,7 @@ def test_grpo_raises_reward_from_chance_to_above_0_8(learning_run):
     assert records[-1]["entropy"] < records[0]["entropy"] - 0.5
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_grpo_curve_is_reproducible(learning_run, tmp_path):
     """Seeded: a second run gives the same first steps (rollouts, rewards, losses) bit for bit."""
@@ -190,6 +193,7 @@ def test_grpo_curve_is_reproducible(learning_run, tmp_path):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_kl_stays_bounded_and_shrinks_with_beta(learning_run, tmp_path):
     """beta = 0.2 holds the per-token KL to the reference below 1 over 40 steps, well under the beta = 0.04

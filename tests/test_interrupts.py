@@ -26,6 +26,8 @@ from jaxrl.models.adapters import load_adapter
 from jaxrl.train.checkpoints import RunCheckpoints
 from jaxrl.train.metrics import read_metrics
 
+pytestmark = pytest.mark.heavy  # 20 SIGINTs at random moments; signals from outside
+
 TRAIN = ("--config=configs/sft_tiny.py", "--config.checkpoint_every=1000", "--config.data.seq_len=16",
          "--config.log_every=1")
 
@@ -91,7 +93,7 @@ def signal_mid_step(workdir, cache, signum: int, rng: random.Random) -> subproce
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.mark.slow  # two processes, each compiling the tiny model: > 20 s on two cores
+@pytest.mark.slow  # two processes, each compiling the tiny model
 def test_sigint_then_sigterm_from_outside_stop_after_the_step_with_its_checkpoint(tmp_path):
     workdir, cache, rng = str(tmp_path / "run"), tmp_path / "xla", random.Random(7)
     previous = 0

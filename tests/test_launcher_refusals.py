@@ -155,6 +155,7 @@ def test_a_corrupted_adapter_checkpoint_is_named(env, tmp_path, launcher):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.heavy
 @pytest.mark.slow  # two trainings of the tiny model
 def test_train_resumes_from_the_newest_intact_state_and_keeps_the_damaged_one(tmp_path):
     workdir = tmp_path / "run"

@@ -19,7 +19,7 @@ from jaxrl.train.state import ParamCodec
 from jaxrl.train.step import make_micro_loss
 
 
-# A low LLVM optimisation level compiles ~2x quicker; the comparisons here are exact or against torch anyway.
+# A low LLVM optimisation level compiles quicker; the comparisons here are exact or against torch anyway.
 QUICK = {"xla_backend_optimization_level": 0}
 
 

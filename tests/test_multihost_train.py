@@ -25,7 +25,7 @@ from jaxrl.models.adapters import load_adapter
 from jaxrl.train.checkpoints import RunCheckpoints
 from jaxrl.train.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy  # two processes, a kill and a resume, per algorithm
 
 MESH = ["--config.mesh.shape=(1,8,1)"]
 CASES = {

@@ -12,7 +12,7 @@ from jaxrl.algorithms.tasks import get_task_factory
 from jaxrl.parallel.mesh import DATA, FSDP, make_mesh
 from jaxrl.train.loop import Trainer
 
-pytestmark = pytest.mark.slow  # two rollouts compiled per algorithm: ~2 min on two loaded cores
+pytestmark = pytest.mark.slow  # two rollouts compiled per algorithm
 CONFIGS = {"grpo": grpo_tiny, "ppo": ppo_tiny}
 
 

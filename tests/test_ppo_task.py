@@ -34,6 +34,7 @@ def _run(cfg, workdir, **kwargs):
 # ------------------------------------------------------------------------------------------------- learning
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_ppo_raises_reward_and_lowers_value_loss(tmp_path):
     cfg = tiny_config("ppo")
@@ -97,6 +98,7 @@ def test_nan_in_a_ppo_step_is_skipped_counted_and_the_run_finishes(tmp_path):
 # ------------------------------------------------------------------------------------------------- resume
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_resume_inside_a_rollout_gives_identical_adapters(tmp_path):
     """A run stopped after step 6 (inside rollout 1 of 4 steps each) and resumed ends with the same adapters,
@@ -145,7 +147,7 @@ def test_resume_inside_a_rollout_gives_identical_adapters(tmp_path):
 # ------------------------------------------------------------------------------------------------- KL controller
 
 
-@pytest.mark.slow  # ~30-50 s on two cores: a rollout and its teacher-forced passes compile
+@pytest.mark.slow  # a rollout and its teacher-forced passes compile
 def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
     """verl and OpenRLHF feed the controller the mean over sequences of each sequence's token-mean KL (so a few
     long completions do not dominate it). A real rollout with ragged completions (temperature 1 reaches the stop

@@ -107,6 +107,7 @@ def test_changed_weights_are_written_and_others_kept(hf_container, tmp_path):
     assert changed == ["model.language_model.layers.1.self_attn.q_proj.weight"]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_mesh_load_matches_single_device(hf_container):
     folder, _ = hf_container

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # the 4B / 9B widths with the full vocabulary
+
 MAX_RSS_GIB = 6.0
 PROMPT = 70  # more than one 64-token GDN chunk
 NEW_TOKENS = 4

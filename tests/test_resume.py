@@ -29,6 +29,7 @@ def launch(workdir, cache_dir, *extra):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_killed_runs_resume_bit_identical(tmp_path):
     cache = str(tmp_path / "jax_cache")  # compile once for all four processes

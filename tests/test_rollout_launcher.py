@@ -60,6 +60,7 @@ def by_key(records):
     return {(r["problem_id"], r["sample_index"]): r for r in records}
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_records_resume_and_settings(env):
     full_out = env["root"] / "full.jsonl"
@@ -115,6 +116,7 @@ def test_overlong_policy_error(env):
         run(env, config(env, env["root"] / "err.jsonl", on_overlong="error"))
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_cli(env):
     """The absl launcher end to end in a fresh process: flags, model and tokenizer loading, progress bar."""

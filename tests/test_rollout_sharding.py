@@ -123,7 +123,7 @@ def test_held_sampler_uses_new_weights_without_recompiling(adapted):
     assert sampler.sample(prompts, **SAMPLING).tokens == before.tokens
 
 
-@pytest.mark.slow  # 10-11 s under `make test-fast`: an Orbax save and restore, two samplers compiled
+@pytest.mark.slow  # an Orbax save and restore, two samplers compiled
 def test_adapter_checkpoint_loads_for_rollouts(adapted, tmp_path):
     """`launchers.rollout --adapter`: a trainer adapter checkpoint attached to a fresh base model samples exactly
     what the trained model samples."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # each test starts a real server and compiles a sampler
+pytestmark = pytest.mark.heavy  # each test starts a real server and compiles a sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "jaxrl" / "assets" / "tasks" / "problems.jsonl"

@@ -72,7 +72,7 @@ def assert_same_rollouts(got, want):
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-4, err_msg=str(key(a)))
 
 
-@pytest.mark.slow  # 14 s under `make test-fast` (two workers): a rollout run per mesh
+@pytest.mark.slow  # a rollout run per mesh
 def test_rollouts_on_eight_devices_equal_one_device(env):
     assert jax.local_device_count() == 8, "tests/conftest.py fakes 8 CPU devices"
     runs = {}
@@ -86,7 +86,7 @@ def test_rollouts_on_eight_devices_equal_one_device(env):
     assert_same_rollouts(eight, one)
 
 
-@pytest.mark.slow  # 14 s under `make test-fast`: an evaluation per mesh
+@pytest.mark.slow  # an evaluation per mesh
 def test_evaluation_on_eight_devices_equals_one_device(env):
     from jaxrl.evaluation.runner import EvalConfig, Evaluator
     results = {}
@@ -124,6 +124,7 @@ def lines(path):
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_rollouts_over_two_processes_equal_one_device_and_resume_per_part(env, tmp_path, cache):
     ref_out, out = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
@@ -160,6 +161,7 @@ def test_rollouts_over_two_processes_equal_one_device_and_resume_per_part(env, t
         assert meta["processes"][i]["samples_resumed"] == kept[i]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_evaluation_over_two_processes_equals_one_device(env, tmp_path, cache):
     def args(out):

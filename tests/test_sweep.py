@@ -25,6 +25,8 @@ from jaxrl.algorithms.plugins import PluginError
 from jaxrl.sweep.runner import merged_metrics
 from jaxrl.sweep.spec import SweepError, load_sweep, parse_spec
 
+pytestmark = pytest.mark.heavy  # sweeps of real training runs
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 TINY = "configs/sweeps/dpo_tiny_losses.py"

@@ -10,6 +10,8 @@ from benchmarks import gpu_train_step
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.layers import Linear
 
+pytestmark = pytest.mark.heavy  # the benchmark scripts' own smoke runs
+
 
 @pytest.mark.slow
 def test_tiny_dpo_style_step_runs_and_starts_at_log2():

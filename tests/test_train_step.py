@@ -21,7 +21,7 @@ from jaxrl.train.state import ParamCodec, create_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
 
 
-# Tests compare runs compiled alike, so a low LLVM optimisation level (a ~2x quicker compile) changes nothing.
+# Tests compare runs compiled alike, so a low LLVM optimisation level (a quicker compile) changes nothing.
 QUICK = {"xla_backend_optimization_level": 0}
 
 
@@ -111,7 +111,7 @@ def test_chunked_logprobs_equal_full_softmax_with_gradients():
 
 # lr / learning_rate at optimizer steps 0..20 (20 steps, 3 warm-up), recorded from transformers 5.24
 # `get_scheduler(name, SGD, num_warmup_steps=3, num_training_steps=20)` stepped after every update (its usual
-# use). Golden values instead of a live call: importing transformers.optimization costs ~10 s of test time.
+# use). Golden values instead of a live call: importing transformers.optimization is slow.
 HF_SCHEDULES = {
     "linear": [0.0, 0.3333333333, 0.6666666667, 1.0, 0.9411764706, 0.8823529412, 0.8235294118, 0.7647058824,
                0.7058823529, 0.6470588235, 0.5882352941, 0.5294117647, 0.4705882353, 0.4117647059, 0.3529411765,

@@ -44,6 +44,7 @@ def test_docs_give_the_recipe_the_backend_states():
     assert tuple(int(p) for p in VLLM_VERSION.split(".")[:2]) == TARGET_VLLM
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_recipe_resolves_to_the_targeted_vllm(pypi, tmp_path):
     requirement = re.search(r"pip install '([^']+)'", ENV_RECIPE[1]).group(1)

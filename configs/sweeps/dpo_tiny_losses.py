@@ -1,7 +1,7 @@
 r"""The CPU sweep of the tests and the demo: 2 DPO loss types x 2 betas x 2 seeds on the toy DPO task
 (configs/dpo_tiny.py: arithmetic-progression pairs, held-out preference accuracy at every checkpoint), 8 points of
-4 steps each, a checkpoint every 2 steps; about 20 s a point on two CPU cores (the persistent compilation cache
-makes the second seed of each (loss, beta) much cheaper).
+4 steps each, a checkpoint every 2 steps; seconds a point on two CPU cores (the persistent compilation cache makes
+the second seed of each (loss, beta) cheaper).
 
     python -m launchers.sweep --sweep=configs/sweeps/dpo_tiny_losses.py --out=/tmp/tiny_sweep
     python -m launchers.sweep --sweep=configs/sweeps/dpo_tiny_losses.py --out=/tmp/tiny_sweep --dry_run

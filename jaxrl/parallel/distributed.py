@@ -82,7 +82,7 @@ def is_main_process() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launcher flags (name, absl kind, default, help), as jaxrl.evaluation.flags.FLAGS
+# Launcher flags (name, absl kind, default, help), defined by jaxrl.utils.dataclass_flags.define_table
 
 FLAGS = (
     ("coordinator_address", "string", None, "host:port of process 0 (several processes / hosts)."),
