@@ -233,13 +233,15 @@ def run(model: str = "9b", seq_len: int = 4096, pairs_per_device: int = 1, grad_
 
 
 def main(argv=None) -> None:
+    from jaxrl.models.qwen35.model import REMAT_CHOICES  # every policy the model takes, "auto" included
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("4b", "9b"), default="9b")
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--pairs_per_device", type=int, default=1)
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--remat", default="full", choices=("none", "full", "dots", "dots_no_batch"))
+    parser.add_argument("--remat", default="full", choices=REMAT_CHOICES)
     parser.add_argument("--lora_rank", type=int, default=16)
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of one device")
     parser.add_argument("--lora_dropout", type=float, default=0.0)

@@ -35,21 +35,57 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 _NEG = -1e30  # masked scores: exp(_NEG - max) underflows to 0 for any finite max
 
 
 def resolve_implementation(implementation: str, dtype, head_dim: int) -> str:
-    """"auto" -> "cudnn" on a GPU with bf16/fp16 operands and a head dim cuDNN accepts, else "xla"."""
+    """"auto" -> "cudnn" on a GPU with bf16/fp16 operands and a head dim this GPU's cuDNN compiles (forward and
+    backward, `cudnn_supports`), else "xla"."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
     if implementation != "auto":
         return implementation
     fused_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if jax.default_backend() == "gpu" and fused_dtype and head_dim <= 256 and head_dim % 8 == 0:
+    if (jax.default_backend() == "gpu" and fused_dtype and head_dim <= 256 and head_dim % 8 == 0
+            and cudnn_supports(dtype, head_dim)):
         return "cudnn"
     return "xla"
+
+
+_CUDNN_SUPPORT: dict = {}  # (dtype name, head dim) -> whether cuDNN's fused attention compiled
+
+
+def cudnn_supports(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's fused causal attention compiles here for `dtype` and `head_dim`, forward and backward (a
+    head dim of 256 needs a recent cuDNN and GPU generation). Probed once per (dtype, head dim) by compiling a
+    one-row program; a failure logs one warning and "auto" uses the XLA attention instead."""
+    key = (jnp.dtype(dtype).name, int(head_dim))
+    if key not in _CUDNN_SUPPORT:
+        try:
+            _compile_cudnn_probe(jnp.dtype(dtype), int(head_dim))
+            _CUDNN_SUPPORT[key] = True
+        except Exception as e:  # noqa: BLE001 - any failure to build the kernel means: do not use it
+            _CUDNN_SUPPORT[key] = False
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            logging.warning("cuDNN fused attention does not compile for %s, head dim %d on this machine (%s); "
+                            "attention_implementation='auto' uses the XLA attention", key[0], head_dim, reason)
+    return _CUDNN_SUPPORT[key]
+
+
+def _compile_cudnn_probe(dtype, head_dim: int) -> None:
+    qkv = jax.ShapeDtypeStruct((1, 128, 1, head_dim), dtype)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def attend(q, k, v, n):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n,
+                                            implementation="cudnn")
+
+    grad = jax.grad(lambda q, k, v, n: jnp.sum(attend(q, k, v, n).astype(jnp.float32)), argnums=(0, 1, 2))
+    for fn in (attend, grad):
+        jax.jit(fn).lower(qkv, qkv, qkv, lengths).compile()
 
 
 def query_block_size(seq_len: int) -> int:

@@ -28,7 +28,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxrl.models.qwen35.config import CONTAINER, TEXT_ONLY, HFLayout, Qwen35Config, load_hf_config
+from jaxrl.models.qwen35.config import (CONTAINER, QUANTIZED_ADVICE, TEXT_ONLY, HFLayout, Qwen35Config,
+                                        load_hf_config)
 from jaxrl.models.qwen35.model import Qwen35
 from jaxrl.parallel.sharding import named_sharding
 from jaxrl.utils.io import atomic_copy, atomic_path, atomic_write_text, is_temp_name
@@ -93,6 +94,23 @@ def read_weight_map(model_dir: str) -> dict[str, str]:
     raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
+# Tensor-name suffixes of quantized checkpoints (what each stores beside, or instead of, a dense weight).
+_QUANTIZED_SUFFIXES = {".weight_scale_inv": "FP8 (block-wise)", ".weight_scale": "FP8", ".input_scale": "FP8",
+                       ".qweight": "GPTQ / AWQ", ".qzeros": "GPTQ / AWQ", ".g_idx": "GPTQ", ".scales": "GPTQ / AWQ",
+                       ".weight_packed": "compressed-tensors (int4 / int8)"}
+
+
+def quantized_tensor(names) -> Optional[str]:
+    """The first of `names` that is a quantization tensor (a scale, packed weight, zero point), or None."""
+    return next((n for n in names if any(n.endswith(s) for s in _QUANTIZED_SUFFIXES)), None)
+
+
+def quantization_of(names) -> Optional[str]:
+    """The quantization format `names` (tensor names) belong to, or None when none is quantized."""
+    name = quantized_tensor(names)
+    return None if name is None else next(v for s, v in _QUANTIZED_SUFFIXES.items() if name.endswith(s))
+
+
 def from_pretrained(model_dir: str, dtype=jnp.float32, mesh: Optional[jax.sharding.Mesh] = None,
                     remat: str = "none") -> Qwen35:
     """Load an HF Qwen3.5 folder (container or text-only, one file or sharded) into a `Qwen35`.
@@ -118,6 +136,11 @@ def from_pretrained(model_dir: str, dtype=jnp.float32, mesh: Optional[jax.shardi
         raise CheckpointError(f"{model_dir}: missing {len(missing)} tensor(s), first {missing[0]!r}{hint}")
     unknown = [k for k in weight_map if k.startswith(layout.tower_prefix) and k not in expected
                and not k.endswith("rotary_emb.inv_freq")]
+    quantized = quantization_of(unknown)
+    if quantized:
+        raise CheckpointError(f"{model_dir}: a {quantized}-quantized checkpoint (tensor {quantized_tensor(unknown)!r} "
+                              f"in {weight_map[quantized_tensor(unknown)]}) without a quantization_config; "
+                              f"{QUANTIZED_ADVICE}")
     if unknown:
         raise CheckpointError(f"{model_dir}: unknown language-tower tensor {unknown[0]!r} in "
                               f"{weight_map[unknown[0]]} ({len(unknown)} unknown in all); is this a Qwen3.5 "

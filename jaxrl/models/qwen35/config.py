@@ -280,28 +280,83 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> tuple[Q
     return _text_config_from_hf(raw, source, bool(raw.get("tie_word_embeddings", False))), TEXT_ONLY
 
 
+# What a quantized checkpoint is, by its `quantization_config.quant_method`; jaxrl trains LoRA on dense weights.
+QUANTIZED_ADVICE = ("jaxrl loads dense bf16 / fp32 weights only: point it at the unquantized checkpoint (e.g. the "
+                    "bf16 Qwen/Qwen3.5-4B or Qwen/Qwen3.5-9B folder); serve a quantized copy with vLLM instead")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+
+
+def check_not_quantized(raw: dict[str, Any], source: str) -> None:
+    """ConfigError naming the quantization when config.json (or its text_config) declares one."""
+    for where, block in (("", raw), ("text_config.", raw.get("text_config") or {})):
+        quant = block.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            fmt = quant.get("fmt") or quant.get("format") if isinstance(quant, dict) else None
+            detail = f"{method}" + (f", {fmt}" if fmt else "")
+            raise ConfigError(f"{source}: a quantized checkpoint ({where}quantization_config: {detail}); "
+                              f"{QUANTIZED_ADVICE}")
+
+
+def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
+    """The stop ids of the folder's generation_config.json (Qwen3.5: <|im_end|> and <|endoftext|>); () without
+    one."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    eos = _read_json(path).get("eos_token_id")
+    if eos is None:
+        return ()
+    try:
+        return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}: eos_token_id={eos!r}; expected an id or a list of ids") from None
+
+
+def with_stop_ids(cfg: Qwen35Config, extra: tuple[int, ...]) -> Qwen35Config:
+    """`cfg` whose eos_token_id also holds `extra` (config.json's own ids first, no repeats)."""
+    own = cfg.eos_token_id
+    ids = [] if own is None else ([own] if isinstance(own, int) else list(own))
+    merged = tuple(dict.fromkeys(ids + list(extra)))
+    if not merged or tuple(ids) == merged:
+        return cfg
+    return dataclasses.replace(cfg, eos_token_id=merged[0] if len(merged) == 1 else merged)
+
+
 def load_hf_config(model_dir: str) -> tuple[Qwen35Config, HFLayout, dict[str, Any]]:
+    """(config, layout, raw config.json) of an HF folder. Stop ids: config.json's eos_token_id and every id of
+    generation_config.json (what `generate` and `transformers` stop on). A quantized folder is refused."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"{model_dir}: no config.json (is this an HF model folder?)")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    raw = _read_json(path)
+    check_not_quantized(raw, path)
     cfg, layout = parse_hf_config(raw, path)
-    return cfg, layout, raw
+    return with_stop_ids(cfg, generation_eos_ids(model_dir)), layout, raw
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Presets for the real shapes (§1.2) and the tiny shape used by tests and the demo.
+
+# Qwen3.5's token ids (docs/design/qwen35-architecture.md §8): config.json's text_config has eos <|endoftext|>
+# and no pad id; generation_config.json stops on <|im_end|> and <|endoftext|>, so a loaded real folder's
+# eos_token_id is both (load_hf_config), and the presets carry the same.
+ENDOFTEXT, IM_END = 248044, 248046
+
 
 def qwen35_9b() -> Qwen35Config:
     return Qwen35Config(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                         num_attention_heads=16, num_key_value_heads=4, head_dim=256, tie_word_embeddings=False,
                         rope_theta=1e7, partial_rotary_factor=0.25, linear_num_key_heads=16,
                         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                        eos_token_id=248046, pad_token_id=248044)
+                        eos_token_id=(ENDOFTEXT, IM_END), pad_token_id=None)
 
 
 def qwen35_4b() -> Qwen35Config:
