@@ -17,9 +17,12 @@ minimum is left; `--only` picks some):
   4. gpu_kernels_4b         each kernel alone at the 4B head shapes (benchmarks/bench_kernels.py): attention
                             fwd + bwd (T=4096), GDN chunked fwd + bwd, the decode update at 160 rows, each
                             against its roofline
-  5. gpu_grpo_4b            one GRPO step's time split at 20 prompts x 8 samples (--grpo_new_tokens new tokens)
-  6. gpu_train_step_4b_mb2  4B, T=4096, micro-batch 2
-  7. gpu_train_step_9b      9B, T=6144, micro-batch 1
+  5. gpu_rollout_4b         one GRPO rollout through the continuous-batching engine, 20 prompts x 8 samples x
+                            4,096 new tokens, LoRA r16 on (benchmarks/gpu_rollout.py): tokens/s, % of the HBM
+                            bound, compiled programs, compile time
+  6. gpu_grpo_4b            one GRPO step's time split at 20 prompts x 8 samples (--grpo_new_tokens new tokens)
+  7. gpu_train_step_4b_mb2  4B, T=4096, micro-batch 2
+  8. gpu_train_step_9b      9B, T=6144, micro-batch 1
 
 Random weights of the preset shapes (jaxrl/models/qwen35/config.py: qwen35_4b, qwen35_9b); nothing is
 downloaded. Also written: `<out>/gpu_all.json` (every result or failure, the device, the 4B/9B FLOP arithmetic)
@@ -55,6 +58,9 @@ GPU_BENCHES = {
     "gpu_kernels_4b": ("benchmarks.bench_kernels",
                        dict(shape="4b", batch=1, seq_len=4096, decode_batch=160, repeats=5, reference=False),
                        dict(tiny=True), 120, 45),
+    "gpu_rollout_4b": ("benchmarks.gpu_rollout",
+                       dict(prompts=20, samples=8, prompt_len=512, new_tokens=4096, lora_rank=16),
+                       dict(tiny=True, prompts=2, samples=4, prompt_len=16, new_tokens=32, lora_rank=4), 420, 240),
     "gpu_grpo_4b": ("benchmarks.gpu_grpo", dict(prompts=20, k=8, prompt_len=512, max_new_tokens=512, steps=2, mb=8),
                     dict(tiny=True, prompts=2, k=4, prompt_len=8, max_new_tokens=8, steps=2), 300, 150),
     "gpu_train_step_4b_mb2": ("benchmarks.gpu_train_step",
@@ -90,6 +96,11 @@ def _summary(name: str, r: dict) -> str:
         return (f"attention ({r['attention']['implementation']}) fwd+bwd {r['attention']['fast_ms']:.2f} ms "
                 f"{frac('attention')}; GDN fwd+bwd {r['gdn']['fast_ms']:.2f} ms {frac('gdn')}; decode update "
                 f"B={r['decode_update']['batch']} {r['decode_update']['fast_us']:.0f} us {frac('decode_update')}")
+    if name.startswith("gpu_rollout"):
+        return (f"{r['shape']} {r['rows']} rows x {r['new_tokens']} new, LoRA r{r['lora_rank']}: "
+                f"{r['tokens_per_s']:,.0f} tok/s ({r['fraction_of_hbm_bound']:.0%} of the HBM bound), "
+                f"{r['decode_steps']} steps, utilisation {r['slot_utilisation']:.0%}, {r['compiled_programs']} "
+                f"programs compiled in {r['compile_s']:.0f} s, peak {gib(r.get('peak_device_memory_gib'))}")
     if name.startswith("gpu_grpo"):
         return (f"{r['model']} {r['rows']} rows x {r['max_new_tokens']} new: step {r['step_s']:.1f} s = sample "
                 f"{r['sample_s']:.1f} + score {r['score_s']:.2f} + ref {r['ref_logp_s']:.1f} + update "

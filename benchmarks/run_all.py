@@ -76,6 +76,17 @@ BENCHES: dict[str, dict] = {
         peer=None,  # no peer: where one GRPO step's time goes
         full=dict(model="small", prompts=8, k=8, prompt_len=32, max_new_tokens=64, steps=8, mb=8),
         quick=dict(model="small", prompts=4, k=4, prompt_len=16, max_new_tokens=16, steps=6, mb=8)),
+    "server": dict(
+        module="benchmarks.bench_server",
+        peer="the ThreadingHTTPServer server it replaced (git history)",
+        full=dict(requests=256, concurrency=32, prompt_len=48, max_tokens=64),
+        quick=dict(requests=64, concurrency=16, prompt_len=32, max_tokens=16)),
+    "rollout_engine": dict(
+        module="benchmarks.bench_rollout_engine",
+        peer="the static-batch sampler (jaxrl, same process, interleaved)",
+        full=dict(prompts=32, samples=8, slots=64, max_new_tokens=256, truncation_prompts=20, repeats=3),
+        quick=dict(prompts=16, samples=8, slots=32, max_new_tokens=128, truncation_prompts=10, repeats=2,
+                   sections=())),
 }
 
 
@@ -170,9 +181,44 @@ def rows_kernels(r: dict) -> list[dict]:
                        f"{r['decode_projections']['weights']} weights ({r['decode_projections']['weight_mb']:.1f} MB)")]
 
 
+def rows_server(r: dict) -> list[dict]:
+    load = r["load"]
+    notes = (f"small Qwen3.5 fp32, {load['requests']} requests x {load['max_tokens']} tokens from "
+             f"{load['concurrency']} clients; reconnects old {r['old']['reconnects']}, new {r['new']['reconnects']}; "
+             f"compiled while timed old {r['old']['compiled_while_timed']}, new {r['new']['compiled_while_timed']}")
+    return [_row("server", "requests/s", r["new"]["requests_per_s"], r["old"]["requests_per_s"], "req/s",
+                 notes=notes),
+            _row("server", "completion tokens/s", r["new"]["tokens_per_s"], r["old"]["tokens_per_s"], "tok/s")]
+
+
+def rows_rollout_engine(r: dict) -> list[dict]:
+    rows = []
+    for name in ("skewed", "truncation"):
+        if name not in r:
+            continue
+        w = r[name]
+        c, s = w["continuous"], w["static"]
+        notes = (f"{w['model']} model, {w['rows']} rows through {w['slots']} slots, cap {w['max_new_tokens']}, mean "
+                 f"length {w['mean_length']}; decode steps {s['decode_steps']} -> {c['decode_steps']}, slot "
+                 f"utilisation {s['slot_utilisation']:.0%} -> {c['slot_utilisation']:.0%}; samples identical "
+                 f"{w['samples_identical']}; load {w['load_average_before'][0]}")
+        rows.append(_row("rollout_engine", f"{name}: continuous vs static batching, tokens/s", c["tokens_per_s"],
+                         s["tokens_per_s"], "tok/s", notes=notes))
+    if "adapter" in r:
+        for dtype in ("float32", "bfloat16"):
+            a = r["adapter"][dtype]
+            rows.append(_row("rollout_engine", f"decode with a LoRA adapter ({dtype}), tokens/s",
+                             a["adapter_fused"]["tokens_per_s"], a["base"]["tokens_per_s"], "tok/s",
+                             notes=(f"peer = no adapter; unfused {a['adapter_unfused_vs_base']:.2f}x of base; "
+                                    "sampler vs teacher-forced log-prob gap max "
+                                    f"{a['teacher_forced_gap']['max']:.2g}")))
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[dict]]] = {
     "forward": rows_forward, "train_step": rows_train_step, "decode": rows_decode, "verifier": rows_verifier,
-    "dpo": rows_dpo, "kernels": rows_kernels, "grpo": rows_grpo}
+    "dpo": rows_dpo, "kernels": rows_kernels, "grpo": rows_grpo, "server": rows_server,
+    "rollout_engine": rows_rollout_engine}
 
 
 # ------------------------------------------------------------------------------------------------ machine

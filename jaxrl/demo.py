@@ -12,12 +12,16 @@ Stages (each resumes or is skipped when its output exists, so an interrupted dem
                   difference);
   5. dpo/         DPO (RPO: sigmoid + NLL on the chosen) with LoRA on those pairs, a checkpoint every 8 steps;
   6. grpo/        GRPO from the same base on the same task (online rollouts), as many steps as DPO;
-  7. dpo/eval/    evaluation of base, every DPO checkpoint and the GRPO adapter on the dev half of the held-out
-                  prompts (tasks/eval_splits/), with paired and simultaneous intervals; the truncated samples
-                  re-drawn at twice the cap; the best checkpoint recorded (selection.json) and confirmed once on
-                  the other half (dpo/eval_heldout/: the confirmatory claim);
-  8. export/      PEFT and merged exports of the last DPO checkpoint (+ PEFT of every step, for drift);
+  7. export/      PEFT and merged exports of the last DPO checkpoint (+ PEFT of every step, for drift); the exact
+                  average of the last three DPO checkpoints (dpo/averages/avg_<steps>/, launchers.export --average);
+  8. dpo/eval/    evaluation of base, every DPO checkpoint, that average and the GRPO adapter on the dev half of the
+                  held-out prompts (tasks/eval_splits/), with paired and simultaneous intervals over all of them;
+                  the truncated samples re-drawn at twice the cap; the best candidate recorded (selection.json) and
+                  confirmed once on the other half (dpo/eval_heldout/: the confirmatory claim);
   9. dpo/diagnostics/ drift, pair audit, termination, checkpoint curves; report.html.
+
+The folder is marked as the demo's (`MARKER`, written when the demo creates it or finds it empty): `--fresh`
+deletes only a folder with that mark, so a mistyped --workdir never costs a user's files.
 
 The task: each prompt asks for an answer "in digits" or "in letters"; the reward is the fraction of answer
 characters in that alphabet (`jaxrl.rewards.toy.CharsetReward`). The tiny model must read the request from the
@@ -52,16 +56,16 @@ from jaxrl.diagnostics.report import build_report
 from jaxrl.diagnostics.termination import resample_evaluation
 from jaxrl.evaluation import protocol
 from jaxrl.evaluation.runner import EvalConfig, Evaluator, ModelSpec, checkpoint_specs
-from jaxrl.export import export_checkpoint
+from jaxrl.export import export_average, export_checkpoint
 from jaxrl.models import qwen35
 from jaxrl.models.adapters import adapter_steps
 from jaxrl.models.qwen35.config import tiny
 from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
-from jaxrl.rewards import get_reward
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer, minimal_vocab_size
 from jaxrl.utils.io import write_jsonl
 
+MARKER = ".jaxrl-demo"  # in a folder the demo made: what `launchers.demo --fresh` may delete
 DIGITS = "0123456789"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 ALPHABETS = {"digits": DIGITS, "letters": LETTERS}
@@ -180,7 +184,7 @@ class Demo:
         return c
 
     def run(self) -> Path:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.claim_folder()
         for name, fn in (("model and tokenizer", self.make_model), ("tasks", self.make_tasks),
                          ("M0 warm-up (SFT) and merge", self.warm_up), ("rollouts", self.rollouts),
                          ("pairs", self.pairs), ("DPO", self.dpo), ("GRPO", self.grpo),
@@ -190,6 +194,13 @@ class Demo:
         with open(self.dir / "demo_timings.json", "w") as f:
             json.dump(self.timings, f, indent=2)
         return self.p["report"]
+
+    def claim_folder(self) -> None:
+        """Creates the folder with the demo's mark, or marks an empty one; a folder with other files in it and no
+        mark is left alone (the demo writes beside them, and --fresh will not delete it)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not any(self.dir.iterdir()):
+            (self.dir / MARKER).write_text("made by `python -m launchers.demo`; --fresh deletes this folder\n")
 
     # -- 1
     def make_model(self) -> str:
@@ -264,6 +275,7 @@ class Demo:
         config = self.pair_config()
         samples = pairs_lib.read_rollouts(self.p["rollouts"])
         pairs, audit = pairs_lib.build_pairs(samples, config, pairs_lib.read_problem_messages(self.p["train"]))
+        audit["reward"] = pairs_lib.rollouts_reward(self.p["rollouts"])  # the pair audit re-scores with it
         pairs_lib.write_pairs(out, pairs, audit)
         if len(pairs) < 8:
             raise RuntimeError(f"only {len(pairs)} pairs survived the filters ({out / 'audit.json'})")
@@ -317,7 +329,11 @@ class Demo:
         for step in steps:  # the drift diagnostic reads PEFT folders named step_N
             export_checkpoint(ckpt, base, os.fspath(self.p["export"] / "steps" / f"step_{step}"), step=step,
                               overwrite=True)
-        return f"export/peft, export/merged (step {steps[-1]}), export/steps/step_{{{','.join(map(str, steps))}}}"
+        # a candidate beside the steps: the exact mean of the last three checkpoints' updates, where the evaluation
+        # of the run's checkpoints finds it (dpo/averages/)
+        average = export_average(ckpt, base, None, average=f"last:{min(3, len(steps))}", overwrite=True)
+        return (f"export/peft, export/merged (step {steps[-1]}), export/steps/step_{{{','.join(map(str, steps))}}}, "
+                f"dpo/averages/{os.path.basename(average['out'])} (rank {average['rank']})")
 
     # -- 8
     def evaluate(self) -> str:
@@ -347,7 +363,7 @@ class Demo:
         ev = Evaluator(EvalConfig(problems=os.fspath(splits / "heldout.jsonl"),
                                   out=os.fspath(self.p["dpo"] / "eval_heldout"), models=[spec], **common))
         try:
-            proto = protocol.begin_confirmation(selection, ev.cfg.problems, ev.out)
+            proto = protocol.begin_confirmation(selection, ev.cfg.problems, ev.out, settings=common)
             protocol.check_fingerprint(proto, ev.run_audit()["fingerprints"])
             held = ev.run()
         finally:
@@ -369,8 +385,9 @@ class Demo:
                                            {s: drift.load_peft_adapter(found[s]) for s in sorted(found)}, seqs,
                                            steps=sorted(found), batch_size=16, model=model)
         formats.write_diagnostic(formats.diagnostics_path(wd, "drift"), res)
+        # re-scored with the reward the pairs were scored with (recorded in pairs/audit.json)
         audit = audit_pairs(self.p["pairs"] / "pairs.jsonl", problems=os.fspath(self.p["train"]),
-                            verifier=get_reward("charset"), config=self.pair_config())
+                            config=self.pair_config())
         formats.write_diagnostic(formats.diagnostics_path(wd, "pairs"), audit)
         kl = ", ".join(f"step {r['step']} {r['kl_to_base']:.4f}" for r in res["per_step"])
         return f"KL to base per token: {kl}"

@@ -4,23 +4,21 @@
         run(main)                          # a launcher whose work is short, or written atomically at the end
         run(main, interruptible=True)      # one whose loops stop at a safe point on SIGINT / SIGTERM
 
-Exit status (every launcher):
-
-    0    done (and --help)
-    1    refused work: an output that already holds other results, a malformed or missing input file, a corrupted
-         checkpoint, a resume of other settings, a server that refuses, ... (the message names the file)
-    2    usage: an unknown or malformed flag, a bad value, a typo in a config key (the message names it)
-    130  SIGINT, 143 SIGTERM: the work stopped at a safe point; the message says how to continue
-    (launchers.train: 3 when training stopped on non-finite updates; launchers.sweep: 1 when points failed)
+Exit status (every launcher): `EXIT_STATUSES` below, sorted by the project's own error types
+(`exit_status_table()` renders it; docs/reference/interfaces.md holds that rendering, tests/test_docs.py
+compares them).
 
 A user error is printed as one line, `<launcher>: <what is wrong>; <what to do>` (messages about a file start
 with `file:line:`), without a traceback. What counts as one: the project's own error types (every exception
 class defined under jaxrl/) and the standard ValueError / KeyError / TypeError / OSError families raised by the
-project's own code (a deliberate `raise`, whose innermost frame is in jaxrl/ or launchers/). Anything else is a
-bug and keeps its traceback; --verbose prints the traceback of every error.
+project's own code (a deliberate `raise`, whose innermost frame is in jaxrl/ or launchers/), and a full disk
+wherever it is hit (one line naming the file). Anything else is a bug and keeps its traceback; --verbose prints
+the traceback of every error.
 
 Quiet by default: INFO records of the libraries (absl logging from Orbax, jax, ...) are dropped unless
---verbose; the project's own INFO lines (progress with ETA, "resumed from ...") and every warning stay.
+--verbose, and so are the libraries' own reports of a full disk (their background threads log one traceback per
+file they could not write; the launcher's one line names the file); the project's own INFO lines (progress with
+ETA, "resumed from ...") and every other warning stay.
 """
 
 from __future__ import annotations
@@ -34,11 +32,12 @@ from typing import Callable, Optional
 from absl import app, flags
 
 from jaxrl.utils import interrupt
-from jaxrl.utils.io import damaged_file
-from jaxrl.utils.logs import own_file, quiet_libraries
+from jaxrl.utils.io import damaged_file, disk_full
+from jaxrl.utils.logs import note_disk_full, own_file, quiet_libraries
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
+EXIT_NONFINITE = 3  # launchers.train, jaxrl.sweep.point
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for every error and the libraries' INFO logs "
                              "(Orbax, jax, ...).")
@@ -50,7 +49,28 @@ _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
 # Project error classes that are mistakes on the command line (exit 2), by name; every other project error
 # class is refused work (exit 1).
 _USAGE_TYPES = {"ConfigKeyError", "UnknownAlgorithm", "PluginError", "SweepError", "OptimizerConfigError",
-                "MeshConfigError", "DistributedConfigError", "LoRAError", "ConfigError", "UsageError"}
+                "MeshConfigError", "DistributedConfigError", "LoRAError", "ConfigError", "UsageError",
+                "RewardChoiceError"}
+# Modules whose errors never end a launcher: the OpenAI server answers them as HTTP statuses.
+_ANSWERED_INSIDE = ("jaxrl.rollout.server", "jaxrl.rollout.serve_")
+# Project error classes with a status of their own, by name.
+_OWN_STATUS = {"NonFiniteError": EXIT_NONFINITE}
+
+# Every exit status a launcher ends with: (status, meaning). The error types of 1 and 2 are listed by
+# exit_status_table() from the project's own exception classes.
+EXIT_STATUSES = (
+    (0, "done (and --help)"),
+    (EXIT_REFUSED, "refused work: an output that holds other results or that another process writes now, a "
+                   "malformed, missing or damaged input file or checkpoint, a resume of other settings or of another "
+                   "checkpoint, a protocol rule, a full disk, a server that refuses (the message names the file); "
+                   "launchers.sweep: points failed"),
+    (EXIT_USAGE, "usage: an unknown or malformed flag, a bad value, a typo in a config key, an unknown reward or "
+                 "reward option, a flag that contradicts the selection being confirmed (the message names it)"),
+    (EXIT_NONFINITE, "launchers.train: training stopped on too many non-finite updates in a row (a checkpoint was "
+                     "saved first)"),
+    (130, "SIGINT: the work stopped at a safe point; the message says how to continue"),
+    (143, "SIGTERM: as SIGINT"),
+)
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -87,14 +107,22 @@ def exit_status_of(exc: BaseException) -> Optional[int]:
     """EXIT_USAGE / EXIT_REFUSED for a user error (module docstring), None for a bug."""
     if isinstance(exc, (app.UsageError, flags.Error)):
         return EXIT_USAGE
+    if disk_full(exc) is not None:
+        return EXIT_REFUSED
     own = _own_class(exc)
     if own is None:
         if not (isinstance(exc, (ValueError, KeyError, TypeError, OSError)) and _raised_by_own_code(exc)):
             return None
         return EXIT_USAGE if type(exc) in (ValueError, TypeError) else EXIT_REFUSED
-    if any(c.__name__ in _USAGE_TYPES for c in type(exc).__mro__):
-        return EXIT_USAGE
-    return EXIT_REFUSED
+    return _status_of_class(type(exc))
+
+
+def _status_of_class(cls: type) -> int:
+    """The exit status of a project error class (module docstring)."""
+    for c in cls.__mro__:
+        if c.__name__ in _OWN_STATUS:
+            return _OWN_STATUS[c.__name__]
+    return EXIT_USAGE if any(c.__name__ in _USAGE_TYPES for c in cls.__mro__) else EXIT_REFUSED
 
 
 def message_of(exc: BaseException) -> str:
@@ -104,6 +132,45 @@ def message_of(exc: BaseException) -> str:
     else:
         text = str(exc) or type(exc).__name__
     return text.strip()
+
+
+def project_error_types() -> dict[int, list[str]]:
+    """{status: [...]} of EXIT_REFUSED, EXIT_USAGE, EXIT_NONFINITE: the names of the project's own exception
+    classes (every module of jaxrl/ imported; the launchers define none) by the exit status a launcher gives
+    them."""
+    import importlib
+    import pkgutil
+
+    import jaxrl
+    for info in pkgutil.walk_packages(jaxrl.__path__, "jaxrl."):
+        importlib.import_module(info.name)
+    found: dict[str, type] = {}
+    todo = [BaseException]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__module__.split(".")[0] in ("jaxrl", "launchers"):
+            found.setdefault(cls.__name__, cls)
+    out: dict[int, list[str]] = {EXIT_REFUSED: [], EXIT_USAGE: [], EXIT_NONFINITE: []}
+    for name, cls in sorted(found.items()):
+        if issubclass(cls, KeyboardInterrupt) or cls.__module__.startswith(_ANSWERED_INSIDE):
+            continue  # interrupt.Interrupted: 130 / 143; the server's request errors: HTTP statuses
+        out[_status_of_class(cls)].append(name)
+    return out
+
+
+def exit_status_table() -> str:
+    """The Markdown table of EXIT_STATUSES with the error types behind 1 and 2 (docs/reference/interfaces.md)."""
+    types = project_error_types()
+    extra = {EXIT_REFUSED: "; also OSError / KeyError raised by the project's own checks (a missing file), a full "
+                           "disk anywhere",
+             EXIT_USAGE: "; also absl's UsageError and flag errors, ValueError / TypeError raised by the project's "
+                         "own checks"}
+    lines = ["| status | meaning | raised by |", "|---|---|---|"]
+    for status, meaning in EXIT_STATUSES:
+        raised = ", ".join(f"`{t}`" for t in types.get(status, [])) + extra.get(status, "")
+        lines.append(f"| {status} | {meaning} | {raised.lstrip('; ') or '-'} |")
+    return "\n".join(lines) + "\n"
 
 
 def fail(name: str, message: str, status: int) -> None:
@@ -126,6 +193,18 @@ def _config_flag_error(exc: BaseException, argv: list) -> str:
     return f"{where}no config key {key!r}" + (f"; {hint.strip()}" if hint.strip() else "")
 
 
+def _flag_error_line(exc: BaseException) -> str:
+    """absl's flag error as one line. A config file that raised while it was read (ml_collections wraps the error
+    as "Error whilst parsing config file:" and the whole traceback) is named with the error it raised, e.g.
+    "flag --config=configs/dpo.py:pair=x: configs/dpo.py: unknown override key 'pair'; keys: ..."."""
+    lines = message_of(exc).splitlines()
+    if "Error whilst parsing config file:" in lines[0]:
+        raised = next((ln for ln in reversed(lines) if ln.strip() and not ln.startswith(" ")), "")
+        reason = raised.split(": ", 1)[1] if ": " in raised and raised.split(": ", 1)[0].isidentifier() else raised
+        return lines[0].split("Error whilst parsing config file:")[0].rstrip() + " " + reason.strip()
+    return lines[0]
+
+
 def _asked_for_help(argv: list) -> bool:
     for arg in argv[1:]:
         if arg == "--":
@@ -145,7 +224,7 @@ def _parse(name: str) -> Callable[[list], list]:
                 raise SystemExit(0) from None
             raise
         except flags.Error as e:
-            fail(name, f"{message_of(e).splitlines()[0]}; see --helpshort", EXIT_USAGE)
+            fail(name, f"{_flag_error_line(e)}; see --helpshort", EXIT_USAGE)
         except (AttributeError, KeyError) as e:  # --config.a.b=... naming a key that does not exist
             fail(name, f"{_config_flag_error(e, argv)}; see --helpshort", EXIT_USAGE)
         except (ValueError, TypeError) as e:
@@ -183,7 +262,8 @@ def call(main: Callable, argv: list, name: str, interruptible: bool) -> int:
     except SystemExit:
         raise
     except Exception as e:  # noqa: BLE001 (sorted into user errors and bugs)
-        if exit_status_of(e) is None and _through_checkpoint_reader(e):
+        full = disk_full(e)
+        if full is None and exit_status_of(e) is None and _through_checkpoint_reader(e):
             damage = damaged_file(e)  # a damaged checkpoint file, read by Orbax: a user's file, not a bug
             if damage is not None:
                 e = damage
@@ -192,6 +272,10 @@ def call(main: Callable, argv: list, name: str, interruptible: bool) -> int:
             traceback.print_exc()
         if status is None:
             return EXIT_REFUSED
+        if full is not None:
+            note_disk_full()  # what the libraries' threads and exit handlers fail on next is its consequence
+            fail(name, f"{full}; free space (or write elsewhere) and rerun the same command: it resumes from what "
+                       "was written (--verbose: the libraries' tracebacks)", status)
         fail(name, message_of(e), status)
     signum = interrupt.requested()
     if signum is not None and not status:

@@ -7,6 +7,10 @@
 Writes ``out_dir/pairs.jsonl`` and ``out_dir/audit.json`` (and ``out_dir/cohort/`` with --cohort_size), all
 atomically, and prints the audit summary. Filters and selection rules: ``jaxrl/data/pairs.py``.
 
+A build that keeps no pair is refused (exit status 1, the counts per filter in the message, nothing written); a
+--truncation_buffer at or above the rollouts' cap (every completion then counts as truncated) is warned about.
+The reward the rollouts were scored with (their .meta.json) is recorded in audit.json: the pair audit
+(launchers.diagnose --what=pairs) re-scores with it.
 An --out_dir that already holds other pairs (or a cohort frozen from them) is refused before anything is written;
 rerunning the same build is a no-op for pairs.jsonl (and adds a cohort asked for), --overwrite replaces
 pairs.jsonl, audit.json and cohort/ together (a cohort frozen from the old pairs never stays beside new ones).
@@ -18,7 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from jaxrl.data import pairs as pairs_lib
 from launchers import _main
@@ -66,8 +70,12 @@ def run() -> dict:
         src = _ROLLOUTS.value
         samples = pairs_lib.read_rollouts(src, skip_malformed=_SKIP_MALFORMED.value, skipped=skipped)
         messages = pairs_lib.read_problem_messages(_PROBLEMS.value) if _PROBLEMS.value else None
+        warning = pairs_lib.truncation_buffer_warning(samples, config, src)
+        if warning:
+            logging.warning("%s", warning)
         pairs, audit = pairs_lib.build_pairs(samples, config, messages)
         n_records = len(samples)
+        reward = pairs_lib.rollouts_reward(src)
     else:
         src = _PAIRS_IN.value
         if Path(src).resolve() == (out_dir / "pairs.jsonl").resolve():
@@ -75,8 +83,12 @@ def run() -> dict:
         records = pairs_lib.read_pairs(src, skip_malformed=_SKIP_MALFORMED.value, skipped=skipped)
         pairs, audit = pairs_lib.filter_pairs(records, config)
         n_records = len(records)
+        reward = pairs_lib.recorded_reward(src)
     audit["input"] = {"path": os.fspath(src), "records": n_records, "skipped_malformed": len(skipped),
                       "skipped_examples": skipped[:10]}
+    audit["reward"] = reward  # None when the input does not say (the pair audit then cannot re-score)
+    if not pairs:
+        raise pairs_lib.NoPairsError(pairs_lib.no_pairs_message(audit, os.fspath(src)))
     cohort = (_COHORT_SIZE.value, _SEED.value) if _COHORT_SIZE.value > 0 else None
     if cohort and cohort[0] > len(pairs):
         raise ValueError(f"--cohort_size={cohort[0]} exceeds the {len(pairs)} pairs this build keeps")

@@ -1,11 +1,12 @@
 r"""`make demo`: the whole pipeline on an embedded tiny Qwen3.5, no network, minutes on two CPU cores.
 
     python -m launchers.demo --workdir=demo_workdir            # resumes an interrupted demo
-    python -m launchers.demo --workdir=demo_workdir --fresh    # starts over
+    python -m launchers.demo --workdir=demo_workdir --fresh    # starts over (only in a folder the demo made)
     python -m launchers.demo --workdir=/tmp/d --quick          # smaller stages (the tests use this)
 
-Stages and outputs: `jaxrl/demo.py`. Ends by printing where report.html is. Ctrl-C: the stage running stops at
-its next safe point (exit status 130); rerun the same command to resume.
+Stages and outputs: `jaxrl/demo.py`. --fresh deletes --workdir only when the demo made it (its `.jaxrl-demo` mark
+is in it); any other folder is refused, untouched. Ends by printing where report.html is. Ctrl-C: the stage
+running stops at its next safe point (exit status 130); rerun the same command to resume.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from absl import app, flags, logging
 from launchers import _main
 
 _WORKDIR = flags.DEFINE_string("workdir", "demo_workdir", "Output folder (resumed when it exists).")
-_FRESH = flags.DEFINE_bool("fresh", False, "Delete --workdir first.")
+_FRESH = flags.DEFINE_bool("fresh", False, "Delete --workdir first (only a folder the demo made: it holds the "
+                           "demo's .jaxrl-demo mark).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smaller stages (fewer prompts and steps): for tests.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the tiny model, the tasks and every sampler.")
 _QUICK_COMPILES = flags.DEFINE_bool(
@@ -36,6 +38,20 @@ def _quick_compiles() -> None:
         os.environ["XLA_FLAGS"] = f"{current} --xla_backend_optimization_level=0".strip()
 
 
+def _clear(workdir: str, marker: str) -> None:
+    """Deletes `workdir` for --fresh: only a folder the demo made (its mark in it) or an empty one; anything else is
+    refused (FileExistsError naming it) with the folder untouched."""
+    if not os.path.lexists(workdir):
+        return
+    if os.path.islink(workdir) or not os.path.isdir(workdir):
+        raise FileExistsError(f"--workdir={workdir}: not a folder the demo made (a file or a link); --fresh deletes "
+                              "only those: choose another --workdir")
+    if os.listdir(workdir) and not os.path.isfile(os.path.join(workdir, marker)):
+        raise FileExistsError(f"--workdir={workdir}: not a folder the demo made (no {marker} in it); --fresh deletes "
+                              "only those: choose another --workdir, or delete this folder yourself")
+    shutil.rmtree(workdir)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -44,9 +60,9 @@ def main(argv):
         _quick_compiles()
     if not flags.FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # the demo prints its own one-line-per-stage progress
-    from jaxrl.demo import Demo, DemoSettings
+    from jaxrl.demo import MARKER, Demo, DemoSettings
     if _FRESH.value:
-        shutil.rmtree(_WORKDIR.value, ignore_errors=True)
+        _clear(_WORKDIR.value, MARKER)
     settings = DemoSettings.quick() if _QUICK.value else DemoSettings()
     settings.seed = _SEED.value
     report = Demo(_WORKDIR.value, settings, log=lambda m: print(m, flush=True)).run()

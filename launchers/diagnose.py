@@ -31,9 +31,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of every sample drawn (semantic au
 # pairs
 _PAIRS = flags.DEFINE_string("pairs", None, "pairs.jsonl to audit (--what=pairs).")
 _PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl: semantic audit (pairs) / prompts (drift).")
-_SAMPLE_SIZE = flags.DEFINE_integer("sample_size", 20, "Chosen solutions re-run by the semantic audit.")
-_TIMEOUT = flags.DEFINE_float("timeout_s", 2.0, "Verifier timeout per test (semantic audit).")
-_WORKERS = flags.DEFINE_integer("workers", 2, "Verifier sandboxes (semantic audit).")
+_SAMPLE_SIZE = flags.DEFINE_integer("sample_size", 20, "Chosen completions re-scored by the semantic audit.")
+_REWARD = flags.DEFINE_string("reward", None, "pairs: the reward to re-score chosen completions with (default: the "
+                              "one the pairs were scored with, from the audit.json beside them or their rollouts' "
+                              ".meta.json; unknown: the semantic audit says it cannot judge).")
+_TIMEOUT = flags.DEFINE_float("timeout_s", 2.0, "Code verifier timeout per test (semantic audit, reward code).")
+_WORKERS = flags.DEFINE_integer("workers", 2, "Code verifier sandboxes (semantic audit, reward code).")
 _CAP = flags.DEFINE_integer("max_new_tokens", None, "pairs: generation cap for records without one; drift: "
                             "length of the generated continuations (default 64).")
 # diff
@@ -129,18 +132,24 @@ def _pairs() -> tuple[dict, str]:
     from jaxrl.diagnostics.pair_audit import audit_pairs
     if not _PAIRS.value:
         raise app.UsageError("--what=pairs needs --pairs")
+    if _REWARD.value:
+        from jaxrl.rollout.runner import check_reward_choice
+        check_reward_choice(_REWARD.value, {})
     res = audit_pairs(_PAIRS.value, config=PairConfig(max_new_tokens=_CAP.value), problems=_PROBLEMS.value,
-                      sample_size=_SAMPLE_SIZE.value, seed=_SEED.value, timeout_s=_TIMEOUT.value,
-                      workers=_WORKERS.value)
+                      reward=_REWARD.value, sample_size=_SAMPLE_SIZE.value, seed=_SEED.value,
+                      timeout_s=_TIMEOUT.value, workers=_WORKERS.value)
     lb = res["length_bias"]
     lines = [f"{res['n_pairs']} pairs"]
     if lb.get("n_pairs"):
         lines.append(f"chosen - rejected tokens: mean {lb['mean_diff']:+.1f} [{lb['ci_low']:+.1f}, "
                      f"{lb['ci_high']:+.1f}]; chosen shorter {lb['fraction_chosen_shorter']:.1%}, longer "
                      f"{lb['fraction_chosen_longer']:.1%} (sign test p={lb['sign_test']['p_value']:.3g})")
-    if "semantic" in res:
-        sem = res["semantic"]
-        lines.append(f"semantic audit: {sem['n_failed']} of {sem['n_checked']} chosen solutions fail a re-run")
+    sem = res.get("semantic")
+    if sem and sem.get("skipped"):
+        lines.append(f"semantic audit: {sem['skipped']}")
+    elif sem:
+        lines.append(f"semantic audit ({sem['reward']}): {sem['n_failed']} of {sem['n_checked']} chosen completions "
+                     "score below their recorded reward on a re-run")
     return res, "\n".join(lines)
 
 

@@ -24,16 +24,23 @@ Select on dev, confirm once on held-out (jaxrl.evaluation.protocol):
     # 1. choose among the checkpoints on the dev split (a frozen split: launchers.import_problems --split)
     python -m launchers.evaluate --problems=data/splits/dev.jsonl --checkpoints=RUN --steps=4,8,12,16,28,40,125 \
         --out=RUN/eval_dev --role=select --select_metric=partial_reward_mean      # -> RUN/eval_dev/selection.json
-    # 2. evaluate the chosen checkpoint (and base) once on held-out: the confirmatory claim
+    # 2. evaluate the chosen checkpoint (and base) once on held-out: the confirmatory claim. The settings (reward
+    #    and its options, caps, dtype, sampling, seed) and the base folder are the selection's; a flag contradicting
+    #    the settings is refused before anything is written (--base may name the same weights elsewhere)
     python -m launchers.evaluate --problems=data/splits/heldout.jsonl --confirm=RUN/eval_dev/selection.json \
         --out=RUN/eval_heldout
+    # a confirmation run by mistake: withdraw it (kept in the ledger and in its folder, marked withdrawn; its claim
+    # becomes exploratory); the model may then be confirmed again, and that result says one was withdrawn
+    python -m launchers.evaluate --withdraw=RUN/eval_heldout --reason="confirmed on the wrong split"
 
 Several hosts (the flags of launchers.train): each process samples every n-th problem on its devices (--mesh_shape,
 default all local devices data-parallel), process 0 merges the caches and writes the results:
 
     python -m launchers.evaluate ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=$i
 
-A second --confirm of the same weights on the same split is refused (data/splits/confirmations.jsonl).
+A second --confirm of the same weights on the same split is refused (data/splits/confirmations.jsonl) unless the
+first was withdrawn. One writer per --out: a second evaluation into a folder another process writes is refused,
+naming that process.
 Temperature 0 with --num_samples > 1 is refused: greedy decoding repeats one completion.
 
 Every flag value, model folder and adapter is checked before a model is loaded or anything is written. An --out
@@ -71,9 +78,21 @@ def _start_processes(role: str, confirm) -> None:
                              "merged samples are reused)")
 
 
+def _withdraw(out: str) -> None:
+    if _F["problems"].value or _F["confirm"].value or _F["role"].value != "explore":
+        raise app.UsageError("--withdraw takes only --reason (it changes no evaluation)")
+    record = protocol.withdraw_confirmation(out, _F["reason"].value)
+    print(f"evaluate: withdrew the confirmation in {os.path.abspath(out)} ({record['reason']}); its claim is now "
+          "exploratory and the ledger keeps both lines")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _F["withdraw"].value:
+        return _withdraw(_F["withdraw"].value)
+    if _F["reason"].value:
+        raise app.UsageError("--reason goes with --withdraw")
     role, confirm, metric = _F["role"].value, _F["confirm"].value, _F["select_metric"].value
     _start_processes(role, confirm)
     if confirm and role == "select":
@@ -86,27 +105,40 @@ def main(argv):
     # holds other results (ResumeError, AdapterError, ServerError, OutputExistsError, ...: launchers/_main.py)
     ev = Evaluator(cfg)
     try:
-        if selection is not None:  # claims the one confirmation before any sample is drawn
-            proto = protocol.begin_confirmation(selection, cfg.problems, cfg.out)
-            protocol.check_fingerprint(proto, ev.run_audit()["fingerprints"])
-        elif role == "select":
-            protocol.begin_selection(cfg.problems, cfg.out, metric)
-        ev.run()
-        cap = _F["resample_max_new_tokens"].value
-        if cap:
-            # the truncated samples at the larger cap: kept in <out>/resampled/<cap>/, termination.json written,
-            # results.json / results.md rewritten with every model vs the baseline both at `cap`
-            logging.info("termination analysis: %s", resample_evaluation(ev, cap))
-        if role == "select":
-            rec = protocol.write_selection(ev.out, formats.read_results(ev.out), metric=metric,
-                                           base=os.path.abspath(cfg.base))
-            selection_file = ev.out / protocol.SELECTION_FILE
-            print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({selection_file}); confirm it once "
-                  f"with --confirm={selection_file}")
+        with ev.lock():  # one writer per --out: refused here, naming the other process, before anything is written
+            _evaluate(ev, cfg, selection, role, metric)
     finally:
         ev.close()
+    print(f"evaluate: wrote {ev.out / 'results.json'} and results.md")
+
+
+def _evaluate(ev: Evaluator, cfg, selection, role: str, metric: str) -> None:
+    if selection is not None:  # claims the one confirmation before any sample is drawn
+        proto = protocol.begin_confirmation(selection, cfg.problems, cfg.out, settings=evaluation_settings(ev))
+        protocol.check_fingerprint(proto, ev.run_audit()["fingerprints"])
+    elif role == "select":
+        protocol.begin_selection(cfg.problems, cfg.out, metric)
+    ev.run()
+    cap = _F["resample_max_new_tokens"].value
+    if cap:
+        # the truncated samples at the larger cap: kept in <out>/resampled/<cap>/, termination.json written,
+        # results.json / results.md rewritten with every model vs the baseline both at `cap`
+        logging.info("termination analysis: %s", resample_evaluation(ev, cap))
     print((ev.out / "results.md").read_text())
-    print(f"evaluate: wrote {ev.out / 'results.json'}")
+    if role == "select":
+        rec = protocol.write_selection(ev.out, formats.read_results(ev.out), metric=metric,
+                                       base=os.path.abspath(cfg.base))
+        selection_file = ev.out / protocol.SELECTION_FILE
+        print(f"evaluate: selected {rec['model']['name']} on {rec['metric']} ({selection_file}); confirm it once "
+              f"with --confirm={selection_file}")
+
+
+def evaluation_settings(ev: Evaluator) -> dict:
+    """The settings of an evaluation a confirmation is checked against (protocol.SELECTION_SETTINGS; the reward's
+    options with its defaults, as results.json records them)."""
+    settings = {k: getattr(ev.cfg, k) for k in protocol.SELECTION_SETTINGS}
+    settings["reward_kwargs"] = ev.reward_kwargs
+    return settings
 
 
 if __name__ == "__main__":

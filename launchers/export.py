@@ -8,8 +8,19 @@ r"""Export an adapter checkpoint as a PEFT adapter folder, or merged into a full
     python -m launchers.export --checkpoint=RUN_DIR --step=28 --base=/models/Qwen3.5-4B --merge \
         --out=RUN_DIR/export/merged_28 [--merge_dtype=float32]
 
---checkpoint: a run workdir, its checkpoints/ or checkpoints/adapters/ folder, one adapters/<step> folder, or a
-PEFT adapter folder (to merge an adapter trained elsewhere). --step picks a step (default: the newest).
+    # the exact average of checkpoints, one adapter (rank: the sum of theirs), or its rank-16 truncated SVD;
+    # written to RUN_DIR/averages/avg_20-24-28[_r16] (where launchers.evaluate --checkpoints=RUN_DIR finds it)
+    python -m launchers.export --checkpoint=RUN_DIR --average=20,24,28 [--average_weights=1,1,2]
+    python -m launchers.export --checkpoint=RUN_DIR --average=last:3 --average_rank=16
+
+--checkpoint: a run workdir, its checkpoints/ or checkpoints/adapters/ folder (checkpoints/ema/: the EMA adapters of
+a run with ema.decay set), one adapters/<step> folder, or a PEFT adapter folder (to merge an adapter trained
+elsewhere). --step picks a step (default: the newest).
+--average: instead of one step, the weighted mean of several (STEP,STEP,... or last:N; jaxrl.export.average):
+its merged update is exactly the mean of theirs (the mean of the products B A, not of the factors), an adapter of
+rank k*r; --average_rank=r writes its best rank-r approximation instead, with each module's relative residual in
+jaxrl_export.json (a warning names the worst one above 0.1). --out defaults to RUN_DIR/averages/<name>; --merge
+merges the average like any adapter (with --out).
 --layout: the PEFT key layout; default the base's own (container: base_model.model.model.language_model.layers...,
 text-only: base_model.model.model.layers...). The other layout is refused: PEFT would load it as a silent no-op
 (vLLM 0.33 remaps it, vLLM 0.30 does not; docs/guides/vllm.md), unless --allow_layout_mismatch (only for a container you
@@ -18,13 +29,16 @@ will load with AutoModelForCausalLM).
 export measures it (merge_fidelity in jaxrl_export.json: update_rel_error, zeroed entries, probe logits) and warns
 above 0.1; --merge_dtype=float32 keeps the merged weights in fp32 (serve them in fp32).
 The output appears atomically (written to a temporary sibling, then renamed), readable by others (0644 under the
-usual umask); an existing --out is replaced only with --overwrite. Both exports write jaxrl_export.json (source,
+usual umask); an existing --out is replaced only with --overwrite (a symlink --out: the link is replaced, never
+its target). One export per --out at a time (a lock beside it); what a killed export left there (its temporary
+`.NAME.tmp-*` folder, a `.NAME.old-*` previous version) is cleaned by the next one. Prints one summary line; the
+whole record is in OUT/jaxrl_export.json. Both exports write jaxrl_export.json (source,
 step, adapter digest; merged: the fingerprint of the merged language tower, see `python -m jaxrl.export.audit`).
 """
 
 from __future__ import annotations
 
-import json
+import os
 
 from absl import app, flags
 
@@ -40,6 +54,12 @@ _MERGE = flags.DEFINE_bool("merge", False, "Write the merged full checkpoint ins
 _LAYOUT = flags.DEFINE_enum("layout", "auto", ["auto", "container", "text"], "PEFT key layout (auto: the base's).")
 _ALLOW = flags.DEFINE_bool("allow_layout_mismatch", False, "Allow a PEFT layout other than the base's.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out.")
+_AVERAGE = flags.DEFINE_list("average", [], "Export the weighted mean of these adapter steps (STEP,STEP,... or "
+                             "last:N) instead of one step.")
+_AVERAGE_WEIGHTS = flags.DEFINE_list("average_weights", [], "--average: one weight per step (normalised to sum 1; "
+                                     "default equal).")
+_AVERAGE_RANK = flags.DEFINE_integer("average_rank", None, "--average: truncate the exact average (rank k*r) to this "
+                                     "rank by SVD; its residual per module goes to jaxrl_export.json.")
 _MERGE_DTYPE = flags.DEFINE_enum("merge_dtype", "stored", ["stored", "float32"], "--merge only: the dtype of the "
                                  "merged weights (stored: the base's, usually bf16, which rounds small updates "
                                  "away; float32: kept, serve in fp32).")
@@ -48,16 +68,52 @@ _MERGE_DTYPE = flags.DEFINE_enum("merge_dtype", "stored", ["stored", "float32"],
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    for flag in (_CHECKPOINT, _OUT):
+    for flag in (_CHECKPOINT,) if _AVERAGE.value else (_CHECKPOINT, _OUT):
         if not flag.value:
             raise app.UsageError(f"--{flag.name} is required")
-    from jaxrl.export import export_checkpoint
+    if not _AVERAGE.value:
+        for flag in (_AVERAGE_WEIGHTS, _AVERAGE_RANK):
+            if flag.present:
+                raise app.UsageError(f"--{flag.name} goes with --average")
+    elif _STEP.value is not None:
+        raise app.UsageError("--step and --average exclude each other (--average=STEP,STEP,... names the steps)")
+    from jaxrl.export import export_average, export_checkpoint
+    common = dict(merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,
+                  overwrite=_OVERWRITE.value, merge_dtype=None if _MERGE_DTYPE.value == "stored" else _MERGE_DTYPE.value)
     # a refused export (wrong layout, foreign shapes, existing output...) is one line: launchers/_main.py
-    info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value,
-                             merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,
-                             overwrite=_OVERWRITE.value,
-                             merge_dtype=None if _MERGE_DTYPE.value == "stored" else _MERGE_DTYPE.value)
-    print(json.dumps({"out": _OUT.value, **info}, indent=1))
+    if _AVERAGE.value:
+        info = export_average(_CHECKPOINT.value, _BASE.value, _OUT.value, average=_AVERAGE.value,
+                              weights=_weights(_AVERAGE_WEIGHTS.value), rank=_AVERAGE_RANK.value, **common)
+    else:
+        info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value, **common)
+    print(summary_line(info.get("out") or _OUT.value, info))
+
+
+def _weights(values: list) -> list:
+    try:
+        return [float(v) for v in values]
+    except ValueError:
+        raise app.UsageError(f"--average_weights: expected numbers, got {','.join(values)}") from None
+
+
+def summary_line(out: str, info: dict) -> str:
+    """One line saying what was written (the full record: OUT/jaxrl_export.json)."""
+    what = "merged checkpoint" if info["format"] == "merged" else "PEFT adapter"
+    average = info.get("average")
+    if average:
+        steps = ", ".join(map(str, average["steps"]))
+        step = (f"the exact average of steps {steps}" if "residual" not in average else
+                f"the rank-{average['rank']} average of steps {steps} (max residual "
+                f"{average['residual']['max']:.3g})")
+    else:
+        step = f"step {info['step']}" if info.get("step") is not None else "the adapter"
+    line = (f"export: wrote the {what} of {step} to {os.path.abspath(out)} ({info['modules']} modules, rank "
+            f"{info['rank']}, adapter digest {info['adapter_digest'][:12]}")
+    fidelity = info.get("merge_fidelity")
+    if fidelity:
+        line += (f"; merged in {info.get('merge_dtype')}, update_rel_error {fidelity['update_rel_error']:.3g}"
+                 + (f", fingerprint {info['fingerprint'][:12]}" if info.get("fingerprint") else ""))
+    return line + "); details in jaxrl_export.json"
 
 
 if __name__ == "__main__":

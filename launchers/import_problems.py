@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from jaxrl.data.importers import IMPORTERS, ImportResult, import_file
 from jaxrl.data.problems import problems_file_bytes
@@ -69,9 +69,8 @@ def main(argv: list[str]) -> None:
     if not unchanged:
         atomic_write_bytes(output, data)
     tests = sum(len(p.tests) for p in result.problems)
-    logging.info("wrote %d problems (%d tests) to %s, sha256 %s", len(result.problems), tests, FLAGS.output, sha)
-    print(f"{FLAGS.output}: {len(result.problems)} problems, {tests} tests, sha256 {sha}"
-          + (" (unchanged)" if unchanged else ""))
+    print(f"{FLAGS.output}: {len(result.problems)} problems, {tests} tests, sha256 {sha} "
+          + ("(unchanged: it already held them; nothing written)" if unchanged else "(written)"))
     if result.skipped:
         print(f"skipped {len(result.skipped)} malformed record(s); first: {result.skipped[0]}")
     if FLAGS.split:

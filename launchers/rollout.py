@@ -16,7 +16,9 @@ Every backend writes the same records with the same sample keys (seed, problem i
 resumed only with the backend it was started with.
 Resumable: rerun the same command after an interruption; already written samples are kept and skipped, a
 partially written last line is cut off. The record format and the resume rules: jaxrl/rollout/runner.py.
-A progress bar shows samples/s and tokens/s; the run's summary is written to <out>.meta.json.
+A progress bar shows samples/s and tokens/s; the run's summary is written to <out>.meta.json and printed as one
+line. The meta file records the checkpoint --adapter resolved to (step and digest): a resume that resolves to
+another checkpoint is refused. One writer per --out: a second run on it is refused naming the first one's pid.
 Every value is checked before the model is loaded or the output is touched. Ctrl-C / SIGTERM: the batch in
 flight is written, exit status 130 / 143; rerun the same command to resume. Exit status 1 for refused work (an
 --out of other settings), 2 for usage errors (launchers/_main.py).
@@ -24,10 +26,9 @@ flight is written, exit status 130 / 143; rerun the same command to resume. Exit
 
 from __future__ import annotations
 
-import json
+from absl import app, flags
 
-from absl import app, flags, logging
-
+from jaxrl.evaluation.analysis import sampling_warning
 from jaxrl.parallel import distributed
 from jaxrl.rollout import flags as rollout_flags
 from jaxrl.rollout.runner import run_rollouts
@@ -41,10 +42,25 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     cfg = rollout_flags.build_config(_F)
+    refused = sampling_warning(cfg.temperature, cfg.num_samples)  # the refusal evaluate gives too
+    if refused:
+        raise app.UsageError(refused)
     distributed.initialize_from_flags(_F)
     summary = run_rollouts(cfg)  # refused work (ResumeError, ServerError, ...) is one line: launchers/_main.py
-    logging.info("rollouts summary: %s", json.dumps(summary))
-    print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=1))
+    print(summary_line(cfg.out, summary))
+
+
+def summary_line(out: str, summary: dict) -> str:
+    """What a finished run prints: its counts in one line (the whole summary is in <out>.meta.json)."""
+    rate = summary.get("truncation_rate_written")
+    settings = summary.get("settings") or {}
+    step = settings.get("adapter_step")
+    return (f"rollout: {summary['samples_total']} samples of {summary['problems']} problems in {out} "
+            f"({summary['samples_written']} written now, {summary['samples_resumed']} resumed"
+            + (f", {len(summary['skipped_overlong'])} problems skipped as over-long" if summary['skipped_overlong']
+               else "")
+            + (f"; {rate:.1%} truncated" if rate is not None else "")
+            + (f"; adapter step {step}" if step is not None else "") + f"); summary in {out}.meta.json")
 
 
 if __name__ == "__main__":

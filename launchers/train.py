@@ -9,10 +9,14 @@ r"""Train with LoRA (sft, dpo, grpo, ppo: `config.algorithm`); resumes from the 
 
 Writes into the workdir: config.json (the resolved config), metrics.jsonl, tensorboard/, checkpoints/
 (adapters/<step>, state/<step>). Rerun the same command to resume from the newest intact checkpoint (a damaged
-newer one is moved to checkpoints/corrupt/, with a warning naming its file).
+newer one is moved to checkpoints/corrupt/, with a warning naming its file). A resume with other settings keeps
+the earlier settings, with the steps they trained, in config_history.jsonl (jaxrl/train/loop.py).
+One writer per workdir: a second `train` on a workdir another process trains in is refused at once, naming its
+pid (an advisory lock the kernel releases when that process ends, however it ends).
 Ctrl-C (SIGINT) or SIGTERM: the current step finishes, its checkpoint is written, exit status 130 (143); a second
 one stops at once. Exit status 0 on success, 3 when training stopped on too many non-finite updates in a row (a
-checkpoint was saved first), 1 / 2 for refused work / usage errors (launchers/_main.py).
+checkpoint was saved first), 1 / 2 for refused work / usage errors (launchers/_main.py; a full disk is one line
+naming the file).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ _KILL_AFTER = flags.DEFINE_integer("debug_kill_after_step", 0, "TESTS ONLY: SIGK
 _KILL_DURING_SAVE = flags.DEFINE_integer("debug_kill_during_save", 0, "TESTS ONLY: SIGKILL this process right "
                                          "after the checkpoint of step N was started (its write may be unfinished).")
 
-EXIT_NONFINITE = 3
+EXIT_NONFINITE = _main.EXIT_NONFINITE
 
 
 def _kill_hook(kill_after: int, kill_during_save: int):
@@ -54,6 +58,16 @@ def _kill_hook(kill_after: int, kill_during_save: int):
     return hook
 
 
+def _check_reward(config) -> None:
+    """An unknown config.reward.name is a usage error here (RewardChoiceError), like an unknown flag value; a
+    reward a plug-in registers later is not known yet, so runs with plug-ins are checked when they are built."""
+    from jaxrl.rollout.runner import check_reward_choice
+    reward = config.get("reward", None) if hasattr(config, "get") else None
+    name = reward.get("name", None) if reward is not None and hasattr(reward, "get") else None
+    if name and not config.get("plugins", None):
+        check_reward_choice(str(name), {}, flag="--config.reward.name")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -68,9 +82,11 @@ def main(argv):
         reason = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
         raise app.UsageError(f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}: "
                              f"{reason}") from None
+    _check_reward(config)
     distributed.initialize_from_flags(_DISTRIBUTED)
     from jaxrl.algorithms.run import run_training
-    from jaxrl.train.loop import NonFiniteError
+    from jaxrl.train.loop import NonFiniteError, check_workdir_free
+    check_workdir_free(_WORKDIR.value)  # another process trains there: refused now, before a model is loaded
     try:
         result = run_training(config, _WORKDIR.value,
                               on_step_end=_kill_hook(_KILL_AFTER.value, _KILL_DURING_SAVE.value))

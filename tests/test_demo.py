@@ -42,6 +42,18 @@ def test_demo_runs_every_stage_and_prints_the_report(demo):
     assert (workdir / "export" / "merged" / "config.json").is_file()
 
 
+def test_demo_output_is_two_lines_a_stage_and_the_report_opens_without_a_false_error(demo):
+    """What `make demo` prints is no longer than before issue 33 (25 lines: each stage's start and end, where the
+    report is), and its report no longer opens with an error flag: the pair audit re-scores with the run's reward
+    (charset), under which a chosen answer of mostly the asked alphabet is a partial score, not a wrong program."""
+    workdir, out = demo
+    assert len(out.strip().splitlines()) <= 25, out
+    html = (workdir / "report.html").read_text()
+    assert 'class="flag error"' not in html
+    semantic = json.loads((workdir / "dpo" / "diagnostics" / "pairs.json").read_text())["semantic"]
+    assert semantic["reward"] == "charset" and semantic["n_failed"] == 0
+
+
 def test_demo_prints_progress_not_orbax_notices(demo):
     """Orbax warns three lines per checkpoint opened read-only (dozens per evaluation): the launchers drop them."""
     _, out = demo

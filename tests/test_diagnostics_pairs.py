@@ -99,7 +99,7 @@ def _semantic_pairs():
 
 
 def test_semantic_audit_finds_the_chosen_solution_that_fails(tmp_path):
-    audit = audit_pairs(_semantic_pairs(), problems=_problems(tmp_path), sample_size=10, seed=0)
+    audit = audit_pairs(_semantic_pairs(), problems=_problems(tmp_path), reward="code", sample_size=10, seed=0)
     sem = audit["semantic"]
     assert sem["n_checked"] == 3 and sem["missing_problems"] == ["gone"]
     assert sem["n_failed"] == 1 and sem["n_not_strict"] == 1 and sem["n_below_recorded"] == 1
@@ -111,8 +111,8 @@ def test_semantic_audit_finds_the_chosen_solution_that_fails(tmp_path):
 
 def test_semantic_sample_is_seeded(tmp_path):
     pairs = _semantic_pairs()[:3] * 4  # 12 pairs, sample 5
-    a = audit_pairs(pairs, problems=_problems(tmp_path), sample_size=5, seed=3)["semantic"]
-    b = audit_pairs(pairs, problems=_problems(tmp_path), sample_size=5, seed=3)["semantic"]
+    a = audit_pairs(pairs, problems=_problems(tmp_path), reward="code", sample_size=5, seed=3)["semantic"]
+    b = audit_pairs(pairs, problems=_problems(tmp_path), reward="code", sample_size=5, seed=3)["semantic"]
     assert a["n_checked"] == 5 and a == b
 
 

@@ -71,7 +71,7 @@ def test_a_flag_default_that_differs_from_its_field_is_found():
     """The comparison above fails when a flag's default and its field's default part."""
     assert differing_defaults(RolloutConfig, parsed_config("rollout", {"num_samples": 4})) == ["num_samples"]
     assert differing_defaults(EvalConfig, parsed_config("evaluate", {"mesh_shape": ["1", "1", "1"],
-                                                                    "reward_kwargs": '{"a": 1}'})) == \
+                                                                    "reward_kwargs": '{"timeout_s": 3}'})) == \
         ["reward_kwargs", "mesh_shape"]
 
 

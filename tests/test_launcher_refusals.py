@@ -56,9 +56,9 @@ def test_build_pairs_refuses_to_replace_other_pairs(env, tmp_path):
     assert json.loads(before["pairs/audit.json"])  # something to lose
     same = launch("build_pairs", *args)  # the same build again: a no-op
     assert same.returncode == 0, same.stderr[-3000:]
-    line = refused(launch("build_pairs", *args, "--min_margin=1.5"), 1)  # would leave 0 pairs
-    assert line.startswith(f"build_pairs: {tmp_path / 'pairs' / 'pairs.jsonl'}: holds 2 pairs; this build gives 0 "
-                           "other pairs and would replace them: choose another --out_dir, or pass --overwrite")
+    line = refused(launch("build_pairs", *args, "--pairing=all"), 1)  # every admissible pair: other pairs
+    assert line.startswith(f"build_pairs: {tmp_path / 'pairs' / 'pairs.jsonl'}: holds 2 pairs; this build gives "
+                           "10 other pairs and would replace them: choose another --out_dir, or pass --overwrite")
     assert snapshot(tmp_path) == before
 
 

@@ -75,7 +75,7 @@ def env(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "launchers.serve", f"--base={base}", "--port=0", f"--ready_file={ready}",
          "--dtype=float32", f"--max_prompt_len={PROMPT_LEN}", f"--prompt_buckets={PROMPT_LEN}",
-         f"--batch_size={BATCH}", "--batch_wait_ms=2", f"--lora_modules=a1={peft1}"],
+         f"--batch_size={BATCH}", "--batch_wait_ms=2", f"--lora_modules=a1={peft1}", f"--allowed_lora_roots={root}"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 300
     while not ready.exists():
@@ -238,8 +238,8 @@ def test_adapter_switching_and_refusals(env):
     with pytest.raises(ServerError, match="rejected adapter 'wrong'.*text layout"):
         backend._load_adapter(ModelSpec("wrong", "adapter", env["text_layout"]),
                               read_peft_adapter(env["text_layout"])[0], env["text_layout"])
-    status, payload = post(env["url"], "/v1/completions", {"prompt": [1, 2], "stream": True})
-    assert status == 400 and "stream" in payload["error"]["message"]
+    status, payload = post(env["url"], "/v1/completions", {"prompt": [1, 2], "repetition_penalty": 1.5})
+    assert status == 400 and "repetition_penalty" in payload["error"]["message"]
     with pytest.raises(ServerError, match="serves .* not"):
         backend.load(ModelSpec("other", "hf", env["peft1"]))
 

@@ -31,6 +31,7 @@ from jaxrl.rewards.toy import TokenTask
 from jaxrl.rollout.backends import JaxBackend, SamplingParams
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.sampler import MIN_PROMPT_BUCKET
 from jaxrl.utils.train_config import OnlineDataConfig, RewardConfig, TrainConfig
 
 # ------------------------------------------------------------------------------------------------- prompts
@@ -38,11 +39,15 @@ from jaxrl.utils.train_config import OnlineDataConfig, RewardConfig, TrainConfig
 
 class PromptSource:
     """Prompts of rollout r: `prompts(r, count) -> (ids, problems, group_ids)` (a function of (seed, r)).
-    `tokenizer` decodes completions for the reward (None: token-id text, `jaxrl.rewards.toy.token_text`)."""
+    `tokenizer` decodes completions for the reward (None: token-id text, `jaxrl.rewards.toy.token_text`).
+    `longest()`: the most tokens any rollout's prompt can have (the sampler's one prompt length)."""
 
     tokenizer = None
 
     def prompts(self, rollout: int, count: int):
+        raise NotImplementedError
+
+    def longest(self) -> int:
         raise NotImplementedError
 
 
@@ -53,6 +58,9 @@ class TokenTaskPrompts(PromptSource):
     def prompts(self, rollout: int, count: int):
         ids, problems = self.task.prompts(self.seed, rollout, count)
         return ids, problems, [problem_key(p["id"]) for p in problems]
+
+    def longest(self) -> int:
+        return self.task.prompt_len
 
 
 class ProblemPrompts(PromptSource):
@@ -76,6 +84,9 @@ class ProblemPrompts(PromptSource):
         self.skipped = len(enc.skipped)
         self.tokenizer, self.seed = tokenizer, seed
         logging.info("%s: %d problems (%d skipped as over-long)", path, len(self.problems), self.skipped)
+
+    def longest(self) -> int:
+        return max(len(p) for p in self.ids)
 
     def indices(self, rollout: int, count: int) -> np.ndarray:
         return epoch_stream(len(self.problems), rollout * count, count, seed=self.seed, salt=7817)
@@ -163,8 +174,9 @@ def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]],
 
 class RolloutEngine:
     """Prompts -> samples from the current policy -> rewards, as `Sampled` arrays, through the one generation path
-    (`jaxrl.rollout.collect.Collector` over a `JaxBackend` holding the policy; its programs compile once per bucket
-    and the policy's current weights are an argument of every call)."""
+    (`jaxrl.rollout.collect.Collector` over a `JaxBackend` holding the policy: continuous batching over
+    `rollout_batch_size` slots (0: one per row of the rollout) at one prompt length for the whole run; its programs
+    compile once and the policy's current weights are an argument of every call)."""
 
     def __init__(self, config: TrainConfig, model, mesh, *, prompts_per_rollout: int, sampling):
         """`sampling`: the algorithm's block (GRPOConfig, PPOConfig): num_generations, max_new_tokens,
@@ -184,13 +196,21 @@ class RolloutEngine:
         self.batch_size = sampling.rollout_batch_size or self.rows
         self.collector: Optional[Collector] = None
 
+    def prompt_length(self) -> int:
+        """The one prompt length of every rollout's sampler programs: the longest prompt the data can give,
+        rounded up to a multiple of MIN_PROMPT_BUCKET (so nearby data sets share programs), never per rollout."""
+        longest = self.source.longest()
+        return -(-longest // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET
+
     def collector_for(self, model) -> Collector:
         """Built at the first rollout from the live policy (the Trainer's current model), not from the model the
         task factory saw: the backend keeps its model, and the trainer's copy of the frozen base (resharded) is
-        the one that must stay alive. Later rollouts pass the current weights; nothing recompiles."""
+        the one that must stay alive. Later rollouts pass the current weights; nothing recompiles: every rollout
+        runs at one prompt length (`prompt_length`) and one slot count."""
         if self.collector is None:
-            backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size,
-                                 max_prompt_len=self.max_prompt_len, stop_ids=self.stop_ids, pad_id=self.pad_id,
+            length = self.prompt_length()
+            backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size, max_prompt_len=length,
+                                 prompt_buckets=(length,), stop_ids=self.stop_ids, pad_id=self.pad_id,
                                  mesh=self.mesh)
             self.collector = Collector(backend, self.reward, tokenizer=self.source.tokenizer, stop_ids=self.stop_ids)
         return self.collector

@@ -37,6 +37,7 @@ RESULTS (``eval/results.json``, written by ``jaxrl.evaluation.stats.write_result
                        "mean_completion_tokens": float, "pass_at_k": {"1": float, ...},
                        "n_prompts": int, "n_samples": int,
                        "step": int | null,                  # optimizer step of a checkpoint; null for base
+                       "average": {...} | null,             # optional: an averaged or EMA adapter (below)
                        "untruncated": {... same keys without truncation_rate ...}   # optional
                        }},
      "comparisons": [{"model", "baseline", "metric", "diff", "ci_low", "ci_high", "n_pairs",
@@ -64,7 +65,11 @@ Optional keys the evaluator adds (``jaxrl.evaluation.analysis``; readers must no
   "confirmation", "split": {...} | null, ...}``).
 
 Model names: ``base`` for the base model and ``step_<N>`` for the checkpoint after N optimizer steps (so curves
-over steps are recoverable even without ``"step"``); any other name is a free-standing model (no step).
+over steps are recoverable even without ``"step"``); any other name is a free-standing model (no step). An
+averaged candidate (``"step"`` null) says what it averages in ``"average"``: ``{"kind": "mean", "steps": [...],
+"weights": [...], "rank", "exact_rank", ...}`` (``launchers.export --average``; with ``"residual"`` when
+truncated) or ``{"kind": "ema", "decay", "step", "over": "lora_factors"}`` (``ema_<N>``, the EMA saved with step
+N); :func:`averaged_steps` reads it.
 ``diff = model - baseline`` in the metric's units (rates are fractions, not percent).
 
 SAMPLES (``eval/samples/NAME.jsonl``), one scored completion a line::
@@ -93,7 +98,8 @@ from jaxrl.utils.io import JsonlError, atomic_write_json, iter_jsonl, read_jsonl
 __all__ = [
     "FormatError", "CONFIG_FILE", "METRICS_FILE", "EVAL_DIR", "RESULTS_FILE", "SAMPLES_DIR", "DIAGNOSTICS_DIR",
     "REPORT_FILE", "TRAIN_KEYS", "COMMON_KEYS", "DPO_KEYS", "RL_KEYS", "MODEL_KEYS", "COMPARISON_KEYS",
-    "SAMPLE_KEYS", "CLAIMS", "FINISH_REASONS", "TEST_STATUSES", "BASE_MODEL", "model_step", "checkpoint_name",
+    "SAMPLE_KEYS", "CLAIMS", "FINISH_REASONS", "TEST_STATUSES", "BASE_MODEL", "model_step", "averaged_steps",
+    "checkpoint_name",
     "read_training_metrics", "read_config", "read_results", "validate_results", "validate_sample",
     "read_samples", "write_samples", "samples_path", "available_samples", "diagnostics_path",
     "write_diagnostic", "read_diagnostic", "DIAGNOSTICS", "group_by_prompt", "model_order",
@@ -150,6 +156,16 @@ def model_step(name: str, entry: Optional[Mapping] = None) -> Optional[int]:
         return 0
     m = _STEP_NAME.match(name)
     return int(m.group(1)) if m else None
+
+
+def averaged_steps(entry: Optional[Mapping]) -> Optional[list[int]]:
+    """The steps a results.json model entry averages (an EMA: the step it was saved at), None for a model that is
+    no average."""
+    average = (entry or {}).get("average")
+    if not isinstance(average, Mapping):
+        return None
+    steps = average.get("steps") if average.get("kind") == "mean" else [average.get("step")]
+    return [int(s) for s in steps if s is not None] or None
 
 
 def checkpoint_name(step: int) -> str:

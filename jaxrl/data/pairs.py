@@ -68,9 +68,14 @@ __all__ = [
     "Sample",
     "REASONS",
     "CohortError",
+    "NoPairsError",
     "read_rollouts",
     "read_pairs",
     "read_problem_messages",
+    "recorded_reward",
+    "rollouts_reward",
+    "truncation_buffer_warning",
+    "no_pairs_message",
     "build_pairs",
     "filter_pairs",
     "pair_id",
@@ -132,6 +137,10 @@ class Sample:
 
 class CohortError(ValueError):
     """A frozen cohort is missing, inconsistent, or its file no longer matches its manifest."""
+
+
+class NoPairsError(ValueError):
+    """A build whose filters keep no pair (nothing is written; the message gives the counts per filter)."""
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -233,6 +242,54 @@ def read_problem_messages(path: str | os.PathLike) -> dict[str, list]:
         if not isinstance(rec["messages"], list):
             raise TypeError("messages must be a list")
     return {str(r["id"]): r["messages"] for r in read_jsonl(path, validate=validate)}
+
+
+def rollouts_reward(path: str | os.PathLike) -> Optional[str]:
+    """The reward a rollouts file was scored with (`<path>.meta.json`, written by launchers.rollout), or None."""
+    meta = Path(os.fspath(path) + ".meta.json")
+    try:
+        return json.loads(meta.read_text(encoding="utf-8")).get("settings", {}).get("reward") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def recorded_reward(pairs_path: str | os.PathLike) -> Optional[str]:
+    """The reward the pairs of a pairs.jsonl were scored with: `reward` of the audit.json beside it (build_pairs
+    records it), else that of the rollouts it names as its input; None when neither says."""
+    audit_path = Path(pairs_path).parent / "audit.json"
+    try:
+        audit = json.loads(audit_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(audit, dict):
+        return None
+    if audit.get("reward"):
+        return str(audit["reward"])
+    source = (audit.get("input") or {}).get("path")
+    return rollouts_reward(source) if source else None
+
+
+def truncation_buffer_warning(samples: Sequence[Sample], config: PairConfig, where: str) -> Optional[str]:
+    """A warning when `truncation_buffer` is at least a cap of the samples: every completion then counts as
+    truncated and no pair can be kept."""
+    caps = sorted({s.max_new_tokens or config.max_new_tokens for s in samples} - {None})
+    small = [c for c in caps if config.truncation_buffer >= c]
+    if not small:
+        return None
+    return (f"--truncation_buffer={config.truncation_buffer} >= max_new_tokens={small[0]} (the cap of {where}): "
+            f"every completion counts as truncated and no pair can be kept; pass a --truncation_buffer below the "
+            f"cap (e.g. {max(1, small[0] // 8)})")
+
+
+def no_pairs_message(audit: Mapping, where: str) -> str:
+    """Why a build kept no pair: the first failing reasons' counts, as one line."""
+    reasons = ", ".join(f"{r} {n}" for r, n in audit["first_fail_counts"].items() if n)
+    prompts = audit["prompts"]
+    why = (f"{audit['candidates']} candidate pairs all dropped (first failing reason: {reasons})" if reasons else
+           f"no candidate pair ({prompts.get('single_sample', 0)} prompts with one sample, "
+           f"{prompts.get('all_tied', 0)} with all rewards tied)")
+    return (f"{where}: no pair kept: {why}; nothing written. Loosen the filter that drops them (--min_margin, "
+            "--truncation_buffer, --max_length_diff) or sample more completions a prompt")
 
 
 # ---------------------------------------------------------------------------------------------- building

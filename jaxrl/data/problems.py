@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import keyword
 import logging
 import os
 from decimal import Decimal
@@ -141,6 +142,9 @@ def _parse_problem(record: Any, where: str) -> Problem:
     if test_type == "functional":
         _expect(isinstance(fn_name, str) and fn_name.isidentifier(), where, "fn_name",
                 f"functional problems need a function name (a Python identifier), got {fn_name!r}")
+        # a keyword is an identifier no function can have: such a problem could never pass
+        _expect(not keyword.iskeyword(fn_name), where, "fn_name",
+                f"{fn_name!r} is a Python keyword, which no function can be named; give the function's name")
     else:
         _expect(fn_name in (None, ""), where, "fn_name", f"must be null for stdin problems, got {fn_name!r}")
         fn_name = None

@@ -1,6 +1,10 @@
 """Checkpoint curves: every evaluation metric per optimizer step, with its paired interval vs the base.
 
-Input is an evaluation's ``results.json`` (``formats.RESULTS``) holding ``base`` and checkpoints ``step_<N>``.
+Input is an evaluation's ``results.json`` (``formats.RESULTS``) holding ``base`` and checkpoints ``step_<N>``, and
+possibly averaged candidates (models with an ``"average"`` record: exact or truncated averages of checkpoints,
+``launchers.export --average``, and EMA adapters ``ema_<N>``). Those are traced beside the steps they average (in
+``averages``, at the last of their steps), with the same interval fields; they are members of the results file's
+family (its simultaneous intervals count them), and of the Bonferroni fallback's m.
 The interval of a checkpoint is its results.json comparison row against the baseline; where that row is absent
 and the per-sample files are given, it is computed with ``jaxrl.evaluation.stats.compare`` (the same paired
 bootstrap the evaluator uses).
@@ -15,15 +19,17 @@ checkpoint with the best one, paired (``best_vs_last``), and says whether the fa
 
 Output (``curves.json``)::
 
-    {"baseline": "base", "confidence": 0.95, "n_checkpoints": m,
+    {"baseline": "base", "confidence": 0.95, "n_checkpoints": m, "n_averages": a,
      "metrics": {METRIC: {"higher_is_better": bool,
                           "points": [{"step", "model", "value", "n_prompts", "n_samples",
                                       "diff", "ci_low", "ci_high", "n_pairs", "confidence", "ci_crosses_zero",
                                       "p_value", "simultaneous_ci_low", "simultaneous_ci_high", "family_size",
                                       optional "ci_low_adjusted", "ci_high_adjusted", "adjusted_confidence",
                                       "adjustment", "n_checkpoints"}, ...],
+                          "averages": [{the same keys as a point, "kind": "mean" | "ema", "steps": [...]}, ...],
                           "best_vs_last": {"diff", "ci_low", "ci_high", "n_pairs", ...} | None}},
-                                    # points sorted by step; the base is step 0, diff 0
+                                    # points sorted by step; the base is step 0, diff 0; an average's "step" is
+                                    # the last step it averages
      "flags": [Flag.to_dict(), ...]}
 """
 
@@ -33,7 +39,8 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from jaxrl.data.formats import BASE_MODEL, available_samples, model_step, read_results, read_samples
+from jaxrl.data.formats import (BASE_MODEL, available_samples, averaged_steps, model_step, read_results,
+                                read_samples)
 from jaxrl.diagnostics import red_flags
 from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.stats import compare
@@ -86,6 +93,8 @@ def checkpoint_curves(
         raise KeyError(f"baseline {baseline!r} is not among the evaluated models {sorted(models)}")
     ckpts = sorted(((model_step(n, e), n) for n, e in models.items() if n != baseline
                     and model_step(n, e) is not None), key=lambda t: t[0])
+    averages = sorted(((averaged_steps(e), n) for n, e in models.items() if n != baseline
+                       and model_step(n, e) is None and averaged_steps(e)), key=lambda t: (t[0][-1], t[1]))
     index = _comparison_index(results)
     samples = dict(samples or {})
     per_prompt = {}
@@ -111,7 +120,7 @@ def checkpoint_curves(
                    "value": base_entry[metric], "n_prompts": base_entry["n_prompts"],
                    "n_samples": base_entry["n_samples"], "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0,
                    "n_pairs": base_entry["n_prompts"], "confidence": None, "ci_crosses_zero": True}]
-        for step, name in ckpts:
+        def point(step, name):
             e = models[name]
             row = index.get((name, baseline, metric))
             if row is None and name in samples and baseline in samples:
@@ -126,7 +135,11 @@ def checkpoint_curves(
                           ci_crosses_zero=bool(row["ci_low"] <= 0.0 <= row["ci_high"]),
                           **{k: row.get(k) for k in ("p_value", "simultaneous_ci_low", "simultaneous_ci_high",
                                                      "family_size")})
-            points.append(pt)
+            return pt
+
+        points.extend(point(step, name) for step, name in ckpts)
+        averaged = [{**point(steps[-1], name), "kind": models[name]["average"].get("kind"), "steps": steps}
+                    for steps, name in averages if models[name].get(metric) is not None]
         higher = metric not in _LOWER_IS_BETTER
         with_ci = [p for p in points[1:] if p["diff"] is not None]
         if metric in flag_metrics and with_ci and m > 1:
@@ -137,7 +150,8 @@ def checkpoint_curves(
                             ci_high_adjusted=best["simultaneous_ci_high"], adjusted_confidence=best["confidence"],
                             adjustment=f"after the {best['family_size']} comparisons of the evaluation (max-T)")
             elif best["diff"] > 0 and best["model"] in samples and baseline in samples:
-                family = m * len(flag_metrics)  # every checkpoint x every metric a checkpoint may be chosen on
+                # every candidate (checkpoints and averages) x every metric one may be chosen on
+                family = (m + len(averages)) * len(flag_metrics)
                 adj = 1.0 - (1.0 - confidence) / family
                 row = computed(best["model"], metric, adj)
                 best.update(ci_low_adjusted=row["ci_low"], ci_high_adjusted=row["ci_high"],
@@ -152,18 +166,23 @@ def checkpoint_curves(
                 best_vs_last = {k: row[k] for k in ("diff", "ci_low", "ci_high", "n_pairs", "p_value", "test",
                                                     "confidence")}
                 best_vs_last.update(best=top["model"], last=last["model"])
-        out_metrics[metric] = {"higher_is_better": higher, "points": points, "best_vs_last": best_vs_last}
+        out_metrics[metric] = {"higher_is_better": higher, "points": points, "averages": averaged,
+                               "best_vs_last": best_vs_last}
         if metric in flag_metrics:
             flags.append(red_flags.non_monotonic_checkpoints(metric, [p["step"] for p in points],
                                                      [p["value"] for p in points], tol=tol,
                                                      n_prompts=base_entry["n_prompts"], higher_is_better=higher,
                                                      best_vs_last=best_vs_last))
             flags.extend(red_flags.early_gain_not_significant(metric, with_ci))
-    return {"baseline": baseline, "confidence": confidence, "n_checkpoints": m, "metrics": out_metrics,
+    return {"baseline": baseline, "confidence": confidence, "n_checkpoints": m, "n_averages": len(averages),
+            "metrics": out_metrics,
             "flags": [f.to_dict() for f in red_flags.sort_flags(flags)]}
 
 
 def curves_from_eval_dir(eval_dir: str | os.PathLike, **kwargs) -> dict:
-    """:func:`checkpoint_curves` of ``eval_dir/results.json`` with the sample files it has."""
+    """:func:`checkpoint_curves` of ``eval_dir/results.json`` with the sample files it has; ``eval_dir`` (absolute)
+    is recorded, so a report finds the evaluation its curves were drawn from."""
     eval_dir = Path(eval_dir)
-    return checkpoint_curves(read_results(eval_dir), samples=load_eval_samples(eval_dir), **kwargs)
+    out = checkpoint_curves(read_results(eval_dir), samples=load_eval_samples(eval_dir), **kwargs)
+    out["eval_dir"] = os.path.abspath(eval_dir)
+    return out

@@ -9,8 +9,12 @@ difference, margin; what they would drop) and its length / margin / reward distr
 * the correlation of the reward margin with the length difference (Pearson and Spearman, with p-values);
 * how many chosen completions are not full solutions (``chosen_reward < 1``).
 
-Semantic part: re-run the verifier on a seeded sample of chosen completions against the problems file and list
-those that now fail (``strict`` False, or partial below the recorded ``chosen_reward``).
+Semantic part: re-score a seeded sample of chosen completions against the problems file with the reward the
+pairs were scored with (``reward``, else the one ``pairs_lib.recorded_reward`` finds: build_pairs records it in
+the audit.json beside pairs.jsonl) and list those whose re-run disagrees with the record: partial below the
+recorded ``chosen_reward``, or a recorded full score (1.0) that is no longer strict. A chosen completion that was
+recorded as a partial solution is no failure of the pair (``chosen_not_full`` counts those). When the reward is
+unknown the part says so (``semantic.skipped``) instead of judging with a reward the pairs were not scored with.
 
 Output (``pairs.json``)::
 
@@ -22,9 +26,10 @@ Output (``pairs.json``)::
      "truncation": {"chosen_length_finish", "rejected_length_finish"},
      "chosen_not_full": {"n", "fraction"},
      "points": {"length_diff": [...], "margin": [...]},          # for plots (at most 2000 pairs)
-     "semantic": {"n_checked", "n_failed", "n_not_strict", "n_below_recorded", "missing_problems", "seed",
-                  "failures": [{"pair_id", "problem_id", "recorded_reward", "partial", "strict", "tests",
-                                "reason", "detail", "chosen"}]}  # only with problems
+     "semantic": {"reward", "n_checked", "n_failed", "n_not_strict", "n_below_recorded", "missing_problems",
+                  "seed", "failures": [{"pair_id", "problem_id", "recorded_reward", "partial", "strict", "tests",
+                                        "reason", "detail", "chosen"}]}  # only with problems
+                 | {"reward": None, "skipped": "why"}                       # the reward is unknown
      "flags": [...]}
 """
 
@@ -42,7 +47,7 @@ from jaxrl.data.problems import Problem, load_problems
 from jaxrl.diagnostics import red_flags
 from jaxrl.diagnostics.generation_diff import trim_text
 from jaxrl.evaluation.stats import mcnemar_exact, paired_bootstrap
-from jaxrl.rewards.code import CodeVerifier
+from jaxrl.rewards import get_reward
 
 __all__ = ["audit_pairs", "length_bias", "semantic_audit"]
 
@@ -83,14 +88,20 @@ def _problem_index(problems) -> dict[str, Problem]:
     return {p.id: p for p in problems}
 
 
-def semantic_audit(pairs: Sequence[Mapping], problems, *, verifier=None, sample_size: int = 20, seed: int = 0,
-                   timeout_s: float = 2.0, workers: int = 2, tol: float = 1e-9, max_chars: int = 1500) -> dict:
-    """Re-runs the verifier on a seeded sample of chosen completions; returns the ``semantic`` section.
+def _reward_of(name: str, timeout_s: float, workers: int):
+    """The reward `name` built to re-score (the code verifier with the audit's timeout and sandboxes)."""
+    return get_reward(name, timeout_s=timeout_s, workers=workers) if name == "code" else get_reward(name)
+
+
+def semantic_audit(pairs: Sequence[Mapping], problems, *, verifier=None, reward: Optional[str] = None,
+                   sample_size: int = 20, seed: int = 0, timeout_s: float = 2.0, workers: int = 2, tol: float = 1e-9,
+                   max_chars: int = 1500) -> dict:
+    """Re-scores a seeded sample of chosen completions; returns the ``semantic`` section.
 
     Args:
       problems: problems.jsonl path, list of ``Problem`` or ``{id: Problem}``.
-      verifier: anything with ``score(completions, problems, truncated)``; default a ``CodeVerifier`` with
-        ``timeout_s`` and ``workers`` (closed afterwards).
+      verifier: anything with ``score(completions, problems, truncated)`` (kept open); else the reward named
+        ``reward`` (the code verifier with ``timeout_s`` and ``workers``), built here and closed afterwards.
       sample_size: pairs to re-check (all if fewer), drawn with ``numpy.random.default_rng(seed)``.
     """
     index = _problem_index(problems)
@@ -101,39 +112,45 @@ def semantic_audit(pairs: Sequence[Mapping], problems, *, verifier=None, sample_
     checked = [i for i in picks if str(pairs[i]["problem_id"]) in index]
     own = verifier is None
     if own:
-        verifier = CodeVerifier(timeout_s=timeout_s, workers=workers)
+        if reward is None:
+            raise ValueError("semantic_audit: give the reward the pairs were scored with (reward=) or a verifier")
+        verifier = _reward_of(reward, timeout_s, workers)
     try:
         results = verifier.score([pairs[i]["chosen"] for i in checked],
                                  [index[str(pairs[i]["problem_id"])] for i in checked],
                                  truncated=[pairs[i].get("chosen_finish_reason") == "length" for i in checked]) \
             if checked else []
     finally:
-        if own:
+        if own and hasattr(verifier, "close"):
             verifier.close()
     failures, not_strict, below = [], 0, 0
     for i, res in zip(checked, results):
         p = pairs[i]
-        is_below = res.partial < float(p["chosen_reward"]) - tol
+        recorded = float(p["chosen_reward"])
+        is_below = res.partial < recorded - tol
         not_strict += not res.strict
         below += is_below
-        if not res.strict or is_below:
+        # a disagreement with the record: a lower score, or a recorded full score that no longer passes all
+        if is_below or (recorded >= 1.0 - tol and not res.strict):
             failures.append({"pair_id": p.get("pair_id"), "problem_id": str(p["problem_id"]),
                              "recorded_reward": float(p["chosen_reward"]), "partial": res.partial,
                              "strict": res.strict, "tests": list(res.tests), "reason": res.reason,
                              "detail": getattr(res, "detail", None), "chosen": trim_text(p["chosen"], max_chars)})
-    return {"n_checked": len(checked), "n_failed": len(failures), "n_not_strict": not_strict,
+    return {"reward": reward or getattr(verifier, "name", type(verifier).__name__), "n_checked": len(checked),
+            "n_failed": len(failures), "n_not_strict": not_strict,
             "n_below_recorded": below, "missing_problems": missing, "seed": seed, "sample_size": sample_size,
             "failures": failures}
 
 
 def audit_pairs(pairs: Sequence[Mapping] | str | os.PathLike, *, config: Optional[pairs_lib.PairConfig] = None,
-                problems=None, verifier=None, sample_size: int = 20, seed: int = 0, timeout_s: float = 2.0,
-                workers: int = 2, max_points: int = 2000) -> dict:
+                problems=None, verifier=None, reward: Optional[str] = None, sample_size: int = 20, seed: int = 0,
+                timeout_s: float = 2.0, workers: int = 2, max_points: int = 2000) -> dict:
     """The full audit (module docstring). ``pairs``: records or a pairs.jsonl path.
 
     ``config``: the filters to evaluate (default ``PairConfig()``). A pair without ``max_new_tokens`` whose cap
     the config does not give either is judged for truncation by its finish reasons only (``cap_known`` False).
-    The semantic part runs only when ``problems`` is given.
+    The semantic part runs only when ``problems`` is given, with ``verifier``, else the reward named ``reward``,
+    else the one recorded for a pairs.jsonl (``pairs_lib.recorded_reward``); without any it is skipped, saying so.
     """
     source = None
     if isinstance(pairs, (str, os.PathLike)):
@@ -161,8 +178,16 @@ def audit_pairs(pairs: Sequence[Mapping] | str | os.PathLike, *, config: Optiona
                    "margin": [float(pairs[i]["chosen_reward"] - pairs[i]["rejected_reward"]) for i in show]},
     }
     if problems is not None:
-        out["semantic"] = semantic_audit(pairs, problems, verifier=verifier, sample_size=sample_size, seed=seed,
-                                         timeout_s=timeout_s, workers=workers)
+        if verifier is None and reward is None and source is not None:
+            reward = pairs_lib.recorded_reward(source)
+        if verifier is None and reward is None:
+            out["semantic"] = {"reward": None, "skipped": (
+                "cannot judge: the reward these pairs were scored with is unknown (no audit.json beside the pairs "
+                "naming it, nor rollouts with a .meta.json); pass --reward to re-score them")}
+        else:
+            out["semantic"] = semantic_audit(pairs, problems, verifier=verifier, reward=reward,
+                                             sample_size=sample_size, seed=seed, timeout_s=timeout_s,
+                                             workers=workers)
     flags = [red_flags.length_bias_in_pairs(out), red_flags.semantic_failures_in_pairs(out)]
     out["flags"] = [f.to_dict() for f in red_flags.sort_flags(flags)]
     return out

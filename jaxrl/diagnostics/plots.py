@@ -139,8 +139,19 @@ def checkpoint_curves_plot(curves: Mapping) -> Optional[bytes]:
         ys = [scale * p["diff"] for p in with_ci]
         lo = [scale * (p["diff"] - p["ci_low"]) for p in with_ci]
         hi = [scale * (p["ci_high"] - p["diff"]) for p in with_ci]
-        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, lw=1.2)
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, lw=1.2, label="checkpoints")
+        # averaged candidates beside the steps they average: the point at the last of them, a bar over their span
+        for avg in (a for a in metrics[metric].get("averages") or [] if a["diff"] is not None):
+            y = scale * avg["diff"]
+            line = ax.errorbar([avg["step"]], [y], yerr=[[scale * (avg["diff"] - avg["ci_low"])],
+                                                         [scale * (avg["ci_high"] - avg["diff"])]],
+                               marker="D" if avg.get("kind") == "mean" else "s", capsize=3, ls="none",
+                               label=avg["model"])
+            if len(avg["steps"]) > 1:
+                ax.hlines(y, min(avg["steps"]), max(avg["steps"]), colors=line[0].get_color(), lw=2.5, alpha=0.4)
         ax.axhline(0.0, color="black", lw=0.8)
+        if metrics[metric].get("averages"):
+            ax.legend(fontsize=7)
         n = pts[0].get("n_prompts")
         unit = "pp" if is_rate(metric) else "tokens"
         ax.set_title(f"{metric}\nvs base ({unit}), 95% intervals, n={n} prompts", fontsize=9)

@@ -405,7 +405,8 @@ def length_bias_in_pairs(audit: Mapping, *, min_fraction: float = 0.6, min_abs_c
 
 
 def semantic_failures_in_pairs(audit: Mapping, max_fraction: float = 0.0) -> Optional[Flag]:
-    """Chosen completions that fail a re-run of the verifier: the pair teaches the wrong preference."""
+    """Chosen completions whose re-run scores below the recorded reward (or a recorded full score no longer
+    strict): the pair may teach the wrong preference."""
     sem = audit.get("semantic") or {}
     n = sem.get("n_checked", 0)
     if not n:
@@ -416,9 +417,10 @@ def semantic_failures_in_pairs(audit: Mapping, max_fraction: float = 0.0) -> Opt
     lo = float(scipy.stats.beta.ppf(0.025, bad, n - bad + 1)) if bad > 0 else 0.0
     hi = float(scipy.stats.beta.ppf(0.975, bad + 1, n - bad)) if bad < n else 1.0
     return Flag("warning" if bad / n < 0.2 else "error", "semantic_failures_in_pairs",
-                f"Semantic audit: {bad} of {n} sampled chosen solutions fail a re-run of the verifier "
-                f"({bad / n:.0%}, 95% Clopper-Pearson interval {lo:.0%}-{hi:.0%} of all pairs); "
-                f"{sem.get('n_not_strict', 0)} of them are not full solutions. These pairs prefer a wrong program.",
+                f"Semantic audit: {bad} of {n} sampled chosen completions score below their recorded reward on a "
+                f"re-run of the reward ({sem.get('reward')}) ({bad / n:.0%}, 95% Clopper-Pearson interval "
+                f"{lo:.0%}-{hi:.0%} of all pairs): the recorded rewards do not reproduce, so these pairs may prefer "
+                "a worse completion.",
                 {"n_checked": n, "n_failed": bad, "ci_low": lo, "ci_high": hi})
 
 

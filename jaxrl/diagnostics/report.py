@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, DIAGNOSTICS_DIR, EVAL_DIR, METRICS_FILE, REPORT_FILE,
-                                diagnostics_path, model_step, read_config, read_diagnostic, read_results,
-                                read_training_metrics)
+                                averaged_steps, diagnostics_path, model_step, read_config, read_diagnostic,
+                                read_results, read_training_metrics)
 from jaxrl.diagnostics import red_flags
 from jaxrl.diagnostics import plots
 from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples
@@ -36,7 +36,8 @@ from jaxrl.evaluation.censoring import censoring_section
 from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.protocol import read_protocol
 from jaxrl.evaluation.selection import selection_summary
-from jaxrl.utils.io import atomic_write_text
+from jaxrl.train.metrics import CONFIG_HISTORY
+from jaxrl.utils.io import atomic_write_text, iter_jsonl
 
 __all__ = ["collect", "render_html", "build_report", "default_diff_pairs"]
 
@@ -124,13 +125,35 @@ def _kl_reward_flag(drift: Optional[Mapping], curves: Optional[Mapping], metrics
                                       n=pts[0].get("n_prompts"), reward_name="held-out partial reward")
 
 
+def evaluation_folder(workdir: Path, curves: Optional[Mapping]) -> Path:
+    """The evaluation a report shows: DIR/eval when it holds results, else the one the stored checkpoint curves
+    were drawn from (``launchers.diagnose --what=curves --eval_dir=...`` records it), else DIR/eval."""
+    default = workdir / EVAL_DIR
+    if (default / "results.json").is_file():
+        return default
+    drawn_from = (curves or {}).get("eval_dir")
+    if drawn_from and (Path(drawn_from) / "results.json").is_file():
+        return Path(drawn_from)
+    return default
+
+
+def read_config_history(workdir: Path) -> list[dict]:
+    """The settings of earlier step ranges (jaxrl.train.loop: config_history.jsonl), oldest first; [] if none."""
+    path = workdir / CONFIG_HISTORY
+    if not path.is_file():
+        return []
+    return [r for _, r in iter_jsonl(path, skip_malformed=True) if "first_step" in r and "config" in r]
+
+
 def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike] = None,
             pairs: Optional[str | os.PathLike] = None, problems=None,
             diff_models: Optional[Sequence[tuple[str, str]]] = None, sample_size: int = 20, seed: int = 0) -> dict:
     """Everything the report shows, as plain dicts (see the module docstring for the sources)."""
     workdir = Path(workdir)
-    eval_dir = Path(eval_dir) if eval_dir else workdir / EVAL_DIR
-    data: dict[str, Any] = {"workdir": os.fspath(workdir), "config": read_config(workdir), "notes": []}
+    stored_curves = read_diagnostic(diagnostics_path(workdir, "curves"))
+    eval_dir = Path(eval_dir) if eval_dir else evaluation_folder(workdir, stored_curves)
+    data: dict[str, Any] = {"workdir": os.fspath(workdir), "config": read_config(workdir), "notes": [],
+                            "eval_dir": os.fspath(eval_dir), "config_history": read_config_history(workdir)}
     mpath = workdir / METRICS_FILE
     data["metrics"] = read_training_metrics(mpath) if mpath.is_file() else []
     results = read_results(eval_dir) if (eval_dir / "results.json").is_file() else None
@@ -138,7 +161,7 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
     samples = load_eval_samples(eval_dir) if eval_dir.is_dir() else {}
     data["sample_models"] = {n: len(r) for n, r in samples.items()}
 
-    data["curves"] = read_diagnostic(diagnostics_path(workdir, "curves"))
+    data["curves"] = stored_curves
     if data["curves"] is None and results and len(results["models"]) > 1 and BASE_MODEL in results["models"]:
         data["curves"] = checkpoint_curves(results, samples=samples, seed=seed)
     data["termination"] = read_diagnostic(diagnostics_path(workdir, "termination"))
@@ -254,6 +277,12 @@ def _summary_section(data: Mapping) -> str:
     for key in ("algorithm", "model_path", "steps", "seed", "checkpoint_every"):
         if key in cfg:
             rows.append([key, escape(cfg[key])])
+    if data.get("results"):
+        rows.append(["evaluation", escape(data.get("eval_dir", ""))])
+    for r in data.get("config_history") or []:
+        changed = sorted(k for k in set(r["config"]) | set(cfg) if r["config"].get(k) != cfg.get(k))
+        rows.append([f"settings of steps {r['first_step']}–{r['last_step']}",
+                     "differ from config.json in " + escape(", ".join(changed)) + " (config_history.jsonl)"])
     if m:
         rows.append(["logged steps", f"{len(m)} (steps {m[0]['step']}–{m[-1]['step']})"])
         last = m[-1]
@@ -299,7 +328,8 @@ def _evaluation_section(data: Mapping) -> str:
 
         def with_ci(v, ci):
             return _pct(v) + (f" <span class='muted'>[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]</span>" if ci else "")
-        rows.append([escape(name), _num(model_step(name, m)), str(m["n_prompts"]), str(m["n_samples"]),
+        step = _num(model_step(name, m)) if model_step(name, m) is not None else _averaged_label(m.get("average"))
+        rows.append([escape(name), step, str(m["n_prompts"]), str(m["n_samples"]),
                      with_ci(m["partial_reward_mean"], iv.get("partial_reward_mean")),
                      with_ci(m["strict_rate"], iv.get("strict_rate"))]
                     + [with_ci(m["pass_at_k"].get(k), (iv.get("pass_at_k") or {}).get(k)) for k in ks]
@@ -331,10 +361,14 @@ def _evaluation_section(data: Mapping) -> str:
                          escape(c.get("claim", "exploratory"))])
         fam = res.get("family") or {}
         size = fam.get("size") or comps[0].get("family_size")
+        family_models = fam.get("models") or sorted({c["model"] for c in comps})
+        n_averaged = sum(1 for n in family_models if averaged_steps(res["models"].get(n)))
+        members = (f" of {len(family_models)} models against the baseline"
+                   + (f", {n_averaged} of them averaged checkpoints" if n_averaged else ""))
         note = ("<p class='muted'>Each interval comes from the same test as its p-value, so it excludes 0 exactly "
-                "when p &lt; 0.05." + (f" This evaluation makes {size} comparisons: the simultaneous intervals "
-                                       "(max-T bootstrap over all of them) hold for every row at once; read "
-                                       "<b>significant after selection</b> when choosing among models." if size
+                "when p &lt; 0.05." + (f" This evaluation makes {size} comparisons{members}: the simultaneous "
+                                       "intervals (max-T bootstrap over all of them) hold for every row at once; "
+                                       "read <b>significant after selection</b> when choosing among models." if size
                                        else "") + "</p>")
         out += ("<h3>Paired comparisons (model − baseline, over prompts)</h3>" + note
                 + table(["model", "baseline", "metric", "diff", "interval", "simultaneous interval", "n prompts",
@@ -448,22 +482,26 @@ def _curves_section(data: Mapping) -> str:
         return _missing("checkpoint curves", "evaluate base and step_<N> checkpoints into DIR/eval/")
     out = img(plots.checkpoint_curves_plot(cur), "checkpoint curves")
     for metric, mc in cur["metrics"].items():
-        rows = []
-        for p in mc["points"]:
+
+        def row(p, step_label):
             interval = "–" if p["diff"] is None or p["model"] == cur["baseline"] else escape(
                 red_flags.fmt_interval(metric, p["ci_low"], p["ci_high"], p.get("confidence")))
             adj = ""
             if p.get("ci_low_adjusted") is not None:
                 adj = escape(red_flags.fmt_interval(metric, p["ci_low_adjusted"], p["ci_high_adjusted"],
-                                        p.get("adjusted_confidence")))
+                                                    p.get("adjusted_confidence")))
             sim = ("" if p.get("simultaneous_ci_low") is None else
                    escape(red_flags.fmt_interval(metric, p["simultaneous_ci_low"], p["simultaneous_ci_high"], None)))
-            rows.append([str(p["step"]), escape(p["model"]), escape(red_flags.fmt_value(metric, p["value"])),
-                         "–" if p["diff"] is None else escape(red_flags.fmt_diff(metric, p["diff"])), interval, sim, adj,
-                         str(p["n_prompts"])])
+            diff = "–" if p["diff"] is None else escape(red_flags.fmt_diff(metric, p["diff"]))
+            return [escape(step_label), escape(p["model"]), escape(red_flags.fmt_value(metric, p["value"])), diff,
+                    interval, sim, adj, str(p["n_prompts"])]
+
+        # the steps in order, each averaged candidate right after the last step it averages
+        rows = [((p["step"], 0), row(p, str(p["step"]))) for p in mc["points"]]
+        rows += [((p["step"], 1), row(p, _averaged_label(p))) for p in mc.get("averages") or []]
         out += f"<h3>{escape(metric)}</h3>" + table(
             ["step", "model", "value", "diff vs base", "interval", "simultaneous", "best-of-m adjusted",
-             "n prompts"], rows, 2)
+             "n prompts"], [r for _, r in sorted(rows, key=lambda r: r[0])], 2)
         bvl = mc.get("best_vs_last")
         if bvl:
             out += (f"<p class='muted'>{escape(bvl['last'])} vs {escape(bvl['best'])} (last vs best, paired): "
@@ -471,6 +509,15 @@ def _curves_section(data: Mapping) -> str:
                     f"{escape(red_flags.fmt_interval(metric, bvl['ci_low'], bvl['ci_high'], bvl.get('confidence')))} over "
                     f"{bvl['n_pairs']} prompts.</p>")
     return out
+
+
+def _averaged_label(average: Optional[Mapping]) -> str:
+    """What an averaged candidate averages, for the step column: `mean of 32, 40, 48`, `EMA at 48`; – for none."""
+    if not average:
+        return "–"
+    if average.get("kind") == "ema":
+        return f"EMA at {average.get('step')}"
+    return "mean of " + ", ".join(str(s) for s in average.get("steps") or [])
 
 
 def _termination_section(data: Mapping) -> str:
@@ -527,9 +574,11 @@ def _pairs_section(data: Mapping) -> str:
                  f"; {k} {v}" for k, v in f["fail_counts"].items() if v)]]
     out += table(["", ""], rows)
     sem = a.get("semantic")
-    if sem:
-        out += (f"<h3>Semantic audit: {sem['n_failed']} of {sem['n_checked']} sampled chosen solutions fail a "
-                f"re-run (seed {sem['seed']})</h3>")
+    if sem and sem.get("skipped"):
+        out += f"<h3>Semantic audit</h3><p class='muted'>{escape(sem['skipped'])}</p>"
+    elif sem:
+        out += (f"<h3>Semantic audit ({escape(str(sem.get('reward')))}): {sem['n_failed']} of {sem['n_checked']} "
+                f"sampled chosen completions score below their recorded reward on a re-run (seed {sem['seed']})</h3>")
         if sem.get("missing_problems"):
             out += f"<p class='muted'>problems not in the problems file: {escape(', '.join(sem['missing_problems']))}</p>"
         for x in sem["failures"][:10]:

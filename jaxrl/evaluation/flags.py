@@ -16,10 +16,12 @@ from typing import Optional
 
 from absl import app, flags
 
+from jaxrl.evaluation import protocol
 from jaxrl.evaluation.analysis import sampling_warning
-from jaxrl.evaluation.runner import BASE, EvalConfig, ModelSpec, checkpoint_specs
+from jaxrl.evaluation.runner import BASE, EvalConfig, ModelSpec, checkpoint_specs, default_reward_kwargs
 from jaxrl.parallel.distributed import FLAGS as DISTRIBUTED_FLAGS
 from jaxrl.rollout.backends.flags import SERVER_FLAGS, backend_options
+from jaxrl.rollout.runner import check_reward_choice
 from jaxrl.utils import dataclass_flags
 
 __all__ = ["NAMES", "build_config", "define_flags"]
@@ -28,8 +30,10 @@ __all__ = ["NAMES", "build_config", "define_flags"]
 # --backend_kwargs, shared with launchers.rollout; --coordinator_address, ... shared with launchers.train):
 # (name, absl kind, default, [enum values,] help)
 _OTHER_FLAGS = (
-    ("checkpoints", "string", None, "A run workdir: evaluate its adapter checkpoints."),
-    ("steps", "list", [], "Only these checkpoint steps (default: every one in --checkpoints)."),
+    ("checkpoints", "string", None, "A run workdir: evaluate its adapter checkpoints (step_<N>), EMA adapters "
+     "(ema_<N>) and averaged adapters (RUN/averages/<name>)."),
+    ("steps", "list", [], "Only these candidates of --checkpoints: step numbers, ema_<N> (EMA adapters), names of "
+     "averaged adapters under RUN/averages/ (default: every one the run holds)."),
     ("adapters", "list", [], "NAME=PATH,...: PEFT folders or adapter checkpoints (on --base)."),
     ("models", "list", [], "NAME=HF_DIR,...: full HF folders (e.g. merged exports)."),
     ("resample_max_new_tokens", "integer", 0, "Re-run truncated samples at this larger cap and write "
@@ -39,7 +43,11 @@ _OTHER_FLAGS = (
     ("select_metric", "enum", "partial_reward_mean", ["partial_reward_mean", "strict_rate"], "Metric the best model "
      "is selected on (--role=select)."),
     ("confirm", "string", None, "A selection.json (or its folder): evaluate base and the selected model once on this "
-     "other split; its comparison is the confirmatory claim."),
+     "other split, with the selection's settings (reward, caps, dtype, sampling, seed: a flag contradicting them is "
+     "refused); its comparison is the confirmatory claim."),
+    ("withdraw", "string", None, "The --out of a confirmation run by mistake: withdraw it (kept in the ledger, marked "
+     "withdrawn; its claim becomes exploratory), so the model can be confirmed again. Needs --reason."),
+    ("reason", "string", "", "Why the confirmation is withdrawn (--withdraw); recorded in the ledger."),
 ) + SERVER_FLAGS + DISTRIBUTED_FLAGS
 NAMES = dataclass_flags.flag_names(EvalConfig) + tuple(f[0] for f in _OTHER_FLAGS)
 
@@ -88,8 +96,13 @@ def build_config(holders: dict, selection: Optional[dict] = None) -> EvalConfig:
     refused = sampling_warning(holders["temperature"].value, holders["num_samples"].value)
     if refused:
         raise app.UsageError(refused)
-    if selection is not None:
-        return _confirmation_config(holders, selection)
+    cfg = _confirmation_config(holders, selection) if selection is not None else _models_config(holders)
+    check_reward_choice(cfg.reward, cfg.reward_kwargs)  # an unknown reward or option: a usage error, here
+    return cfg
+
+
+def _models_config(holders: dict) -> EvalConfig:
+    """The models of --checkpoints / --adapters / --models with the flags' settings."""
     workdir = holders["checkpoints"].value
     base = holders["base"].value or (_default_base(workdir) if workdir else None)
     if not base:
@@ -99,18 +112,16 @@ def build_config(holders: dict, selection: Optional[dict] = None) -> EvalConfig:
         raise app.UsageError("--out is required without --checkpoints")
     if holders["steps"].value and not workdir:
         raise app.UsageError("--steps needs --checkpoints")
-    try:
-        steps = [int(s) for s in holders["steps"].value]
-    except ValueError:
-        raise app.UsageError(f"--steps: expected integers, got {','.join(holders['steps'].value)}") from None
-    models = checkpoint_specs(workdir, steps) if workdir else []
+    models = checkpoint_specs(workdir, holders["steps"].value) if workdir else []
     models += [ModelSpec(n, "adapter", p) for n, p in _named(holders["adapters"].value, "adapters")]
     models += [ModelSpec(n, "hf", p) for n, p in _named(holders["models"].value, "models")]
     return _config(holders, holders["problems"].value, base, out, models, holders["baseline"].value)
 
 
 def _confirmation_config(holders: dict, selection: dict) -> EvalConfig:
-    """Base + the selected model, as the selection recorded them; the problems are --problems (held-out)."""
+    """Base + the selected model, with the evaluation settings the selection recorded
+    (protocol.confirmation_settings); the problems are --problems (held-out). A flag given with another value than
+    the selection's is refused (app.UsageError naming it) before anything is read or written."""
     if holders["checkpoints"].value or holders["adapters"].value or holders["models"].value or \
             holders["steps"].value:
         raise app.UsageError("--confirm evaluates the selected model only; drop --checkpoints/--steps/--adapters/"
@@ -122,8 +133,35 @@ def _confirmation_config(holders: dict, selection: dict) -> EvalConfig:
     if selection["baseline"] != BASE or not source.get("path"):
         raise app.UsageError(f"{selection['path']}: can only confirm a model selected against {BASE!r} with a "
                              "recorded source")
+    settings = protocol.confirmation_settings(selection)
+    # the base: the selection's folder, or the same weights elsewhere (--base; the fingerprint check refuses others)
     base = holders["base"].value or selection.get("base")
     if not base:
         raise app.UsageError("--base is required (the selection does not record the base folder)")
+    for key, want in settings.items():
+        holder = holders[key]
+        if not holder.present:
+            continue
+        given = holder.value
+        if key == "reward_kwargs":  # a JSON flag; the recorded options include the reward's defaults
+            given = {**default_reward_kwargs(settings.get("reward", holders["reward"].value)),
+                     **_json_flag(key, given)}
+        if protocol.settings_conflicts(selection, {key: given}):
+            raise app.UsageError(f"--{key}={holder.value!r} contradicts the selection being confirmed ({key}: "
+                                 f"{want!r} in {selection['path']}): a confirmation evaluates with the settings the "
+                                 f"model was selected with; drop --{key}")
     spec = ModelSpec(model["name"], source["kind"], source["path"], step=model.get("step"))
-    return _config(holders, holders["problems"].value, base, holders["out"].value, [spec], BASE)
+    _, backend_kwargs = backend_options(holders)
+    return dataclass_flags.config_from_flags(EvalConfig, holders, **settings, base=base,
+                                             problems=holders["problems"].value, out=holders["out"].value,
+                                             models=[spec], baseline=BASE, backend_kwargs=backend_kwargs)
+
+
+def _json_flag(name: str, value: str) -> dict:
+    try:
+        parsed = json.loads(value or "{}")
+    except json.JSONDecodeError as e:
+        raise app.UsageError(f"--{name}: invalid JSON ({e.msg})") from None
+    if not isinstance(parsed, dict):
+        raise app.UsageError(f"--{name}: expected a JSON object, got {value}")
+    return parsed

@@ -9,12 +9,21 @@ other prompts, made once, tests the choice. The protocol (``launchers.evaluate -
    the chosen model (the largest difference to the baseline on ``--select_metric``), its weights' fingerprint,
    the split and the manifest's sha256, and the results it was chosen from (path + sha256), with the
    selection-adjusted (cross-fitted) gain beside the naive one.
-2. **confirm** -- evaluate only the baseline and the selected model on ANOTHER split of the SAME manifest.
-   Before any sample is drawn, a line is appended to ``<split folder>/confirmations.jsonl`` keyed by (weights
-   fingerprint, manifest sha256, split); a second confirmation of the same weights on the same split is refused
-   (resuming the same output folder is allowed). The weights the evaluator serves must have the selection's
-   fingerprint. The comparison of the selected model with the baseline on the selection metric is the one
-   ``confirmatory`` claim in its results.json; every other row of every results file is ``exploratory``.
+   selection.json also records the evaluation settings the choice was made with (``evaluation``: reward and its
+   options, the caps, dtype, sampling, seed; ``SELECTION_SETTINGS``) and the base folder (``base``).
+2. **confirm** -- evaluate only the baseline and the selected model on ANOTHER split of the SAME manifest, with
+   the selection's settings (``confirmation_settings``: a setting given otherwise is refused before any work, by
+   the launcher's flags and again by :func:`begin_confirmation`). Before any sample is drawn, a line is appended
+   to ``<split folder>/confirmations.jsonl`` keyed by (weights fingerprint, manifest sha256, split); a second
+   confirmation of the same weights on the same split is refused (resuming the same output folder is allowed).
+   The weights the evaluator serves must have the selection's fingerprint. The comparison of the selected model
+   with the baseline on the selection metric is the one ``confirmatory`` claim in its results.json; every other
+   row of every results file is ``exploratory``.
+3. **withdraw** (a confirmation run by mistake, ``launchers.evaluate --withdraw=OUT --reason=...``): a
+   ``withdrawn`` line is appended to the ledger (the confirmation's line stays), ``OUT/protocol.json`` and
+   ``OUT/results.json`` are marked withdrawn (the claim becomes ``exploratory``, with the reason), and the same
+   weights may be confirmed again on the split -- that confirmation's results say that an earlier one was
+   withdrawn. Nothing is deleted.
 
 ``<out>/protocol.json`` holds the role of an evaluation folder (written by the launcher; read when results are
 written). Without one the role is ``exploratory``.
@@ -28,18 +37,24 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from jaxrl.utils.io import atomic_write_json, iter_jsonl, sha256_file
+from jaxrl.utils.io import append_whole, atomic_write_json, atomic_write_text, iter_jsonl, sha256_file
 from jaxrl.data import formats
 
-__all__ = ["ProtocolError", "PROTOCOL_FILE", "SELECTION_FILE", "LEDGER_FILE", "ROLES", "split_identity",
-           "write_protocol", "read_protocol", "begin_selection", "write_selection", "read_selection", "begin_confirmation",
-           "check_fingerprint", "label_claims", "protocol_summary"]
+__all__ = ["ProtocolError", "PROTOCOL_FILE", "SELECTION_FILE", "SELECTION_SETTINGS", "LEDGER_FILE", "ROLES",
+           "split_identity", "write_protocol", "read_protocol", "begin_selection", "write_selection", "read_selection",
+           "confirmation_settings", "begin_confirmation", "check_fingerprint", "label_claims", "protocol_summary",
+           "withdraw_confirmation"]
 
 PROTOCOL_FILE = "protocol.json"
 SELECTION_FILE = "selection.json"
 LEDGER_FILE = "confirmations.jsonl"
 SELECTION_FORMAT = "jaxrl.selection/1"
 ROLES = ("exploratory", "selection", "confirmation")
+# The evaluation settings a confirmation takes from its selection (results.json["evaluation"] keys): the reward
+# and its options, the caps, the dtype, the sampling and its seed. (The base folder is the selection's too, unless
+# given: the same weights may lie elsewhere, and the fingerprint check refuses other ones.)
+SELECTION_SETTINGS = ("reward", "reward_kwargs", "max_new_tokens", "max_prompt_len", "on_overlong", "dtype",
+                      "num_samples", "temperature", "top_p", "top_k", "enable_thinking", "seed")
 
 
 class ProtocolError(ValueError):
@@ -124,6 +139,7 @@ def write_selection(out_dir: str | os.PathLike, results: Mapping, *, metric: str
               "model": {"name": name, "step": entry.get("step"), "fingerprint": entry.get("fingerprint"),
                         "adapter_digest": entry.get("adapter_digest"), "source": entry.get("source")},
               "base": base, "n_candidates": len(rows), "split": split,
+              "evaluation": _settings_of(results),
               "results": {"path": str(res_path.resolve()),
                           "sha256": sha256_file(res_path) if res_path.is_file() else None},
               "naive": {k: best.get(k) for k in ("diff", "ci_low", "ci_high", "simultaneous_ci_low",
@@ -131,6 +147,39 @@ def write_selection(out_dir: str | os.PathLike, results: Mapping, *, metric: str
               "cross_fit": (sel or {}).get("cross_fit")}
     atomic_write_json(out_dir / SELECTION_FILE, record)
     return record
+
+
+def _settings_of(results: Mapping) -> dict:
+    """The SELECTION_SETTINGS of a results.json (the cap also from its top level, where older files keep it)."""
+    ev = dict(results.get("evaluation") or {})
+    ev.setdefault("max_new_tokens", results.get("max_new_tokens"))
+    return {k: ev.get(k) for k in SELECTION_SETTINGS if ev.get(k) is not None}
+
+
+def confirmation_settings(selection: Mapping) -> dict:
+    """The evaluation settings a confirmation of `selection` must use: those the selection recorded, else those of
+    the results file it was chosen from. ProtocolError when neither is readable."""
+    settings = selection.get("evaluation")
+    if not settings:
+        path = (selection.get("results") or {}).get("path")
+        if not path or not os.path.isfile(path):
+            raise ProtocolError(f"{selection.get('path')}: records no evaluation settings and its results file "
+                                f"{path} is gone; select again (--role=select) to confirm with known settings")
+        settings = _settings_of(formats.read_results(path))
+    return {k: settings[k] for k in SELECTION_SETTINGS if k in settings}
+
+
+def settings_conflicts(selection: Mapping, settings: Mapping) -> list[str]:
+    """`key: selected -> given` for each setting of `settings` that differs from what a confirmation of `selection`
+    must use (keys the selection does not record are not compared)."""
+    want = confirmation_settings(selection)
+    return [f"{k}: {want[k]!r} -> {settings.get(k)!r}" for k in SELECTION_SETTINGS
+            if k in want and k in settings and _norm(settings[k]) != _norm(want[k])]
+
+
+def _norm(value):
+    """Compared as JSON holds them (tuples as lists)."""
+    return json.loads(json.dumps(value))
 
 
 def read_selection(path: str | os.PathLike) -> dict:
@@ -149,9 +198,16 @@ def read_selection(path: str | os.PathLike) -> dict:
     return rec
 
 
-def begin_confirmation(selection: Mapping, problems: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
+def begin_confirmation(selection: Mapping, problems: str | os.PathLike, out_dir: str | os.PathLike,
+                       settings: Optional[Mapping] = None) -> dict:
     """Checks that ``problems`` may confirm ``selection`` and claims the one confirmation (module docstring);
-    writes ``<out_dir>/protocol.json`` and returns it."""
+    writes ``<out_dir>/protocol.json`` and returns it. ``settings``: the evaluation's (results.json "evaluation"
+    keys), refused when they differ from the selection's (``settings_conflicts``); None = not checked here."""
+    if settings is not None:
+        conflicts = settings_conflicts(selection, settings)
+        if conflicts:
+            raise ProtocolError(f"{selection['path']}: the confirmation would evaluate with other settings than the "
+                                f"selection ({'; '.join(conflicts)}); confirm with the selection's settings")
     split = split_identity(problems)
     sel_split = selection["split"]
     if split is None:
@@ -167,35 +223,91 @@ def begin_confirmation(selection: Mapping, problems: str | os.PathLike, out_dir:
     fingerprint = selection["model"].get("fingerprint")
     ledger = Path(split["split_dir"]) / LEDGER_FILE
     out = str(Path(out_dir).resolve())
-    prior = []
-    if ledger.is_file():
-        prior = [e for _, e in iter_jsonl(ledger) if (e.get("fingerprint"), e.get("manifest_sha256"),
-                                                      e.get("split")) == (fingerprint, split["manifest_sha256"],
-                                                                          split["split"])]
+    key = (fingerprint, split["manifest_sha256"], split["split"])
+    entries = [e for _, e in iter_jsonl(ledger) if _ledger_key(e) == key] if ledger.is_file() else []
+    withdrawn = {e.get("out") for e in entries if e.get("withdrawn")}
+    claims = [e for e in entries if not e.get("withdrawn")]
+    if out in withdrawn:
+        raise ProtocolError(f"{out}: holds a withdrawn confirmation ({ledger}); confirm into another --out")
+    prior = [e for e in claims if e.get("out") not in withdrawn]
     if prior and not any(e.get("out") == out for e in prior):
         first = prior[0]
         raise ProtocolError(
             f"{ledger}: model {selection['model']['name']!r} (fingerprint {str(fingerprint)[:12]}) was already "
             f"confirmed on split {split['split']!r} at {first.get('started')} (results in {first.get('out')}). A "
             "second look turns the held-out split into a selection split; read that result, or evaluate "
-            "elsewhere without --confirm (exploratory)")
+            "elsewhere without --confirm (exploratory). A confirmation run by mistake (e.g. with other settings) "
+            f"can be withdrawn: python -m launchers.evaluate --withdraw={first.get('out')} --reason='...'")
+    earlier = [{k: e.get(k) for k in ("out", "started", "reason", "withdrawn_at")} for e in entries
+               if e.get("withdrawn")]
     if not prior:
         line = {"fingerprint": fingerprint, "model": selection["model"]["name"],
                 "run": (selection["model"].get("source") or {}).get("path"), "manifest_sha256":
                 split["manifest_sha256"], "split": split["split"], "out": out, "selection": selection.get("path"),
                 "started": _now()}
-        ledger.parent.mkdir(parents=True, exist_ok=True)
-        with open(ledger, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        if earlier:
+            line["after_withdrawn"] = [e["out"] for e in earlier]
+        _append_line(ledger, line)
     protocol = {"role": "confirmation", "split": split, "ledger": str(ledger),
                 "primary": {"model": selection["model"]["name"], "metric": selection["metric"],
                             "baseline": selection["baseline"]},
                 "selection": {k: selection.get(k) for k in ("path", "metric", "baseline", "model", "split",
-                                                           "naive", "cross_fit", "n_candidates")}}
+                                                           "naive", "cross_fit", "n_candidates", "evaluation")}}
+    if earlier:
+        protocol["after_withdrawn"] = earlier
     write_protocol(out_dir, protocol)
     return protocol
+
+
+def _ledger_key(entry: Mapping) -> tuple:
+    return entry.get("fingerprint"), entry.get("manifest_sha256"), entry.get("split")
+
+
+def _append_line(ledger: Path, line: Mapping) -> None:
+    """One ledger line, whole and fsync'ed (the ledger is append-only: nothing in it is ever rewritten)."""
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        append_whole(fd, (json.dumps(line, sort_keys=True) + "\n").encode("utf-8"), ledger)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def withdraw_confirmation(out_dir: str | os.PathLike, reason: str) -> dict:
+    """Withdraws the confirmation in ``out_dir`` (module docstring, step 3); returns its withdrawal record.
+    ProtocolError when ``out_dir`` holds no confirmation, or one already withdrawn; ValueError without a
+    reason."""
+    out = Path(out_dir).resolve()
+    if not reason.strip():
+        raise ValueError("--reason is required with --withdraw: say why the confirmation is withdrawn (it is kept "
+                         "in the ledger with it)")
+    proto = read_protocol(out)
+    if (proto or {}).get("role") != "confirmation":
+        raise ProtocolError(f"{out / PROTOCOL_FILE}: not a confirmation (role {(proto or {}).get('role')!r}); "
+                            "--withdraw takes the --out of an evaluation run with --confirm")
+    if proto.get("withdrawn"):
+        raise ProtocolError(f"{out}: the confirmation was already withdrawn at {proto['withdrawn']['at']} "
+                            f"({proto['withdrawn']['reason']})")
+    split, model = proto["split"], proto["selection"]["model"]
+    record = {"at": _now(), "reason": reason.strip()}
+    _append_line(Path(proto["ledger"]), {
+        "withdrawn": True, "fingerprint": model.get("fingerprint"), "model": model.get("name"),
+        "manifest_sha256": split["manifest_sha256"], "split": split["split"], "out": str(out),
+        "withdrawn_at": record["at"], "reason": record["reason"]})
+    proto["withdrawn"] = record
+    write_protocol(out, proto)
+    results_path = out / formats.RESULTS_FILE
+    if results_path.is_file():
+        results = json.loads(results_path.read_text(encoding="utf-8"))
+        results["protocol"] = {**(results.get("protocol") or {}), "withdrawn": record}
+        label_claims(results.get("comparisons", []), proto)
+        atomic_write_json(results_path, results)
+        md = out / "results.md"
+        if md.is_file():
+            atomic_write_text(md, f"> **Withdrawn** confirmation ({record['at']}): {record['reason']}. Its "
+                                  "comparison is exploratory.\n\n" + md.read_text(encoding="utf-8"))
+    return record
 
 
 def check_fingerprint(protocol: Mapping, fingerprints: Mapping[str, str]) -> None:
@@ -213,12 +325,17 @@ def check_fingerprint(protocol: Mapping, fingerprints: Mapping[str, str]) -> Non
 
 
 def label_claims(rows: Sequence[dict], protocol: Optional[Mapping]) -> None:
-    """Sets every row's ``claim``: ``confirmatory`` only for the primary comparison of a confirmation."""
-    primary = (protocol or {}).get("primary") if (protocol or {}).get("role") == "confirmation" else None
+    """Sets every row's ``claim``: ``confirmatory`` only for the primary comparison of a confirmation that was not
+    withdrawn (a withdrawn one's row is ``exploratory`` with ``withdrawn``: the reason)."""
+    protocol = protocol or {}
+    primary = protocol.get("primary") if protocol.get("role") == "confirmation" else None
+    withdrawn = protocol.get("withdrawn")
     for row in rows:
         is_primary = bool(primary) and (row["model"], row["metric"], row["baseline"]) == (
             primary["model"], primary["metric"], primary["baseline"])
-        row["claim"] = "confirmatory" if is_primary else "exploratory"
+        row["claim"] = "confirmatory" if is_primary and not withdrawn else "exploratory"
+        if is_primary and withdrawn:
+            row["withdrawn"] = withdrawn["reason"]
 
 
 def protocol_summary(protocol: Optional[Mapping], problems: Optional[str], n_candidates: int) -> tuple[dict, list]:
@@ -232,6 +349,12 @@ def protocol_summary(protocol: Optional[Mapping], problems: Optional[str], n_can
             proto["split"] = None
             warnings.append(str(e))
     split = proto.get("split")
+    for earlier in proto.get("after_withdrawn") or []:
+        warnings.append(f"an earlier confirmation of this model on this split ({earlier['out']}) was withdrawn "
+                        f"({earlier.get('reason')}): this split was looked at before this confirmation")
+    if proto.get("withdrawn"):
+        warnings.append(f"this confirmation was withdrawn ({proto['withdrawn']['reason']}): its comparison is "
+                        "exploratory")
     if proto["role"] == "exploratory" and n_candidates >= 2 and split and split.get("split") not in ("dev", "train"):
         warnings.append(f"{n_candidates} models are compared on split {split['split']!r}: choosing among them here "
                         "spends this split on the selection. Select on dev (--role=select) and confirm the choice "

@@ -45,11 +45,16 @@ Honesty rules this module enforces:
   the sampling settings, the reward and the backend (`CACHE_KEYS`); resuming with other values is refused, so
   samples of different weights or settings are never mixed. A cached sample whose problem changed (tests
   included) is drawn again. Samples are keyed by (problem, sample index), so raising --num_samples reuses the
-  samples already drawn.
+  samples already drawn. An adapter named by its run folder resolves to the newest checkpoint: the cache and
+  results.json record that step (`adapter_step`) and digest, and a resume after more training (another digest)
+  is refused.
+* One writer per --out: process 0 holds the folder's lock (`.jaxrl.lock`, jaxrl.utils.io.writer_lock) while it
+  writes; a second evaluation into the same folder is refused naming the first one's pid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -71,7 +76,8 @@ from jaxrl.evaluation.stats import write_results
 from jaxrl.export.audit import FolderSource, MergedSource, audit
 from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
 from jaxrl.export.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
-from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS, CheckpointNotFound, adapter_steps
+from jaxrl.models.adapters import (ADAPTERS, AVERAGES, CHECKPOINTS, EMA, CheckpointNotFound, adapter_root,
+                                   adapter_steps, run_folder)
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.parallel import distributed
 from jaxrl.parallel.mesh import local_mesh
@@ -81,13 +87,16 @@ from jaxrl.rollout.backends.flags import backend_field, backend_kwargs_field, me
 from jaxrl.rollout.backends.jax_backend import DTYPES
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.runner import REWARD_HELP, check_model_folder
 from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
 from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
-from jaxrl.utils.io import OutputExistsError, atomic_write_json, atomic_write_text, sha256_file
+from jaxrl.utils.io import (OutputExistsError, atomic_write_json, atomic_write_text, folder_lock_file, sha256_file,
+                            writer_lock)
 
 __all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_KINDS", "ModelSpec", "ResumeError",
-           "checkpoint_specs", "default_reward_kwargs", "run_evaluation", "summarize"]
+           "averaged_adapters", "checkpoint_specs", "default_reward_kwargs", "ema_name", "run_evaluation",
+           "summarize"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +124,7 @@ class EvalConfig:
     max_prompt_len: int = flag_field(4096, help="Prompt budget after the chat template.")
     prompt_buckets: tuple[int, ...] = flag_field((), help="Prompt lengths with their own compiled program.")
     enable_thinking: bool = flag_field(False, help="Qwen3.5 thinking mode in the generation prompt.")
-    reward: str = flag_field("code", help="code (the verifier, LiveCodeBench-compatible) or a toy reward name "
-                                          "(exact_match, pattern, arithmetic) or module:function.")
+    reward: str = flag_field("code", help=REWARD_HELP + " code runs in LiveCodeBench-compatible mode.")
     reward_kwargs: dict = flag_field(default_factory=dict, help="JSON keyword arguments of the reward, e.g. "
                                                                 "'{\"timeout_s\": 10, \"workers\": 8}'.")
     baseline: str = flag_field(BASE, help="The model every other one is compared with.")
@@ -163,18 +171,55 @@ def default_reward_kwargs(name: str) -> dict:
     return {"lcb_compat": True} if name == "code" else {}
 
 
-def checkpoint_specs(workdir: str, steps: Optional[Sequence[int]] = None) -> list[ModelSpec]:
-    """`step_<N>` specs for every adapter checkpoint of a run (or the listed steps, which must exist)."""
-    available = adapter_steps(workdir)
-    chosen = available if not steps else [int(s) for s in steps]
-    missing = sorted(set(chosen) - set(available))
+def checkpoint_specs(workdir: str, steps: Optional[Sequence[int | str]] = None) -> list[ModelSpec]:
+    """The candidates of a run: `step_<N>` for every adapter checkpoint, `ema_<N>` for every EMA adapter
+    (checkpoints/ema/<N>, config `ema.decay`) and every averaged adapter under `<run>/averages/` (launchers.export
+    --average), named by its folder; or only those `steps` lists: step numbers (or `step_<N>`), `ema_<N>`, average
+    names. CheckpointNotFound names what is missing and what the run holds."""
+    root = adapter_root(workdir)
+    if root is None:
+        raise CheckpointNotFound(f"{os.path.abspath(workdir)}: no {CHECKPOINTS}/{ADAPTERS} folder (not a run "
+                                 "workdir)")
+    root = os.path.join(os.path.dirname(root), ADAPTERS)  # --checkpoints=RUN/checkpoints/ema names the same run
+    ema_root = os.path.join(os.path.dirname(root), EMA)
+    found = {formats.checkpoint_name(s): ModelSpec(formats.checkpoint_name(s), "adapter", os.path.join(root, str(s)),
+                                                    step=s) for s in adapter_steps(root)}
+    found.update({ema_name(s): ModelSpec(ema_name(s), "adapter", os.path.join(ema_root, str(s)))
+                  for s in adapter_steps(root, EMA)})
+    found.update({name: ModelSpec(name, "adapter", folder) for name, folder in averaged_adapters(workdir).items()})
+    if not steps:
+        return list(found.values())
+    wanted = [formats.checkpoint_name(int(s)) if str(s).isdigit() else str(s) for s in steps]
+    missing = [w for w in wanted if w not in found]
     if missing:
-        raise CheckpointNotFound(f"{workdir}: no adapter checkpoint for step(s) {missing}; present: {available}")
-    path = os.path.abspath(workdir)
-    root = next(p for p in (os.path.join(path, CHECKPOINTS, ADAPTERS), os.path.join(path, ADAPTERS), path)
-                if os.path.basename(p) == ADAPTERS and os.path.isdir(p))
-    return [ModelSpec(formats.checkpoint_name(s), "adapter", os.path.join(root, str(s)), step=s)
-            for s in sorted(chosen)]
+        raise CheckpointNotFound(f"{workdir}: no candidate {', '.join(missing)} (steps are numbers, EMA adapters "
+                                 f"ema_<N>, averages their folder names under {AVERAGES}/); present: "
+                                 f"{', '.join(found) or 'none'}")
+    return [found[w] for w in dict.fromkeys(wanted)]
+
+
+def ema_name(step: int) -> str:
+    """`ema_<N>`: the model name of the EMA adapter saved with the checkpoint of step N."""
+    return f"ema_{int(step)}"
+
+
+def averaged_adapters(workdir: str) -> dict[str, str]:
+    """{folder name: folder} of the averaged adapters under `<run>/averages/` (PEFT folders whose jaxrl_export.json
+    records an `average`); any other folder there is left out with a warning naming it."""
+    folder = os.path.join(run_folder(workdir), AVERAGES)
+    if not os.path.isdir(folder):
+        return {}
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            continue  # an export in progress writes a hidden temporary sibling
+        if is_peft_folder(path) and (read_provenance(path) or {}).get("average"):
+            out[name] = path
+        else:
+            logger.warning("%s: not an averaged adapter (a PEFT folder written by launchers.export --average); left "
+                           "out of the run's candidates", path)
+    return out
 
 
 class Evaluator:
@@ -205,6 +250,8 @@ class Evaluator:
         ids = [p.id for p in problems]
         if len(set(ids)) != len(ids):
             raise ValueError(f"{cfg.problems}: problem ids repeat")
+        if tokenizer is None:
+            check_model_folder(cfg.base, "--base")  # a mistyped path: one line, not the tokenizer's traceback
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.base)
         base_cfg, self.base_layout, _ = load_hf_config(cfg.base)
         self.stop_ids = chat_stop_ids(self.tokenizer, base_cfg.eos_token_id)
@@ -220,6 +267,7 @@ class Evaluator:
         self._adapters: dict = {}
         for spec in self.specs.values():  # every model folder and adapter readable, before any model is loaded
             if spec.kind == "hf":
+                check_model_folder(spec.path, f"--models={spec.name}")
                 load_hf_config(spec.path)
             self.adapter(spec.name)
         self.replaced = self.check_output()
@@ -339,6 +387,7 @@ class Evaluator:
         return {"model": dataclasses.asdict(self.specs[name]), "base": os.path.abspath(cfg.base),
                 "fingerprint": self.run_audit()["fingerprints"][name],
                 "adapter_digest": adapter.digest() if adapter is not None else None,
+                "adapter_step": adapter.step if adapter is not None else None,  # what a run folder resolved to
                 "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                 "max_new_tokens": cfg.max_new_tokens, "enable_thinking": cfg.enable_thinking,
                 "reward": cfg.reward, "reward_kwargs": self.reward_kwargs, "seed": cfg.seed,
@@ -424,8 +473,20 @@ class Evaluator:
         return problem is not None and record.get("problem_fingerprint") == problem.fingerprint
 
     # ------------------------------------------------------------------------------------------------- results
+    def lock(self):
+        """The lock of this evaluation's folder (one writer per --out; jaxrl.utils.io.writer_lock), held by process 0
+        (the other processes write only their part files); re-entrant."""
+        if not distributed.is_main_process():
+            return contextlib.nullcontext()
+        return writer_lock(folder_lock_file(self.out), self.out,
+                           hint="wait for it to finish, or evaluate into another --out")
+
     def run(self, on_batch: Optional[Callable[[dict], None]] = None) -> dict:
         """Audit, sample every model (resuming), write samples, results.json and results.md; returns results."""
+        with self.lock():
+            return self._run(on_batch)
+
+    def _run(self, on_batch: Optional[Callable[[dict], None]]) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
         main = distributed.is_main_process()
         report = self.run_audit()
@@ -495,6 +556,9 @@ class Evaluator:
             m["step"] = spec.step
             m["fingerprint"] = entry["fingerprint"]
             m["adapter_digest"] = self.adapter(name).digest() if spec.kind == "adapter" else None
+            m["adapter_step"] = self.adapter(name).step if spec.kind == "adapter" else None
+            # an averaged or EMA adapter: what it averages (the report draws it beside those steps)
+            m["average"] = self.adapter(name).average if spec.kind == "adapter" else None
             m["source"] = {"kind": spec.kind, "path": os.path.abspath(spec.path) if spec.path else
                            os.path.abspath(cfg.base)}
             if name != BASE:
@@ -506,6 +570,8 @@ class Evaluator:
                                 "skipped_problems": self.skipped, "num_samples": cfg.num_samples,
                                 "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                                 "enable_thinking": cfg.enable_thinking, "reward": cfg.reward,
+                                "max_new_tokens": cfg.max_new_tokens, "max_prompt_len": cfg.max_prompt_len,
+                                "on_overlong": cfg.on_overlong,
                                 "reward_kwargs": self.reward_kwargs, "backend": cfg.backend, "dtype": cfg.dtype,
                                 "seed": cfg.seed, "baseline": cfg.baseline, "base": os.path.abspath(cfg.base),
                                 "truncation_threshold": cfg.truncation_threshold,

@@ -4,19 +4,26 @@
     export_checkpoint("run", base="Qwen3.5-4B", out="run/export/peft_28", step=28)              # PEFT folder
     export_checkpoint("run", base="Qwen3.5-4B", out="run/export/merged_28", step=28, merge=True)  # full folder
 
+    # the exact weighted mean of several checkpoints (rank k r), or its rank-r truncated SVD; default out:
+    # <run>/averages/avg_20-24-28 (where launchers.evaluate --checkpoints=run finds it)
+    export_average("run", base=None, out=None, average="last:3")
+    export_average("run", base=None, out=None, average=[20, 24, 28], weights=[1, 1, 2], rank=16)
+
 Modules: `peft` (PEFT layout, export and import, layout checks; `read_adapter` of any adapter folder), `audit`
 (fingerprints and tensor-level comparisons of any set of checkpoints), `merge` (LoRA merged into the full
-container). The in-memory Adapter (trainer checkpoints, attach / detach on the JAX model) is
-`jaxrl.models.adapters`.
+container), `average` (averaged checkpoints as one adapter). The in-memory Adapter (trainer checkpoints, attach /
+detach on the JAX model) is `jaxrl.models.adapters`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
+from jaxrl.export.average import average_checkpoints, average_name, average_steps
 from jaxrl.export.merge import export_merged
 from jaxrl.export.peft import export_peft, read_adapter
+from jaxrl.models.adapters import AVERAGES, Adapter, run_folder
 
 
 def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: Optional[int] = None,
@@ -29,7 +36,36 @@ def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: O
     layout: PEFT key layout, "auto" (the base's), "container" or "text" (see `jaxrl.export.peft`).
     merge_dtype: merged exports only: None (the base's stored dtype) or "float32" (`jaxrl.export.merge`).
     """
-    adapter = read_adapter(checkpoint, step)
+    return export_adapter(read_adapter(checkpoint, step), checkpoint, base, out, merge=merge, layout=layout,
+                          allow_layout_mismatch=allow_layout_mismatch, overwrite=overwrite, merge_dtype=merge_dtype)
+
+
+def export_average(checkpoint: str, base: Optional[str], out: Optional[str], *, average: Sequence[str] | str,
+                   weights: Optional[Sequence[float]] = None, rank: Optional[int] = None, merge: bool = False,
+                   layout: str = "auto", allow_layout_mismatch: bool = False, overwrite: bool = False,
+                   merge_dtype: Optional[str] = None) -> dict:
+    """What `launchers.export --average` does: the weighted mean of the adapter checkpoints `average` names (step
+    numbers or `last:N`) of the run at `checkpoint`, exact or truncated to `rank` (`jaxrl.export.average`),
+    exported like one checkpoint; returns the provenance record (with `average`, and `out`).
+
+    out: None = `<run>/averages/<name>` (`average_name`), where `launchers.evaluate --checkpoints=<run>` finds it;
+      a merged export needs an explicit `out` (averages/ holds adapters).
+    """
+    steps = average_steps(checkpoint, average)
+    if out is None:
+        if merge:
+            raise ValueError("--merge with --average needs --out (the run's averages/ folder holds PEFT adapters)")
+        out = os.path.join(run_folder(checkpoint), AVERAGES, average_name(steps, weights, rank))
+    adapter = average_checkpoints(checkpoint, steps, weights, rank)
+    info = export_adapter(adapter, checkpoint, base, out, merge=merge, layout=layout,
+                          allow_layout_mismatch=allow_layout_mismatch, overwrite=overwrite, merge_dtype=merge_dtype)
+    return {**info, "out": os.path.abspath(out)}
+
+
+def export_adapter(adapter: Adapter, checkpoint: str, base: Optional[str], out: str, *, merge: bool = False,
+                   layout: str = "auto", allow_layout_mismatch: bool = False, overwrite: bool = False,
+                   merge_dtype: Optional[str] = None) -> dict:
+    """`adapter` (read from `checkpoint`) written as a PEFT folder or merged into `base` at `out`."""
     base = base or adapter.model_path  # the trainer records the base it trained on
     if not base or not os.path.isfile(os.path.join(base, "config.json")):
         raise ValueError(f"base {base!r} is not an HF model folder (the adapter at {checkpoint} names "

@@ -189,6 +189,8 @@ def export_merged(adapter: Adapter, base_dir: str, out_dir: str, *, overwrite: b
             "step": adapter.step, "adapter_digest": adapter.digest(), "modules": len(adapter.modules),
             "rank": adapter.rank, "alpha": adapter.alpha, "use_rslora": adapter.use_rslora,
             "scale": adapter.scale, "load_dtype": dtype, "merge_dtype": merge_dtype or "stored"}
+    if adapter.average is not None:  # an averaged adapter (jaxrl.export.average): what it averages
+        info["average"] = adapter.average
     with atomic_folder(out_dir, overwrite) as tmp:
         qwen35.save_pretrained(model, tmp, base_dir=base_dir, tensor_transform=transform,
                                keep_transform_dtype=merge_dtype is not None)

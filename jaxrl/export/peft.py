@@ -34,12 +34,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxrl.models.adapters import (A_SUFFIX, B_SUFFIX, Adapter, AdapterError, attach, check_against_model,
-                                   module_names, read_trainer_adapter)
+from jaxrl.models.adapters import (A_SUFFIX, B_SUFFIX, Adapter, AdapterError, CheckpointNotFound, adapter_root,
+                                   adapter_steps, attach, check_against_model, module_names, read_trainer_adapter)
 from jaxrl.models.lora import linears, vllm_unpackable
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.models.qwen35.model import Qwen35
-from jaxrl.utils.io import atomic_folder
+from jaxrl.utils.io import CorruptCheckpointError, atomic_folder, damaged_file
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,8 @@ def export_peft(adapter: Adapter, out_dir: str, base_dir: str, layout: Optional[
                   "source": adapter.source, "step": adapter.step, "adapter_digest": adapter.digest(),
                   "modules": len(adapter.modules), "rank": adapter.rank, "alpha": adapter.alpha,
                   "use_rslora": adapter.use_rslora, "scale": adapter.scale}
+    if adapter.average is not None:  # what it averages (jaxrl.export.average); read back by read_peft_adapter
+        provenance["average"] = adapter.average
     with atomic_folder(out_dir, overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
@@ -201,7 +203,12 @@ def read_peft_adapter(folder: str) -> tuple[Adapter, str]:
     weights = os.path.join(folder, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights):
         raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS} (only safetensors adapters are read)")
-    tensors = load_file(weights)
+    try:
+        tensors = load_file(weights)
+    except Exception as e:  # noqa: BLE001 (safetensors' errors have no common type; any failure here is the file)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise AdapterError(f"{weights}: damaged safetensors file ({reason}); export the adapter again, or restore the "
+                           "file from a copy") from e
     layouts, params, vision = set(), {}, []
     for key, value in tensors.items():
         if key.startswith(VISION_PREFIX):
@@ -230,8 +237,23 @@ def read_peft_adapter(folder: str) -> tuple[Adapter, str]:
     adapter = Adapter(params=params, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                       use_rslora=bool(config.get("use_rslora", False)),
                       dropout=float(config.get("lora_dropout") or 0.0), step=None, source=os.path.abspath(folder),
-                      model_path=str(config.get("base_model_name_or_path") or ""), kind="peft")
+                      model_path=str(config.get("base_model_name_or_path") or ""), kind="peft",
+                      average=_average_record(folder))
     return adapter, layouts.pop()
+
+
+def _average_record(folder: str) -> Optional[dict]:
+    """The `average` record of an averaged adapter's jaxrl_export.json (None for any other folder)."""
+    path = os.path.join(folder, PROVENANCE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{path}: unreadable ({e}); export the adapter again") from None
+    average = record.get("average") if isinstance(record, dict) else None
+    return average if isinstance(average, dict) else None
 
 
 def load_peft_adapter(folder: str, model, layout: str) -> Adapter:
@@ -255,9 +277,67 @@ def is_peft_folder(path: str) -> bool:
 
 
 def read_adapter(path: str, step: Optional[int] = None) -> Adapter:
-    """A trainer adapter checkpoint or a PEFT adapter folder (detected by its adapter_config.json)."""
+    """A trainer adapter checkpoint or a PEFT adapter folder (detected by its adapter_config.json). A trainer
+    checkpoint whose files are damaged or missing is a CorruptCheckpointError naming the file (or the step's
+    folder), not the reader's error."""
     if is_peft_folder(path):
         if step is not None:
             raise AdapterError(f"{path}: a PEFT folder holds one adapter; --step does not apply")
         return read_peft_adapter(path)[0]
-    return read_trainer_adapter(path, step)
+    folder, chosen = _step_folder(path, step)
+    missing = [f for f in _STEP_FILES if folder is not None and not os.path.isfile(os.path.join(folder, f))]
+    if missing:  # checked first: the reader's error would name no file (and Orbax warns about the item)
+        raise CorruptCheckpointError(os.path.join(folder, missing[0]), f"step {chosen}: the file is missing")
+    try:
+        return read_trainer_adapter(path, step)
+    except (AdapterError, CorruptCheckpointError):
+        raise
+    except Exception as e:  # noqa: BLE001 (damage is told apart from every other failure below)
+        damage = _damage(e, folder, chosen)
+        if damage is None:
+            raise
+        raise damage from e
+
+
+# What a step folder of an adapter checkpoint must hold (Orbax's metadata of its two items): missing, the reader
+# fails with errors that name no file.
+_STEP_FILES = (os.path.join("adapter", "_METADATA"), os.path.join("meta", "metadata"))
+
+
+def _step_folder(path: str, step: Optional[int]) -> tuple[Optional[str], Optional[int]]:
+    """(the step folder an adapter checkpoint `path` resolves to for `step` (None: the newest), that step); (None,
+    None) when `path` is no adapter checkpoint (the reader then says why)."""
+    try:
+        steps = adapter_steps(path)
+    except (CheckpointNotFound, OSError):
+        return None, None
+    chosen = step if step is not None else (steps[-1] if steps else None)
+    if chosen is None:
+        return None, None
+    if os.path.basename(os.path.abspath(path)).isdigit():
+        return os.path.abspath(path), chosen
+    root = adapter_root(path)
+    if root is not None and os.path.isdir(os.path.join(root, str(chosen))):
+        return os.path.join(root, str(chosen)), chosen
+    return None, chosen
+
+
+def _damage(exc: BaseException, folder: Optional[str], step: Optional[int]) -> Optional[CorruptCheckpointError]:
+    """The CorruptCheckpointError of a failed read of the adapter checkpoint in `folder` (of `step`): a damaged file
+    named by the error or found unreadable in the folder, or a file missing from it; None when not damage."""
+    if folder is None:
+        return None
+    damage = damaged_file(exc, folder)
+    if damage is not None and damage.path == folder:  # no file named: say which step
+        damage = CorruptCheckpointError(folder, f"step {step}: {damage.reason}")
+    if damage is None and any("NOT_FOUND" in str(e) or isinstance(e, FileNotFoundError) for e in _causes(exc)):
+        damage = CorruptCheckpointError(folder, f"step {step}: a file of it is missing")
+    return damage
+
+
+def _causes(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__

@@ -10,7 +10,10 @@ reads, and attaching it to the JAX model.
 Names are ours (`layers.0.linear_attn.in_proj_qkv.lora.lora_A` [r, in], `...lora_B` [out, r]), fp32, exactly
 PEFT's tensors under another name (docs/design/qwen35-architecture.md §6), so every conversion is a rename.
 
-Checkpoint layout (written by jaxrl.train.checkpoints): `<workdir>/checkpoints/adapters/<step>/{adapter,meta}`.
+Checkpoint layout (written by jaxrl.train.checkpoints): `<workdir>/checkpoints/adapters/<step>/{adapter,meta}`, and
+with `ema.decay` set the EMA of the factors beside it, `<workdir>/checkpoints/ema/<step>/{adapter,meta}` (the same
+format: every reader here takes either). Averaged adapters (jaxrl.export.average) are PEFT folders under
+`<workdir>/averages/<name>/`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from jaxrl.models.lora import ALL_LINEAR
 
 CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"
+EMA = "ema"  # checkpoints/ema/<step>: the EMA of the LoRA factors at that step (TrainConfig.ema)
+AVERAGES = "averages"  # <workdir>/averages/<name>: averaged adapters of the run (launchers.export --average)
+ADAPTER_TREES = (ADAPTERS, EMA)  # the folders of checkpoints/ that hold one adapter per step
 
 
 class CheckpointNotFound(FileNotFoundError):
@@ -51,8 +57,11 @@ class Adapter:
 
     params: {our factor name: fp32 array}; every module has both `A` [r, in] and `B` [out, r].
     modules: module paths (`layers.3.self_attn.q_proj`), in model order.
-    step: optimizer step of a trainer checkpoint (None for a PEFT folder).
+    step: optimizer step of a trainer checkpoint (None for a PEFT folder or an average).
     source: where it was read from (for error messages and provenance records).
+    average: what an averaged adapter averages, None for one checkpoint: {"kind": "mean", "steps", "weights",
+      ...} (jaxrl.export.average; kept in jaxrl_export.json) or {"kind": "ema", "decay", "step", "over"} (an EMA
+      checkpoint, from its meta).
     """
 
     params: dict[str, np.ndarray]
@@ -63,7 +72,8 @@ class Adapter:
     step: Optional[int] = None
     source: str = ""
     model_path: str = ""
-    kind: str = "trainer"  # "trainer" | "peft"
+    kind: str = "trainer"  # "trainer" | "peft" | "average"
+    average: Optional[dict] = None
 
     def __post_init__(self):
         self.params = {k: np.asarray(v, np.float32) for k, v in self.params.items()}
@@ -144,16 +154,34 @@ def merged_weight(base_value: np.ndarray, adapter: Adapter, module: str,
 # ---------------------------------------------------------------------------------------------------------------
 # Trainer checkpoints
 
+def adapter_root(path: str) -> Optional[str]:
+    """The folder of per-step adapter checkpoints `path` names: itself when it is an adapters/ or ema/ folder, else
+    the adapters/ of a checkpoints/ folder or of a run workdir; None when there is none."""
+    path = os.path.abspath(path)
+    for candidate in (path, os.path.join(path, ADAPTERS), os.path.join(path, CHECKPOINTS, ADAPTERS)):
+        if os.path.basename(candidate) in ADAPTER_TREES and os.path.isdir(candidate):
+            return candidate
+    return None
+
+
 def _adapter_root_and_step(path: str, step: Optional[int]) -> tuple[str, Optional[int]]:
     path = os.path.abspath(path)
     base = os.path.basename(path.rstrip("/"))
-    if base.isdigit() and os.path.basename(os.path.dirname(path)) == ADAPTERS:
+    if base.isdigit() and os.path.basename(os.path.dirname(path)) in ADAPTER_TREES:
         return os.path.dirname(path), int(base) if step is None else step
-    for candidate in (path, os.path.join(path, ADAPTERS), os.path.join(path, CHECKPOINTS, ADAPTERS)):
-        if os.path.basename(candidate) == ADAPTERS and os.path.isdir(candidate):
-            return candidate, step
-    raise CheckpointNotFound(f"{path}: not a run workdir, its checkpoints/ or adapters/ folder, or an adapter "
+    root = adapter_root(path)
+    if root is not None:
+        return root, step
+    raise CheckpointNotFound(f"{path}: not a run workdir, its checkpoints/, adapters/ or ema/ folder, or an adapter "
                              f"step folder (expected .../{CHECKPOINTS}/{ADAPTERS}/<step>)")
+
+
+def run_folder(path: str) -> str:
+    """The run workdir of an adapter checkpoint path (a workdir, its checkpoints/, adapters/ or ema/ folder, or one
+    step folder of them): where its averages/ folder lives."""
+    root, _ = _adapter_root_and_step(path, None)
+    parent = os.path.dirname(root)
+    return os.path.dirname(parent) if os.path.basename(parent) == CHECKPOINTS else parent
 
 
 def load_adapter(path: str, step: Optional[int] = None) -> tuple[dict[str, np.ndarray], dict]:
@@ -195,10 +223,11 @@ def from_trainer(params: dict, meta: dict, source: str = "") -> Adapter:
     for key in ("rank", "alpha"):
         if key not in spec:
             raise AdapterError(f"{source}: adapter meta has no lora.{key}; cannot rebuild the adapter")
+    ema = meta.get("ema")
     adapter = Adapter(params=dict(params), rank=int(spec["rank"]), alpha=float(spec["alpha"]),
                       use_rslora=bool(spec.get("use_rslora", False)), dropout=float(spec.get("dropout", 0.0)),
                       step=meta.get("step"), source=source, model_path=str(meta.get("model_path") or ""),
-                      kind="trainer")
+                      kind="trainer", average={"kind": "ema", **ema} if ema else None)
     listed = spec.get("modules")
     if listed is not None and sorted(listed, key=module_sort_key) != adapter.modules:
         raise AdapterError(f"{source}: meta lists {len(listed)} adapted modules but the checkpoint holds factors "
@@ -233,18 +262,24 @@ def write_adapter_checkpoint(workdir: str, step: int, adapter: Adapter, model_co
     return os.path.join(root, str(int(step)))
 
 
-def adapter_steps(workdir: str) -> list[int]:
-    """Complete adapter checkpoint steps of a run (a workdir, its checkpoints/ or adapters/ folder)."""
-    path = os.path.abspath(workdir)
-    for root in (os.path.join(path, CHECKPOINTS, ADAPTERS), os.path.join(path, ADAPTERS), path):
-        if os.path.basename(root) == ADAPTERS and os.path.isdir(root):
-            mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
-                                        options=ocp.CheckpointManagerOptions(read_only=True))
-            try:
-                return sorted(int(s) for s in mgr.all_steps())
-            finally:
-                mgr.close()
-    raise CheckpointNotFound(f"{path}: no {CHECKPOINTS}/{ADAPTERS} folder (not a run workdir)")
+def adapter_steps(workdir: str, tree: str = ADAPTERS) -> list[int]:
+    """Complete adapter checkpoint steps of a run (a workdir, its checkpoints/ folder, or an adapters/ or ema/
+    folder); `tree`: which of the two per-step folders to list, `adapters` or its sibling `ema` (a run without EMA
+    checkpoints: [])."""
+    root = adapter_root(workdir)
+    if root is None:
+        raise CheckpointNotFound(f"{os.path.abspath(workdir)}: no {CHECKPOINTS}/{ADAPTERS} folder (not a run "
+                                 "workdir)")
+    if os.path.basename(root) != tree:
+        root = os.path.join(os.path.dirname(root), tree)
+        if not os.path.isdir(root):
+            return []
+    mgr = ocp.CheckpointManager(root, item_names=("adapter", "meta"),
+                                options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        return sorted(int(s) for s in mgr.all_steps())
+    finally:
+        mgr.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -94,8 +94,15 @@ class LoRA(nnx.Module):
         self.dropout_active = False
         self.dropout_key = LoRADropoutKey(jnp.zeros((2,), jnp.uint32)) if dropout > 0 else nnx.data(None)
 
+    @staticmethod
+    def compute_dtype(input_dtype) -> jnp.dtype:
+        """The operand dtype of the adapter's products for inputs of `input_dtype` (module docstring); a decode
+        program that stacks A under the base weight (`Linear.decode_weights`) rounds it the same way."""
+        return jnp.dtype(input_dtype) if jnp.dtype(input_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(
+            jnp.float32)
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        compute = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        compute = self.compute_dtype(x.dtype)
         x = x.astype(compute)
         if self.dropout_active and self.dropout > 0:
             key = jax.random.wrap_key_data(self.dropout_key[...])

@@ -21,18 +21,26 @@ is fp32. Measured against the fp32 path on random unit-scale inputs (B=2, T=300,
 tests/test_gated_delta_fast.py): the bf16 path's output error is about 1% of the output scale (bound asserted:
 3%), of the same order as rounding the fp32 output itself to bf16 several times over.
 
-`gated_delta_decode_step` is the T = 1 update. It reads the state once for both products it needs (S^T k and
-S^T q, one dot against the stacked [k; q]) and writes it once:
+`gated_delta_decode_step` is the T = 1 update:
     o = a S^T q + (k . q) delta,   S' = a S + k delta^T,   delta = beta (v - a S^T k),   a = exp(g)
-which equals the recurrence exactly in exact arithmetic. The state may be stored in bf16 (the model's
-`gdn_state_dtype`): it is read into fp32, updated in fp32 and rounded once per step when written back.
+which equals the recurrence exactly in exact arithmetic. Written plainly it moves the [dk, dv] state three
+times (S^T [k; q] reads it, S' = a S + k delta^T reads it again and writes it): delta needs the whole column sum
+S^T k before any entry of S' can be written, which no single elementwise pass can wait for.
+`gated_delta_decode_step_deferred`, what the model's decode runs, moves it twice: the rank-1 update of step t
+(its decay a_t, key k_t and delta_t, a few hundred floats per head) is kept *pending* beside the stored state and
+applied when step t + 1 reads it. Step t + 1 then computes S_t = a_t S_{t-1} + k_t delta_t^T entry by entry while
+reading S_{t-1}, writes S_t (the new stored state) and reduces it against [k; q] in the same pass: one read and
+one write, in one fused loop where the compiler fuses a reduction with a side output of its input (XLA:GPU
+does). The numbers are those of the plain update: the same formula, applied one step later. The state may be
+stored in bf16 (the model's `gdn_state_dtype`): it is read into fp32, updated in fp32 and rounded once per step
+when written back (the deferred form rounds S_t exactly where the plain one does, before reading it).
 
 Both forms take and return the state, so a prefix plus a continuation equals one pass.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +207,63 @@ def gated_delta_decode_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     new_state = a[..., None] * s + k[:, :, None, :, None] * delta[:, :, :, None, :]
     return (o.reshape(batch, num_v_heads, dv).astype(v.dtype),
             new_state.reshape(batch, num_v_heads, dk, dv).astype(state.dtype))
+
+
+class PendingUpdate(NamedTuple):
+    """The rank-1 update of the last decode step, not yet applied to the stored state (fp32):
+    S = decay * stored + key delta^T per value head. decay [B, Hv], key [B, Hk, dk] (L2-normalised; value head h
+    uses key head h // (Hv / Hk)), delta [B, Hv, dv]. `no_pending_update` is the identity (decay 1, zeros)."""
+    decay: jax.Array
+    key: jax.Array
+    delta: jax.Array
+
+
+def no_pending_update(batch: int, num_k_heads: int, num_v_heads: int, dk: int, dv: int) -> PendingUpdate:
+    f32 = jnp.float32
+    return PendingUpdate(jnp.ones((batch, num_v_heads), f32), jnp.zeros((batch, num_k_heads, dk), f32),
+                         jnp.zeros((batch, num_v_heads, dv), f32))
+
+
+def apply_pending(stored: jax.Array, pending: PendingUpdate) -> jax.Array:
+    """stored [B, Hv, dk, dv] (any float dtype) -> the current state, fp32 [B, Hv, dk, dv]."""
+    batch, num_v_heads, dk, dv = stored.shape
+    num_k_heads = pending.key.shape[1]
+    rep = _check_heads(num_k_heads, num_v_heads)
+    s = stored.astype(jnp.float32).reshape(batch, num_k_heads, rep, dk, dv)
+    decay = pending.decay.reshape(batch, num_k_heads, rep, 1, 1)
+    delta = pending.delta.reshape(batch, num_k_heads, rep, 1, dv)
+    s = decay * s + pending.key[:, :, None, :, None] * delta
+    return s.reshape(batch, num_v_heads, dk, dv)
+
+
+def gated_delta_decode_step_deferred(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                                     stored: jax.Array, pending: PendingUpdate
+                                     ) -> tuple[jax.Array, jax.Array, PendingUpdate]:
+    """One token for every row with the update deferred (module docstring): q, k [B, Hk, dk]; v [B, Hv, dv];
+    g, beta [B, Hv]; stored [B, Hv, dk, dv] (fp32 or bf16 storage) and the pending update of the previous step.
+    Returns (o [B, Hv, dv] in v's dtype, the new stored state (the state before this token, in stored's dtype),
+    this token's pending update). `apply_pending(new_stored, new_pending)` is the state after this token."""
+    f32 = jnp.float32
+    batch, num_k_heads, dk = k.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    rep = _check_heads(num_k_heads, num_v_heads)
+    q = _l2norm(q.astype(f32)) * (dk ** -0.5)
+    k = _l2norm(k.astype(f32))
+    # The state entering this token, rounded as it is stored (a no-op for fp32): the plain update reads exactly
+    # this value back from its bf16 storage.
+    current = apply_pending(stored, pending).astype(stored.dtype)
+    s = current.astype(f32).reshape(batch, num_k_heads, rep, dk, dv)
+    # S^T k and S^T q as multiply-and-reduce over dk (not a dot), so they fuse with the elementwise pass that
+    # produces `current` instead of reading it back from memory.
+    read_k = jnp.sum(s * k[:, :, None, :, None], axis=3)  # [B, Hk, r, dv]
+    read_q = jnp.sum(s * q[:, :, None, :, None], axis=3)
+    a = jnp.exp(g.astype(f32)).reshape(batch, num_k_heads, rep, 1)
+    b = beta.astype(f32).reshape(batch, num_k_heads, rep, 1)
+    delta = b * (v.astype(f32).reshape(batch, num_k_heads, rep, dv) - a * read_k)
+    k_dot_q = jnp.sum(k * q, axis=-1)[:, :, None, None]
+    o = a * read_q + k_dot_q * delta
+    new_pending = PendingUpdate(a.reshape(batch, num_v_heads), k, delta.reshape(batch, num_v_heads, dv))
+    return o.reshape(batch, num_v_heads, dv).astype(v.dtype), current, new_pending
 
 
 def recurrent_gated_delta_rule(

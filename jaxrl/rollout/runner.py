@@ -15,8 +15,15 @@ missing (problem_id, sample_index) are generated. Sample keys derive from (seed,
 from positions, so a resumed run writes what the interrupted run would have written. `<out>.meta.json` holds the
 settings; resuming with different settings is refused (mixing them would corrupt the statistics).
 
+The checkpoint is part of the settings: `<out>.meta.json` records the step `adapter` resolved to (a run folder
+resolves to its newest checkpoint) and the adapter's digest, and a resume whose `adapter` resolves to another
+checkpoint (the run trained on since) is refused, so one file never holds samples of two checkpoints.
+
 Prompts longer than max_prompt_len after the chat template are skipped and counted (`on_overlong="skip"`) or
 stop the run (`"error"`); never cut.
+
+One writer per output: the process holds a lock on `<out>` (`.<name>.lock` beside it, jaxrl.utils.io.writer_lock)
+while it writes; a second run on the same --out is refused naming the first one's pid, before it writes anything.
 
 Devices and processes (the jax backend): the rows of each batch are split over the data axis of a mesh of this
 process's devices (`mesh_shape`, default every local device; the batch size is rounded up to a multiple). With
@@ -32,19 +39,22 @@ writes and merges is jaxrl.rollout.sampling_loop (evaluation runs the same one).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from jaxrl.data.chat import OVERLONG_POLICIES, chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
 from jaxrl.export.peft import read_adapter
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.parallel.mesh import local_mesh
-from jaxrl.rewards import get_reward
+from jaxrl.parallel.distributed import is_main_process
+from jaxrl.rewards import REWARDS, get_reward
 from jaxrl.rollout.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
 from jaxrl.rollout.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
 from jaxrl.rollout.backends.jax_backend import DTYPES
@@ -52,14 +62,56 @@ from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
 from jaxrl.rollout.writer import ResumableJsonl, ResumeError
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.io import sibling_lock_file, writer_lock
 
-__all__ = ["RolloutConfig", "ResumeError", "record_of", "run_rollouts", "sampling_of"]
+__all__ = ["REWARD_HELP", "RewardChoiceError", "RolloutConfig", "ResumeError", "check_model_folder",
+           "check_reward_choice", "record_of", "run_rollouts", "sampling_of"]
 
 logger = logging.getLogger(__name__)
 
-# Settings that must match for a resumed run to continue an existing rollouts file.
-_RESUME_KEYS = ("problems", "model", "adapter", "num_samples", "temperature", "top_p", "top_k", "max_new_tokens",
-                "max_prompt_len", "enable_thinking", "reward", "seed", "dtype", "model_name", "backend")
+# Settings that must match for a resumed run to continue an existing rollouts file. The adapter is compared by
+# what it is (the step it resolved to, its digest), not by how it was named: a run folder and its step folder are
+# the same checkpoint, and one run folder is another checkpoint after more training.
+_RESUME_KEYS = ("problems", "model", "adapter_step", "adapter_digest", "num_samples", "temperature", "top_p",
+                "top_k", "max_new_tokens", "max_prompt_len", "enable_thinking", "reward", "seed", "dtype",
+                "model_name", "backend")
+# The rewards a flag may name, read from the registry (plug-ins registered later are accepted too).
+REWARD_HELP = (f"Reward: {', '.join(REWARDS.names())} (jaxrl.rewards; code is the sandboxed verifier), or "
+               "module:function of your own.")
+
+
+class RewardChoiceError(ValueError):
+    """An unknown reward, or an option the reward does not take: a usage error naming the flag."""
+
+
+def check_reward_choice(name: str, options: Mapping, flag: str = "--reward") -> None:
+    """RewardChoiceError unless `name` is a registered reward (or user code, "module:function") that takes every
+    keyword of `options`; nothing is built."""
+    if ":" in name:
+        return  # user code: its own signature decides when it is built
+    if name not in REWARDS:
+        raise RewardChoiceError(f"{flag}={name}: unknown reward; registered: {', '.join(REWARDS.names())} (or name "
+                                "your own as module:function)")
+    try:
+        params = inspect.signature(REWARDS.get(name)).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    for key in options:
+        if key not in takes:
+            raise RewardChoiceError(f"--reward_kwargs: reward {name!r} takes no option {key!r}; its options: "
+                                    f"{', '.join(takes) or '(none)'}")
+
+
+def check_model_folder(path: str, flag: str) -> None:
+    """FileNotFoundError naming the flag unless `path` is an HF model folder (with config.json): a mistyped path
+    is one line, not the tokenizer library's traceback."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{flag}={path}: no such folder (an HF model folder with config.json)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{flag}={path}: not an HF model folder (no config.json in it)")
 
 
 @dataclasses.dataclass
@@ -81,7 +133,7 @@ class RolloutConfig:
     prompt_buckets: tuple[int, ...] = flag_field((), help="Prompt lengths that get their own compiled program "
                                                          "(default 32, 64, ... up to --max_prompt_len).")
     enable_thinking: bool = flag_field(False, help="Qwen3.5 thinking mode in the generation prompt.")
-    reward: str = flag_field("code", help="Reward name (jaxrl.rewards.get_reward) or module:function.")
+    reward: str = flag_field("code", help=REWARD_HELP)
     batch_size: int = flag_field(64, help="Samples per compiled batch (jax backend); samples in flight at once "
                                           "(server backends).")
     seed: int = flag_field(0, help="Sampling seed.")
@@ -120,8 +172,11 @@ def done_samples(existing: list[tuple[int, dict]], path: Path, num_samples: int)
     return done
 
 
-def _settings(cfg: RolloutConfig) -> dict:
-    settings = {k: getattr(cfg, k) for k in _RESUME_KEYS}
+def _settings(cfg: RolloutConfig, adapter) -> dict:
+    """The settings the samples depend on (`<out>.meta.json`); `adapter`: the one --adapter resolved to."""
+    settings = {k: getattr(cfg, k) for k in (*_RESUME_KEYS, "adapter") if hasattr(cfg, k)}
+    settings["adapter_step"] = None if adapter is None else adapter.step
+    settings["adapter_digest"] = None if adapter is None else adapter.digest()
     for k in ("problems", "model", "adapter"):  # the same files named another way are the same settings
         if settings[k]:
             settings[k] = os.path.abspath(settings[k])
@@ -168,9 +223,16 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     if cfg.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    if reward is None:
+        check_reward_choice(cfg.reward, {})
+    if model is None or tokenizer is None:
+        check_model_folder(cfg.model, "--model")
     out = Path(cfg.out)
-    log = ResumableJsonl(out, _settings(cfg), compare=_RESUME_KEYS, what="rollouts",
-                         hint="write to another --out")
+    # the checkpoint --adapter resolves to now (a run folder: its newest), recorded and compared on resume
+    adapter = read_adapter(cfg.adapter) if cfg.adapter else None
+    hint = "write to another --out" + (", or pin the checkpoint the file was started with (--adapter=<run>/"
+                                       "checkpoints/adapters/<step>)" if adapter is not None else "")
+    log = ResumableJsonl(out, _settings(cfg, adapter), compare=_RESUME_KEYS, what="rollouts", hint=hint)
     log.check()
 
     problems = load_problems(cfg.problems)
@@ -184,21 +246,40 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
     for s in skipped:
         logger.warning("skipping problem %s: %d prompt tokens > max_prompt_len=%d", s["problem_id"],
                        s["prompt_tokens"], cfg.max_prompt_len)
-    # what is on disk: the file, and the part files of several processes (this run's, or an interrupted run's)
+    kept = [(problems[i], ids) for i, ids in zip(encoded.kept, encoded.ids)]
+    _done_on_disk(log, cfg, out, kept)  # refused here, before anything is written: foreign or duplicate records
+    if model is not None and cfg.backend == "jax":
+        adapter = None  # a given model is used as it is
+    with writer_lock(sibling_lock_file(out), out, hint="wait for it to finish, or write to another --out") \
+            if is_main_process() else _no_lock():
+        # read again under the lock: what another writer added before it let go is never drawn twice
+        loop = SamplingLoop(log, kept, cfg.num_samples, _done_on_disk(log, cfg, out, kept), label=f"rollouts {out}")
+        return _sample(cfg, problems, skipped, loop, out, sampling, adapter, model, tokenizer, reward, on_batch)
+
+
+def _done_on_disk(log: ResumableJsonl, cfg: RolloutConfig, out: Path, kept: list) -> set[tuple[str, int]]:
+    """The (problem id, sample index) pairs already in the file and the part files of several processes (this
+    run's, or an interrupted run's); ResumeError for records of problems this run does not have."""
     done: set[tuple[str, int]] = set()
     for source in on_disk(log):
         for pid, indices in done_samples(source.read(validate=_validate_record), source.path,
                                          cfg.num_samples).items():
             done.update((pid, i) for i in indices)
-    kept_ids = {problems[i].id for i in encoded.kept}
-    foreign = sorted({pid for pid, _ in done} - kept_ids)
+    foreign = sorted({pid for pid, _ in done} - {p.id for p, _ in kept})
     if foreign:
         raise ResumeError(f"{out} has records for problems not in this run (e.g. {foreign[0]!r}); it belongs to "
                           "another problems file or --limit")
-    loop = SamplingLoop(log, [(problems[i], ids) for i, ids in zip(encoded.kept, encoded.ids)], cfg.num_samples,
-                        done, label=f"rollouts {out}")
+    return done
 
-    adapter = read_adapter(cfg.adapter) if cfg.adapter and (model is None or cfg.backend != "jax") else None
+
+@contextlib.contextmanager
+def _no_lock():
+    yield  # processes other than 0 write only their own part files
+
+
+def _sample(cfg: RolloutConfig, problems, skipped, loop: SamplingLoop, out: Path, sampling: SamplingParams, adapter,
+            model, tokenizer, reward, on_batch) -> dict:
+    """The sampling of run_rollouts, under the output's lock: the backend, the loop, the summary."""
     if reward is None:
         reward = get_reward(cfg.reward)
     model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name + (f"+{cfg.adapter}" if cfg.adapter else "")

@@ -1,4 +1,7 @@
-"""The rollout engine: batched prefill + a jitted decode loop over preallocated caches.
+"""The static sampler: batched prefill + a jitted decode loop over preallocated caches, each batch decoded until
+its longest row stops. Every consumer samples with the continuous-batching engine built on it
+(`jaxrl.rollout.engine.ContinuousSampler`: the same samples, finished rows replaced by waiting ones); this module is
+its reference (tests, benchmarks) and holds what both share (`SamplerBase`, `weights_of`, `GenerationOutput`).
 
     sampler = Sampler(model, max_new_tokens=512, max_prompt_len=1024, batch_size=64,
                       eos_token_ids=(eos,), mesh=None)
@@ -113,7 +116,7 @@ def _batch_spec(ndim: int) -> P:
     return P((DATA, FSDP), *([None] * (ndim - 1)))
 
 
-def _constrain_rows(tree, mesh: Optional[Mesh]):
+def constrain_rows(tree, mesh: Optional[Mesh]):
     """Puts the leading (row) dimension of every array leaf on data x fsdp; scalars stay replicated."""
     if mesh is None:
         return tree
@@ -121,7 +124,7 @@ def _constrain_rows(tree, mesh: Optional[Mesh]):
         x, NamedSharding(mesh, _batch_spec(x.ndim) if x.ndim else P())), tree)
 
 
-def _replicate(tree, mesh: Optional[Mesh]):
+def replicate_rows(tree, mesh: Optional[Mesh]):
     """Every leaf on every device of the mesh: what the host reads back. Rows were computed where they were
     sharded; gathering the few [B, max_new_tokens] outputs lets every process read all of them (a mesh over
     several processes has devices no single process can fetch from)."""
@@ -135,6 +138,24 @@ def shard_params(params, mesh: Mesh):
     def put(path, x):
         return jax.device_put(x, NamedSharding(mesh, partition_spec(dotted(path), x.shape, mesh)))
     return jax.tree_util.tree_map_with_path(put, params)
+
+
+def weights_of(model: nnx.Module, params, mesh: Optional[Mesh]) -> tuple:
+    """(graphdef, weights) of one call, as the programs take them: the model's *current* structure (`with
+    lora.adapters_disabled(model): sampler.sample(...)` samples the base policy, a different graph compiled once;
+    adapters attached after construction work) and a 1-tuple holding one nnx.State, placed on the mesh when there
+    is one. params: None (the model's current weights), a State, or a tuple of States from a filtered nnx.split."""
+    graphdef = nnx.graphdef(model)
+    if params is None:
+        params = nnx.state(model)
+    elif isinstance(params, tuple):
+        # (params, rest) from a filtered nnx.split -> one State, so every caller has the same pytree structure
+        # and shares one compiled program.
+        params = nnx.merge_state(*params)
+    params = (params,)
+    if mesh is not None:
+        params = shard_params(params, mesh)
+    return graphdef, params
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,13 +179,13 @@ def _prefill(graphdef, params: tuple, ids: jax.Array, mask: jax.Array, source: j
     slots, logits of the last position [B, V] f32), for every row."""
     TRACE_COUNTS[("prefill", ids.shape, cache_len, rows)] += 1
     model = nnx.merge(graphdef, *params)
-    rows_ids, rows_mask = _constrain_rows((ids[:rows], mask[:rows]), mesh)
+    rows_ids, rows_mask = constrain_rows((ids[:rows], mask[:rows]), mesh)
     hidden, cache = model.hidden_states(rows_ids, rows_mask, cache_length=cache_len)
     # Only the last position's logits are needed: never materialise [B, P, V] (P x 248k floats per row).
     logits = model.logits_from_hidden(hidden[:, -1]).astype(jnp.float32)
     copy = lambda x: jnp.take(x, source, axis=0)  # noqa: E731  prompt rows -> sampling rows
     cache = Cache(jax.tree.map(copy, cache.layers), copy(cache.valid), cache.length, copy(cache.next_position))
-    return _constrain_rows((cache, copy(logits)), mesh)
+    return constrain_rows((cache, copy(logits)), mesh)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "mode", "pad_id", "mesh"),
@@ -212,7 +233,7 @@ def _decode(graphdef, params: tuple, cache: Cache, logits: jax.Array, row_valid:
         tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, step))
         logprobs = jax.lax.dynamic_update_slice(logprobs, jnp.where(active, lp, 0.0)[:, None], (0, step))
         hit = active & is_stop(new)
-        carry = (step + 1, _constrain_rows(cache, mesh), new, tokens, logprobs, done | hit, stopped | hit,
+        carry = (step + 1, constrain_rows(cache, mesh), new, tokens, logprobs, done | hit, stopped | hit,
                  lengths + active.astype(jnp.int32))
         return carry
 
@@ -222,7 +243,7 @@ def _decode(graphdef, params: tuple, cache: Cache, logits: jax.Array, row_valid:
     # the loop then updates the KV cache in place instead of first copying it.
     out = {"tokens": tokens, "logprobs": logprobs, "lengths": lengths, "stopped": stopped & row_valid,
            "steps": step - 1}
-    return _replicate(out, mesh), cache
+    return replicate_rows(out, mesh), cache
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,8 +294,9 @@ class PlannedBatch:
     sample_ids: np.ndarray  # [B] uint32
 
 
-class Sampler:
-    """Compiled prefill + decode for one model structure, held across calls (and training steps).
+class SamplerBase:
+    """What every sampler of one model structure holds (the static `Sampler` here, the continuous-batching
+    `jaxrl.rollout.engine.ContinuousSampler`): the settings below, checked once, and the weights of a call.
 
     Args:
       model: the nnx model to sample from; each `sample()` reads its current structure (adapters attached,
@@ -335,21 +357,8 @@ class Sampler:
 
     # -----------------------------------------------------------------------------------------------------------
     def resolve_params(self, params=None) -> tuple:
-        """The weights one call runs with, as the programs take them: a 1-tuple holding one nnx.State (placed on
-        the mesh when there is one). params: None (the held model's current weights), a State, or a tuple of
-        States from a filtered nnx.split."""
-        # The held model's *current* structure: `with lora.adapters_disabled(model): sampler.sample(...)` samples
-        # the base policy (a different graph, compiled once), and attaching adapters after construction works.
-        self.graphdef = nnx.graphdef(self.model)
-        if params is None:
-            params = nnx.state(self.model)
-        elif isinstance(params, tuple):
-            # (params, rest) from a filtered nnx.split -> one State, so every caller has the same pytree structure
-            # and shares one compiled program.
-            params = nnx.merge_state(*params)
-        params = (params,)
-        if self.mesh is not None:
-            params = shard_params(params, self.mesh)
+        """The weights one call runs with (`weights_of`), and the held model's current structure in `graphdef`."""
+        self.graphdef, params = weights_of(self.model, params, self.mesh)
         return params
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -365,6 +374,28 @@ class Sampler:
                 raise ValueError(f"prompt {j} has token ids outside [0, {self.vocab_size})")
             out.append(arr.astype(np.int32))
         return out
+
+    def _check_call(self, prompts, n: int, seed: int, temperature: float, top_p: float, top_k: int,
+                    group_ids) -> tuple[SamplingMode, list[np.ndarray], list[int]]:
+        """The checks every `sample` call starts with: (sampling mode, prompts as arrays, group ids mod 2^32)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not 0 <= int(seed) < 2 ** 32:
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+        mode = sampling_mode(float(temperature), float(top_p), int(top_k), self.vocab_size)
+        arrays = self._check_prompts(prompts)
+        if group_ids is None:
+            group_ids = range(len(arrays))
+        group_ids = [int(g) % 2 ** 32 for g in group_ids]
+        if len(group_ids) != len(arrays):
+            raise ValueError(f"{len(group_ids)} group_ids for {len(arrays)} prompts")
+        return mode, arrays, group_ids
+
+
+class Sampler(SamplerBase):
+    """The static sampler: rows grouped by prompt bucket into batches, each batch prefilled and then decoded until
+    its longest row stops (module docstring). The reference of the continuous-batching engine
+    (`jaxrl.rollout.engine.ContinuousSampler`, which every consumer samples with), token for token."""
 
     def plan(self, prompts: Sequence[np.ndarray], n: int, group_ids: Sequence[int]) -> list[PlannedBatch]:
         """Rows (prompt-major) grouped by prompt bucket, chunked into batches padded to batch buckets."""
@@ -439,17 +470,7 @@ class Sampler:
           model with this sampler's structure; default the held model's current weights.
         group_ids: per prompt, the id its samples' keys derive from (default: the prompt's index).
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not 0 <= int(seed) < 2 ** 32:
-            raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-        mode = sampling_mode(float(temperature), float(top_p), int(top_k), self.vocab_size)
-        arrays = self._check_prompts(prompts)
-        if group_ids is None:
-            group_ids = range(len(arrays))
-        group_ids = [int(g) % 2 ** 32 for g in group_ids]
-        if len(group_ids) != len(arrays):
-            raise ValueError(f"{len(group_ids)} group_ids for {len(arrays)} prompts")
+        mode, arrays, group_ids = self._check_call(prompts, n, seed, temperature, top_p, top_k, group_ids)
         params = self.resolve_params(params)
         batches = self.plan(arrays, n, group_ids)
         # Dispatch every batch before fetching any result, so host work overlaps device work.
@@ -458,10 +479,11 @@ class Sampler:
         tokens: list = [None] * num_rows
         logprobs: list = [None] * num_rows
         reasons: list = [None] * num_rows
-        steps = 0
+        steps = slot_steps = 0
         for batch, result in pending:
             res = jax.device_get(result)
             steps += int(res["steps"])
+            slot_steps += int(res["steps"]) * len(batch.row_valid)
             for k, r in enumerate(batch.rows):
                 length = int(res["lengths"][k])
                 tokens[r] = res["tokens"][k, :length].tolist()
@@ -469,7 +491,7 @@ class Sampler:
                 reasons[r] = "stop" if res["stopped"][k] else "length"
         stats = {"batches": len(batches), "rows": num_rows,
                  "padded_rows": sum(len(b.row_valid) for b in batches),
-                 "generated_tokens": sum(len(t) for t in tokens), "decode_steps": steps}
+                 "generated_tokens": sum(len(t) for t in tokens), "decode_steps": steps, "slot_steps": slot_steps}
         return GenerationOutput(tokens=tokens, logprobs=logprobs, finish_reasons=reasons,
                                 prompt_indices=[r // n for r in range(num_rows)],
                                 sample_indices=[r % n for r in range(num_rows)],

@@ -18,7 +18,8 @@ written:
     barrier(...); if process 0: log.merge_parts(key, order); log.finish(summary)
 
 Crash safety: records are appended whole groups at a time and fsync'ed, so a kill loses at most the group in
-flight; a partially written last line is cut off on the next open (and logged). `<path>.meta.json` records the
+flight; a partially written last line is cut off on the next open (and logged), and a group a full disk refused
+half-way is cut off at once. `<path>.meta.json` records the
 settings the records were drawn with (`{"settings": ..., "status": "running" | "complete", ...summary}`); opening
 with a different value of any `compare` key is refused with ResumeError naming each key as `key: old -> new`,
 because mixing samples of different settings would corrupt every statistic computed from the file. A records file
@@ -33,7 +34,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from jaxrl.utils.io import JsonlError, atomic_write_json, repair_tail
+from jaxrl.utils.io import JsonlError, append_whole, atomic_write_json, repair_tail
 
 logger = logging.getLogger(__name__)
 
@@ -114,16 +115,16 @@ class ResumableJsonl:
         if removed:
             logger.warning("%s: removed a partially written last line (%d bytes)", self.path, removed)
         atomic_write_json(self.meta_path, {"settings": self.settings, "status": "running"})
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "ab", buffering=0)  # unbuffered: append_whole writes whole groups
 
     def append(self, records: Iterable[Mapping]) -> None:
-        """Writes one group of records; it is on disk (fsync'ed) when this returns."""
+        """Writes one group of records, whole or not at all (a full disk cuts it back before the error is raised);
+        it is on disk (fsync'ed) when this returns."""
         if self._file is None:
             raise RuntimeError(f"{self.path}: append before start()")
         text = "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in records)
         if text:
-            self._file.write(text)
-            self._file.flush()
+            append_whole(self._file.fileno(), text.encode("utf-8"), self.path)
             os.fsync(self._file.fileno())
 
     def close(self) -> None:

@@ -33,7 +33,10 @@ Step 0 is the base model: where both points evaluated the same base weights (equ
 is 0 by construction, not an estimate, and it is left out of the family.
 
 Over seeds (``over_seeds``): the mean and SD of every column over a recipe's seeds, and for each diff cell the
-recipe-level interval of jaxrl.evaluation.seeds (seeds, then prompts, resampled), with ``n_seeds``.
+recipe-level interval of jaxrl.evaluation.seeds (seeds, then prompts, resampled), with ``n_seeds``. A cell is
+averaged only when every seed of the recipe has it: a point whose record of that checkpoint is missing (a run
+killed before writing it) leaves the cell empty, and the notes say which point lacks what -- never a mean over
+fewer seeds than the recipe has. ``build_table`` notes such incomplete points too (column ``incomplete``).
 
 The baseline: a point slug, or a selector {axis: value} ("dpo.beta=0.1,dpo.loss_type=sigmoid"; short names
 such as `beta` work when unambiguous). A selector that leaves some axes open pairs each point with the baseline
@@ -307,6 +310,13 @@ def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = N
                 row[f"ci_low:{cell}"], row[f"ci_high:{cell}"] = comp["ci_low"], comp["ci_high"]
                 row[f"p:{cell}"] = comp["p_value"]
                 family.append((row, cell, {i: mine_pp[m][i] - theirs_pp[m][i] for i in theirs_pp[m]}, comp))
+        missing = [f"{m}@{s}" for s in steps for m in metrics if row.get(f"{m}@{s}") is None
+                   and s <= (row.get("final_step") or 0) and any(evals[q.slug].get(s, {}).get(m) is not None
+                                                                 for q in points if q is not p)]
+        row["incomplete"] = ", ".join(missing) or None
+        if missing:
+            notes.append(f"{p.slug} lacks {row['incomplete']} that other points have (a record missing: resume the "
+                         "point to write it); it is left out of every comparison of those cells")
         rows.append(row)
     if family:
         _simultaneous_cells(family, confidence=confidence, n_resamples=n_resamples, seed=seed)
@@ -455,6 +465,12 @@ def over_seeds(table: Table) -> Optional[Table]:
         row["seeds"] = ",".join(str(m.get(SEED)) for m in members)
         for c in numeric:
             vals = [_num(m.get(c)) for m in members]
+            if None in vals and any(v is not None for v in vals):
+                lacking = [m["point"] for m, v in zip(members, vals) if v is None]
+                recipe = ", ".join(f"{a}={v}" for a, v in zip(others, key)) or "the recipe"
+                notes.append(f"{c} of {recipe}: not averaged, {', '.join(lacking)} lack(s) it (incomplete "
+                             f"records; {len(members) - len(lacking)} of {len(members)} seeds have it)")
+                vals = []
             vals = [v for v in vals if v is not None]
             row[c] = sum(vals) / len(vals) if vals else None
             row[f"std:{c}"] = (math.sqrt(sum((v - row[c]) ** 2 for v in vals) / (len(vals) - 1))

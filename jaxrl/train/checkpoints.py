@@ -7,19 +7,22 @@ train steps completed):
                                 `...lora_B` [out, r]); what users share and `export` reads. Never deleted.
     adapters/<step>/meta/      JSON: step, lora (rank, alpha, scale, use_rslora, dropout, modules, by_name),
                                 model (Qwen35Config dict), model_path.
+    ema/<step>/adapter/, meta/ with `ema.decay` set: the EMA of the LoRA factors at that step, in the format of
+                                adapters/<step> (its own adapter; meta adds ema: {decay, step, over}). Never
+                                deleted.
     state/<step>/state/        the full TrainState (params, optimizer state, step, schedule position, rng,
-                                non-finite counters), sharded as in training.
+                                non-finite counters, the EMA), sharded as in training.
     state/<step>/meta/         JSON: step, data_state (the data position), config (resolved).
                                 Only the newest `keep_checkpoints` states are kept (the heavy part).
 
 Saves are atomic: Orbax writes each step into a temporary folder and renames it when complete, so a process
 killed during a save leaves the previous complete step as the newest one (unfinished temporaries are ignored
-and cleaned). The state of step N is saved before its adapter, so an adapter folder never outlives a state
-that failed to land; on resume, adapter folders newer than the restored state are removed (they are
-re-created, identically, as training reaches them again).
+and cleaned). The state of step N is saved before its adapter (and EMA adapter), so an adapter folder never
+outlives a state that failed to land; on resume, adapter and EMA folders newer than the restored state are removed
+(they are re-created, identically, as training reaches them again).
 
-    ckpt = RunCheckpoints(workdir, keep=2)
-    ckpt.save(step, state, state_meta, adapter_params, adapter_meta)
+    ckpt = RunCheckpoints(workdir, keep=2, ema=True)
+    ckpt.save(step, state, state_meta, adapter_params, adapter_meta, ema_params, ema_meta)
     step = ckpt.latest_step()                        # newest complete training state, or None
     state, meta = ckpt.restore(step, abstract_state)
 
@@ -38,7 +41,7 @@ from typing import Optional
 
 import orbax.checkpoint as ocp
 
-from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS
+from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS, EMA
 from jaxrl.utils.io import CorruptCheckpointError, damaged_file
 
 STATE = "state"
@@ -57,20 +60,29 @@ def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, asyn
                                            cleanup_tmp_directories=True,
                                            multiprocessing_options=ocp.options.MultiprocessingOptions(
                                                barrier_sync_key_prefix=barrier_prefix))
-    return ocp.CheckpointManager(os.path.abspath(directory), item_names=item_names, options=options)
+    # Handlers named up front (not learnt from the first save): item_metadata of a step written by an earlier
+    # process is then readable before anything is restored, which `restore` needs to tell a pre-EMA state apart.
+    handlers = {name: ocp.JsonCheckpointHandler() if name == "meta" else ocp.StandardCheckpointHandler()
+                for name in item_names}
+    return ocp.CheckpointManager(os.path.abspath(directory), item_handlers=handlers, options=options)
 
 
 class RunCheckpoints:
-    """The two Orbax managers of one run (see the module docstring)."""
+    """The Orbax managers of one run (see the module docstring): states, adapters, and with `ema` the EMA adapters.
+    The EMA manager also opens when the run's folder already holds EMA adapters, so that a resume cleans them too."""
 
-    def __init__(self, workdir: str, keep: Optional[int] = 2, async_save: bool = True):
+    def __init__(self, workdir: str, keep: Optional[int] = 2, async_save: bool = True, ema: bool = False):
         if keep is not None and keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (or None to keep all), got {keep}")
         root = os.path.join(workdir, CHECKPOINTS)
         self.adapter_dir = os.path.join(root, ADAPTERS)
         self.state_dir = os.path.join(root, STATE)
+        self.ema_dir = os.path.join(root, EMA)
         self.states = _manager(self.state_dir, keep, ("state", "meta"), async_save, "jaxrl_state")
         self.adapters = _manager(self.adapter_dir, None, ("adapter", "meta"), async_save, "jaxrl_adapters")
+        self.emas = (_manager(self.ema_dir, None, ("adapter", "meta"), async_save, "jaxrl_ema")
+                     if ema or os.path.isdir(self.ema_dir) else None)
+        self._managers = [m for m in (self.states, self.adapters, self.emas) if m is not None]
 
     def latest_step(self) -> Optional[int]:
         """Newest complete training state (None when the run has none)."""
@@ -85,35 +97,48 @@ class RunCheckpoints:
             return []
         return sorted(int(d) for d in os.listdir(self.state_dir) if d.isdigit())
 
-    def save(self, step: int, state, state_meta: dict, adapter_params: dict, adapter_meta: dict) -> None:
-        """Save the full state, then the adapter, of `step` (asynchronously when enabled; the device-to-host
-        copy happens before this returns, so the caller may donate `state` right after)."""
+    def save(self, step: int, state, state_meta: dict, adapter_params: dict, adapter_meta: dict,
+             ema_params: Optional[dict] = None, ema_meta: Optional[dict] = None) -> None:
+        """Save the full state, then the adapter (then the EMA adapter, when given), of `step` (asynchronously when
+        enabled; the device-to-host copy happens before this returns, so the caller may donate `state` right
+        after)."""
         if step in self.states.all_steps():  # already saved (e.g. a stop right after a cadence save)
             return
         self.states.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                        meta=ocp.args.JsonSave(state_meta)))
-        if step in self.adapters.all_steps():
-            self.adapters.delete(step)
-        self.adapters.save(step, args=ocp.args.Composite(adapter=ocp.args.StandardSave(adapter_params),
-                                                         meta=ocp.args.JsonSave(adapter_meta)))
+        items = [(self.adapters, adapter_params, adapter_meta)]
+        if ema_params:
+            if self.emas is None:
+                raise ValueError("RunCheckpoints: EMA adapters given to a run opened without ema=True")
+            items.append((self.emas, ema_params, ema_meta))
+        for manager, params, meta in items:
+            if step in manager.all_steps():
+                manager.delete(step)
+            manager.save(step, args=ocp.args.Composite(adapter=ocp.args.StandardSave(params),
+                                                       meta=ocp.args.JsonSave(meta)))
 
     def wait(self) -> None:
         """Block until every pending save is complete on disk."""
-        self.states.wait_until_finished()
-        self.adapters.wait_until_finished()
+        for manager in self._managers:
+            manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state) -> tuple:
         """(state, meta) of `step`; `abstract_state` gives structure, dtypes and shardings
         (jax.ShapeDtypeStruct leaves with `sharding`). CorruptCheckpointError when its files are damaged."""
         try:
+            saved = self.states.item_metadata(step)["state"]
+            # a state written before TrainState had `ema` (no EMA then): restored by field name, without it
+            legacy = "ema" not in dict(getattr(saved, "tree", saved) or {}) and not abstract_state.ema
+            target = {k: v for k, v in abstract_state._asdict().items() if k != "ema"} if legacy else abstract_state
             restored = self.states.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 (damage is told apart from every other failure below)
             damage = damaged_file(e, os.path.join(self.state_dir, str(step)))
             if damage is None:
                 raise
             raise damage from e
-        return restored.state, dict(restored.meta)
+        state = type(abstract_state)(**restored.state, ema={}) if legacy else restored.state
+        return state, dict(restored.meta)
 
     def restore_newest(self, abstract_state) -> tuple:
         """(step, state, meta, set_aside) of the newest intact training state, or (None, None, None, []) when the
@@ -147,16 +172,19 @@ class RunCheckpoints:
         return dest
 
     def drop_adapters_after(self, step: int) -> list[int]:
-        """Delete adapter folders newer than `step` (left by a run that died before its state landed)."""
-        stale = [s for s in self.adapters.all_steps() if s > step]
-        for s in stale:
-            self.adapters.delete(s)
-        return stale
+        """Delete adapter (and EMA adapter) folders newer than `step` (left by a run that died before its state
+        landed); returns their steps."""
+        stale = set()
+        for manager in (self.adapters, self.emas):
+            for s in [s for s in (manager.all_steps() if manager is not None else []) if s > step]:
+                manager.delete(s)
+                stale.add(s)
+        return sorted(stale)
 
     def close(self) -> None:
         self.wait()
-        self.states.close()
-        self.adapters.close()
+        for manager in self._managers:
+            manager.close()
 
 
 def remove_run_checkpoints(workdir: str) -> None:

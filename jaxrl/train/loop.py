@@ -9,12 +9,25 @@ its phases are called: jaxrl.train.task.
 
 Each step: (rollout when due) -> batch -> split into [grad_accum, micro_batch_size, ...] -> sharded over data x
 fsdp -> one jitted step (accumulation, update, non-finite masking) -> metrics line. Every `checkpoint_every` steps
-(and at the end) an adapter artifact and the full state are saved. `max_consecutive_nonfinite` skipped updates in
-a row (0 = never stop) save a checkpoint and raise NonFiniteError.
+(and at the end) the task's checkpoint phase runs (e.g. DPO's held-out evaluation; its record is written to
+metrics.jsonl) and then an adapter artifact and the full state are saved: in that order, so a state on disk always
+has its checkpoint record beside it (a kill before the state commits resumes from an earlier step and redoes
+both). `max_consecutive_nonfinite` skipped updates in a row (0 = never stop) save a checkpoint and raise
+NonFiniteError.
+
+One writer per workdir: process 0 holds the workdir's lock (`.jaxrl.lock`, jaxrl.utils.io.writer_lock) from the
+Trainer's creation to the end of `run()`; a second run on the same workdir is refused (OutputInUseError naming the
+first one's pid) before it touches a checkpoint.
+
+Settings per step range: `config.json` holds the settings of the steps trained last. A run resumed with other
+settings first records the previous ones, with the steps they trained, in `config_history.jsonl` (one line per
+range: {"first_step", "last_step", "config"}); a finished run resumed with other settings trains nothing and
+keeps config.json as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,15 +46,36 @@ from jaxrl.models.lora import LoRAParam, lora_targets_report
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import barrier, is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
+from jaxrl.rollout.writer import ResumeError
 from jaxrl.train import checkpoints as ckpt_lib
-from jaxrl.train.metrics import MetricsWriter, Progress, atomic_write_text
+from jaxrl.train.metrics import CONFIG_HISTORY, MetricsWriter, Progress, atomic_write_text
+from jaxrl.train.wandb_log import open_mirror
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.state import ParamCodec, TrainState, create_train_state, init_train_state
+from jaxrl.train.state import ParamCodec, TrainState, adapter_params, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
 from jaxrl.train.task import TaskContext
 from jaxrl.utils import interrupt
+from jaxrl.utils.io import check_not_locked, folder_lock_file, iter_json_lines, writer_lock
 from jaxrl.utils.train_config import TrainConfig
 
+
+_LOCK_HINT = "wait for it to finish (it resumes from its own checkpoints), or use another --workdir"
+
+
+def workdir_lock(workdir: str):
+    """The lock of a run's workdir (one writer; module docstring): held by process 0 only, so a run of several
+    processes on one shared workdir still works."""
+    if not is_main_process():
+        return contextlib.nullcontext()
+    return writer_lock(folder_lock_file(workdir), workdir, hint=_LOCK_HINT)
+
+
+def check_workdir_free(workdir: str) -> None:
+    """OutputInUseError now when another process trains in `workdir` (writes nothing): a launcher refuses before
+    loading a model; the Trainer takes the lock itself. Process 0 only, as it alone takes the lock (another process
+    of the same run may look after process 0 took it)."""
+    if is_main_process():
+        check_not_locked(folder_lock_file(workdir), workdir, hint=_LOCK_HINT)
 
 
 class NonFiniteError(RuntimeError):
@@ -73,13 +107,15 @@ def _nonfinite_reason(m: dict, groups: list[str]) -> str:
     return "; ".join(parts) or "non-finite update"
 
 
-# Keys that change the shape of the training state: resuming across a change cannot work.
+# Keys that change the shape of the training state: resuming across a change cannot work. `ema.decay` counts only
+# as on (a number) or off (None): the EMA's value may change between resumes, its presence may not.
 STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_preset", "model_overrides",
-              "optimizer.name", "optimizer.max_grad_norm")
+              "optimizer.name", "optimizer.max_grad_norm", "ema.decay")
+_PRESENCE_KEYS = ("ema.decay",)
 
 
 def check_same_run(config: TrainConfig, workdir: str, step: Optional[int] = None) -> None:
-    """ValueError when `workdir` holds a run (a training state; `step`: its newest, found on disk when None) whose
+    """ResumeError when `workdir` holds a run (a training state; `step`: its newest, found on disk when None) whose
     config.json differs from `config` in a key that shapes the training state (STATE_KEYS). Reads only."""
     path = os.path.join(workdir, CONFIG_FILE)
     if step is None:
@@ -97,10 +133,15 @@ def check_same_run(config: TrainConfig, workdir: str, step: Optional[int] = None
             d = d.get(part) if isinstance(d, dict) else None
         return d
 
-    changed = [k for k in STATE_KEYS if get(old, k) != get(new, k)]
+    def differs(key):
+        if key in _PRESENCE_KEYS:
+            return (get(old, key) is None) != (get(new, key) is None)
+        return get(old, key) != get(new, key)
+
+    changed = [k for k in STATE_KEYS if differs(k)]
     if changed:
         detail = ", ".join(f"{k}: {get(old, k)!r} -> {get(new, k)!r}" for k in changed)
-        raise ValueError(f"{workdir} holds a run (checkpoint of step {step}) whose config differs in keys "
+        raise ResumeError(f"{workdir} holds a run (checkpoint of step {step}) whose config differs in keys "
                          f"that shape the training state ({detail}); resume with the same values or use a "
                          f"new --workdir")
 
@@ -136,12 +177,15 @@ class Trainer:
         self.frozen = jax.device_put(frozen, shd.nnx_state_shardings(frozen, self.mesh))
         self.optimizer, self.schedule = make_optimizer(config.optimizer, self.steps)
         init_params = {k: v.astype(jnp.float32) for k, v in self.codec.to_flat(trainable_state).items()}
-        abstract = jax.eval_shape(lambda p: init_train_state(p, self.optimizer, 0), init_params)
+        self.ema_decay = config.ema.decay  # None: no EMA
+        ema = self.ema_decay is not None
+        abstract = jax.eval_shape(lambda p: init_train_state(p, self.optimizer, 0, ema), init_params)
         self.state_shardings = shd.train_state_shardings(abstract, self.mesh)
         self.state: TrainState = create_train_state(init_params, self.optimizer, config.seed,
-                                                    shardings=self.state_shardings)
+                                                    shardings=self.state_shardings, ema=ema)
         self.step_fn = make_train_step(task.objective, self.optimizer, self.schedule, self.graphdef, self.codec,
-                                       fault_injection=fault_fn is not None, fault_group=fault_group)
+                                       fault_injection=fault_fn is not None, fault_group=fault_group,
+                                       ema_decay=self.ema_decay)
         self._compiled = {}
         try:
             self.lora_report = lora_targets_report(model)
@@ -150,7 +194,10 @@ class Trainer:
         model_cfg = getattr(model, "config", None)
         self.model_config = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else None
         self.main = is_main_process()
-        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.keep_checkpoints, async_save=config.checkpoint_async)
+        self._exit = contextlib.ExitStack()  # the workdir's lock, released at the end of run()
+        self._exit.enter_context(workdir_lock(workdir))  # before Orbax opens (and cleans) the checkpoint folders
+        self.ckpt = ckpt_lib.RunCheckpoints(workdir, keep=config.keep_checkpoints, async_save=config.checkpoint_async,
+                                            ema=ema)
 
     # ------------------------------------------------------------------------------------------------------------
     def current_model(self) -> nnx.Module:
@@ -196,8 +243,12 @@ class Trainer:
         """Checkpoint after `step` train steps (asynchronous when checkpoint_async)."""
         data_state = (self.task.state_dict() if hasattr(self.task, "state_dict") else {"position": step})
         meta = {"step": step, "data_state": data_state, "config": self.config.to_json()}
-        adapter = {n: v for n, v in self.state.params.items() if ".lora." in f".{n}."}
-        self.ckpt.save(step, self.state, meta, adapter, self._adapter_meta(step))
+        ema_meta = None
+        if self.state.ema:  # its own adapter: the adapter's meta plus what it averages
+            ema_meta = {**self._adapter_meta(step), "ema": {"decay": self.ema_decay, "step": step,
+                                                            "over": "lora_factors"}}
+        self.ckpt.save(step, self.state, meta, adapter_params(self.state.params), self._adapter_meta(step),
+                       self.state.ema, ema_meta)
 
     def restore_latest(self) -> int:
         """Restore the newest intact training state in the workdir; returns the steps it had done (0: none). A
@@ -217,21 +268,47 @@ class Trainer:
                      f"; removed adapter folders of unfinished steps {stale}" if stale else "")
         return latest
 
-    def _write_config(self) -> None:
+    def _write_config(self, start: int) -> None:
+        """config.json of the settings this run trains with; the previous settings, when they differ and trained
+        steps 1..`start`, go to config_history.jsonl first (module docstring)."""
         if not self.main:
             return
         path = os.path.join(self.workdir, CONFIG_FILE)
         new = self.config.to_json()
-        if os.path.exists(path):
-            try:
-                with open(path) as f:
-                    old = json.load(f)
-                changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-                if changed:
-                    logging.warning("%s: the config differs from the previous run's in %s", path, changed)
-            except (OSError, json.JSONDecodeError):
-                pass
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            old = None
+        if old == new:
+            return
+        if old is not None:
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            if start >= self.steps:
+                logging.warning("%s: the config differs from the run's in %s, but the run has done its %d steps: "
+                                "nothing is trained, config.json is kept", path, changed, start)
+                return
+            if start > 0:
+                kept = self._record_settings_history(old, start)
+                logging.warning("%s: the config differs from the previous run's in %s; the settings of steps %s are "
+                                "kept in %s", path, changed, kept, CONFIG_HISTORY)
         atomic_write_text(path, json.dumps(new, indent=2, sort_keys=True) + "\n")
+
+    def _record_settings_history(self, old: dict, start: int) -> str:
+        """Appends the settings `old` of the steps up to `start` to config_history.jsonl (ranges after `start`,
+        left by runs whose steps are redone now, are cut); returns the range recorded ("a-b")."""
+        path = os.path.join(self.workdir, CONFIG_HISTORY)
+        ranges = []
+        if os.path.exists(path):
+            for line in iter_json_lines(path):
+                rec = line.value
+                if line.error is None and isinstance(rec, dict) and rec.get("first_step", start + 1) <= start:
+                    ranges.append({**rec, "last_step": min(int(rec["last_step"]), start)})
+        first = max((r["last_step"] for r in ranges), default=0) + 1
+        if first <= start:
+            ranges.append({"first_step": first, "last_step": start, "config": old})
+        atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in ranges))
+        return f"{first}-{start}"
 
     # ------------------------------------------------------------------------------------------------------------
     def context(self) -> TaskContext:
@@ -240,10 +317,17 @@ class Trainer:
                            checkpoint_steps=self.ckpt.state_steps, keep_checkpoints=self.config.keep_checkpoints)
 
     def run(self) -> RunResult:
+        # the workdir's lock, taken in __init__ (and again here for a second run() of this Trainer), is released
+        # when the run ends however it ends
+        with workdir_lock(self.workdir), self._exit:
+            return self._run()
+
+    def _run(self) -> RunResult:
         os.makedirs(self.workdir, exist_ok=True)
         start = self.restore_latest()
-        self._write_config()
-        writer = MetricsWriter(self.workdir, tensorboard=self.config.tensorboard, enabled=self.main)
+        self._write_config(start)
+        writer = MetricsWriter(self.workdir, tensorboard=self.config.tensorboard, enabled=self.main,
+                               mirror=open_mirror(self.config, self.workdir, enabled=self.main))
         writer.truncate_after(start)
         progress = Progress(self.steps, initial=start, log_every=self.config.log_every, enabled=self.main)
         records = []
@@ -293,11 +377,12 @@ class Trainer:
                         f"{record['nonfinite_reason']}. The training state was saved to "
                         f"{self.ckpt.state_dir}/{done}; see {writer.path} (nonfinite_reason, nonfinite_groups).")
                 if done % self.checkpoint_every == 0 or done == self.steps:
-                    self.save(done)
+                    # the checkpoint's record first, then the state (module docstring): no kill loses the record
                     if hasattr(self.task, "on_checkpoint"):
                         extra = self.task.on_checkpoint(done, self.current_model())
                         if extra:
                             writer.write({"step": done, **extra})
+                    self.save(done)
                 if self.on_step_end is not None:
                     self.on_step_end(done, self)
                 if interrupt.requested() is not None:  # SIGINT / SIGTERM: this step is done; save it and stop

@@ -7,7 +7,8 @@
 
 `metrics.jsonl` lines hold `step` (train steps completed, 1-based: the line of step k describes the k-th step)
 and every metric; non-finite floats are written as null (the `nonfinite_reason` field says what happened),
-so every line is strict JSON. Only process 0 writes.
+so every line is strict JSON. A line is written whole or not at all (a full disk cuts the file back to its last
+complete line before the error is raised). Only process 0 writes.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from absl import logging
 from tqdm import tqdm
 
 from jaxrl.data.formats import METRICS_FILE
-from jaxrl.utils.io import atomic_write_text, iter_json_lines, read_jsonl
+from jaxrl.utils.io import append_whole, atomic_write_text, iter_json_lines, read_jsonl
 
 TB_DIR = "tensorboard"
+CONFIG_HISTORY = "config_history.jsonl"  # the settings of earlier step ranges of a run (jaxrl.train.loop)
 
 
 def _clean(value):
@@ -38,8 +40,12 @@ def _clean(value):
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True):
+    """mirror: an object whose `log(record)` also gets every line and whose `close()` ends it with the writer
+    (jaxrl.train.wandb_log.WandbMirror); None: the files only."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True, mirror=None):
         self.enabled = enabled
+        self.mirror = mirror
         self.path = os.path.join(workdir, METRICS_FILE)
         self._tb = None
         self._tb_dir = os.path.join(workdir, TB_DIR)
@@ -50,7 +56,7 @@ class MetricsWriter:
 
     def _open(self):
         if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "ab", buffering=0)  # unbuffered: append_whole writes whole lines
         if self._want_tb and self._tb is None:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(self._tb_dir)
@@ -59,7 +65,7 @@ class MetricsWriter:
         """Keep only the lines of steps <= `step` (a resumed run redoes the later ones); atomic rewrite."""
         if not self.enabled or not os.path.exists(self.path):
             return
-        self.close()
+        self._close_files()
         kept = [line.text.strip() for line in iter_json_lines(self.path)  # a line torn by a kill is dropped
                 if line.error is None and int(line.value.get("step", 0)) <= step]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
@@ -69,21 +75,26 @@ class MetricsWriter:
             return
         self._open()
         record = _clean(record)
-        self._file.write(json.dumps(record, sort_keys=False) + "\n")
-        self._file.flush()
+        append_whole(self._file.fileno(), (json.dumps(record, sort_keys=False) + "\n").encode("utf-8"), self.path)
         step = int(record["step"])
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
+        if self.mirror is not None:
+            self.mirror.log(record)
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
         if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:
+        self._close_files()
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
+
+    def _close_files(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

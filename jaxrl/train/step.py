@@ -12,7 +12,9 @@ Inside one step (all on device, no host round trip):
      q_proj, in_proj_qkv, ...) went non-finite;
   4. optax update (clipping, AdamW), then `jnp.where(finite, new, old)` on parameters and optimizer state, and
      the counters: a skipped step leaves parameters, optimizer state and schedule position bit-identical and
-     bumps `nonfinite_total` / `nonfinite_consecutive`.
+     bumps `nonfinite_total` / `nonfinite_consecutive`;
+  5. with `ema_decay` d (config `ema.decay`): each LoRA factor's EMA becomes `d * ema + (1 - d) * new factor`
+     (fp32; d = 0 gives the factor bit for bit), only when the update was applied.
 
 Metrics (device scalars, replicated): loss, grad_norm (before clipping), update_norm (0 when skipped),
 lora_norm (after the step), learning_rate (of this step's update), update_skipped, loss_finite,
@@ -109,10 +111,18 @@ def _all_finite(arrays) -> jax.Array:
     return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
+def ema_update(ema: dict, params: dict, decay: float) -> dict:
+    """`decay * ema + (1 - decay) * params` per entry of `ema`, in fp32. Written as a sum of two products (not
+    `ema + (1 - decay) * (params - ema)`) so that decay 0 returns `params` exactly: 0 * ema + 1 * p == p."""
+    keep, take = jnp.float32(decay), jnp.float32(1.0 - decay)
+    return {n: keep * e + take * params[n] for n, e in ema.items()}
+
+
 def make_train_step(objective, optimizer: optax.GradientTransformation, schedule: Callable, graphdef,
-                    codec: ParamCodec, *, fault_injection: bool = False,
-                    fault_group: Optional[str] = None) -> Callable:
-    """The pure step function `(state, frozen, batch[, fault]) -> (state, metrics)`; see the module docstring."""
+                    codec: ParamCodec, *, fault_injection: bool = False, fault_group: Optional[str] = None,
+                    ema_decay: Optional[float] = None) -> Callable:
+    """The pure step function `(state, frozen, batch[, fault]) -> (state, metrics)`; see the module docstring.
+    `ema_decay`: None leaves `state.ema` as it is (empty when the state was made without EMA)."""
     micro_loss = make_micro_loss(objective, graphdef, codec)
     groups: dict[str, list[str]] = {}
     for name in codec.names:
@@ -138,11 +148,14 @@ def make_train_step(objective, optimizer: optax.GradientTransformation, schedule
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731  bitwise old values on a skip
         params = jax.tree.map(keep, new_params, state.params)
         opt_state = jax.tree.map(keep, new_opt_state, state.opt_state)
+        ema = state.ema
+        if ema_decay is not None and ema:
+            ema = jax.tree.map(keep, ema_update(ema, params, ema_decay), ema)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         new_state = TrainState(
             step=state.step + 1, opt_step=state.opt_step + (1 - skipped), params=params, opt_state=opt_state,
             rng=state.rng, nonfinite_total=state.nonfinite_total + skipped,
-            nonfinite_consecutive=jnp.where(finite, 0, state.nonfinite_consecutive + 1).astype(jnp.int32))
+            nonfinite_consecutive=jnp.where(finite, 0, state.nonfinite_consecutive + 1).astype(jnp.int32), ema=ema)
 
         metrics = {
             "loss": loss,

@@ -15,7 +15,18 @@ Reading (``.gz`` files are decompressed on the fly)::
     records = read_jsonl(path, validate=check)                       # check(rec) raises ValueError/KeyError
     for line in iter_json_lines(path): line.lineno, line.text, line.value, line.error   # lenient, raw
 
-Appending writers (a resumable results file) cut a line torn by a kill with ``repair_tail(path)`` first.
+Appending writers (a resumable results file) cut a line torn by a kill with ``repair_tail(path)`` first, and
+append whole lines with ``append_whole(fd, data)``: a write that fails half-way (a full disk) is cut back, so no
+half-written line survives.
+
+One writer per output (``writer_lock``): an advisory lock (``flock``) on a lock file beside the output, held by
+the process; the kernel releases it when the process ends however it ends, so a crash never leaves a stale lock
+(at most the file, which the next writer takes over; a writer that ends normally removes it).
+A second writer is refused with OutputInUseError naming the holder's pid::
+
+    with writer_lock(folder_lock_file(workdir), workdir, hint="use another --workdir"): ...
+    with writer_lock(sibling_lock_file("rollouts.jsonl"), "rollouts.jsonl", hint="..."): ...
+
 Standard library only.
 """
 
@@ -23,29 +34,42 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
+import socket
+import sys
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 __all__ = [
     "JsonLine",
     "CorruptCheckpointError",
+    "DamagedFileError",
     "JsonlError",
     "OutputExistsError",
+    "OutputInUseError",
+    "append_whole",
     "atomic_copy",
     "atomic_folder",
     "atomic_path",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "check_not_locked",
+    "clean_leftovers",
     "damaged_file",
+    "disk_full",
+    "folder_lock_file",
     "is_temp_name",
     "iter_json_lines",
     "iter_jsonl",
@@ -54,7 +78,9 @@ __all__ = [
     "read_jsonl",
     "repair_tail",
     "sha256_file",
+    "sibling_lock_file",
     "write_jsonl",
+    "writer_lock",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -74,6 +100,10 @@ class OutputExistsError(FileExistsError):
     """An output that already holds results a command would replace (or extend inconsistently); the message names
     it and says what to do (resume with the same settings, another output, or --overwrite). Raised before
     anything is written."""
+
+
+class OutputInUseError(RuntimeError):
+    """Another process writes this output now (it holds its lock); the message names the holder's pid."""
 
 
 # ------------------------------------------------------------------------------------------------- damaged files
@@ -116,7 +146,7 @@ def damaged_file(exc: BaseException, folder: Optional[str | os.PathLike] = None
             if files:  # tensorstore: "... Error decoding local file "<path>": <what is wrong> [tensorstore_spec..."
                 first = first.rsplit(f'"{path}"', 1)[-1].lstrip(": ")
             reason = re.sub(r"\s*\[tensorstore_spec.*", "", first)[:300]
-            return CorruptCheckpointError(path, reason or type(e).__name__)
+            return CorruptCheckpointError(path, reason or "the file is unreadable or missing")
     return None
 
 
@@ -137,9 +167,16 @@ def _unreadable_json(folder: str | os.PathLike) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------------- reading
 
 
+class DamagedFileError(ValueError):
+    """An input file that cannot be read as what its name says (a truncated or foreign .gz); names the file."""
+
+
 def open_text(path: str | os.PathLike) -> io.TextIOBase:
-    """A UTF-8 text stream of `path`, gunzipped when its name ends in ``.gz``."""
+    """A UTF-8 text stream of `path`, gunzipped when its name ends in ``.gz``. FileNotFoundError naming a missing
+    file (also a .gz one)."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
     if path.name.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
     return open(path, encoding="utf-8")
@@ -156,9 +193,10 @@ class JsonLine:
 
 
 def iter_json_lines(path: str | os.PathLike) -> Iterator[JsonLine]:
-    """Every non-blank line of `path` parsed as JSON, errors included (callers decide what a bad line means)."""
+    """Every non-blank line of `path` parsed as JSON, errors included (callers decide what a bad line means). A
+    .gz file that does not decompress is a DamagedFileError naming it."""
     with open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
+        for lineno, line in _lines(f, path):
             text = line.rstrip("\r\n")
             if not text.strip():
                 continue
@@ -166,6 +204,19 @@ def iter_json_lines(path: str | os.PathLike) -> Iterator[JsonLine]:
                 yield JsonLine(lineno, text, json.loads(text))
             except ValueError as e:
                 yield JsonLine(lineno, text, error=e)
+
+
+def _lines(f, path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text stream; a damaged .gz or undecodable bytes are a DamagedFileError."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, start=1):
+            yield lineno, line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DamagedFileError(f"{path}: not a readable gzip file after line {lineno} ({e}); download or copy it "
+                               "again") from None
+    except UnicodeDecodeError as e:
+        raise DamagedFileError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _describe(exc: BaseException) -> str:
@@ -232,6 +283,138 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------- full disk
+# A write refused for want of space: the kernel's errors, and the text Orbax / tensorstore wrap them in.
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_NO_SPACE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|File too large|os_error_code='28'")
+_WRITTEN_FILE = re.compile(r'Failed writing: "([^"]+)"|local file "([^"]+)"')
+
+
+def disk_full(exc: BaseException) -> Optional[str]:
+    """When `exc` (or an exception it was raised from, or while handling) is a write refused for want of space,
+    the one line that says so, naming the file ("<file>: no space left on device"; the first error of the chain
+    that names one); else None."""
+    found = []
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
+            found.append((e.filename, (e.strerror or "no space left on device").lower()))
+        elif _NO_SPACE_TEXT.search(str(e)):
+            files = [a or b for a, b in _WRITTEN_FILE.findall(str(e))]
+            found.append((files[0] if files else None, "no space left on device"))
+    if not found:
+        return None
+    where, what = next(((f, w) for f, w in found if f), found[0])
+    return f"{where or 'a file'}: {what}"
+
+
+def append_whole(fd: int, data: bytes, path: str | os.PathLike | None = None) -> None:
+    """Appends `data` (whole lines) to the file open as `fd` (O_APPEND or positioned at its end): all of it, or,
+    when a write fails part-way (a full disk), none of it -- the file is cut back to its size before the call,
+    so no half-written line survives; the error is raised, naming `path`."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as e:
+        os.ftruncate(fd, start)
+        if path is not None and e.filename is None:
+            raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
+        raise
+    except BaseException:
+        os.ftruncate(fd, start)
+        raise
+
+
+# ------------------------------------------------------------------------------------------------------- locking
+LOCK_SUFFIX = ".lock"
+_held_locks: dict[str, list] = {}  # lock file (real path) -> [fd, holds]: re-entrant within this process
+
+
+def folder_lock_file(folder: str | os.PathLike) -> Path:
+    """The lock file of a folder its writer owns (a run's workdir, an evaluation's --out): inside it."""
+    return Path(folder) / f".jaxrl{LOCK_SUFFIX}"
+
+
+def sibling_lock_file(path: str | os.PathLike) -> Path:
+    """The lock file of an output that is a file, or a folder replaced whole: a hidden sibling of it."""
+    path = Path(os.path.abspath(path))
+    return path.parent / f".{path.name}{LOCK_SUFFIX}"
+
+
+def _holder(lock_file: Path) -> str:
+    try:
+        text = lock_file.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        text = ""
+    pid, _, rest = text.partition(" ")
+    return f"process {pid} ({rest})" if pid.isdigit() else "another process"
+
+
+def check_not_locked(lock_file: str | os.PathLike, target: str | os.PathLike, *, hint: str) -> None:
+    """OutputInUseError (as `writer_lock` raises it) when another process holds `lock_file` now; creates and
+    changes nothing, so a command can refuse early, before its other checks, and take the lock itself later."""
+    lock_file = Path(os.path.abspath(lock_file))
+    if os.path.realpath(lock_file) in _held_locks or not lock_file.is_file():
+        return
+    fd = os.open(lock_file, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OutputInUseError(f"{target}: in use by {_holder(lock_file)}; {hint}") from None
+    finally:
+        os.close(fd)  # releases the probe's lock too
+
+
+@contextlib.contextmanager
+def writer_lock(lock_file: str | os.PathLike, target: str | os.PathLike, *, hint: str) -> Iterator[Path]:
+    """Holds the advisory lock `lock_file` of the output `target` while the block runs (module docstring).
+    OutputInUseError, before anything else is written, when another process holds it: "<target>: in use by
+    process <pid> (<host>: <command>); <hint>". Re-entrant within one process."""
+    lock_file = Path(os.path.abspath(lock_file))
+    key = os.path.realpath(lock_file)
+    if key not in _held_locks:
+        fd = _lock(lock_file, target, hint)
+        try:
+            # who holds it, for the refusal a second writer prints
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}: {' '.join(sys.argv)[:300]}\n".encode(), 0)
+        except OSError:
+            pass  # a full disk: the lock holds all the same, only the holder's name is missing
+        _held_locks[key] = [fd, 0]
+    _held_locks[key][1] += 1
+    try:
+        yield lock_file
+    finally:
+        _held_locks[key][1] -= 1
+        if _held_locks[key][1] == 0:  # the last of this process's holds (they may end in any order)
+            fd = _held_locks.pop(key)[0]
+            try:
+                os.unlink(lock_file)  # still held: whoever opens the name next gets a new file (see _lock)
+            except OSError:
+                pass
+            os.close(fd)  # releases the lock
+
+
+def _lock(lock_file: Path, target, hint: str) -> int:
+    """An open descriptor of `lock_file` holding its exclusive lock. The holder removes the file when it lets go,
+    so a lock taken on a file that is no longer the one at that name is dropped and taken again."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, _FILE_MODE)  # not inherited by child processes
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputInUseError(f"{target}: in use by {_holder(lock_file)}; {hint}") from None
+        try:
+            if os.stat(lock_file).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the previous holder removed it between our open and our lock: take the new one
 
 
 # ------------------------------------------------------------------------------------------------------- writing
@@ -335,29 +518,68 @@ def readable_by_others(folder: str | os.PathLike) -> None:
                 os.chmod(path, file_mode)
 
 
+def _remove(path: str) -> None:
+    """A folder, or a symlink (to a folder or not: the link goes, never what it points to)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_leftovers(out_dir: str | os.PathLike) -> list[str]:
+    """What a killed `atomic_folder` of `out_dir` left beside it: its temp folders (`.NAME.tmp-*`, possibly
+    gigabytes) are removed, and so are the previous versions it moved aside (`.NAME.old-*`, folders or links),
+    except that when `out_dir` itself is missing (killed between the two renames) the newest previous version is
+    put back as `out_dir`. Call with the output's lock held (`writer_lock`), so no running writer's folder is
+    touched. Returns what was removed or restored."""
+    out = os.path.abspath(out_dir)
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    if not os.path.isdir(parent):
+        return []
+    entries = sorted(os.listdir(parent))
+    temps = [e for e in entries if e.startswith(f".{name}.tmp-")]
+    olds = sorted((e for e in entries if e.startswith(f".{name}.old-")),
+                  key=lambda e: os.lstat(os.path.join(parent, e)).st_mtime)
+    done = []
+    if olds and not os.path.lexists(out):
+        os.replace(os.path.join(parent, olds.pop()), out)
+        done.append(f"restored {out}")
+    for entry in temps + olds:
+        _remove(os.path.join(parent, entry))
+        done.append(f"removed {os.path.join(parent, entry)}")
+    return done
+
+
 @contextlib.contextmanager
 def atomic_folder(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[str]:
     """Yields a temp sibling folder of `out_dir`, renamed onto `out_dir` when the block succeeds (removed when it
-    fails), so `out_dir` is always absent, the old complete folder or the new complete one."""
+    fails), so `out_dir` is always absent, the old complete folder or the new complete one. One writer at a time
+    (the lock `sibling_lock_file(out_dir)`); what a killed earlier one left is cleaned first (`clean_leftovers`).
+    An `out_dir` that is a symlink is replaced by the folder (the link is removed, never its target)."""
     out = os.path.abspath(out_dir)
-    if os.path.exists(out) and not overwrite:
+    if os.path.lexists(out) and not overwrite:
         raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
-    try:
-        yield tmp
-        readable_by_others(tmp)  # mkdtemp makes it 0700, safetensors' files are 0600
-        if os.path.exists(out):
-            old = tmp.replace(".tmp-", ".old-")
-            os.replace(out, old)  # two renames: the old folder disappears only once the new one is complete
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writer_lock(sibling_lock_file(out), out, hint="wait for it to finish, or write to another --out"):
+        for what in clean_leftovers(out):
+            logging.getLogger(__name__).warning("%s (left by an interrupted write)", what)
+        if os.path.lexists(out) and not overwrite:  # a previous version just put back
+            raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
+        try:
+            yield tmp
+            readable_by_others(tmp)  # mkdtemp makes it 0700, safetensors' files are 0600
+            if os.path.lexists(out):
+                old = tmp.replace(".tmp-", ".old-")
+                os.replace(out, old)  # two renames: the old folder disappears only once the new one is complete
+                os.replace(tmp, out)
+                _remove(old)
+            else:
+                os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def repair_tail(path: str | os.PathLike) -> int:

@@ -1,8 +1,9 @@
 """The console's log filters, one home for every entry point (launchers/, the sweep's point subprocesses):
 
     install_log_filters()        # Orbax's read-only notices dropped (always); what every launcher gets on import
-    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py), and
-                                 # the orphaned reads and late callbacks of a failed tensorstore restore
+    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py), the
+                                 # orphaned reads and late callbacks of a failed tensorstore restore, and the
+                                 # libraries' own reports of a full disk (the launcher prints one line)
 
 Both act on absl's logger / handler, which Orbax, jax and the project all log through. Warnings and errors always
 pass; so do the project's own INFO lines (progress with ETA, "resumed from ...": records whose file is in jaxrl/,
@@ -15,9 +16,13 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import Optional
 
 from absl import logging as absl_logging
+
+from jaxrl.utils.io import disk_full
 
 _REPO = Path(__file__).resolve().parents[2]
 OWN_DIRS = tuple(str(_REPO / d) + os.sep for d in ("jaxrl", "launchers", "configs"))
@@ -60,9 +65,25 @@ class OrphanFutures(logging.Filter):
         return not (record.name == "asyncio" and first_line.endswith("exception was never retrieved"))
 
 
+class LibraryDiskFull(logging.Filter):
+    """Drops the libraries' records of a full disk: Orbax's background save threads log one ERROR with a
+    traceback per file they could not write (dozens per checkpoint), all saying what the launcher's one line says
+    (the error the save raised, naming the file). The project's own records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if own_file(record.pathname):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if (exc is not None and disk_full(exc) is not None) or disk_full(Exception(record.getMessage())) is not None:
+            _disk["full"] = True
+            return False
+        return True
+
+
 _READ_ONLY = OrbaxReadOnlyNotices()
 _LIBRARY_INFO = LibraryInfo()
 _ORPHAN_FUTURES = OrphanFutures()
+_LIBRARY_DISK_FULL = LibraryDiskFull()
 
 
 def install_log_filters() -> None:
@@ -86,9 +107,40 @@ def _closed_loop_callback(unraisable) -> bool:
             and tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)))
 
 
+_disk = {"full": False}  # set once a full disk was seen (reported by the launcher or a library's thread)
+
+
+def note_disk_full() -> None:
+    """The disk is full: what the libraries' threads and exit handlers fail on from now on is its consequence."""
+    _disk["full"] = True
+
+
+def _library_failure_after_full_disk(exc: Optional[BaseException], tb) -> bool:
+    """An error of a library (no frame of ours) once the disk is full, or the full disk itself: tensorboardX's
+    writer thread and exit handler fail on their closed queue or on the same full disk."""
+    if exc is not None and disk_full(exc) is not None:
+        _disk["full"] = True
+        return True
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return _disk["full"] and not any(own_file(f) for f in frames)
+
+
 def _quiet_unraisable(unraisable) -> None:
-    if not _closed_loop_callback(unraisable):
-        sys.__unraisablehook__(unraisable)
+    if _closed_loop_callback(unraisable):
+        return
+    if _library_failure_after_full_disk(unraisable.exc_value, unraisable.exc_traceback):
+        return  # e.g. tensorboardX's exit handler flushing onto the full disk
+    sys.__unraisablehook__(unraisable)
+
+
+def _quiet_thread_disk_full(args) -> None:
+    """A library's background thread (tensorboardX's event writer, ...) that died on a full disk, or of it: no
+    traceback; the main thread stops on the same full disk with one line naming the file."""
+    if not _library_failure_after_full_disk(args.exc_value, args.exc_traceback):
+        threading.__excepthook__(args)
 
 
 def quiet_libraries(verbose: bool = False) -> None:
@@ -98,13 +150,17 @@ def quiet_libraries(verbose: bool = False) -> None:
     # on the asyncio logger too: at interpreter exit its records can reach logging's last-resort handler
     asyncio_logger = logging.getLogger("asyncio")
     if verbose:
-        handler.removeFilter(_LIBRARY_INFO)
-        handler.removeFilter(_ORPHAN_FUTURES)
+        for f in (_LIBRARY_INFO, _ORPHAN_FUTURES, _LIBRARY_DISK_FULL):
+            handler.removeFilter(f)
         asyncio_logger.removeFilter(_ORPHAN_FUTURES)
         if sys.unraisablehook is _quiet_unraisable:
             sys.unraisablehook = sys.__unraisablehook__
+        if threading.excepthook is _quiet_thread_disk_full:
+            threading.excepthook = threading.__excepthook__
         return
-    for f in (_LIBRARY_INFO, _ORPHAN_FUTURES):
+    if threading.excepthook is threading.__excepthook__:
+        threading.excepthook = _quiet_thread_disk_full
+    for f in (_LIBRARY_INFO, _ORPHAN_FUTURES, _LIBRARY_DISK_FULL):
         if f not in handler.filters:
             handler.addFilter(f)
     if _ORPHAN_FUTURES not in asyncio_logger.filters:

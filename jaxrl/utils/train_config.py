@@ -17,6 +17,7 @@ is taken as it is. No jax here: configs import this module.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Mapping, Optional
 
@@ -25,10 +26,10 @@ import ml_collections
 from jaxrl.utils.typed_config import (ConfigKeyError, build_block, complete_block, defaults_of, keys_of, setting,
                                       to_plain, unknown_key_error)
 
-__all__ = ["ALGORITHMS", "AGGREGATIONS", "BatchConfig", "DPOConfig", "DPODataConfig", "GRPOConfig", "LoRAConfig",
-           "MeshConfig", "OnlineDataConfig", "OptimizerConfig", "OptimizerConfigError", "PPOConfig", "RewardConfig",
-           "SCALE_REWARDS", "SCHEDULES", "SFTDataConfig", "TrainConfig", "complete", "default_config",
-           "default_of", "resolve"]
+__all__ = ["ALGORITHMS", "AGGREGATIONS", "BatchConfig", "DPOConfig", "DPODataConfig", "EMAConfig", "GRPOConfig",
+           "LoggingConfig", "LoRAConfig", "MeshConfig", "OnlineDataConfig", "OptimizerConfig", "OptimizerConfigError",
+           "PPOConfig", "RewardConfig", "SCALE_REWARDS", "SCHEDULES", "SFTDataConfig", "TrainConfig", "complete",
+           "default_config", "default_of", "resolve"]
 
 SCHEDULES = ("linear", "constant_with_warmup", "cosine", "constant")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -104,7 +105,49 @@ class MeshConfig:
     shape: tuple = setting((1, -1, 1), tuple, "(data, fsdp, tensor); -1 takes the remaining devices")
 
 
-CORE_BLOCKS = {"optimizer": OptimizerConfig, "lora": LoRAConfig, "batch": BatchConfig, "mesh": MeshConfig}
+WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Where a run's metrics go besides metrics.jsonl (and TensorBoard): Weights & Biases (jaxrl.train.wandb_log)."""
+
+    wandb_project: str = setting("", doc="W&B project: metrics lines, config and artefact paths mirrored to W&B "
+                                 "(process 0; the wandb extra); '' = off")
+    wandb_entity: str = setting("", doc="W&B team or user; '' = the account's default")
+    wandb_run_name: str = setting("", doc="'' = the workdir's folder name")
+    wandb_group: str = setting("", doc="W&B group of the run")
+    wandb_tags: tuple = setting((), tuple, "W&B tags of the run")
+    wandb_mode: str = setting("", doc="'' (WANDB_MODE, else online) | online | offline (local files; `wandb sync` "
+                              "uploads them) | disabled")
+    wandb_dir: str = setting("", doc="folder of the W&B run files ('' = the workdir)")
+
+    def __post_init__(self):
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb_mode={self.wandb_mode!r}; choose one of {WANDB_MODES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EMAConfig:
+    """An exponential moving average of the LoRA factors, kept in the training state and written beside each adapter
+    checkpoint as its own adapter (checkpoints/ema/<step>; evaluated as ema_<step>)."""
+
+    decay: Optional[float] = setting(
+        None, (float, type(None)),
+        "None: off. d in [0, 1): after every applied update each LoRA factor's EMA becomes d * ema + (1 - d) * factor "
+        "(A and B each; from the initial factors; a skipped update leaves it). Its update B_ema A_ema is not the EMA of "
+        "the updates B A (an exact one has no fixed rank: a dense [out, in] fp32 matrix per module); for the exact "
+        "mean of checkpoints' updates use launchers.export --average. d = 0 is the last checkpoint itself")
+
+    def __post_init__(self):
+        if self.decay is not None:
+            object.__setattr__(self, "decay", float(self.decay))  # 0 from a command line is the float 0.0
+            if not 0.0 <= self.decay < 1.0:
+                raise ValueError(f"ema.decay must be in [0, 1) (or None: off), got {self.decay}")
+
+
+CORE_BLOCKS = {"optimizer": OptimizerConfig, "lora": LoRAConfig, "batch": BatchConfig, "mesh": MeshConfig,
+               "logging": LoggingConfig, "ema": EMAConfig}
 
 # ------------------------------------------------------------------------------------------------ algorithms
 
@@ -347,6 +390,8 @@ class TrainConfig:
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    ema: EMAConfig = dataclasses.field(default_factory=EMAConfig)
     data: Any = None  # SFTDataConfig | DPODataConfig | OnlineDataConfig | a user algorithm's block | dict
     dpo: Optional[DPOConfig] = None
     grpo: Optional[GRPOConfig] = None
@@ -500,5 +545,15 @@ def default_config(algorithm: str = "sft") -> ml_collections.ConfigDict:
               if k in _TOP_KEYS or k in ALGORITHM_LABELS.get(algorithm, ())}
     values["algorithm"] = algorithm
     for name, cls in {**CORE_BLOCKS, **ALGORITHMS[algorithm]}.items():
-        values[name] = {k: v for k, v in defaults_of(cls).items()}
+        values[name] = {k: _config_value(key) for k, key in keys_of(cls).items()}
     return ml_collections.ConfigDict(values)
+
+
+def _config_value(key) -> Any:
+    """A key's default as a ConfigDict holds it: a None default of an optional float (`ema.decay`) as a typed
+    placeholder, so that `--config.ema.decay=0.99` can set it (ml_collections refuses to override a plain None)."""
+    types = key.types if isinstance(key.types, tuple) else (key.types,)
+    given = [t for t in types if t is not type(None)]
+    if key.default is None and len(given) == 1 and given[0] in (int, float, str, bool):
+        return ml_collections.config_dict.placeholder(given[0])
+    return copy.deepcopy(key.default)

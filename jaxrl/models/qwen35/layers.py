@@ -24,7 +24,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxrl.models.qwen35.config import Qwen35Config
 from jaxrl.ops.attention import cache_attention, causal_attention, compact, uncompact
 from jaxrl.ops.conv import causal_depthwise_conv
-from jaxrl.ops.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step
+from jaxrl.ops.gated_delta import (PendingUpdate, apply_pending, chunk_gated_delta_rule,
+                                   gated_delta_decode_step_deferred, no_pending_update)
 from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import apply_partial_rotary
 
@@ -42,23 +43,62 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else nnx.data(None)
         self.lora = nnx.data(None)  # a jaxrl.models.lora.LoRA once attached
-        # The weight transposed to [in, out]: set only inside a decode program, by `transpose_for_decode`.
-        self.weight_in_out = nnx.data(None)
+        # The weights a decode program multiplies with (`decode_weights`): set only inside one, by
+        # `use_decode_weights`.
+        self.decode = nnx.data(None)
 
-    def transpose_for_decode(self) -> None:
-        """Keep a copy of the weight as [in, out] for the rest of this trace (a decode program, whose weights are
-        loop constants: the copy is made once, before the loop). XLA:CPU's dot of a few rows (decode: one token
-        per row) is faster against an [in, out] weight than against torch's [out, in] layout (measured in
-        benchmarks/RESULTS.md, section 'A Zen 5 VM, 2026-12-02'); see `Qwen35.transpose_for_decode`. The
-        barrier keeps XLA from folding the transpose back into the dot."""
-        self.weight_in_out = jax.lax.optimization_barrier(jnp.transpose(self.weight[...]))
+    def decode_weights(self, transpose: bool, fuse_adapter: bool = True) -> Optional[dict]:
+        """The weights of a decode program, made once per program (or once per rollout, passed in) rather than per
+        step; None when the stored weights serve as they are.
+
+        "weight": the weight with an enabled adapter's A stacked under it, [out + r, in], so one product gives the
+        base output and the adapter's rank-r hidden (one kernel and one read of x instead of two); "lora_b": the
+        adapter's s * B [out, r]. Both in the product's operand dtype, exactly as `LoRA.__call__` rounds them, so
+        the result is the unfused layer's (the policy the trainer holds; no merge, nothing lost to rounding).
+        transpose: the stacked weight as [in, out + r] instead; XLA:CPU's dot of a few rows (decode: one token per
+        row) reads that layout faster (measured in benchmarks/RESULTS.md, section 'A Zen 5 VM, 2026-12-02').
+        fuse_adapter: False keeps the adapter apart (its two products after the base one; measurements)."""
+        w = self.weight[...]
+        out = {}
+        adapter = self.lora if self.lora is not None and self.lora.enabled and fuse_adapter else None
+        if adapter is not None and adapter.compute_dtype(w.dtype) == w.dtype:
+            w = jnp.concatenate([w, adapter.lora_A[...].astype(w.dtype)], axis=0)
+            out["lora_b"] = (adapter.lora_B[...] * adapter.scale).astype(w.dtype)
+        elif not transpose:
+            return None
+        out["weight_in_out" if transpose else "weight_out_in"] = w.T if transpose else w
+        return out
+
+    def use_decode_weights(self, weights: Optional[dict]) -> None:
+        """Multiply with `weights` (from `decode_weights`) for the rest of this trace."""
+        self.decode = weights
+
+    def _decode_call(self, x: jax.Array) -> jax.Array:
+        d = self.decode
+        dtype = jnp.result_type(x.dtype, self.weight.dtype)
+        if "lora_b" in d and d["lora_b"].dtype != x.dtype:
+            raise ValueError(f"decode weights stacked for {d['lora_b'].dtype} inputs, got {x.dtype} (the adapter "
+                             "would compute in another dtype than it does unfused)")
+        if "weight_in_out" in d:
+            y = jnp.einsum("...i,io->...o", x, d["weight_in_out"], preferred_element_type=jnp.float32)
+        else:
+            y = jnp.einsum("...i,oi->...o", x, d["weight_out_in"], preferred_element_type=jnp.float32)
+        base = y[..., :self.out_features].astype(dtype)
+        if self.bias is not None:
+            base = base + self.bias[...]
+        if "lora_b" in d:  # the adapter's hidden, rounded as `low_rank_product` rounds it, then its B
+            hidden = y[..., self.out_features:].astype(x.dtype)
+            base = base + jnp.einsum("...r,or->...o", hidden, d["lora_b"],
+                                     preferred_element_type=jnp.float32).astype(dtype)
+        elif self.lora is not None and self.lora.enabled:
+            base = base + self.lora(x).astype(dtype)
+        return base
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        if self.weight_in_out is not None:
-            y = jnp.einsum("...i,io->...o", x, self.weight_in_out,
-                           preferred_element_type=jnp.float32).astype(jnp.result_type(x.dtype, w.dtype))
-        elif x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        if self.decode is not None:
+            return checkpoint_name(self._decode_call(x), "proj")
+        if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
             # XLA:CPU runs a bf16 -> bf16 product (and its gradient) on an fp32 copy of the weight; `project`
             # takes its native bf16 x bf16 -> fp32 kernel both ways. Same numbers: fp32 accumulation, one rounding.
             y = project(x, w, x.dtype)
@@ -112,6 +152,17 @@ class MLP(nnx.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Per-layer decode state. NamedTuples are pytrees, so caches pass through jit, scan and while_loop unchanged.
 
+def write_rows(buffer: jax.Array, values: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """buffer [B, ...] with row b's `values[b]` written at position index[b] of `axis` (values have size 1 there):
+    one in-place update per row (a batched dynamic_update_slice, which XLA:CPU runs faster than the equivalent
+    scatter)."""
+    def one(row, value, i):
+        start = [0] * row.ndim
+        start[axis - 1] = i
+        return jax.lax.dynamic_update_slice(row, value, tuple(start))
+    return jax.vmap(one)(buffer, values, index)
+
+
 class KVState(NamedTuple):
     """Keys (after k_norm and RoPE) and values of a full-attention layer: [B, nKV, S_max, hd] each (head-major,
     like HF's cache: decode attention then reads the cache in place instead of transposing all of it per step)."""
@@ -120,10 +171,17 @@ class KVState(NamedTuple):
 
 
 class LinearState(NamedTuple):
-    """Gated DeltaNet state: the last K-1 pre-conv q|k|v inputs [B, K-1, conv_dim] and S [B, Hv, dk, dv] (fp32, or
-    bf16 storage with the config's `gdn_state_dtype`; the update's math is fp32 either way)."""
+    """Gated DeltaNet state: the last K-1 pre-conv q|k|v inputs [B, K-1, conv_dim], the stored S [B, Hv, dk, dv]
+    (fp32, or bf16 storage with the config's `gdn_state_dtype`; the update's math is fp32 either way) and the last
+    decode step's rank-1 update, applied when the next step reads S (`jaxrl.ops.gated_delta`: one read and one
+    write of S per step). `current()` is the state after every token so far."""
     conv: jax.Array
     recurrent: jax.Array
+    pending: PendingUpdate
+
+    def current(self) -> jax.Array:
+        """The state after the last token, fp32 [B, Hv, dk, dv]."""
+        return apply_pending(self.recurrent, self.pending)
 
 
 class StepContext(NamedTuple):
@@ -138,7 +196,10 @@ class StepContext(NamedTuple):
     # With a cache: the slots visible after this call's write, and where this call writes.
     key_valid: Optional[jax.Array]  # [B, S] bool
     q_slots: Optional[jax.Array]  # [T] int32: the cache slot of each position of this call
-    write_index: Optional[jax.Array]  # int32 scalar: first cache slot written by this call
+    # int32 scalar: first cache slot written by this call (every row); or [B] (a per-row cache, one token per
+    # call: row b writes its slot write_index[b])
+    write_index: Optional[jax.Array]
+    filled: Optional[jax.Array]  # int32 scalar: slots [filled, S) are unused by every row after this call
 
 
 class GatedAttention(nnx.Module):
@@ -173,12 +234,15 @@ class GatedAttention(nnx.Module):
         scale = self.head_dim ** -0.5
         head_major = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731  [B, T, nKV, hd] -> [B, nKV, T, hd]
         if state is not None:
-            start = (0, 0, ctx.write_index, 0)
-            k_all = jax.lax.dynamic_update_slice(state.k, head_major(k).astype(state.k.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(state.v, head_major(v).astype(state.v.dtype), start)
+            if ctx.write_index.ndim:  # a per-row cache: row b writes its one token at slot write_index[b]
+                k_all = write_rows(state.k, head_major(k).astype(state.k.dtype), ctx.write_index, axis=2)
+                v_all = write_rows(state.v, head_major(v).astype(state.v.dtype), ctx.write_index, axis=2)
+            else:
+                start = (0, 0, ctx.write_index, 0)
+                k_all = jax.lax.dynamic_update_slice(state.k, head_major(k).astype(state.k.dtype), start)
+                v_all = jax.lax.dynamic_update_slice(state.v, head_major(v).astype(state.v.dtype), start)
             state = KVState(k_all, v_all)
-            o = cache_attention(q, k_all, v_all, ctx.key_valid, ctx.q_slots, scale,
-                                filled=ctx.write_index + seq_len)
+            o = cache_attention(q, k_all, v_all, ctx.key_valid, ctx.q_slots, scale, filled=ctx.filled)
         elif ctx.order is None:
             o = causal_attention(q, k, v, None, scale, self.implementation)
         else:  # any padding layout -> right padding, the fused kernel, and back
@@ -239,18 +303,23 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
-        if state is not None and seq_len == 1:
-            o, final = gated_delta_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent)
+        pending = None
+        if state is not None and seq_len == 1:  # decode: the update deferred to the next step's read
+            o, final, pending = gated_delta_decode_step_deferred(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                                                 state.recurrent, state.pending)
             o = o[:, None]
         else:
-            initial = None if state is None else state.recurrent
+            initial = None if state is None else state.current()
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.cfg.gdn_chunk)
         o = checkpoint_name(o, "gdn_core")
         o = self.norm(o, z).reshape(batch, seq_len, self.value_dim)
-        if state is not None:
-            state = LinearState(conv_state.astype(state.conv.dtype), final.astype(state.recurrent.dtype))
-        elif cache_length is not None:
-            state = LinearState(conv_state.astype(x.dtype), final.astype(jnp.dtype(self.cfg.gdn_state_dtype)))
+        if state is not None or cache_length is not None:
+            if pending is None:
+                pending = no_pending_update(batch, self.num_k_heads, self.num_v_heads, self.head_k_dim,
+                                            self.head_v_dim)
+            conv_dtype = x.dtype if state is None else state.conv.dtype
+            state_dtype = jnp.dtype(self.cfg.gdn_state_dtype) if state is None else state.recurrent.dtype
+            state = LinearState(conv_state.astype(conv_dtype), final.astype(state_dtype), pending)
         return self.out_proj(o), state
 
 

@@ -14,7 +14,9 @@ the fused kernels take.
 Caches: `init_cache` preallocates one (attention layers write keys/values at slot `cache.length`, linear layers
 carry their conv window and recurrent state); `hidden_states(..., cache_length=S)` builds one from a prompt in
 the training-style pass (fused attention over the prompt alone, no cache buffer read). A prefix followed by a
-continuation equals one pass.
+continuation equals one pass. A *per-row* cache (`cache.length` of shape [B], `init_cache(per_row=True)`: the
+continuous-batching engine's slots, each at its own position) takes one token per row and call; row b writes
+slot length[b], and a row whose token is masked out keeps its length (a free slot).
 
 Rematerialisation (`remat`, training passes only: no cache): per-layer `jax.checkpoint` with a named policy.
   none       keep every activation
@@ -38,8 +40,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.qwen35.config import COMPUTE_FIELDS, LINEAR, Qwen35Config
-from jaxrl.models.qwen35.layers import (DecoderLayer, KVState, Linear, LinearState, RMSNorm, StepContext, normal_init)
+from jaxrl.models.qwen35.layers import (DecoderLayer, KVState, Linear, LinearState, RMSNorm, StepContext, normal_init,
+                                        write_rows)
 from jaxrl.ops.attention import compaction, resolve_implementation
+from jaxrl.ops.gated_delta import no_pending_update
 from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import rotary_cos_sin
 
@@ -64,7 +68,9 @@ DECODE_COPY_FRACTION = 0.125
 class Cache(NamedTuple):
     layers: tuple  # one KVState (attention) or LinearState (Gated DeltaNet) per layer
     valid: jax.Array  # [B, S_max] bool: slots that hold a real token
-    length: jax.Array  # int32 scalar: slots written so far (same for every row; rows are left-padded)
+    # int32: slots written so far; a scalar (the same for every row; rows are left-padded) or [B] (a per-row
+    # cache: each row's next slot)
+    length: jax.Array
     next_position: jax.Array  # [B] int32: RoPE position of each row's next real token
 
     @property
@@ -99,22 +105,48 @@ class Qwen35(nnx.Module):
                               preferred_element_type=jnp.float32).astype(hidden.dtype)
         return project(hidden, self.head_weight(), hidden.dtype)
 
-    def transpose_for_decode(self) -> "Qwen35":
-        """Inside a decode program, before its loop: every projection and the head keep a copy of their weight
-        transposed to [in, out] for the rest of the trace (`Linear.transpose_for_decode`). On XLA:CPU a decode
-        step's dots (a few rows against each weight) are bound by reading the weights, and they read that layout
-        faster, with the same greedy tokens (measured in benchmarks/RESULTS.md, section 'A Zen 5 VM, 2026-12-02').
-        Only on the CPU (a GPU's GEMM takes either layout at one speed), and only when the weights take at most
-        DECODE_COPY_FRACTION of the host's memory: the copies double the weights' memory for the program (the
-        9B-width smoke model, 5 GB of bf16 weights, would not fit its test's memory bound). Weights must not
-        change for the rest of the trace (the copies would go stale). Returns self."""
-        if jax.default_backend() != "cpu" or self.weight_bytes() > DECODE_COPY_FRACTION * _device_memory_bytes():
-            return self
-        for _, module in nnx.iter_modules(self.layers):  # the head is `head_in_out` (tied or not)
+    def decode_weights(self, fuse_adapters: bool = True) -> dict:
+        """The weight copies a decode program multiplies with, {module path: arrays} ("head" for the output
+        head): made once before a decode loop (`transpose_for_decode`), or once per rollout by the engine, which
+        passes them to its decode rounds (`use_decode_weights`). Per projection (`Linear.decode_weights`):
+          * an enabled LoRA adapter's A stacked under the base weight (one product for both) and its s * B, in
+            the operand dtype the unfused adapter rounds them to: the same numbers as the unfused layer;
+          * on the CPU, every projection and the head transposed to [in, out]: a decode step's dots (a few rows
+            against each weight) are bound by reading the weights, and XLA:CPU reads that layout faster, with the
+            same greedy tokens (measured in benchmarks/RESULTS.md, section 'A Zen 5 VM, 2026-12-02'); a GPU's
+            GEMM takes either layout at one speed.
+        Empty when nothing needs a copy (an accelerator without adapters), and when the weights take more than
+        DECODE_COPY_FRACTION of a device's memory: the copies double the weights' memory while they live (the
+        9B-width smoke model, 5 GB of bf16 weights, would not fit its test's memory bound); then every layer
+        runs unfused. The copies hold the weights of the moment they were made: made again when weights change.
+        fuse_adapters: False leaves adapters unfused (to measure what fusing saves)."""
+        if self.weight_bytes() > DECODE_COPY_FRACTION * _device_memory_bytes():
+            return {}
+        transpose = jax.default_backend() == "cpu"
+        out = {}
+        for path, module in nnx.iter_modules(self.layers):
             if isinstance(module, Linear):
-                module.transpose_for_decode()
-        self.head_in_out = jax.lax.optimization_barrier(jnp.transpose(self.head_weight()))
+                weights = module.decode_weights(transpose, fuse_adapters)
+                if weights is not None:
+                    out[_layer_path(path)] = weights
+        if transpose:  # the head is `head_in_out` (tied or not)
+            out["head"] = jnp.transpose(self.head_weight())
+        return out
+
+    def use_decode_weights(self, weights: dict) -> "Qwen35":
+        """Multiply with `weights` (from `decode_weights`) for the rest of this trace. Returns self."""
+        for path, module in nnx.iter_modules(self.layers):
+            if isinstance(module, Linear):
+                module.use_decode_weights(weights.get(_layer_path(path)))
+        self.head_in_out = weights.get("head")
         return self
+
+    def transpose_for_decode(self) -> "Qwen35":
+        """Inside a decode program, before its loop: make `decode_weights` and use them for the rest of the
+        trace. The barrier keeps XLA from folding a transpose back into its dot. Weights must not change for the
+        rest of the trace (the copies would go stale). Returns self."""
+        weights = self.decode_weights()
+        return self.use_decode_weights(jax.lax.optimization_barrier(weights) if weights else weights)
 
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None, cache: Optional[Cache] = None):
@@ -140,20 +172,32 @@ class Qwen35(nnx.Module):
         token_mask = (jnp.ones((batch, seq_len), bool) if attention_mask is None
                       else attention_mask.astype(bool))
         counts = jnp.cumsum(token_mask.astype(jnp.int32), axis=1)
-        order = dest = lengths = key_valid = q_slots = write_index = None
+        order = dest = lengths = key_valid = q_slots = write_index = filled = None
+        per_row = cache is not None and cache.length.ndim == 1
         if cache is None:
             start_pos = jnp.zeros((batch,), jnp.int32)
             if attention_mask is not None:
                 order, dest, lengths = compaction(token_mask)
+        elif per_row:
+            if seq_len != 1:
+                raise ValueError(f"a per-row cache continues one token per row and call, got {seq_len}")
+            start_pos = cache.next_position
+            write_index = cache.length.astype(jnp.int32)
+            key_valid = write_rows(cache.valid, token_mask, write_index, axis=1)
+            # Slots after a row's own are never valid for it (a slot's valid flags are reset when a row moves
+            # in), so `valid` alone is the causal mask: every query may look up to the last slot.
+            q_slots = jnp.full((1,), cache.max_length - 1, jnp.int32)
+            filled = jnp.max(write_index) + 1
         else:
             start_pos = cache.next_position
             write_index = cache.length.astype(jnp.int32)
             q_slots = write_index + jnp.arange(seq_len, dtype=jnp.int32)
             key_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
+            filled = write_index + seq_len
         if positions is None:
             positions = start_pos[:, None] + jnp.maximum(counts - 1, 0)
         cos, sin = rotary_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, self.dtype)
-        ctx = StepContext(cos, sin, token_mask, order, dest, lengths, key_valid, q_slots, write_index)
+        ctx = StepContext(cos, sin, token_mask, order, dest, lengths, key_valid, q_slots, write_index, filled)
 
         training = cache is None and cache_length is None
         policy = self.remat_policy(batch, seq_len) if training else "none"
@@ -172,7 +216,8 @@ class Qwen35(nnx.Module):
         if cache is None:
             valid = jnp.pad(token_mask, ((0, 0), (0, cache_length - seq_len)))
             return h, Cache(tuple(new_states), valid, jnp.int32(seq_len), start_pos + counts[:, -1])
-        return h, Cache(tuple(new_states), key_valid, cache.length + seq_len, start_pos + counts[:, -1])
+        length = cache.length + (counts[:, -1] if per_row else seq_len)
+        return h, Cache(tuple(new_states), key_valid, length, start_pos + counts[:, -1])
 
     def remat_policy(self, batch: int, seq_len: int) -> str:
         """The remat policy a training pass over [batch, seq_len] runs with ("auto" resolved)."""
@@ -207,8 +252,9 @@ class Qwen35(nnx.Module):
         return self
 
     # ------------------------------------------------------------------------------------------------------------
-    def init_cache(self, batch: int, max_length: int, kv_dtype=None) -> Cache:
-        """Zeroed cache for `batch` rows and `max_length` slots (prompt + generated tokens)."""
+    def init_cache(self, batch: int, max_length: int, kv_dtype=None, per_row: bool = False) -> Cache:
+        """Zeroed cache for `batch` rows and `max_length` slots (prompt + generated tokens); per_row: a per-row
+        cache (module docstring)."""
         cfg = self.config
         kv_dtype = kv_dtype or self.dtype
         layers = []
@@ -217,12 +263,18 @@ class Qwen35(nnx.Module):
                 layers.append(LinearState(
                     jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), self.dtype),
                     jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                               cfg.linear_value_head_dim), jnp.dtype(cfg.gdn_state_dtype))))
+                               cfg.linear_value_head_dim), jnp.dtype(cfg.gdn_state_dtype)),
+                    no_pending_update(batch, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                      cfg.linear_key_head_dim, cfg.linear_value_head_dim)))
             else:
                 shape = (batch, cfg.num_key_value_heads, max_length, cfg.head_dim)  # head-major (KVState)
                 layers.append(KVState(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)))
-        return Cache(tuple(layers), jnp.zeros((batch, max_length), bool), jnp.zeros((), jnp.int32),
-                     jnp.zeros((batch,), jnp.int32))
+        length = jnp.zeros((batch,) if per_row else (), jnp.int32)
+        return Cache(tuple(layers), jnp.zeros((batch, max_length), bool), length, jnp.zeros((batch,), jnp.int32))
+
+
+def _layer_path(path) -> str:
+    return "layers." + ".".join(str(p) for p in path)
 
 
 def _remat_layer(layer: DecoderLayer, h: jax.Array, ctx: StepContext, policy) -> jax.Array:

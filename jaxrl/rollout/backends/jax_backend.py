@@ -1,4 +1,5 @@
-"""The default backend: our JAX model and `jaxrl.rollout.Sampler`, with adapters attached unmerged.
+"""The default backend: our JAX model and the continuous-batching sampler (`jaxrl.rollout.engine`), with adapters
+attached unmerged (fused into the base projections for decoding, `Qwen35.decode_weights`).
 
 Two ways to hold a model:
   * from folders (`base_dir`): `load(spec, adapter)` loads the base once and swaps LoRA factors in place when the
@@ -12,14 +13,23 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import jax.numpy as jnp
+from absl import logging
 
 from jaxrl.models.adapters import attach, attached_digest, detach
 from jaxrl.models import qwen35
 from jaxrl.parallel.sharding import batch_shards
 from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
-from jaxrl.rollout.sampler import Sampler
+from jaxrl.rollout.engine import ContinuousSampler
+from jaxrl.rollout.sampler import TRACE_COUNTS, Sampler, SamplerBase
 
 DTYPES = ("bfloat16", "float32")
+# "continuous": the engine (every consumer); "static": the static reference sampler (tests, benchmarks).
+BATCHING = ("continuous", "static")
+
+
+def sampler_programs() -> int:
+    """Sampler programs traced in this process, all samplers together (each trace precedes one compilation)."""
+    return sum(TRACE_COUNTS.values())
 
 
 class JaxBackend:
@@ -27,29 +37,48 @@ class JaxBackend:
 
     def __init__(self, base_dir: Optional[str] = None, *, dtype: Optional[str] = "bfloat16", batch_size: int = 64,
                  max_prompt_len: int = 4096, prompt_buckets: Optional[Sequence[int]] = None,
-                 stop_ids: Sequence[int] = (), pad_id: Optional[int] = None, model=None, mesh=None, **_unused):
+                 stop_ids: Sequence[int] = (), pad_id: Optional[int] = None, model=None, mesh=None,
+                 batching: str = "continuous", collect_factor: int = 4, shrink: Optional[bool] = None,
+                 **_unused):
         """dtype: compute dtype of models loaded from folders; None with `model=` (take the model's own).
-        mesh: rows split over its data x fsdp axes, weights placed by the sharding rules; `batch_size` (rows per
-        compiled call) is rounded up to a multiple of data x fsdp."""
+        mesh: rows split over its data x fsdp axes, weights placed by the sharding rules; `batch_size` (rows decoded
+        at once: the engine's slots) is rounded up to a multiple of data x fsdp.
+        prompt_buckets: the prompt lengths the sampler's programs are compiled for (default 32, 64, ... up to
+        max_prompt_len); a call uses the smallest that holds its longest prompt. One length (a rollout's prompts
+        chosen from its data) means one set of programs.
+        batching: "continuous" (the engine) or "static" (the reference). collect_factor: rows a caller should hand
+        to one `generate` call, in slots (`rows_per_call`): finished slots are refilled only from rows of the same
+        call. shrink: let a draining call move its last rows to fewer slots (more programs, cheaper steps; None:
+        when the cap is at least `jaxrl.rollout.engine.SHRINK_MIN_CAP`)."""
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        if int(collect_factor) < 1:
+            raise ValueError(f"collect_factor must be >= 1, got {collect_factor}")
         if base_dir is None and model is None:
             raise ValueError("JaxBackend needs a base_dir or a model")
         if model is not None and dtype is not None and jnp.dtype(model.dtype) != jnp.dtype(dtype):
             # the cache settings record `dtype`: a model of another dtype would be misdescribed
             raise ValueError(f"the given base model computes in {jnp.dtype(model.dtype).name}, not {dtype}")
         self.base_dir, self.dtype = base_dir, dtype
-        self.batch_size, self.max_prompt_len = int(batch_size), int(max_prompt_len)
-        if self.batch_size < 1:
+        self.slots, self.max_prompt_len = int(batch_size), int(max_prompt_len)
+        if self.slots < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if mesh is not None:  # every compiled batch splits evenly over the data-parallel devices
             dp = batch_shards(mesh)
-            self.batch_size = -(-self.batch_size // dp) * dp
+            self.slots = -(-self.slots // dp) * dp
+        self.batching, self.shrink = batching, shrink
+        # What a caller that splits its work into calls (jaxrl.rollout.sampling_loop) reads as rows per call: the
+        # static sampler's compiled batch; for the engine several slots' worth, so that finished slots have rows
+        # to take.
+        self.batch_size = self.slots * (int(collect_factor) if batching == "continuous" else 1)
         self.prompt_buckets = tuple(prompt_buckets) if prompt_buckets else None
         self.stop_ids, self.pad_id, self.mesh = tuple(int(t) for t in stop_ids), pad_id, mesh
         self._base = model
         self._model = model  # a given model is ready to sample from without load()
-        self._samplers: dict[int, Sampler] = {}
+        self._samplers: dict[int, SamplerBase] = {}
+        self.compiled_programs = 0  # sampler programs traced by this process when the last call returned
 
     def _load_folder(self, folder: str):
         return qwen35.from_pretrained(folder, dtype=getattr(jnp, self.dtype or "bfloat16"), mesh=self.mesh)
@@ -78,22 +107,30 @@ class JaxBackend:
         back from the parameters."""
         return None
 
-    def sampler(self, max_new_tokens: int) -> Sampler:
-        """The Sampler of this cap (built once per cap; its programs compile once per bucket)."""
+    def sampler(self, max_new_tokens: int) -> SamplerBase:
+        """The sampler of this cap (built once per cap; its programs compile once per shape)."""
         if self._model is None:
             raise RuntimeError("JaxBackend: no model loaded (call load() first)")
         if max_new_tokens not in self._samplers:
-            self._samplers[max_new_tokens] = Sampler(
-                self._model, max_new_tokens=max_new_tokens, max_prompt_len=self.max_prompt_len,
-                prompt_buckets=self.prompt_buckets, batch_size=self.batch_size, eos_token_ids=self.stop_ids,
-                pad_token_id=self.pad_id, mesh=self.mesh)
+            settings = dict(max_new_tokens=max_new_tokens, max_prompt_len=self.max_prompt_len,
+                            prompt_buckets=self.prompt_buckets, batch_size=self.slots, eos_token_ids=self.stop_ids,
+                            pad_token_id=self.pad_id, mesh=self.mesh)
+            self._samplers[max_new_tokens] = (ContinuousSampler(self._model, shrink=self.shrink, **settings)
+                                              if self.batching == "continuous" else Sampler(self._model, **settings))
         return self._samplers[max_new_tokens]
 
     def generate(self, prompts, group_ids, sampling: SamplingParams, *, params=None) -> list[Generation]:
         """params: weights to sample with instead of the held model's current ones (online training)."""
-        out = self.sampler(int(sampling.max_new_tokens)).sample(
-            prompts, params=params, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, seed=sampling.seed, group_ids=group_ids)
+        sampler = self.sampler(int(sampling.max_new_tokens))
+        out = sampler.sample(prompts, params=params, n=sampling.n, temperature=sampling.temperature,
+                             top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, group_ids=group_ids)
+        programs = sampler_programs()
+        if programs > self.compiled_programs:
+            bound = sampler.program_bound() if isinstance(sampler, ContinuousSampler) else None
+            logging.info("jax backend: %d sampler programs compiled in this process (%d by this call; at most %s "
+                         "per model structure, sampling mode and cap)", programs, programs - self.compiled_programs,
+                         bound if bound is not None else "one prefill and decode per batch and prompt bucket")
+        self.compiled_programs = programs
         return [Generation(list(out.tokens[i]), out.finish_reasons[i], out.prompt_indices[i], out.sample_indices[i],
                            [float(x) for x in out.logprobs[i]]) for i in range(len(out))]
 

@@ -24,16 +24,20 @@ JAX server reads back from its parameters). A full HF folder (`kind="hf"`, e.g. 
 that folder: a launched vLLM is restarted on it; a server given by URL must already serve it.
 
 Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
-serves another base, or when it rejects an adapter or a request (the server's own message is quoted).
+serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
+request whose connection the server resets (a full listen backlog, a restart) or that it answers with HTTP 503
+(overloaded) is sent again after a pause (`RETRY_BACKOFF_S`): seeded, it draws the same samples.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import logging
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 from typing import Optional, Sequence
@@ -81,20 +85,43 @@ def split_request_seed(value: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------------------------
 # HTTP
 
-def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30.0):
-    """(status, parsed JSON or text) of one request; ServerError when nothing answers at `url`."""
+# A connection the server dropped (a full listen backlog resets it, a restarting server closes it): worth another
+# try after a pause. A refused connection is not retried (no server there: say so at once).
+RESET_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.RemoteDisconnected,
+                http.client.IncompleteRead)
+RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # pauses before the retries of a reset request (and of HTTP 503)
+
+
+def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30.0, retries: int = 0,
+              backoff_s: Sequence[float] = RETRY_BACKOFF_S):
+    """(status, parsed JSON or text) of one request; ServerError when nothing answers at `url`.
+
+    retries: how many times a reset connection (RESET_ERRORS) or an HTTP 503 (overloaded) is tried again, after
+    the pauses of `backoff_s` (the last one repeated); only for requests that are safe to repeat (a seeded
+    completion gives the same samples twice)."""
     data = None if body is None else json.dumps(body).encode("utf-8")
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data is not None else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, docs/guides/vllm.md, or "
-                          "`python -m launchers.serve`) or pass the URL of a running one") from None
+    for attempt in range(int(retries) + 1):
+        pause = backoff_s[min(attempt, len(backoff_s) - 1)] if backoff_s else 0.0
+        req = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data is not None else {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, RESET_ERRORS) and attempt < retries:
+                logger.warning("%s %s: connection reset (%s); retrying in %.1f s", method, url, reason, pause)
+                time.sleep(pause)
+                continue
+            raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, docs/guides/vllm.md, "
+                              "or `python -m launchers.serve`) or pass the URL of a running one") from None
+        if status == 503 and attempt < retries:
+            logger.warning("%s %s: HTTP 503 (overloaded); retrying in %.1f s", method, url, pause)
+            time.sleep(pause)
+            continue
+        break
     text = raw.decode("utf-8", errors="replace")
     try:
         return status, json.loads(text) if text else None
@@ -317,7 +344,8 @@ class ServerBackend:
                 "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
 
     def _post_completion(self, body: dict, j: int) -> list[dict]:
-        status, payload = http_json("POST", self.url + "/v1/completions", body, timeout=self.request_timeout_s)
+        status, payload = http_json("POST", self.url + "/v1/completions", body, timeout=self.request_timeout_s,
+                                    retries=len(RETRY_BACKOFF_S))
         if status != 200:
             raise ServerError(f"the server at {self.url} refused prompt {j} ({len(body['prompt'])} tokens, model "
                               f"{body['model']!r}): HTTP {status}: {error_message(payload)}")

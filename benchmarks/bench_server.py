@@ -1,0 +1,194 @@
+"""Requests/s and tokens/s of `launchers.serve` (FastAPI + uvicorn, jaxrl/rollout/server.py) against the server it
+replaced (the standard library's ThreadingHTTPServer, read from git history) on the same concurrent load.
+
+Both servers run in this process on one model object (the small Qwen3.5 of benchmarks/common.py, fp32) with the
+same sampler settings (batch 32 rows, 5 ms batching window, one prompt bucket); the load comes from a separate
+client process: `concurrency` threads, each with its own keep-alive connection, send `requests` POST
+/v1/completions in total (token-id prompts of `prompt_len`, `max_tokens`, temperature 1, a seed per request as the
+server backend sends them, so that both servers batch the same rows). Each server first takes the whole load once
+untimed, in turns, until a pass compiles nothing (both share the sampler's compiled programs), then once
+timed each. A connection the old server drops (its listen backlog is 5) is
+reopened and the request sent again; the count is reported.
+
+    python -m benchmarks.bench_server [--requests 256] [--concurrency 32] [--max_tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD_SERVER_COMMIT = "2177a93"  # the last commit with the ThreadingHTTPServer server (jaxrl/rollout/server.py)
+
+
+# ------------------------------------------------------------------------------------------------ the client
+
+
+def _client(url: str, requests: int, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
+    """Runs the load against `url` (in the client process); returns counts and the wall time."""
+    from jaxrl.rollout.backends.openai_client import request_seed
+
+    host = url.split("//")[1]
+    local = threading.local()
+    reconnects = [0]
+
+    def post(body: bytes):
+        for attempt in range(6):
+            conn = getattr(local, "conn", None)
+            if conn is None:
+                conn = local.conn = http.client.HTTPConnection(host, timeout=600)
+            try:
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                return resp.status, json.loads(resp.read())
+            except (ConnectionError, http.client.HTTPException, OSError):
+                conn.close()
+                local.conn = None
+                reconnects[0] += 1
+                time.sleep(0.1 * (attempt + 1))
+        raise RuntimeError(f"{url}: a request failed 6 times")
+
+    def one(i: int):
+        prompt = [5 + (i * 7 + k * 13) % 240 for k in range(prompt_len)]
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                           "seed": request_seed(0, i), "logprobs": 0}).encode()
+        status, payload = post(body)
+        if status != 200:
+            raise RuntimeError(f"{url}: HTTP {status}: {payload}")
+        return payload["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = list(pool.map(one, range(requests)))
+    wall = time.perf_counter() - started
+    return {"wall_s": wall, "requests": requests, "completion_tokens": int(sum(tokens)), "reconnects": reconnects[0]}
+
+
+def _load(url: str, **load) -> dict:
+    """The load of `_client`, from a separate process (the client's threads do not share this process's GIL)."""
+    code = (f"import json, sys; sys.path.insert(0, {ROOT!r}); from benchmarks.bench_server import _client; "
+            f"print(json.dumps(_client({url!r}, **{load!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"the load client failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------ the servers
+
+
+def _old_server_module(folder: str):
+    """jaxrl/rollout/server.py at OLD_SERVER_COMMIT, imported from `folder` as `jaxrl_old_server`."""
+    source = subprocess.run(["git", "-C", ROOT, "show", f"{OLD_SERVER_COMMIT}:jaxrl/rollout/server.py"],
+                            capture_output=True, text=True, check=True).stdout
+    path = os.path.join(folder, "jaxrl_old_server.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("jaxrl_old_server", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _old_server(module, base: str, model, tok, settings: dict):
+    server = module.CompletionServer(base, model=model, tokenizer=tok, max_prompt_len=settings["prompt_bucket"],
+                                     batch_size=settings["batch_size"], prompt_buckets=(settings["prompt_bucket"],),
+                                     batch_wait_s=settings["batch_wait_s"])
+    httpd = server.serve("127.0.0.1", 0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+        thread.join(60)
+
+
+@contextlib.contextmanager
+def _new_server(base: str, model, tok, settings: dict):
+    from jaxrl.rollout.server import CompletionServer, ServeLimits, ServerThread
+    server = CompletionServer(base, model=model, tokenizer=tok, batch_size=settings["batch_size"],
+                              limits=ServeLimits(max_prompt_len=settings["prompt_bucket"]),
+                              prompt_buckets=(settings["prompt_bucket"],), batch_wait_s=settings["batch_wait_s"])
+    handle = ServerThread(server)
+    try:
+        yield handle.url
+    finally:
+        handle.stop()
+
+
+def _base_folder(folder: str) -> str:
+    from benchmarks.common import save_small_hf
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
+    save_small_hf(folder, seed=0)
+    build_tiny_tokenizer(folder, ["def add(a, b):\n    return a + b\n", "hello world"])
+    return folder
+
+
+def run(requests: int = 256, concurrency: int = 32, prompt_len: int = 48, max_tokens: int = 64,
+        batch_size: int = 32) -> dict:
+    """Measure and return the numbers of both servers (module docstring); prints nothing."""
+    import jax.numpy as jnp
+
+    from jaxrl.data.chat import load_tokenizer
+    from jaxrl.models import qwen35
+    from jaxrl.rollout.sampler import TRACE_COUNTS
+
+    settings = {"batch_size": batch_size, "prompt_bucket": 64, "batch_wait_s": 0.005}
+    load = {"requests": requests, "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _base_folder(os.path.join(tmp, "base"))
+        model = qwen35.from_pretrained(base, dtype=jnp.float32)
+        tok = load_tokenizer(base)
+        old = _old_server_module(tmp)
+        with contextlib.ExitStack() as stack:
+            urls = {"old": stack.enter_context(_old_server(old, base, model, tok, settings)),
+                    "new": stack.enter_context(_new_server(base, model, tok, settings))}
+            # untimed passes until a pass compiles nothing (both servers share the sampler's programs by shape)
+            warm = {name: [] for name in urls}
+            for _ in range(6):
+                traced = len(TRACE_COUNTS)
+                for name, url in urls.items():
+                    warm[name].append(_load(url, **load)["wall_s"])
+                if len(TRACE_COUNTS) == traced:
+                    break
+            sides = {}
+            for name, url in urls.items():
+                traced = len(TRACE_COUNTS)
+                timed = _load(url, **load)
+                sides[name] = {**timed, "warmup_wall_s": warm[name],
+                               "compiled_while_timed": len(TRACE_COUNTS) - traced,
+                               "requests_per_s": timed["requests"] / timed["wall_s"],
+                               "tokens_per_s": timed["completion_tokens"] / timed["wall_s"]}
+    old_side, new_side = sides["old"], sides["new"]
+    return {"load": load, "settings": settings, "old_server_commit": OLD_SERVER_COMMIT, "old": old_side,
+            "new": new_side, "ratio_requests_per_s": new_side["requests_per_s"] / old_side["requests_per_s"],
+            "ratio_tokens_per_s": new_side["tokens_per_s"] / old_side["tokens_per_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt_len", type=int, default=48)
+    parser.add_argument("--max_tokens", type=int, default=64)
+    args = parser.parse_args()
+    result = run(args.requests, args.concurrency, args.prompt_len, args.max_tokens)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The OpenAI API of `launchers.serve` as vLLM speaks it: request models, the error shape, and the text rules
+(stop strings on decoded text, per-token texts for log-probs and streaming). jaxrl/rollout/server.py serves them.
+
+Request models are validated by FastAPI (pydantic): a field of the wrong type or out of range is HTTP 422 with
+the OpenAI error shape, naming the field. Unknown fields are ignored, as vLLM does. Fields this server cannot
+honour are refused with HTTP 400 naming the field when they carry anything but their neutral value (penalties,
+logit_bias, beam search, suffix, tools, best_of > n, ...): silently different sampling would be worse.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+               413: "RequestEntityTooLarge", 422: "UnprocessableEntityError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any number. Each is searched in every completion's text.
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param = int(status), param
+
+    @property
+    def kind(self) -> str:
+        return ERROR_TYPES.get(self.status, HTTPStatus(self.status).phrase.replace(" ", "") + "Error")
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Request models
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Request):
+    """The fields completions and chat completions share (OpenAI's and vLLM's extra sampling fields)."""
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1)
+    best_of: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1)
+    seed: Optional[int] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    user: Optional[str] = None
+    # Accepted only at their neutral values (NEUTRAL).
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+    min_tokens: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: Optional[int] = Field(16, ge=0)
+    logprobs: Optional[int] = Field(None, ge=0)
+    echo: bool = False
+    suffix: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
+    return_tokens_as_token_ids: bool = False
+
+
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: Optional[Union[StrictStr, list[ContentPart]]] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+    return_tokens_as_token_ids: bool = False
+
+
+class LoadLoraRequest(_Request):
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoraRequest(_Request):
+    lora_name: str = ""
+
+
+class TokenizeRequest(_Request):
+    model: Optional[str] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[StrictInt]
+
+
+# field -> its neutral values: anything else is refused (HTTP 400) rather than silently ignored
+NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+           "min_p": (None, 0.0), "min_tokens": (None, 0), "logit_bias": (None, {}), "use_beam_search": (None, False),
+           "length_penalty": (None, 1.0), "suffix": (None, ""), "prompt_logprobs": (None,), "tools": (None, []),
+           "tool_choice": (None, "none", "auto"), "continue_final_message": (False,)}
+
+
+def refuse_unsupported(request: _Request) -> None:
+    for field, neutral in NEUTRAL.items():
+        if field in type(request).model_fields and getattr(request, field) not in neutral:
+            raise ApiError(f"`{field}`={getattr(request, field)!r} is not supported by this server (the jax "
+                           f"sampler); leave it out", param=field)
+    if request.best_of is not None and request.best_of != request.n:
+        raise ApiError(f"best_of={request.best_of} with n={request.n}: this server does not rank candidates; leave "
+                       "best_of out (or equal to n)", param="best_of")
+    fmt = getattr(request, "response_format", None)
+    if fmt and fmt.get("type", "text") != "text":
+        raise ApiError(f"response_format {fmt.get('type')!r} is not supported (no guided decoding); leave it out",
+                       param="response_format")
+
+
+def stop_strings(stop) -> list[str]:
+    """The request's `stop` as a list of non-empty strings."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    items = [s for s in items if s]
+    if len(items) > MAX_STOP_STRINGS:
+        raise ApiError(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}", param="stop")
+    return items
+
+
+def message_text(content) -> str:
+    """A chat message's content as text (text parts joined; other part types refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text":
+            raise ApiError(f"content parts of type {part.type!r} are not supported (text only)", param="messages")
+        parts.append(part.text or "")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text: per-token pieces, stop strings
+
+
+def token_pieces(tokenizer, tokens: Sequence[int], skip_special_tokens: bool = True) -> list[str]:
+    """The text each token adds to the decoded sequence, so that "".join(pieces) is the sequence's text (up to
+    a trailing incomplete character). vLLM's incremental detokenisation: each token's text is read off a short
+    window of the tokens before it; a token that ends inside a multi-byte character adds "" until one completes."""
+    tokens = [int(t) for t in tokens]
+    out, prefix, read = [], 0, 0
+    for k in range(1, len(tokens) + 1):
+        before = tokenizer.decode(tokens[prefix:read], skip_special_tokens=skip_special_tokens)
+        now = tokenizer.decode(tokens[prefix:k], skip_special_tokens=skip_special_tokens)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            out.append(now[len(before):])
+            prefix, read = read, k
+        else:
+            out.append("")
+    return out
+
+
+def token_strings(tokenizer, tokens: Sequence[int], as_ids: bool = False) -> list[str]:
+    """The `token` strings of log-prob entries: each token decoded alone (as vLLM), or "token_id:N"."""
+    if as_ids:
+        return [f"token_id:{int(t)}" for t in tokens]
+    return [tokenizer.decode([int(t)]) for t in tokens]
+
+
+def cut_at_stop_string(tokenizer, tokens: list[int], text: str, stops: Sequence[str], include: bool,
+                       skip_special_tokens: bool) -> Optional[tuple[list[int], str, str]]:
+    """(tokens, text, the stop string) of a completion cut at the first occurrence of any stop string in its
+    decoded `text` (the text before it, or through it with `include`; the tokens up to the one that completes it),
+    or None when none occurs."""
+    found = [(text.find(s), s) for s in stops if s in text]
+    if not found:
+        return None
+    at, stop = min(found, key=lambda x: (x[0], -len(x[1])))
+    end = at + len(stop)
+    lo, hi = 1, len(tokens)  # the shortest token prefix whose text reaches `end` (binary search: texts grow)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(tokens[:mid], skip_special_tokens=skip_special_tokens)) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return tokens[:lo], text[:end] if include else text[:at], stop
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Response pieces
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": int(prompt_tokens), "completion_tokens": int(completion_tokens),
+            "total_tokens": int(prompt_tokens) + int(completion_tokens)}
+
+
+def sse(payload) -> str:
+    """One server-sent event (`data: ...` and a blank line); the stream ends with `data: [DONE]`."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"

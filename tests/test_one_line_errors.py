@@ -1,0 +1,147 @@
+"""Every user error of issue 33 is one line naming the file, key or step and what to do, as a user meets it (a fresh
+interpreter, no --verbose): a mistyped model folder, a missing .jsonl.gz, a truncated adapter_model.safetensors, a
+damaged Orbax adapter, a typo in a family-file override, an unknown reward or reward option, and a full disk --
+which also never leaves a half-written JSONL line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import launcher_env
+from launcher_env import ROOT, error_lines, launch, launch_env
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The tiny env, a PEFT export of its step 5 with adapter_model.safetensors cut in half, and a copy of its run
+    whose step 5 lost the Orbax metadata of its adapter item."""
+    import shutil
+
+    from jaxrl.export import export_checkpoint
+    env = launcher_env.build(tmp_path_factory.mktemp("env"), n_problems=2)
+    root = env["root"]
+    export_checkpoint(env["run"], env["model"], str(root / "peft"), step=5)
+    weights = root / "peft" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.copytree(env["run"], root / "damaged_run")
+    (root / "damaged_run" / "checkpoints" / "adapters" / "5" / "adapter" / "_METADATA").unlink()
+    return env
+
+
+def one_line(proc, status: int) -> str:
+    assert proc.returncode == status, proc.stderr[-3000:]
+    [line] = error_lines(proc)
+    return line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["rollout --model", "evaluate --base", "rollout --reward", "evaluate option"])
+def test_a_mistyped_model_folder_or_reward_is_one_line(env, tmp_path, case):
+    typo = f"{env['model']}_typo"
+    problems, out = f"--problems={env['problems']}", f"--out={tmp_path / 'out'}"
+    launcher, args, status, expected = {
+        "rollout --model": ("rollout", (f"--model={typo}", "--reward=exact_match"), 1,
+                            f"rollout: --model={typo}: no such folder (an HF model folder with config.json)"),
+        "evaluate --base": ("evaluate", (f"--base={typo}", "--reward=exact_match"), 1,
+                            f"evaluate: --base={typo}: no such folder (an HF model folder with config.json)"),
+        "rollout --reward": ("rollout", (f"--model={env['model']}", "--reward=exact_mtach"), 2,
+                             "rollout: --reward=exact_mtach: unknown reward; registered: arithmetic, charset, code, "
+                             "exact_match, pattern, token_block (or name your own as module:function)"),
+        "evaluate option": ("evaluate", (f"--base={env['model']}", "--reward=charset",
+                                         '--reward_kwargs={"chars": "0"}'), 2, "evaluate: --reward_kwargs: reward 'charset' takes no option 'chars'; its options: "
+                               "charset, truncation"),
+    }[case]
+    assert one_line(launch(launcher, problems, out, *args), status) == expected
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_missing_gzipped_input_is_one_line(tmp_path):
+    missing = tmp_path / "lcb.jsonl.gz"
+    proc = launch("import_problems", "--format=problems", f"--input={missing}", f"--output={tmp_path / 'p.jsonl'}")
+    assert one_line(proc, 1) == f"import_problems: {missing}: no such file"
+
+
+@pytest.mark.slow  # the evaluate launcher reads every adapter before it loads a model
+def test_a_truncated_peft_adapter_is_one_line_naming_the_file(env, tmp_path):
+    weights = env["root"] / "peft" / "adapter_model.safetensors"
+    proc = launch("evaluate", f"--problems={env['problems']}", f"--base={env['model']}", f"--out={tmp_path / 'eval'}",
+                  f"--adapters=dpo={env['root'] / 'peft'}", "--reward=exact_match")
+    line = one_line(proc, 1)
+    assert line.startswith(f"evaluate: {weights}: damaged safetensors file (")
+    assert line.endswith("); export the adapter again, or restore the file from a copy")
+
+
+@pytest.mark.slow
+def test_a_damaged_orbax_adapter_names_its_file_and_step(env, tmp_path):
+    damaged = env["root"] / "damaged_run" / "checkpoints" / "adapters" / "5"
+    proc = launch("export", f"--checkpoint={env['root'] / 'damaged_run'}", f"--base={env['model']}",
+                  f"--out={tmp_path / 'peft'}")
+    assert one_line(proc, 1) == (f"export: {damaged / 'adapter' / '_METADATA'}: corrupted checkpoint (step 5: the "
+                                 "file is missing); restore it from a copy, or use another checkpoint (step)")
+
+
+@pytest.mark.slow
+def test_a_typo_in_a_family_file_override_names_the_key(tmp_path):
+    proc = launch("train", "--config=configs/dpo.py:pair=pairs/cohort", f"--workdir={tmp_path / 'run'}")
+    line = one_line(proc, 2)
+    assert line.startswith("train: flag --config=configs/dpo.py:pair=pairs/cohort: configs/dpo.py: unknown override "
+                           "key 'pair'; keys: run, model, start, lr, beta, lora, max_length, steps, mb, schedule, "
+                           "loss, pairs, ")
+    assert line.endswith("; see --helpshort") and not (tmp_path / "run").exists()
+
+
+# A MetricsWriter in a process whose files may not grow past 300 bytes (RLIMIT_FSIZE; SIGXFSZ ignored, so a write
+# past it fails with EFBIG, as one on a full disk fails with ENOSPC): it writes lines until the kernel refuses one.
+CAPPED_WRITER = """
+import json, resource, signal, sys
+from jaxrl.train.metrics import MetricsWriter
+from jaxrl.utils.io import disk_full
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))
+writer = MetricsWriter(sys.argv[1], tensorboard=False)
+try:
+    for step in range(1, 100):
+        writer.write({"step": step, "loss": 0.123456789, "note": "x" * 40})
+except OSError as e:
+    print(disk_full(e))
+"""
+
+
+def test_a_write_refused_half_way_leaves_no_half_written_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", CAPPED_WRITER, str(tmp_path)], cwd=ROOT, env=launch_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = tmp_path / "metrics.jsonl"
+    assert proc.stdout.strip() == f"{metrics}: file too large"
+    data = metrics.read_bytes()
+    assert data.endswith(b"\n") and len(data) <= 300
+    assert [json.loads(line)["step"] for line in data.splitlines()] == list(range(1, len(data.splitlines()) + 1))
+
+
+@pytest.mark.slow  # a training of the tiny model on a 600 KiB file system
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (the full-disk case; the half-written line is tested above)")
+    try:
+        workdir = disk / "run"
+        proc = launch("train", "--config=configs/sft_tiny.py", f"--workdir={workdir}", "--config.data.seq_len=16",
+                      "--config.checkpoint_every=2", cache=tmp_path / "xla")
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        # the project's own progress lines (INFO) stay; everything else is the one line
+        [line] = [text for text in error_lines(proc) if not re.match(r"I\d{4} ", text)]
+        assert line.startswith(f"train: {workdir}/")
+        assert line.endswith(": no space left on device; free space (or write elsewhere) and rerun the same command: "
+                             "it resumes from what was written (--verbose: the libraries' tracebacks)")
+        for text in (workdir / "metrics.jsonl").read_text().splitlines(keepends=True):
+            assert text.endswith("\n") and json.loads(text)["step"] >= 1
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
