@@ -16,13 +16,12 @@ import subprocess
 import sys
 import warnings
 
-import numpy as np
-import pytest
-import torch
-
 import hf_tiny
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
 from flax import nnx
 
 from jaxrl.export import export_average, export_checkpoint
@@ -38,6 +37,11 @@ TOL = 1e-4  # fp32 logits, absolute: the tolerance of the PEFT export tests (tes
 MERGE_TOL = 1e-6  # fp32 merged weights, absolute
 STEPS = (4, 8, 12, 16)
 IDS = np.random.default_rng(3).integers(2, 250, size=(2, 19))
+
+
+def read_json(folder, name):
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
 
 
 def checkpoint_factors(folder, seed, rank=4, scale=0.12, modules=None, shared=None):
@@ -128,12 +132,12 @@ def test_exact_average_loads_in_peft_and_merges_to_the_mean_of_the_merged_checkp
     info = export_average(workdir, None, None, average=[str(s) for s in steps], weights=weights)
     out = info["out"]
     assert out == os.path.join(workdir, "averages", "avg_8-12-16_weighted")  # the default folder, by name
-    record = json.load(open(os.path.join(out, "jaxrl_export.json")))
+    record = read_json(out, "jaxrl_export.json")
     avg = record["average"]
     assert (avg["kind"], avg["steps"], avg["exact_rank"], avg["rank"]) == ("mean", steps, 12, 12)
     assert avg["weights"] == pytest.approx([0.25, 0.25, 0.5]) and "residual" not in avg
     assert [c["step"] for c in avg["checkpoints"]] == steps
-    config = json.load(open(os.path.join(out, "adapter_config.json")))
+    config = read_json(out, "adapter_config.json")
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (12, 12.0, False)  # scale 1: folded into B
 
     # the reference: each checkpoint exported alone and merged by PEFT; their weighted mean, in float64
@@ -192,7 +196,7 @@ def test_merged_export_of_an_average_keeps_the_mean_update_and_records_its_fidel
     out = str(tmp_path / "merged_avg")
     info = export_average(workdir, None, out, average="last:2", merge=True, merge_dtype="float32")
     assert info["format"] == "merged" and info["average"]["steps"] == [12, 16]
-    fidelity = json.load(open(os.path.join(out, "jaxrl_export.json")))["merge_fidelity"]
+    fidelity = read_json(out, "jaxrl_export.json")["merge_fidelity"]
     assert fidelity["update_rel_error"] < 1e-6  # fp32: the update is kept
     reference = dense_mean(workdir, [12, 16], [1, 1])
     base_w = {k: v for f in os.listdir(base) if f.endswith(".safetensors") for k, v in
@@ -214,7 +218,7 @@ def test_truncated_average_residuals_match_numpy_svd_of_the_dense_mean(run, tmp_
     with caplog.at_level(logging.WARNING, logger="jaxrl.export.average"):
         info = export_average(workdir, base, None, average="4,8,12", weights=weights, rank=rank)
     assert os.path.basename(info["out"]) == "avg_4-8-12_weighted_r5"
-    record = json.load(open(os.path.join(info["out"], "jaxrl_export.json")))["average"]
+    record = read_json(info["out"], "jaxrl_export.json")["average"]
     assert (record["rank"], record["exact_rank"]) == (rank, 12)
     residual = record["residual"]
     reference = dense_mean(workdir, steps, weights)
@@ -287,13 +291,20 @@ def test_step_specs_weights_and_ranks_are_checked_with_clear_errors(run):
     assert average_name([4, 8], [1, 1]) == "avg_4-8" and average_name([4, 8], [1, 3], 2) == "avg_4-8_weighted_r2"
 
 
-@pytest.mark.slow  # two launcher processes (~10 s each: imports)
-def test_the_launcher_refuses_bad_averages_in_one_line(run, tmp_path):
+@pytest.mark.slow  # three launcher processes (~10 s each: imports)
+def test_the_launcher_writes_an_average_and_refuses_bad_ones_in_one_line(run, tmp_path):
     _, workdir = run
 
     def export(*args):
         return subprocess.run([sys.executable, "-m", "launchers.export", f"--checkpoint={workdir}", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, check=False)
+
+    done = export("--average=last:2", "--average_rank=3")  # --base: the model_path the checkpoints record
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = os.path.join(workdir, "averages", "avg_12-16_r3")
+    assert done.stdout.strip().startswith("export: wrote the PEFT adapter of the rank-3 average of steps 12, 16 "
+                                          "(max residual ") and out in done.stdout, done.stdout
+    assert read_json(out, "jaxrl_export.json")["average"]["rank"] == 3
 
     missing = export("--average=4,99")
     lines = [line for line in missing.stderr.splitlines() if line.strip()]

@@ -90,3 +90,18 @@ def test_report_is_generated_from_this_run(demo):
     drift = json.loads((workdir / "dpo" / "diagnostics" / "drift.json").read_text())
     assert [r["step"] for r in drift["per_step"]] == [8, 16]
     assert drift["per_step"][-1]["kl_to_base"] > 0
+
+
+def test_demo_evaluates_an_averaged_adapter_beside_its_steps(demo):
+    """Issue 32: the demo exports the exact average of its last DPO checkpoints (dpo/averages/avg_<steps>), the
+    evaluation scores it as a candidate of the family, and the report's curves and family count show it."""
+    workdir, _ = demo
+    [average] = [p.name for p in (workdir / "dpo" / "averages").iterdir()]
+    results = json.loads((workdir / "dpo" / "eval" / "results.json").read_text())
+    model = results["models"][average]
+    assert model["average"]["steps"] and len(model["average"]["steps"]) >= 2
+    steps = [n for n in results["models"] if n.startswith("step_")]
+    assert all(f"step_{s}" in steps for s in model["average"]["steps"])  # evaluated beside the steps it averages
+    html = (workdir / "report.html").read_text()
+    assert "mean of " + ", ".join(map(str, model["average"]["steps"])) in html
+    assert re.search(r"\d+ of them averaged checkpoints?", html)
