@@ -384,7 +384,7 @@ def test_the_launcher_selects_confirms_and_refuses_a_second_confirmation(env, tm
     split_dir = tmp_path / "splits"
     freeze_splits(load_problems(env["problems"]), split_dir, seed=0)
     common = [f"--base={env['model_dir']}", f"--num_samples={N}", "--temperature=1.0", f"--max_new_tokens={CAP}",
-              "--max_prompt_len=192", "--prompt_buckets=192", "--batch_size=4", f"--reward={REWARD}",
+              "--max_prompt_len=192", "--prompt_buckets=192", "--batch_size=1", "--mesh_shape=1,1,1", f"--reward={REWARD}",
               "--dtype=float32", "--seed=3", "--n_resamples=500", "--noprogress"]
     sub_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
 
@@ -430,11 +430,14 @@ def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_pat
            f"--checkpoints={env['workdir']}", f"--adapters=peft5={env['peft']}", f"--models=merged5={env['merged']}",
            f"--out={out}",
            f"--num_samples={N}", "--temperature=1.0", f"--max_new_tokens={CAP}", "--max_prompt_len=192",
-           "--prompt_buckets=192", "--batch_size=4", f"--reward={REWARD}", "--dtype=float32", "--seed=3",
+           "--prompt_buckets=192", "--batch_size=1", "--mesh_shape=1,1,1", f"--reward={REWARD}", "--dtype=float32", "--seed=3",
            "--n_resamples=2000", "--noprogress"]
     sub_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
                    JAXRL_TEST_REWARD_SLEEP="0.25")
     cache = out / "cache" / "base.jsonl"
+    # --batch_size=1 on one device: one engine slot, so a written batch is 4 rows (JaxBackend hands a call 4 slots' worth:
+    # collect_factor), two problems; the kill lands after the first batch and before the last. The resume below
+    # runs at batch_size 4: samples do not depend on the batch.
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=sub_env, stdout=f, stderr=subprocess.STDOUT)
     try:

@@ -45,9 +45,10 @@ def env(tmp_path_factory):
 
 def config(env, out, **kw):
     base = dict(problems=env["problems"], model=env["model_dir"], out=str(out), num_samples=K, temperature=1.0,
-                max_new_tokens=8, max_prompt_len=192, prompt_buckets=(192,), batch_size=K, reward="exact_match",
+                max_new_tokens=8, max_prompt_len=192, prompt_buckets=(192,), batch_size=1, reward="exact_match",
                 seed=3, dtype="float32", progress=False,
-                mesh_shape=(1, 1, 1))  # one device: a batch of K rows is one problem (8 devices: rounded to 2)
+                mesh_shape=(1, 1, 1))  # one device, one engine slot: a call takes 4 slots' worth of rows
+    # (JaxBackend's collect_factor), K = 4: a written batch is one problem
     base.update(kw)
     return RolloutConfig(**base)
 
