@@ -1,16 +1,22 @@
-"""Requests/s and tokens/s of `launchers.serve` (FastAPI + uvicorn, jaxrl/rollout/server.py) against the server it
-replaced (the standard library's ThreadingHTTPServer, read from git history) on the same concurrent load.
+"""Requests/s and tokens/s of `launchers.serve` (FastAPI + uvicorn, jaxrl/rollout/server.py, continuous batching:
+`new`) against the same server on the static-batch engine it replaced (`static`: BatchingEngine) and against the
+server before FastAPI (`old`: the standard library's ThreadingHTTPServer, read from git history), on one
+concurrent load.
 
-Both servers run in this process on one model object (the small Qwen3.5 of benchmarks/common.py, fp32) with the
-same sampler settings (batch 32 rows, 5 ms batching window, one prompt bucket); the load comes from a separate
-client process: `concurrency` threads, each with its own keep-alive connection, send `requests` POST
-/v1/completions in total (token-id prompts of `prompt_len`, `max_tokens`, temperature 1, a seed per request as the
-server backend sends them, so that both servers batch the same rows). Each server first takes the whole load once
-untimed, in turns, until a pass compiles nothing (both share the sampler's compiled programs), then once
-timed each. A connection the old server drops (its listen backlog is 5) is
-reopened and the request sent again; the count is reported.
+The servers run in this process on one model object (the small Qwen3.5 of benchmarks/common.py, fp32) with the
+same settings (32 rows at once: the continuous engine's slots, the static engines' batch; one prompt bucket; the
+static engines gather a batch for 5 ms); the load comes from a separate client process: `concurrency` threads,
+each with its own keep-alive connection, send `requests` POST /v1/completions in total (token-id prompts of
+`prompt_len`, temperature 1, a seed per request as the server backend sends them, so that every server samples
+the same rows; `max_tokens` each, or with `max_tokens_min` request i asks for a value spread over
+[max_tokens_min, max_tokens]). Each server first takes the whole load once untimed, in turns, until a pass
+compiles nothing, then `repeats` times timed, in turns (a side's figures: its median pass by wall time; on a
+shared machine the load moves between passes, and turns spread that over the sides). A connection the old server
+drops (its listen backlog is 5) is reopened and the request sent again; the count is reported. The load average
+(1 minute) is read before and after.
 
-    python -m benchmarks.bench_server [--requests 256] [--concurrency 32] [--max_tokens 64]
+    python -m benchmarks.bench_server [--requests 256] [--concurrency 32] [--max_tokens 64] [--max_tokens_min 1]
+                                      [--sides old,static,new] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -35,7 +41,15 @@ OLD_SERVER_COMMIT = "2177a93"  # the last commit with the ThreadingHTTPServer se
 # ------------------------------------------------------------------------------------------------ the client
 
 
-def _client(url: str, requests: int, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
+def _max_tokens(i: int, max_tokens: int, max_tokens_min: int) -> int:
+    """Request i's max_tokens: all the same, or spread over [max_tokens_min, max_tokens] (a fixed permutation)."""
+    if not max_tokens_min:
+        return max_tokens
+    return max_tokens_min + (i * 37) % (max_tokens - max_tokens_min + 1)
+
+
+def _client(url: str, requests: int, concurrency: int, prompt_len: int, max_tokens: int,
+            max_tokens_min: int = 0) -> dict:
     """Runs the load against `url` (in the client process); returns counts and the wall time."""
     from jaxrl.rollout.backends.openai_client import request_seed
 
@@ -61,7 +75,8 @@ def _client(url: str, requests: int, concurrency: int, prompt_len: int, max_toke
 
     def one(i: int):
         prompt = [5 + (i * 7 + k * 13) % 240 for k in range(prompt_len)]
-        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+        body = json.dumps({"prompt": prompt, "max_tokens": _max_tokens(i, max_tokens, max_tokens_min),
+                           "temperature": 1.0,
                            "seed": request_seed(0, i), "logprobs": 0}).encode()
         status, payload = post(body)
         if status != 200:
@@ -118,11 +133,12 @@ def _old_server(module, base: str, model, tok, settings: dict):
 
 
 @contextlib.contextmanager
-def _new_server(base: str, model, tok, settings: dict):
+def _new_server(base: str, model, tok, settings: dict, engine: str = "continuous"):
     from jaxrl.rollout.server import CompletionServer, ServeLimits, ServerThread
     server = CompletionServer(base, model=model, tokenizer=tok, batch_size=settings["batch_size"],
                               limits=ServeLimits(max_prompt_len=settings["prompt_bucket"]),
-                              prompt_buckets=(settings["prompt_bucket"],), batch_wait_s=settings["batch_wait_s"])
+                              prompt_buckets=(settings["prompt_bucket"],), batch_wait_s=settings["batch_wait_s"],
+                              engine=engine)
     handle = ServerThread(server)
     try:
         yield handle.url
@@ -139,8 +155,9 @@ def _base_folder(folder: str) -> str:
 
 
 def run(requests: int = 256, concurrency: int = 32, prompt_len: int = 48, max_tokens: int = 64,
-        batch_size: int = 32) -> dict:
-    """Measure and return the numbers of both servers (module docstring); prints nothing."""
+        batch_size: int = 32, max_tokens_min: int = 0, sides: tuple = ("old", "static", "new"),
+        repeats: int = 1) -> dict:
+    """Measure and return the numbers of the servers `sides` (module docstring); prints nothing."""
     import jax.numpy as jnp
 
     from jaxrl.data.chat import load_tokenizer
@@ -148,16 +165,22 @@ def run(requests: int = 256, concurrency: int = 32, prompt_len: int = 48, max_to
     from jaxrl.rollout.sampler import TRACE_COUNTS
 
     settings = {"batch_size": batch_size, "prompt_bucket": 64, "batch_wait_s": 0.005}
-    load = {"requests": requests, "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens}
+    load = {"requests": requests, "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "max_tokens_min": max_tokens_min}
+    load_average = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         base = _base_folder(os.path.join(tmp, "base"))
         model = qwen35.from_pretrained(base, dtype=jnp.float32)
         tok = load_tokenizer(base)
-        old = _old_server_module(tmp)
         with contextlib.ExitStack() as stack:
-            urls = {"old": stack.enter_context(_old_server(old, base, model, tok, settings)),
-                    "new": stack.enter_context(_new_server(base, model, tok, settings))}
-            # untimed passes until a pass compiles nothing (both servers share the sampler's programs by shape)
+            urls = {}
+            for side in sides:
+                if side == "old":
+                    urls[side] = stack.enter_context(_old_server(_old_server_module(tmp), base, model, tok, settings))
+                else:
+                    urls[side] = stack.enter_context(_new_server(base, model, tok, settings,
+                                                                 "continuous" if side == "new" else "static"))
+            # untimed passes until a pass compiles nothing (servers of one engine share its programs by shape)
             warm = {name: [] for name in urls}
             for _ in range(6):
                 traced = len(TRACE_COUNTS)
@@ -165,18 +188,29 @@ def run(requests: int = 256, concurrency: int = 32, prompt_len: int = 48, max_to
                     warm[name].append(_load(url, **load)["wall_s"])
                 if len(TRACE_COUNTS) == traced:
                     break
-            sides = {}
-            for name, url in urls.items():
-                traced = len(TRACE_COUNTS)
-                timed = _load(url, **load)
-                sides[name] = {**timed, "warmup_wall_s": warm[name],
-                               "compiled_while_timed": len(TRACE_COUNTS) - traced,
-                               "requests_per_s": timed["requests"] / timed["wall_s"],
-                               "tokens_per_s": timed["completion_tokens"] / timed["wall_s"]}
-    old_side, new_side = sides["old"], sides["new"]
-    return {"load": load, "settings": settings, "old_server_commit": OLD_SERVER_COMMIT, "old": old_side,
-            "new": new_side, "ratio_requests_per_s": new_side["requests_per_s"] / old_side["requests_per_s"],
-            "ratio_tokens_per_s": new_side["tokens_per_s"] / old_side["tokens_per_s"]}
+            passes = {name: [] for name in urls}
+            compiled = {name: 0 for name in urls}
+            for _ in range(repeats):
+                for name, url in urls.items():
+                    traced = len(TRACE_COUNTS)
+                    passes[name].append(_load(url, **load))
+                    compiled[name] += len(TRACE_COUNTS) - traced
+            measured = {}
+            for name, timed in passes.items():
+                median = sorted(timed, key=lambda t: t["wall_s"])[len(timed) // 2]
+                measured[name] = {**median, "timed_wall_s": [t["wall_s"] for t in timed],
+                                  "warmup_wall_s": warm[name], "compiled_while_timed": compiled[name],
+                                  "requests_per_s": median["requests"] / median["wall_s"],
+                                  "tokens_per_s": median["completion_tokens"] / median["wall_s"]}
+    load_average.append(os.getloadavg()[0])
+    out = {"load": load, "settings": settings, "old_server_commit": OLD_SERVER_COMMIT, "load_average": load_average,
+           **measured}
+    for name, (a, b) in {"": ("new", "old"), "_continuous_vs_static": ("new", "static"),
+                         "_static_vs_old": ("static", "old")}.items():
+        if a in measured and b in measured:
+            for what in ("requests_per_s", "tokens_per_s"):
+                out[f"ratio{name}_{what}"] = measured[a][what] / measured[b][what]
+    return out
 
 
 def main() -> None:
@@ -185,8 +219,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt_len", type=int, default=48)
     parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--max_tokens_min", type=int, default=0, help="0: every request at --max_tokens")
+    parser.add_argument("--sides", default="old,static,new", help="servers to measure: old, static, new")
+    parser.add_argument("--repeats", type=int, default=1, help="timed passes per server, in turns")
     args = parser.parse_args()
-    result = run(args.requests, args.concurrency, args.prompt_len, args.max_tokens)
+    result = run(args.requests, args.concurrency, args.prompt_len, args.max_tokens,
+                 max_tokens_min=args.max_tokens_min, sides=tuple(args.sides.split(",")), repeats=args.repeats)
     print(json.dumps(result, indent=2))
 
 

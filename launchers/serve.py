@@ -12,7 +12,8 @@ Adapters: PEFT folders in the base's layout or trainer adapter checkpoints, at s
 run time (POST /v1/load_lora_adapter {"lora_name", "lora_path"}, /v1/unload_lora_adapter). Runtime loading is on
 by default only on a loopback bind, and reads only absolute paths under --allowed_lora_roots (default there: the
 working directory); on another address it takes --enable_lora_updating and explicit --allowed_lora_roots.
-The API, the seed semantics and the limits: jaxrl/rollout/server.py; the batching: jaxrl/rollout/serve_engine.py.
+The API, the seed semantics and the limits: jaxrl/rollout/server.py; the batching: jaxrl/rollout/serve_continuous.py
+(continuous: --batch_size rows decode at once, and a new request takes a free slot at the next round end).
 Binds 127.0.0.1 unless --host says otherwise; --port=0 picks a free port (written to --ready_file, with the URL,
 once the server listens; the file is removed when it stops). SIGINT / SIGTERM: stop accepting, answer the
 requests in flight (up to --graceful_shutdown_s), exit 130 / 143.
@@ -43,8 +44,11 @@ _PROMPT_BUCKETS = flags.DEFINE_list("prompt_buckets", [], "Prompt lengths with t
                                     "(default 32, 64, ... up to --max_prompt_len).")
 _GEN_BUCKETS = flags.DEFINE_list("generation_buckets", [], "Generation lengths with their own compiled program; "
                                  "max_tokens is rounded up to one (default 16, 64, 256, ... up to --max_model_len).")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Rows per compiled sampler call.")
-_BATCH_WAIT = flags.DEFINE_float("batch_wait_ms", 5.0, "How long the first request waits for others to batch with.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Rows decoded at once (slots per prompt bucket and generation "
+                                    "bucket), and rows per scoring call.")
+_ROUND_STEPS = flags.DEFINE_integer("round_steps", 0, "Decode steps per round at most: a request that finds every "
+                                    "slot busy waits up to this many steps for one to free (0: the engine's "
+                                    "DEFAULT_ROUND_STEPS).")
 _MAX_N = flags.DEFINE_integer("max_n", 256, "Largest `n` of one request.")
 _MAX_PENDING = flags.DEFINE_integer("max_pending_rows", 8192, "Rows waiting or running before new requests get "
                                     "HTTP 503.")
@@ -74,11 +78,12 @@ def main(argv):
     limits = ServeLimits(max_model_len=_MAX_MODEL_LEN.value or None, max_prompt_len=_MAX_PROMPT_LEN.value,
                          max_n=_MAX_N.value, max_pending_rows=_MAX_PENDING.value,
                          max_body_bytes=int(_MAX_BODY.value * 2 ** 20))
+    round_steps = {"round_steps": _ROUND_STEPS.value} if _ROUND_STEPS.value else {}
     server = CompletionServer(_BASE.value, dtype=_DTYPE.value, limits=limits, batch_size=_BATCH_SIZE.value,
                               prompt_buckets=tuple(int(b) for b in _PROMPT_BUCKETS.value) or None,
                               generation_buckets=tuple(int(b) for b in _GEN_BUCKETS.value) or None,
                               served_model_name=_NAME.value, allow_lora_updating=updating,
-                              allowed_lora_roots=roots, batch_wait_s=_BATCH_WAIT.value / 1000.0)
+                              allowed_lora_roots=roots, **round_steps)
     sock = None
     try:
         for spec in _LORA.value:

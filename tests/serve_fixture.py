@@ -44,7 +44,7 @@ class Served:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launchers.serve", f"--base={base}", "--port=0", f"--ready_file={self.ready}",
-             "--dtype=float32", "--batch_wait_ms=5", *flags],
+             "--dtype=float32", *flags],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
         deadline = time.monotonic() + timeout_s

@@ -75,7 +75,7 @@ def env(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "launchers.serve", f"--base={base}", "--port=0", f"--ready_file={ready}",
          "--dtype=float32", f"--max_prompt_len={PROMPT_LEN}", f"--prompt_buckets={PROMPT_LEN}",
-         f"--batch_size={BATCH}", "--batch_wait_ms=2", f"--lora_modules=a1={peft1}", f"--allowed_lora_roots={root}"],
+         f"--batch_size={BATCH}", f"--lora_modules=a1={peft1}", f"--allowed_lora_roots={root}"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 300
     while not ready.exists():

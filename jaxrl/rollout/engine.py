@@ -47,11 +47,14 @@ shrink; one weight preparation. `program_bound` states it; one call uses one P a
 rollout of online GRPO (one P chosen from its data, one slot count) compiles: prepare, fill, at most a refill,
 and per shrink size a round and a shrink.
 
-Server use (`launchers.serve`): one Engine held for the process, `shrink_sizes=()` and a small `round_steps` (a
-new request joins free slots at the next round end); HTTP threads `submit` (thread safe) and wait on their
-tickets; one worker thread runs `serve_forever`. Requests carry their own key, cap, stop ids and sampling values;
-a request of another sampling mode (greedy / top-k / top-p on or off: a static part of the programs) waits until
-the rows in flight drain. The weights are the engine's: `set_params` only when `idle` (an adapter switch).
+Server use (`launchers.serve`, jaxrl/rollout/serve_continuous.py): Engines held for the process, one per (prompt
+bucket, generation bucket, stop-id width) in use (an Engine's prompt width and cap are static shapes), each with
+`shrink_sizes=()` and a small `round_steps` (a new request joins free slots at the next round end), all stepped
+by one worker thread (`step` per round; `serve_forever` runs a lone Engine the same way, its callers `submit`
+from any thread and wait on their tickets). Requests carry their own key, cap, stop ids and sampling values; a
+request of another sampling mode (greedy / top-k / top-p on or off: a static part of the programs) waits until
+the rows in flight drain. The weights are the engine's: `set_params` only when `idle` (an adapter switch), the
+other Engines taking the same weights and decode copies with `share_params`.
 """
 
 from __future__ import annotations
@@ -475,6 +478,12 @@ class Engine:
         with self._lock:
             return not self._queue and all(r is None for r in self._occupant)
 
+    @property
+    def queued(self) -> int:
+        """Rows submitted and not yet in a slot."""
+        with self._lock:
+            return len(self._queue)
+
     # ------------------------------------------------------------------------------------------------ weights
     def set_params(self, params=None) -> None:
         """The weights of every row from now on (`jaxrl.rollout.sampler.weights_of`: None = the model's current
@@ -484,6 +493,17 @@ class Engine:
                                "wait until the engine is idle")
         self.graphdef, self._params = weights_of(self.model, params, self.mesh)
         self._decode_weights = _prepare(self.graphdef, self._params, fuse_adapters=self.fuse_adapters)
+
+    def share_params(self, other: "Engine") -> None:
+        """The weights `other` holds (its last `set_params`) and their decode copies, shared rather than made
+        again: a server's engines (one per prompt width and cap) hold one set of copies, not one each. Only
+        between rows, as set_params."""
+        if any(r is not None for r in self._occupant):
+            raise RuntimeError("Engine.share_params while rows are in flight would mix two policies in one row; "
+                               "wait until the engine is idle")
+        if other._params is None:
+            other.set_params(None)
+        self.graphdef, self._params, self._decode_weights = other.graphdef, other._params, other._decode_weights
 
     def release(self) -> None:
         """Frees the slots' device memory (the caches); the next row allocates them again."""

@@ -1,4 +1,4 @@
-"""The engine behind `launchers.serve` (jaxrl/rollout/server.py): requests queued, batched into the JAX sampler.
+"""What `launchers.serve` (jaxrl/rollout/server.py) asks of an engine, and the static-batch engine.
 
     engine = BatchingEngine(model, activate=server.attach_model, batch_size=32, max_prompt_len=4096, ...)
     future = engine.submit(GenerateRows(model="base", prompts=[ids], groups=[g], samples=[0], max_tokens=[64],
@@ -7,12 +7,16 @@
     scores = engine.submit(ScoreRows(model="base", sequences=[ids], top_k=5)).result()   # [RowScores]
 
 The HTTP layer talks to an engine only through `submit` (a `concurrent.futures.Future` per request), `stats` and
-`close` (the `Engine` protocol), so a continuous-batching engine can replace this one without touching the API.
+`close` (the `Engine` protocol). The server's default is the continuous-batching `ContinuousServeEngine`
+(jaxrl/rollout/serve_continuous.py: new requests join free decode slots between rounds); `BatchingEngine` here is
+the static path it replaced, kept as the reference its tests and benchmark compare against
+(`CompletionServer(engine="static")`). Scoring (`score_rows`) is the same in both.
 
 How this one batches: one worker thread takes the oldest request and, for `batch_wait_s`, every later one with the
 same key (model, generation bucket, stop ids, sampling settings, seed bits) up to `batch_size` rows, into one
-`Sampler.sample` call; a sample does not depend on its batch (its key is its own). Scoring requests (teacher-forced
-log-probs of whole sequences: `echo`, top-k log-probs) are batched the same way by (model, top-k bucket).
+`Sampler.sample` call; a sample does not depend on its batch (its key is its own); a request that arrives while a
+batch decodes waits for the whole batch. Scoring requests (teacher-forced log-probs of whole sequences: `echo`,
+top-k log-probs) are batched the same way by (model, top-k bucket).
 
 What stays bounded, whatever the requests ask:
   * compiled programs: a request's `max_tokens` is rounded up to one of a few generation lengths
@@ -245,7 +249,7 @@ class BatchingEngine:
             key = ("generate", work.model, self.generation_bucket(max(work.max_tokens)), tuple(work.stop_ids),
                    float(work.temperature), float(work.top_p), int(work.top_k), int(work.seed))
         else:
-            key = ("score", work.model, _top_k_bucket(work.top_k))
+            key = ("score", work.model, top_k_bucket(work.top_k))
         rows = len(work)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
@@ -363,40 +367,50 @@ class BatchingEngine:
         return results
 
     def _score(self, works: list[ScoreRows]) -> list[list[RowScores]]:
-        top_k = _top_k_bucket(works[0].top_k)
-        sequences = [np.asarray(s, np.int32) for w in works for s in w.sequences]
-        graphdef, params = nnx.graphdef(self.model), (nnx.state(self.model),)
-        pad = self.pad_id if self.pad_id is not None else 0
-        scored: list = [None] * len(sequences)
-        by_bucket: dict = collections.defaultdict(list)
-        for i, s in enumerate(sequences):
-            by_bucket[pick_bucket(len(s), self.score_buckets, "sequence length")].append(i)
-        for length, members in sorted(by_bucket.items()):
-            for start in range(0, len(members), self.batch_size):
-                chunk = members[start:start + self.batch_size]
-                size = pick_bucket(len(chunk), self.score_batch_buckets, "batch")
-                ids = np.full((size, length), pad, np.int32)
-                mask = np.zeros((size, length), np.int32)
-                mask[:, 0] = 1  # padding rows hold one token so no row is empty
-                for r, i in enumerate(chunk):
-                    ids[r, :len(sequences[i])] = sequences[i]
-                    mask[r, :len(sequences[i])] = 1
-                logp, values, idx = jax.device_get(_score(graphdef, params, ids, mask, top_k=top_k,
-                                                          chunk_size=self.score_chunk_size))
-                for r, i in enumerate(chunk):
-                    n = len(sequences[i]) - 1
-                    scored[i] = RowScores(np.asarray(logp[r, :n], np.float32), np.asarray(idx[r, :n], np.int32),
-                                          np.asarray(values[r, :n], np.float32))
-        results, k = [], 0
-        for w in works:
-            rows = []
-            for _ in w.sequences:
-                s = scored[k]
-                rows.append(RowScores(s.logprobs, s.top_ids[:, :w.top_k], s.top_logprobs[:, :w.top_k]))
-                k += 1
-            results.append(rows)
-        return results
+        return score_rows(self.model, works, pad_id=self.pad_id, batch_size=self.batch_size,
+                          length_buckets=self.score_buckets, batch_buckets=self.score_batch_buckets,
+                          chunk_size=self.score_chunk_size)
 
 
-def _top_k_bucket(k: int) -> int:
+def score_rows(model, works: Sequence[ScoreRows], *, pad_id: Optional[int], batch_size: int,
+               length_buckets: Sequence[int], batch_buckets: Sequence[int], chunk_size: int
+               ) -> list[list[RowScores]]:
+    """The scores of `works` (one model, one top-k bucket) with the held model's current weights: sequences
+    grouped by length bucket, `batch_size` rows per `_score` call (padded to a batch bucket)."""
+    top_k = top_k_bucket(works[0].top_k)
+    sequences = [np.asarray(s, np.int32) for w in works for s in w.sequences]
+    graphdef, params = nnx.graphdef(model), (nnx.state(model),)
+    pad = pad_id if pad_id is not None else 0
+    scored: list = [None] * len(sequences)
+    by_bucket: dict = collections.defaultdict(list)
+    for i, s in enumerate(sequences):
+        by_bucket[pick_bucket(len(s), length_buckets, "sequence length")].append(i)
+    for length, members in sorted(by_bucket.items()):
+        for start in range(0, len(members), batch_size):
+            chunk = members[start:start + batch_size]
+            size = pick_bucket(len(chunk), batch_buckets, "batch")
+            ids = np.full((size, length), pad, np.int32)
+            mask = np.zeros((size, length), np.int32)
+            mask[:, 0] = 1  # padding rows hold one token so no row is empty
+            for r, i in enumerate(chunk):
+                ids[r, :len(sequences[i])] = sequences[i]
+                mask[r, :len(sequences[i])] = 1
+            logp, values, idx = jax.device_get(_score(graphdef, params, ids, mask, top_k=top_k,
+                                                      chunk_size=chunk_size))
+            for r, i in enumerate(chunk):
+                n = len(sequences[i]) - 1
+                scored[i] = RowScores(np.asarray(logp[r, :n], np.float32), np.asarray(idx[r, :n], np.int32),
+                                      np.asarray(values[r, :n], np.float32))
+    results, k = [], 0
+    for w in works:
+        rows = []
+        for _ in w.sequences:
+            s = scored[k]
+            rows.append(RowScores(s.logprobs, s.top_ids[:, :w.top_k], s.top_logprobs[:, :w.top_k]))
+            k += 1
+        results.append(rows)
+    return results
+
+
+def top_k_bucket(k: int) -> int:
     return 0 if not k else pick_bucket(int(k), TOP_K_BUCKETS, "top log-probs")

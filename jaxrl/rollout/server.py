@@ -7,7 +7,9 @@ What it is for: evaluating a checkpoint (base + LoRA adapters, unmerged, or a me
 the clients researchers already run (the `openai` SDK, lm-evaluation-harness: docs/guides/lm-eval.md), and
 serving rollouts / evaluations to `--backend=server --server_url=...` exactly as the in-process jax backend would
 draw them. FastAPI + uvicorn, as vLLM; the request models, the error shape and the text rules live in
-jaxrl/rollout/serve_protocol.py, the batching engine in jaxrl/rollout/serve_engine.py.
+jaxrl/rollout/serve_protocol.py, the continuous-batching engine in jaxrl/rollout/serve_continuous.py (new
+requests join free decode slots at the next round end; the static-batch engine it replaced, kept as the
+reference, in jaxrl/rollout/serve_engine.py).
 
   GET  /health, /version ({"version", "server": "jaxrl"}), /v1/models (the base, then each adapter with its
        `root` folder, `parent` and the `adapter_digest` read back from the attached parameters; `max_model_len`),
@@ -30,20 +32,19 @@ stop_reason the string); a stop id is kept in token_ids, left out of the text, a
 is an EOS id. Log-probs are at temperature 1 and unfiltered (vLLM's raw_logprobs): with `logprobs: 0` the
 sampler's own, with k > 0 or `echo` the teacher-forced pass of the trainer over prompt + completion (the same
 `hidden_states` + `token_logprobs`; a top-k dict holds the k most likely tokens and the token itself). `usage` is
-in every response. `stream` sends a completion's chunks (one per token) once it is done: this engine produces whole
-completions (a continuous-batching engine can stream as it decodes). Errors: {"error": {"message", "type", "param",
-"code"}} with 400 (a request this server refuses: context overflow, unsupported field, n or logprobs over their
-bounds), 404 (unknown model or route), 413 (body over --max_body_mb), 422 (a field of the wrong type or out of
-range), 503 (overloaded or shutting down).
+in every response. `stream` sends a completion's chunks (one per token) once it is done: the engine answers whole
+completions. Errors: {"error": {"message", "type", "param", "code"}} with 400 (a request this server refuses:
+context overflow, unsupported field, n or logprobs over their bounds), 404 (unknown model or route), 413 (body
+over --max_body_mb), 422 (a field of the wrong type or out of range), 503 (overloaded or shutting down).
 
 Seeds: choice i of a request with seed R is sampled with the jax backend's key for `split_request_seed(R + i)` =
 (seed, group id, sample index) (`jaxrl.rollout.backends.openai_client`), as vLLM seeds choice i with R + i; a
-request without a seed gets a random group id under the server's own seed, so unseeded requests batch together.
+request without a seed gets a random group id under the server's own seed.
 
 What keeps it up: max_tokens is bounded by max_model_len minus the prompt (HTTP 400 naming both); a text prompt
 longer than any prompt of max_prompt_len tokens could be is refused before it is tokenized; bodies are bounded;
-n, logprobs and the number of prompts per request are bounded; sampler programs are a few generation buckets
-(serve_engine.py); at most --max_pending_rows rows wait (503 beyond); uvicorn's backlog takes thousands of
+n, logprobs and the number of prompts per request are bounded; sampler programs are per prompt bucket and generation
+bucket (serve_continuous.py); at most --max_pending_rows rows wait (503 beyond); uvicorn's backlog takes thousands of
 connections. Runtime adapter loading reads only absolute paths under --allowed_lora_roots (resolved, symlinks
 followed), answering the same error for a path that is missing as for one that holds no adapter.
 """
@@ -75,6 +76,8 @@ from jaxrl.models import qwen35
 from jaxrl.models.adapters import AdapterError, attach, attached_digest, check_against_model, detach
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.rollout.backends.openai_client import JAXRL_SERVER, SEED_BITS, request_seed, split_request_seed
+from jaxrl.rollout.engine import DEFAULT_ROUND_STEPS
+from jaxrl.rollout.serve_continuous import ContinuousServeEngine
 from jaxrl.rollout.serve_engine import (BatchingEngine, GenerateRows, Overloaded, ScoreRows, ShuttingDown,
                                         compiled_programs)
 from jaxrl.rollout.serve_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -131,13 +134,17 @@ class CompletionServer:
 
     model / tokenizer: already loaded objects (tests); default from `base_dir` in `dtype`.
     allowed_lora_roots: folders under which POST /v1/load_lora_adapter may read (empty: runtime loading refused).
+    engine: "continuous" (ContinuousServeEngine: batch_size decode slots, round_steps steps per round) or "static"
+      (BatchingEngine, the reference the tests and benchmarks/bench_server.py compare against: batch_size rows
+      per sampler call, batch_wait_s to gather them).
     """
 
     def __init__(self, base_dir: str, *, model=None, tokenizer=None, dtype: str = "bfloat16",
                  limits: ServeLimits = ServeLimits(), batch_size: int = 32,
                  prompt_buckets: Optional[Sequence[int]] = None, generation_buckets: Optional[Sequence[int]] = None,
                  served_model_name: Optional[str] = None, allow_lora_updating: bool = True,
-                 allowed_lora_roots: Sequence[str] = (), batch_wait_s: float = 0.005):
+                 allowed_lora_roots: Sequence[str] = (), batch_wait_s: float = 0.005,
+                 engine: str = "continuous", round_steps: int = DEFAULT_ROUND_STEPS):
         self.base_dir = os.path.abspath(base_dir)
         self.model = model if model is not None else qwen35.from_pretrained(base_dir, dtype=getattr(jnp, dtype))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(base_dir)
@@ -162,11 +169,19 @@ class CompletionServer:
         self.server_seed = secrets.randbelow(2 ** SEED_BITS)  # unseeded requests: random group ids under it
         self._attached: Optional[str] = None  # the adapter the model carries now (None: the base)
         self._registry_lock = threading.Lock()
-        self.engine = BatchingEngine(self.model, activate=self.attach_model, max_model_len=self.max_model_len,
-                                     max_prompt_len=self.max_prompt_len, batch_size=batch_size,
-                                     prompt_buckets=prompt_buckets, gen_buckets=generation_buckets,
-                                     pad_id=self.pad_id, batch_wait_s=batch_wait_s,
-                                     max_pending_rows=self.limits.max_pending_rows)
+        common = dict(activate=self.attach_model, max_model_len=self.max_model_len,
+                      max_prompt_len=self.max_prompt_len, prompt_buckets=prompt_buckets,
+                      gen_buckets=generation_buckets, pad_id=self.pad_id,
+                      max_pending_rows=self.limits.max_pending_rows)
+        if engine == "continuous":
+            # version: the registry entry, another object once an adapter is reloaded in place (its lanes then
+            # take a fresh snapshot of the weights)
+            self.engine = ContinuousServeEngine(self.model, slots=batch_size, round_steps=round_steps,
+                                                version=self.served, **common)
+        elif engine == "static":
+            self.engine = BatchingEngine(self.model, batch_size=batch_size, batch_wait_s=batch_wait_s, **common)
+        else:
+            raise ValueError(f"engine must be 'continuous' or 'static', got {engine!r}")
         self.app = build_app(self)
 
     # ------------------------------------------------------------------------------------------------ models
@@ -246,7 +261,8 @@ class CompletionServer:
         raise ApiError(f"The model `{model}` does not exist.", 404, "model")
 
     def attach_model(self, name: str) -> None:
-        """Makes the held model carry model `name`'s adapter (the engine's worker thread calls it per batch)."""
+        """Makes the held model carry model `name`'s adapter (the engine's worker thread calls it before it
+        generates or scores with that model)."""
         if self._attached == name:
             return
         served = self.served(name)
@@ -604,10 +620,15 @@ class CompletionServer:
                 ("process_resident_memory_bytes", "gauge", resident_bytes(), "resident memory of the process"),
                 ("jaxrl:num_requests_waiting", "gauge", stats["requests_waiting"], "requests queued"),
                 ("jaxrl:num_rows_waiting", "gauge", stats["rows_waiting"], "rows queued"),
-                ("jaxrl:num_rows_running", "gauge", stats["rows_running"], "rows in the running batch"),
+                ("jaxrl:num_rows_running", "gauge", stats["rows_running"], "rows decoding or being scored"),
                 ("jaxrl:rows_generated_total", "counter", stats["rows_generated"], "rows sampled"),
-                ("jaxrl:rows_scored_total", "counter", stats["rows_scored"], "rows scored (echo, top-k)")):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+                ("jaxrl:rows_scored_total", "counter", stats["rows_scored"], "rows scored (echo, top-k)"),
+                # the continuous engine's own counters (absent for the static one)
+                ("jaxrl:engine_rounds_total", "counter", stats.get("rounds"), "decode rounds"),
+                ("jaxrl:engine_inserts_total", "counter", stats.get("inserts"), "prefills moving rows into free slots"),
+                ("jaxrl:engine_decode_steps_total", "counter", stats.get("decode_steps"), "decode steps")):
+            if value is not None:
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines) + "\n"
 
     def tokenizer_info(self) -> dict:
