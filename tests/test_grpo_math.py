@@ -445,8 +445,9 @@ def test_rollout_importance_weights():
     np.testing.assert_allclose(tok, [[np.exp(0.5), np.exp(-1.0), 1.0], [1.0, 3.0, 1.0]], rtol=1e-6)
     tm = np.asarray(grpo.rollout_importance_weights(old, samp, mask, "token_mask", 0.5, 3.0))
     np.testing.assert_allclose(tm, [[np.exp(0.5), 0.0, 1.0], [1.0, 0.0, 1.0]], rtol=1e-6)
-    seq = np.asarray(grpo.rollout_importance_weights(old, samp, mask, "sequence_mask", None, 3.0))
-    np.testing.assert_allclose(seq, [[np.exp(-0.5)], [0.0]], rtol=1e-6)  # row 2: exp(2) > 3 -> masked
+    # per sequence: the geometric mean of the token ratios (the NaN token counts as ratio 1)
+    seq = np.asarray(grpo.rollout_importance_weights(old, samp, mask, "sequence_mask", None, 2.5))
+    np.testing.assert_allclose(seq, [[np.exp(-0.5 / 3)], [0.0]], rtol=1e-6)  # row 2: exp(2 / 2) > 2.5 -> masked
 
 
 def test_overlong_penalty_and_truncation():

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.utils.registry import Registry
@@ -59,8 +60,11 @@ __all__ = [
     "rloo_advantages",
     "token_log_ratio",
     "importance_log_weights",
+    "clamp_log_ratio",
     "clipped_surrogate",
+    "ROLLOUT_CORRECTIONS",
     "rollout_importance_weights",
+    "rollout_correction",
     "Normalizers",
     "global_normalizers",
     "token_weights",
@@ -213,6 +217,13 @@ def importance_log_weights(logp: jax.Array, old_logp: jax.Array, mask: jax.Array
     raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}")
 
 
+def clamp_log_ratio(log_ratio: jax.Array, bound: float | None) -> jax.Array:
+    """``clip(log_ratio, -bound, bound)`` in float32 (``bound`` None: unchanged). Inside the window the value and
+    its gradient are the input's bit for bit; outside, the gradient is 0 (verl clamps to +-20 before ``exp``)."""
+    lr = _f32(log_ratio)
+    return lr if bound is None else jnp.clip(lr, -bound, bound)
+
+
 def clipped_surrogate(
     log_ratio: jax.Array,
     advantages: jax.Array,
@@ -220,19 +231,22 @@ def clipped_surrogate(
     epsilon_high: float | None = None,
     delta: float | None = None,
     dual_clip: float | None = None,
+    log_ratio_clamp: float | None = None,
 ) -> jax.Array:
     """PPO/GRPO clipped policy loss per token: ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``.
 
     ``log_ratio`` ``[B, T]`` or ``[B, 1]``; ``advantages`` ``[B]`` or ``[B, T]``; returns the broadcast shape
     (unmasked; aggregation applies the mask). ``delta`` (INTELLECT-2): the unclipped ratio is also capped at
     delta, bounding the loss for negative advantages. ``dual_clip`` (verl ``clip_ratio_c``, > 1): for A < 0 the
-    loss is capped at ``-A * dual_clip``.
+    loss is capped at ``-A * dual_clip``. ``log_ratio_clamp`` (verl: 20): the log-ratio is clamped to +-clamp
+    before ``exp``, so a token whose probability grew by e^100 gives a finite loss and gradient instead of
+    ``exp(100) = inf`` in float32 (with A < 0 the loss -rho A would be +inf); :func:`clamp_log_ratio`.
     """
     eh = epsilon_low if epsilon_high is None else epsilon_high
     a = _f32(advantages)
     if a.ndim == 1:
         a = a[:, None]
-    rho = jnp.exp(_f32(log_ratio))
+    rho = jnp.exp(clamp_log_ratio(log_ratio, log_ratio_clamp))
     rho_clipped = jnp.clip(rho, 1.0 - epsilon_low, 1.0 + eh)
     if delta is not None:
         rho = jnp.minimum(rho, delta)
@@ -258,6 +272,9 @@ def clip_fraction(
     return {"low": f(low), "high": f(high), "region": f(low | high)}
 
 
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 def rollout_importance_weights(
     old_logp: jax.Array,
     sampling_logp: jax.Array,
@@ -268,16 +285,21 @@ def rollout_importance_weights(
 ) -> jax.Array:
     """Correction for the rollout engine's numerics differing from the trainer's (TRL's vLLM IS correction).
 
-    w = exp(old_logp - sampling_logp) per token (``token_*``, ``[B, T]``) or exp of its masked SUM per sequence
-    (``sequence_*``, ``[B, 1]``; a product of token ratios, as TRL). ``*_truncate`` clamps w to
-    [clip_min, clip_max]; ``*_mask`` zeroes w outside it. NaN sampling log-probs count as ratio 1. The result is a
-    constant (no gradient); multiply the per-token policy loss by it before adding KL.
+    w = exp(old_logp - sampling_logp) per token (``token_*``, ``[B, T]``) or, per sequence (``sequence_*``,
+    ``[B, 1]``), exp of the masked MEAN of the token log-ratios: the geometric mean of the token ratios. TRL and
+    verl's ``rollout_is=sequence`` take the product (exp of the sum), which a per-token gap of a few 1e-3 already
+    pulls far from 1 on long completions (TRL issues 5814 / 5815: mean weight 0.57 where 0.99 was expected), and
+    whose threshold would have to depend on the length; the geometric mean is the per-token gap of the sequence,
+    one threshold for every length (verl's ``rollout_rs=geometric``, OpenRLHF's seq-mask-tis). ``*_truncate``
+    clamps w to [clip_min, clip_max]; ``*_mask`` zeroes w outside it. NaN sampling log-probs count as ratio 1
+    (and in a sequence's mean). The result is a constant (no gradient); multiply the per-token policy loss by it
+    before adding KL.
     """
     m = jnp.asarray(mask) > 0
     diff = jnp.where(m, _f32(old_logp) - _f32(sampling_logp), 0.0)
     diff = jnp.where(jnp.isnan(diff), 0.0, diff)
     if mode.startswith("sequence_"):
-        diff = jnp.sum(diff, axis=-1, keepdims=True)
+        diff = jnp.sum(diff, axis=-1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=-1, keepdims=True), 1)
     elif not mode.startswith("token_"):
         raise ValueError(f"unknown mode {mode!r}: token_truncate, token_mask, sequence_truncate, sequence_mask")
     w = jnp.exp(diff)
@@ -290,6 +312,55 @@ def rollout_importance_weights(
     else:
         raise ValueError(f"unknown mode {mode!r}")
     return jax.lax.stop_gradient(w)
+
+
+def rollout_correction(
+    trainer_logp, sampling_logp, mask, mode: str = "none", clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+):
+    """The rollout correction of one rollout and its mismatch metrics, on the host: ``(weights, metrics)``.
+
+    ``trainer_logp`` (a teacher-forced pass of the behaviour policy), ``sampling_logp`` (what the sampler
+    reported for the tokens it drew) and ``mask`` (1 on generated tokens) are ``[N, C]``. ``weights`` is None for
+    ``mode="none"``, else :func:`rollout_importance_weights` broadcast to ``[N, C]`` float32 (0 off the mask).
+    ``metrics`` (always; NaN sampler log-probs are left out of the gap):
+
+    - ``mismatch/logp_abs_mean``, ``mismatch/logp_abs_max``: token mean and max of |trainer - sampler|;
+    - ``mismatch/kl_k3``: token mean of the k3 estimate of KL(sampler || trainer) (the samples are the sampler's);
+    - ``mismatch/is_weight_mean|min|max``: the raw weights (before truncation / masking) at the mode's level: per
+      token, or per sequence for ``sequence_*`` (over sequences with a generated token);
+    - ``mismatch/clipped_fraction`` (``*_truncate``) or ``mismatch/masked_fraction`` (``*_mask``): the share of
+      those weights outside [clip_min, clip_max].
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout_correction={mode!r}; choose one of {ROLLOUT_CORRECTIONS}")
+    m = np.asarray(mask) > 0
+    t, s = np.asarray(trainer_logp, np.float64), np.asarray(sampling_logp, np.float64)
+    known = m & ~np.isnan(s)
+    d = np.where(known, t - s, 0.0)  # log(pi_trainer / pi_sampler) per token
+    n = max(int(known.sum()), 1)
+    k3 = np.asarray(kl_lib.kl(np.where(known, s, 0.0), np.where(known, t, 0.0), "k3"), np.float64)
+    metrics = {"mismatch/logp_abs_mean": float(np.abs(d).sum() / n),
+               "mismatch/logp_abs_max": float(np.abs(d).max()) if known.any() else 0.0,
+               "mismatch/kl_k3": float(np.where(known, k3, 0.0).sum() / n)}
+    level = "sequence" if mode.startswith("sequence_") else "token"
+    if level == "token":
+        raw = np.exp(d)[m]
+    else:
+        rows = m.any(-1)
+        raw = np.exp(d.sum(-1) / np.maximum(m.sum(-1), 1))[rows]
+    if raw.size:
+        metrics.update({"mismatch/is_weight_mean": float(raw.mean()), "mismatch/is_weight_min": float(raw.min()),
+                        "mismatch/is_weight_max": float(raw.max())})
+    if mode == "none":
+        return None, metrics
+    lo = -np.inf if clip_min is None else clip_min
+    hi = np.inf if clip_max is None else clip_max
+    outside = float(((raw < lo) | (raw > hi)).mean()) if raw.size else 0.0
+    metrics["mismatch/clipped_fraction" if mode.endswith("_truncate") else "mismatch/masked_fraction"] = outside
+    w = np.asarray(rollout_importance_weights(trainer_logp, sampling_logp, mask, mode, clip_min, clip_max),
+                   np.float32)
+    return np.where(m, np.broadcast_to(w, m.shape), 0.0).astype(np.float32), metrics
 
 
 # ------------------------------------------------------------------------------------------------- aggregation

@@ -18,6 +18,17 @@ with `recompute_old_logprobs` (forced when temperature != 1: the sampler reports
 the compute dtype is not float32: in bf16 the decode drifts by ~1e-2), a teacher-forced pass at the sampling
 temperature right after sampling.
 
+Rollout correction (`rollout_correction`; TRL's vLLM importance-sampling correction, verl `rollout_correction`):
+the sampler and the trainer compute the same policy with different numerics (a KV-cache decode, or a serving
+engine, against a teacher-forced pass: rounding apart in float32, a real gap in bfloat16), so each rollout gets one
+teacher-forced pass of the behaviour parameters at temperature 1 (the sampler's log-probs are untempered) and
+w = exp(trainer - sampler) per token, or the geometric mean of those ratios per sequence, truncated to or masked
+outside [`rollout_correction_min`, `rollout_correction_max`], multiplies the policy term
+(`grpo.rollout_correction`). The pass runs whatever the mode, for the `mismatch/*` metrics.
+
+Dynamic sampling (`dynamic_sampling`, off by default): extra draws until `prompts_per_step` groups have reward
+signal, at most `max_extra_draws` (`GRPOTask.sample`).
+
 Objective (`GRPOObjective`, micro-batch contract of jaxrl.train.objective): per completion token
 clipped surrogate (`epsilon_low`, `epsilon_high`, optional two-sided `delta`) + beta x KL(`kl_estimator`: k1 | k2
 | k3 (the stable expm1 form) | ...) to the precomputed reference, aggregated by `aggregation` (sequence_mean =
@@ -28,9 +39,14 @@ Metrics per step: from the loss (global token means) `policy_loss`, `ratio`, `ra
 `clip_fraction/{low,high,region}`, `kl` (beta > 0), `entropy`; from the rollout the step trains on
 `reward/{mean,std,min,max,strict_rate,masked_fraction}`, `zero_variance_groups` (fraction of groups),
 `advantage/{mean,std,min,max,abs_mean}`, `completion/{length_mean,length_min,length_max,truncation_rate}`,
-`rollout/kl_ref` (token-mean KL of the behaviour policy to the reference, beta > 0), `loss_tokens_fraction`;
-on the step that made the rollout `time/{sample_s,score_s,ref_logp_s,old_logp_s,rollout_s}` (the trainer's
-`step_time_s` includes them: update time = step_time_s - time/rollout_s).
+`rollout/kl_ref` (token-mean KL of the behaviour policy to the reference, beta > 0), `loss_tokens_fraction`,
+`mismatch/{logp_abs_mean,logp_abs_max,kl_k3,is_weight_mean,is_weight_min,is_weight_max}` and
+`mismatch/clipped_fraction` (truncate modes) or `mismatch/masked_fraction` (mask modes) (`grpo.rollout_correction`),
+with dynamic sampling `dynamic_sampling/{extra_draws,drawn_groups,signal_rate,signal_groups,cap_reached}` (reward/*
+and completion/* then describe the rollout's own prompts, draw 0; advantage/* and zero_variance_groups the groups
+trained on); on the step that made the rollout
+`time/{sample_s,score_s,ref_logp_s,old_logp_s,mismatch_logp_s,rollout_s}` (the trainer's `step_time_s` includes
+them: update time = step_time_s - time/rollout_s).
 """
 
 from __future__ import annotations
@@ -54,7 +70,7 @@ from jaxrl.utils.train_config import GRPOConfig, TrainConfig
 class GRPOObjective:
     """GRPO loss of one micro-batch. Batch keys: input_ids, attention_mask [b, P+C]; completion_mask (the loss
     mask), advantages [b]; sequence_mask [b] (1 = counts in num_sequences); ref_logp [b, C] when beta != 0;
-    old_logp [b, C] unless on-policy."""
+    old_logp [b, C] unless on-policy; is_weights [b, C] (the rollout correction) unless it is none."""
 
     max_new_tokens: int  # the completion cap: Dr. GRPO's L_max
     aggregation: str = "sequence_mean"
@@ -83,7 +99,7 @@ class GRPOObjective:
             ref_logp=micro_batch.get("ref_logp"), beta=self.beta, kl_estimator=self.kl_estimator,
             epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta,
             importance_sampling_level=self.importance_sampling_level, aggregation=self.aggregation,
-            entropies=ent, entropy_coef=self.entropy_coef)
+            sampling_weights=micro_batch.get("is_weights"), entropies=ent, entropy_coef=self.entropy_coef)
         old = jax.lax.stop_gradient(logp) if micro_batch.get("old_logp") is None else micro_batch["old_logp"]
         dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp) - old) - 1.0)
         metrics.update(grpo_lib.token_metric_contributions({"ratio_abs_dev": dev}, mask, normalisers))
@@ -115,11 +131,19 @@ class GRPOTask(online_task.OnlineTask):
         # decode drifts, so the first update's ratio would not be 1.
         compute_dtype = jnp.dtype(getattr(model, "dtype", None) or config.dtype)
         low_precision = compute_dtype != jnp.float32
-        self.recompute = grpo.recompute_old_logprobs or grpo.temperature != 1.0 or low_precision
+        # A rollout correction compares the trainer's log-probs with the sampler's, so the ratio's denominator must
+        # be the trainer's too (TRL recomputes them whenever its vLLM correction is on).
+        corrected = grpo.rollout_correction != "none"
+        self.recompute = grpo.recompute_old_logprobs or grpo.temperature != 1.0 or low_precision or corrected
         if self.recompute and not grpo.recompute_old_logprobs and not self.on_policy:
             why = (f"grpo.temperature={grpo.temperature}: the sampler reports untempered log-probs"
-                   if grpo.temperature != 1.0 else f"dtype={compute_dtype.name}: the sampler's log-probs drift")
+                   if grpo.temperature != 1.0 else f"dtype={compute_dtype.name}: the sampler's log-probs drift"
+                   if low_precision else f"grpo.rollout_correction={grpo.rollout_correction}")
             logging.info("old log-probs are recomputed teacher-forced (%s)", why)
+        if corrected and grpo.temperature != 1.0:
+            logging.warning("grpo.rollout_correction=%s at temperature %s: the sampler reports untempered log-probs "
+                            "(as vLLM does by default), so the weights are those of the untempered distributions",
+                            grpo.rollout_correction, grpo.temperature)
         self.chunk_size = config.logprob_chunk_size
         self.objective = GRPOObjective(
             max_new_tokens=grpo.max_new_tokens, aggregation=grpo.aggregation, beta=grpo.beta,
@@ -128,21 +152,71 @@ class GRPOTask(online_task.OnlineTask):
             temperature=grpo.temperature, entropy=grpo.log_entropy, entropy_coef=grpo.entropy_coef,
             chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (
-            ("ref_logp",) if grpo.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",))
+            ("ref_logp",) if grpo.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",)) + (
+            ("is_weights",) if corrected else ())
         self.engine = online_rollouts.RolloutEngine(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step,
                                                     sampling=grpo)
         self.mesh = mesh
 
+    def shaped_rewards(self, s: online_rollouts.Sampled) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(rewards the advantages come from, DAPO overlong penalty or None): the reward plus that penalty."""
+        grpo = self.grpo
+        if grpo.overlong_buffer <= 0:
+            return s.rewards.copy(), None
+        pen = np.asarray(grpo_lib.overlong_penalty(s.lengths, grpo.max_new_tokens, grpo.overlong_buffer,
+                                                   grpo.overlong_penalty), np.float32)
+        return s.rewards + pen, pen
+
+    def sample(self, rollout: int, policy):
+        """(samples, rewards, overlong penalty, metrics) of the groups rollout `rollout` trains on.
+
+        Without dynamic sampling: the rollout's prompt groups. With it (DAPO; verl `filter_groups`, OpenRLHF
+        `dynamic_filtering`): groups whose rewards all agree carry no signal, so up to `max_extra_draws` extra draws
+        of `prompts_per_step` prompts each (`RolloutEngine.run(.., draw=d)`, seeded by (seed, rollout, d): a resumed
+        run redraws them) are made until `prompts_per_step` groups have signal. The step trains on the first
+        `prompts_per_step` of those in draw order; when the cap is reached first, the rest of its groups are the
+        earliest groups without signal (advantage 0), so the rollout keeps its shape.
+        """
+        grpo, group, wanted = self.grpo, self.grpo.num_generations, self.grpo.prompts_per_step
+        s = self.engine.run(policy, rollout)
+        rewards, pen = self.shaped_rewards(s)
+        if not grpo.dynamic_sampling:
+            return s, rewards, pen, {}
+        draws = [(s, rewards, pen)]
+        signal = [~np.asarray(grpo_lib.zero_variance_groups(rewards, group)).reshape(-1, group)[:, 0]]
+        while sum(int(x.sum()) for x in signal) < wanted and len(draws) <= grpo.max_extra_draws:
+            extra = self.engine.run(policy, rollout, draw=len(draws))
+            r, p = self.shaped_rewards(extra)
+            draws.append((extra, r, p))
+            signal.append(~np.asarray(grpo_lib.zero_variance_groups(r, group)).reshape(-1, group)[:, 0])
+        order = [(d, j) for d, flags in enumerate(signal) for j in np.flatnonzero(flags)][:wanted]
+        have = len(order)
+        order += [(d, j) for d, flags in enumerate(signal) for j in np.flatnonzero(~flags)][:wanted - have]
+        picked = take_groups([d[0] for d in draws], order, group)
+        rows = lambda a: np.concatenate([a[d][j * group:(j + 1) * group] for d, j in order])  # noqa: E731
+        rewards = rows([d[1] for d in draws])
+        pen = None if pen is None else rows([d[2] for d in draws])
+        drawn = sum(len(x) for x in signal)
+        metrics = {"dynamic_sampling/extra_draws": float(len(draws) - 1),
+                   "dynamic_sampling/drawn_groups": float(drawn),
+                   "dynamic_sampling/signal_rate": float(sum(int(x.sum()) for x in signal) / drawn),
+                   "dynamic_sampling/signal_groups": float(have),
+                   "dynamic_sampling/cap_reached": float(have < wanted)}
+        if have < wanted:
+            logging.warning("rollout %d: %d of %d groups have reward signal after %d extra draws "
+                            "(grpo.max_extra_draws); training on them and %d groups without signal", rollout, have,
+                            wanted, len(draws) - 1, wanted - have)
+        # reward/* and completion/* describe the rollout's own prompts (draw 0), as without dynamic sampling: the
+        # groups trained on are chosen by their rewards
+        metrics.update(online_rollouts.sample_metrics(s, grpo.max_new_tokens))
+        return picked, rewards, pen, metrics
+
     def make_rollout(self, rollout: int, policy):
         grpo, group = self.grpo, self.grpo.num_generations
-        s = self.engine.run(policy, rollout)
-        metrics = online_rollouts.sample_metrics(s, grpo.max_new_tokens)
+        s, rewards, pen, metrics = self.sample(rollout, policy)
+        metrics = {**online_rollouts.sample_metrics(s, grpo.max_new_tokens), **metrics}
         metrics.update({"time/" + k: v for k, v in s.times.items()})
-        rewards = s.rewards.copy()
-        if grpo.overlong_buffer > 0:
-            pen = np.asarray(grpo_lib.overlong_penalty(s.lengths, grpo.max_new_tokens, grpo.overlong_buffer,
-                                                       grpo.overlong_penalty))
-            rewards = rewards + pen
+        if pen is not None:
             metrics["reward/overlong_penalty"] = float(pen.mean())
         adv = advantages_of(rewards, group, grpo.advantage_estimator, grpo.scale_rewards)
         zero_var = np.asarray(grpo_lib.zero_variance_groups(rewards, group))
@@ -173,15 +247,44 @@ class GRPOTask(online_task.OnlineTask):
         t1 = time.perf_counter()
         metrics["time/ref_logp_s"] = t1 - t0
         old = s.behaviour_logp if grpo.temperature == 1.0 else None  # the sampler's are untempered
-        if not self.on_policy and self.recompute:
+        recomputed = not self.on_policy and self.recompute
+        if recomputed:
             old = completion_passes.teacher_forced(policy, arrays, adapters=True, **common)["logp"]
-        metrics["time/old_logp_s"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        metrics["time/old_logp_s"] = t2 - t1
         if not self.on_policy:
             buffer["old_logp"] = old
         if grpo.beta != 0.0 and old is not None:
             kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], grpo.kl_estimator, mask=s.completion_mask))
             metrics["rollout/kl_ref"] = float((kl * s.completion_mask).sum() / max(s.completion_mask.sum(), 1.0))
+        # The sampler-trainer gap, every rollout: the sampler reports untempered log-probs, so the trainer's side is
+        # a teacher-forced pass of the same (behaviour) parameters at temperature 1 (the old log-probs when they
+        # are that pass).
+        trainer_logp = old if recomputed and grpo.temperature == 1.0 else completion_passes.teacher_forced(
+            policy, arrays, adapters=True, **{**common, "temperature": 1.0})["logp"]
+        weights, mismatch = grpo_lib.rollout_correction(
+            trainer_logp, s.behaviour_logp, s.completion_mask, grpo.rollout_correction,
+            grpo.rollout_correction_min or None, grpo.rollout_correction_max)
+        metrics.update(mismatch)
+        metrics["time/mismatch_logp_s"] = time.perf_counter() - t2
+        if weights is not None:
+            buffer["is_weights"] = weights
         return buffer, metrics
+
+
+def take_groups(draws: list, order: list, group: int) -> online_rollouts.Sampled:
+    """The `Sampled` holding groups `order` = [(draw, group index), ...] of `draws` in that order (rows
+    prompt-major); per-row arrays are taken, `times` summed over every draw (all of them were sampled)."""
+    first, out = draws[0], {}
+    for f in dataclasses.fields(first):
+        value = getattr(first, f.name)
+        if isinstance(value, np.ndarray) and value.ndim >= 1 and len(value) == len(first.rewards):
+            out[f.name] = np.concatenate([getattr(draws[d], f.name)[j * group:(j + 1) * group] for d, j in order])
+        elif f.name == "times":
+            out[f.name] = {k: sum(float(getattr(d, f.name).get(k, 0.0)) for d in draws) for k in value}
+        else:
+            out[f.name] = value
+    return online_rollouts.Sampled(**out)
 
 
 def build_grpo(config: TrainConfig, model, mesh) -> GRPOTask:

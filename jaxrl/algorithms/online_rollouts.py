@@ -11,7 +11,10 @@ P = `data.max_prompt_len`, C = `max_new_tokens` (the algorithm block's). Complet
 predicted by the hidden state of column P + t - 1 (`jaxrl.algorithms.completion_passes`).
 
 Prompts of rollout r are a function of (seed, r) and sampling keys of (seed, r, prompt id), so a rollout made from
-the same parameters is bit-identical (what resume relies on: `jaxrl.algorithms.online_task`).
+the same parameters is bit-identical (what resume relies on: `jaxrl.algorithms.online_task`). Row i of prompt g
+is keyed by (`sample_seed(r)`, the prompt's group id, i) on every backend: the in-process jax sampler, or servers
+(`rollout_backend` server | vllm, `jaxrl.algorithms.server_rollouts`), whose requests pack that key into their
+seed; the JAX server (`launchers.serve`) then draws the jax backend's very tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jaxrl.data.stream import epoch_stream
 from jaxrl.rewards import get_reward
 from jaxrl.rewards.toy import TokenTask
 from jaxrl.rollout.backends import JaxBackend, SamplingParams
+from jaxrl.rollout.backends.openai_client import SEED_BITS
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.sampler import MIN_PROMPT_BUCKET
@@ -47,6 +51,11 @@ class PromptSource:
     def prompts(self, rollout: int, count: int):
         raise NotImplementedError
 
+    def extra_prompts(self, rollout: int, draw: int, count: int):
+        """`count` more prompts for rollout r's extra draw `draw` >= 1 (GRPO dynamic sampling): a function of
+        (seed, r, draw), so a resumed run redraws them."""
+        raise NotImplementedError(f"{type(self).__name__} has no extra draws (grpo.dynamic_sampling)")
+
     def longest(self) -> int:
         raise NotImplementedError
 
@@ -57,6 +66,13 @@ class TokenTaskPrompts(PromptSource):
 
     def prompts(self, rollout: int, count: int):
         ids, problems = self.task.prompts(self.seed, rollout, count)
+        return ids, problems, [problem_key(p["id"]) for p in problems]
+
+    def extra_prompts(self, rollout: int, draw: int, count: int):
+        seed = int(np.random.SeedSequence([self.seed, rollout, draw, 6761]).generate_state(1)[0])
+        ids, problems = self.task.prompts(seed, rollout, count)
+        for j, p in enumerate(problems):
+            p["id"] = f"token_task/{rollout}/draw{draw}/{j}"
         return ids, problems, [problem_key(p["id"]) for p in problems]
 
     def longest(self) -> int:
@@ -92,7 +108,15 @@ class ProblemPrompts(PromptSource):
         return epoch_stream(len(self.problems), rollout * count, count, seed=self.seed, salt=7817)
 
     def prompts(self, rollout: int, count: int):
-        idx = self.indices(rollout, count)
+        return self._take(self.indices(rollout, count))
+
+    def extra_prompts(self, rollout: int, draw: int, count: int):
+        # Drawn without replacement apart from the epoch stream, which stays as it is: later rollouts see the same
+        # prompts with dynamic sampling on or off.
+        rng = np.random.default_rng([self.seed, rollout, draw, 6763])
+        return self._take(rng.choice(len(self.problems), size=count, replace=count > len(self.problems)))
+
+    def _take(self, idx):
         problems = [self.problems[i] for i in idx]
         return [self.ids[i] for i in idx], problems, [problem_key(p.id) for p in problems]
 
@@ -150,7 +174,9 @@ class Sampled:
     rewards: np.ndarray  # [N] float32; NaN where the reward masked the sample (RewardResult.masked)
     strict: np.ndarray  # [N] float32 0/1
     prompt_lengths: np.ndarray  # [N] int32
-    times: dict  # sample_s, score_s
+    times: dict  # sample_s, score_s (server backends: adapter_sync_s)
+    # server backends: the trainer's adapter digest and the one the servers reported serving for this rollout
+    adapter: dict = dataclasses.field(default_factory=dict)
 
 
 def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], logprobs, prompt_indices,
@@ -174,13 +200,15 @@ def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]],
 
 class RolloutEngine:
     """Prompts -> samples from the current policy -> rewards, as `Sampled` arrays, through the one generation path
-    (`jaxrl.rollout.collect.Collector` over a `JaxBackend` holding the policy: continuous batching over
-    `rollout_batch_size` slots (0: one per row of the rollout) at one prompt length for the whole run; its programs
-    compile once and the policy's current weights are an argument of every call)."""
+    (`jaxrl.rollout.collect.Collector`). rollout_backend jax: over a `JaxBackend` holding the policy: continuous
+    batching over `rollout_batch_size` slots (0: one per row of the rollout) at one prompt length for the whole run;
+    its programs compile once and the policy's current weights are an argument of every call. server | vllm: over a
+    `server_rollouts.ServerPool`, the policy's adapter sent to every server (and its digest checked) before each
+    rollout; those need the run's workdir (`attach_workdir`, from the task's setup) for the adapter folders."""
 
     def __init__(self, config: TrainConfig, model, mesh, *, prompts_per_rollout: int, sampling):
         """`sampling`: the algorithm's block (GRPOConfig, PPOConfig): num_generations, max_new_tokens,
-        temperature, top_p, top_k, rollout_batch_size."""
+        temperature, top_p, top_k, rollout_batch_size, rollout_backend, rollout_servers, rollout_backend_kwargs."""
         self.max_new_tokens, self.num_generations = sampling.max_new_tokens, sampling.num_generations
         self.source, self.stop_ids, self.pad_id = make_prompt_source(
             config.data, model, seed=config.seed, model_path=config.model_path, max_new_tokens=self.max_new_tokens)
@@ -195,6 +223,25 @@ class RolloutEngine:
         self.mesh = mesh
         self.batch_size = sampling.rollout_batch_size or self.rows
         self.collector: Optional[Collector] = None
+        self.block = sampling
+        self.backend_name = getattr(sampling, "rollout_backend", "jax")
+        self.model_path, self.dtype = config.model_path, config.dtype
+        self.lora_rank, self.lora_dropout = config.lora.rank, config.lora.dropout
+        self.workdir: Optional[str] = None
+        self.last_sync: dict = {}  # the adapter sync of the last run (server backends)
+        if self.backend_name != "jax":
+            import jax
+            where = f"{config.algorithm}.rollout_backend={self.backend_name!r}"
+            if not config.model_path:
+                raise ValueError(f"{where} samples on servers of the run's base model: set model_path to the HF folder "
+                                 f"they serve (a model_preset model exists only in this process)")
+            if jax.process_count() > 1:
+                raise ValueError(f"{where}: server rollouts run from a single trainer process; this run has "
+                                 f"{jax.process_count()} (use rollout_backend='jax' on several hosts)")
+
+    def attach_workdir(self, workdir: str) -> None:
+        """The run's workdir: server backends write the adapter versions they serve below it."""
+        self.workdir = workdir
 
     def prompt_length(self) -> int:
         """The one prompt length of every rollout's sampler programs: the longest prompt the data can give,
@@ -209,20 +256,50 @@ class RolloutEngine:
         runs at one prompt length (`prompt_length`) and one slot count."""
         if self.collector is None:
             length = self.prompt_length()
-            backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size, max_prompt_len=length,
-                                 prompt_buckets=(length,), stop_ids=self.stop_ids, pad_id=self.pad_id,
-                                 mesh=self.mesh)
+            if self.backend_name == "jax":
+                backend = JaxBackend(model=model, dtype=None, batch_size=self.batch_size, max_prompt_len=length,
+                                     prompt_buckets=(length,), stop_ids=self.stop_ids, pad_id=self.pad_id,
+                                     mesh=self.mesh)
+            else:
+                from jaxrl.algorithms import server_rollouts
+                if self.workdir is None:
+                    raise RuntimeError("server rollouts need the run's workdir: call attach_workdir (the task's setup "
+                                       "does) before the first rollout")
+                backend = server_rollouts.make_pool(
+                    self.block, model_path=self.model_path, dtype=self.dtype, seed=self.seed, workdir=self.workdir,
+                    stop_ids=self.stop_ids, max_prompt_len=length, max_new_tokens=self.max_new_tokens,
+                    lora_rank=self.lora_rank)
             self.collector = Collector(backend, self.reward, tokenizer=self.source.tokenizer, stop_ids=self.stop_ids)
         return self.collector
 
-    def sample_seed(self, rollout: int) -> int:
-        return (self.seed * 1_000_003 + rollout * 7919 + 17) % 2 ** 32
+    def sample_seed(self, rollout: int, draw: int = 0) -> int:
+        """The sampling seed of rollout r (extra draw `draw`), in [0, 2**SEED_BITS): the range a server request's
+        seed packs beside the group id and sample index (`openai_client.request_seed`), so every backend keys row i
+        of a prompt by (sample_seed, group id, i)."""
+        return (self.seed * 1_000_003 + rollout * 7919 + draw * 104_729 + 17) % 2 ** SEED_BITS
 
-    def run(self, model, rollout: int) -> Sampled:
-        prompts, problems, group_ids = self.source.prompts(rollout, self.prompts_per_rollout)
+    def release(self) -> None:
+        """Server backends: unload this run's adapter from the servers and stop a vLLM the run started (after the
+        run's last rollout); the next `run` connects again."""
+        if self.collector is not None and self.backend_name != "jax":
+            self.collector.backend.close()
+            self.collector = None
+
+    def run(self, model, rollout: int, draw: int = 0) -> Sampled:
+        """Rollout `rollout`'s samples; `draw` >= 1: one of its extra draws (`PromptSource.extra_prompts`, its own
+        sampling seed), what GRPO's dynamic sampling adds."""
+        prompts, problems, group_ids = (self.source.prompts(rollout, self.prompts_per_rollout) if draw == 0 else
+                                        self.source.extra_prompts(rollout, draw, self.prompts_per_rollout))
         collector = self.collector_for(model)
-        samples = collector.collect(prompts, group_ids, problems, self.sampling.replace(seed=self.sample_seed(rollout)),
-                                    params=nnx.state(model))
+        params, self.last_sync = None, {}
+        if self.backend_name == "jax":
+            params = nnx.state(model)
+        else:  # the policy's adapter to every server, checked (the same adapter again: checked only)
+            from jaxrl.algorithms import server_rollouts
+            self.last_sync = collector.backend.sync(server_rollouts.policy_adapter(model, self.lora_dropout),
+                                                    f"r{rollout}")
+        samples = collector.collect(prompts, group_ids, problems,
+                                    self.sampling.replace(seed=self.sample_seed(rollout, draw)), params=params)
         arrays = to_arrays(prompts, [s.tokens for s in samples], [s.logprobs for s in samples],
                            [s.prompt_index for s in samples], self.max_prompt_len, self.max_new_tokens, self.pad_id)
         rewards = np.asarray([np.nan if s.result.masked else float(getattr(s.result, self.reward_field))
@@ -231,7 +308,9 @@ class RolloutEngine:
                        truncated=np.asarray([s.truncated for s in samples], bool), rewards=rewards,
                        strict=np.asarray([float(s.result.strict) for s in samples], np.float32),
                        prompt_lengths=np.asarray([len(prompts[s.prompt_index]) for s in samples], np.int32),
-                       times=dict(collector.last_times))
+                       times={**collector.last_times, **{k[len("time/"):]: v for k, v in self.last_sync.items()
+                                                         if k.startswith("time/")}},
+                       adapter={k: v for k, v in self.last_sync.items() if not k.startswith("time/")})
 
 
 def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:

@@ -13,15 +13,29 @@ of a rollout (S > 1) needs the rollout as it was: each rollout with S > 1 is wri
 `<workdir>/rollouts/<r>.npz` before it is trained on, and buffers no kept checkpoint can need are deleted at each
 checkpoint. The task's state_dict (JSON, saved with every checkpoint) holds the rollout index, that file's name
 and the algorithm's host state (PPO's KL coefficient).
+
+Overlap (`grpo.overlap` / `ppo.overlap`, server backends only; off by default): rollout r+1 is sampled (on the
+servers, with its scoring and teacher-forced passes, in a background thread) from the policy at the first step of
+rollout r, while rollout r trains; so rollout r >= 1 comes from the parameters of step (r-1) S instead of r S, the
+one difference from a run without overlap (prompts and sampling keys are the same). Its updates are off-policy:
+the ratio's denominator (and the rollout correction) are the behaviour policy's log-probs, `make_rollout` running
+on a copy of the behaviour parameters (`on_policy` is False under overlap). Every rollout made in the background is
+written to the buffer; a checkpoint waits for the one in flight (`state_dict`), so a resumed run reads back the
+rollouts the interrupted run had sampled from parameters it no longer has, and stays bit-exact. Each step logs
+`rollout/policy_step` (the step of the parameters its rollout was sampled from) and `rollout/staleness` (updates
+between those and the ones it updates: 0 on the first step of a rollout without overlap, S with it), and
+`time/rollout_wait_s` (the step's wait for its rollout).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import json
 import os
 import re
+import threading
 import time
 from typing import Optional
 
@@ -138,6 +152,10 @@ class OnlineTask:
 
     def __init__(self, config: TrainConfig, schedule: Schedule):
         self.config, self.schedule = config, schedule
+        block = config.block(config.algorithm) if config.algorithm in ("grpo", "ppo") else None
+        self.overlap = bool(getattr(block, "overlap", False))
+        self._on_policy = False
+        self._pending: Optional[tuple[int, concurrent.futures.Future]] = None  # (rollout, its background work)
         self.compile_options = dict(config.compile_options) or None
         self.buffer: Optional[dict] = None
         self.buffer_rollout = -1
@@ -158,10 +176,24 @@ class OnlineTask:
     def load_host_state(self, state: dict) -> None:
         pass
 
+    @property
+    def on_policy(self) -> bool:
+        """Whether each rollout gets one update from the very parameters that sampled it (the ratio is then 1
+        exactly; a subclass sets it, e.g. GRPO with one minibatch and one pass). Never under overlap: rollout r
+        was sampled by the policy of rollout r - 1."""
+        return self._on_policy and not self.overlap
+
+    @on_policy.setter
+    def on_policy(self, value: bool) -> None:
+        self._on_policy = bool(value)
+
     # Task phases --------------------------------------------------------------------------------------------
     def setup(self, context: TaskContext) -> None:
         self.context = context
         self.store = RolloutStore(context.workdir)
+        engine = getattr(self, "engine", None)
+        if engine is not None and hasattr(engine, "attach_workdir"):  # server rollouts keep adapters below it
+            engine.attach_workdir(context.workdir)
 
     def needs_rollout(self, step: int) -> bool:
         """Whether train step `step` trains on a rollout this task does not hold yet."""
@@ -169,29 +201,105 @@ class OnlineTask:
 
     def rollout(self, step: int, policy) -> None:
         """Make the rollout train step `step` trains on: sampled from `policy` when `step` is the rollout's first
-        step, else (a run resumed inside a rollout) read back from the buffer the interrupted run wrote."""
+        step (under overlap: taken from the background, sampled one rollout earlier), else (a run resumed inside a
+        rollout, or under overlap at a rollout the interrupted run had sampled) read back from the buffer the
+        interrupted run wrote. Under overlap it then starts the next rollout in the background."""
         rollout = self.schedule.locate(step)[0]
+        first = step % self.schedule.steps_per_rollout == 0
         self.rollout_timing = {}
-        if step % self.schedule.steps_per_rollout:  # resumed inside a rollout: it must be the one trained on
+        pending = self._take_pending(rollout)
+        if pending is not None:
+            self._install(rollout, *pending)
+        elif not first or (self.overlap and rollout > 0):
+            # it must be the one trained on: made by the interrupted run (under overlap, from parameters of an
+            # earlier step than this one)
             loaded = self.store.load(rollout)
             if loaded is not None:
                 self.buffer, self.rollout_metrics = loaded
                 self.buffer_rollout = rollout
-                logging.info("resumed inside rollout %d: loaded %s", rollout, self.store.path(rollout))
-                return
-            logging.warning("resumed inside rollout %d but %s is missing; sampling a new rollout from the current "
-                            "policy (training goes on, but not bit-identical to an uninterrupted run)", rollout,
-                            self.store.path(rollout))
+                logging.info("resumed inside rollout %d: loaded %s (step %d)", rollout, self.store.path(rollout),
+                             step)
+            else:
+                logging.warning("resumed at step %d, in rollout %d, but %s is missing; sampling a new rollout from "
+                                "the current policy (training goes on, but not bit-identical to an uninterrupted "
+                                "run)", step, rollout, self.store.path(rollout))
+                self._install(rollout, *self._make(rollout, step, policy))
+        else:
+            self._install(rollout, *self._make(rollout, step, policy))
+        if self.overlap and first and (rollout + 1) * self.schedule.steps_per_rollout < self.config.steps:
+            self._start(rollout + 1, step, policy)
+        if (rollout + 1) * self.schedule.steps_per_rollout >= self.config.steps and self._pending is None:
+            release = getattr(getattr(self, "engine", None), "release", None)
+            if release is not None:  # the run's last rollout: servers unload our adapter, a vLLM we started stops
+                release()
+
+    # rollouts: made now, or in the background (overlap) ------------------------------------------------------
+    def _make(self, rollout: int, step: int, policy) -> tuple[dict, dict, dict]:
+        """(buffer, metrics, timing) of rollout `rollout` sampled from `policy`, the parameters of train step
+        `step`; written to the buffer store when a resume could need it."""
         t0 = time.perf_counter()
-        self.buffer, metrics = self.make_rollout(rollout, policy)
-        metrics = {k: float(v) for k, v in metrics.items()}
-        self.buffer_rollout = rollout
+        buffer, metrics = self.make_rollout(rollout, policy)
+        metrics = {k: v if isinstance(v, str) else float(v) for k, v in metrics.items()}
+        engine = getattr(self, "engine", None)
+        metrics.update({k: v for k, v in getattr(engine, "last_sync", {}).items() if not k.startswith("time/")})
+        metrics["rollout/policy_step"] = float(step)
         timing = {k: v for k, v in metrics.items() if k.startswith("time/")}
-        self.rollout_metrics = {k: v for k, v in metrics.items() if not k.startswith("time/")}
+        kept = {k: v for k, v in metrics.items() if not k.startswith("time/")}
         timing["time/rollout_s"] = time.perf_counter() - t0
-        self.rollout_timing = timing
-        if self.schedule.steps_per_rollout > 1:  # a resume inside this rollout will need it
-            self.store.save(rollout, self.buffer, self.rollout_metrics)
+        if self.schedule.steps_per_rollout > 1 or self.overlap:  # a resume inside (or before) it will need it
+            self.store.save(rollout, buffer, kept)
+        return buffer, kept, timing
+
+    def _install(self, rollout: int, buffer: dict, metrics: dict, timing: dict) -> None:
+        self.buffer, self.rollout_metrics, self.buffer_rollout = buffer, metrics, rollout
+        self.rollout_timing = {**self.rollout_timing, **timing}
+
+    def _snapshot(self, policy):
+        """`policy` with copies of its trained variables: the train step donates the state those arrays belong
+        to, and the background rollout must keep the parameters it samples from."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from jaxrl.models.lora import LoRAParam
+        graphdef, trained, rest = nnx.split(policy, getattr(self, "trainable", LoRAParam), ...)
+        return nnx.merge(graphdef, jax.tree.map(jnp.copy, trained), rest)
+
+    def _start(self, rollout: int, step: int, policy) -> None:
+        """Makes rollout `rollout` in a background (daemon) thread from a copy of `policy` (train step `step`)."""
+        behaviour = self._snapshot(policy)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work():
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._make(rollout, step, behaviour))
+                except BaseException as e:  # raised where the rollout is used (or at the next checkpoint)
+                    future.set_exception(e)
+
+        self._pending = (rollout, future)
+        threading.Thread(target=work, name=f"jaxrl-rollout-{rollout}", daemon=True).start()
+        logging.info("rollout %d: sampling in the background from the parameters of step %d", rollout, step)
+
+    def _take_pending(self, rollout: int) -> Optional[tuple[dict, dict, dict]]:
+        """The background rollout `rollout` (waits for it; its error raised here), or None when none is in flight.
+        A rollout in flight for another index (not possible in the Trainer's order) is waited for and dropped."""
+        if self._pending is None:
+            return None
+        index, future = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        result = future.result()
+        if index != rollout:
+            logging.warning("dropping background rollout %d: step needs rollout %d", index, rollout)
+            return None
+        buffer, metrics, timing = result
+        return buffer, metrics, {**timing, "time/rollout_wait_s": time.perf_counter() - t0}
+
+    def settle(self) -> None:
+        """Waits for the rollout in flight (it writes itself to the buffer store); raises its error."""
+        if self._pending is not None:
+            self._pending[1].result()
 
     def batch(self, step: int):
         r, i, u = self.schedule.locate(step)
@@ -201,10 +309,16 @@ class OnlineTask:
         out = {k: self.buffer[k][rows] for k in self.train_keys}
         self.position = step + 1
         host = {**self.rollout_metrics, **self.rollout_timing, "rollout": float(r), "rollout_pass": float(i)}
+        if "rollout/policy_step" in self.rollout_metrics:
+            host["rollout/staleness"] = float(step - self.rollout_metrics["rollout/policy_step"])
         self.rollout_timing = {}
         return out, host
 
     def state_dict(self) -> dict:
+        """The data position; under overlap after the rollout in flight has landed in the buffer store (a resume
+        from this state reads it back: it was sampled from parameters the state no longer holds), with the host
+        state it left (PPO's KL coefficient after it)."""
+        self.settle()
         return {"position": self.position, "rollout": self.buffer_rollout,
                 "steps_per_rollout": self.schedule.steps_per_rollout, **self.host_state()}
 
@@ -221,7 +335,7 @@ class OnlineTask:
     def on_checkpoint(self, step: int, policy) -> None:
         """Delete rollout buffers no kept checkpoint can need (a checkpoint at step s needs rollout s // S only
         when s is inside it)."""
-        if self.store is None or self.schedule.steps_per_rollout == 1:
+        if self.store is None or (self.schedule.steps_per_rollout == 1 and not self.overlap):
             return None
         steps = self.context.checkpoint_steps()
         if self.context.keep_checkpoints is None or not steps:

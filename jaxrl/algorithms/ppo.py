@@ -177,10 +177,13 @@ def policy_loss(
     cliprange: float = 0.2,
     cliprange_high: float | None = None,
     dual_clip: float | None = None,
+    log_ratio_clamp: float | None = None,
 ) -> jax.Array:
-    """Clipped PPO policy loss per token, ``max(-A rho, -A clip(rho, 1-c, 1+c_high))``, ``[B, T]`` (unmasked)."""
+    """Clipped PPO policy loss per token, ``max(-A rho, -A clip(rho, 1-c, 1+c_high))``, ``[B, T]`` (unmasked);
+    ``dual_clip`` and ``log_ratio_clamp`` as in :func:`grpo.clipped_surrogate`."""
     return grpo.clipped_surrogate(
-        grpo.token_log_ratio(logp, old_logp), advantages, cliprange, cliprange_high, dual_clip=dual_clip
+        grpo.token_log_ratio(logp, old_logp), advantages, cliprange, cliprange_high, dual_clip=dual_clip,
+        log_ratio_clamp=log_ratio_clamp,
     )
 
 
@@ -258,31 +261,43 @@ def ppo_loss(
     cliprange_value: float | None = 0.2,
     vf_coef: float = 0.1,
     dual_clip: float | None = None,
+    log_ratio_clamp: float | None = None,
+    sampling_weights: jax.Array | None = None,
     entropies: jax.Array | None = None,
     entropy_coef: float = 0.0,
     aggregation: str = "token_mean",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One micro-batch's PPO loss contribution: ``agg(pg) + vf_coef * agg(vf) - entropy_coef * agg(entropy)``.
+    """One micro-batch's PPO loss contribution: ``agg(w_is pg) + vf_coef * agg(vf) - entropy_coef * agg(entropy)``.
 
     All inputs ``[b, T]`` (``advantages`` whitened on the whole batch beforehand); ``agg`` is the weighted sum of
     :func:`grpo.token_weights` (default token_mean, TRL's masked mean). Summed over micro-batches it equals the
-    full-batch loss. Metrics (additive contributions): ``pg_loss``, ``vf_loss``, ``clip_fraction``,
-    ``vf_clip_fraction``, ``approx_kl``, ``ratio``, and ``entropy`` when ``entropies`` is given.
+    full-batch loss. ``sampling_weights`` ``[b, T]`` (the rollout correction, :func:`grpo.rollout_correction`)
+    multiply the policy term only. ``log_ratio_clamp`` bounds the log-ratio before ``exp`` (the ratio metrics
+    use the clamped ratio too, so they stay finite). Metrics (additive contributions): ``pg_loss``, ``vf_loss``,
+    ``clip_fraction``, ``vf_clip_fraction``, ``approx_kl``, ``ratio``, and ``entropy`` when ``entropies`` is
+    given; and two maxima over the micro-batch's tokens, which the train step reduces with ``max`` across
+    micro-batches (names ending in ``max``, :mod:`jaxrl.train.step`): ``ratio/max``, ``value/abs_max``.
     """
     chex.assert_rank(mask, 2)
     chex.assert_equal_shape([logp, old_logp, advantages, values, old_values, returns, mask])
     w = token_weights(mask, aggregation, normalizers)
-    pg = policy_loss(logp, old_logp, advantages, cliprange, cliprange_high, dual_clip)
+    pg = policy_loss(logp, old_logp, advantages, cliprange, cliprange_high, dual_clip, log_ratio_clamp)
+    if sampling_weights is not None:
+        pg = pg * _f32(sampling_weights)
     vf = value_loss(values, old_values, returns, cliprange_value)
     loss = grpo.aggregate_loss(pg, w) + vf_coef * grpo.aggregate_loss(vf, w)
     sg = jax.lax.stop_gradient
+    ratio = sg(jnp.exp(grpo.clamp_log_ratio(grpo.token_log_ratio(logp, old_logp), log_ratio_clamp)))
+    on = jnp.asarray(mask) > 0
     per_token = {
         "pg_loss": sg(pg),
         "vf_loss": sg(vf),
         "clip_fraction": sg(clip_fraction(logp, old_logp, advantages, cliprange, cliprange_high)),
         "approx_kl": sg(approx_kl(logp, old_logp)),
-        "ratio": sg(jnp.exp(grpo.token_log_ratio(logp, old_logp))),
+        "ratio": ratio,
     }
+    maxima = {"ratio/max": jnp.max(jnp.where(on, ratio, 0.0)),
+              "value/abs_max": jnp.max(jnp.where(on, jnp.abs(sg(_f32(values))), 0.0))}
     if cliprange_value is not None:
         v, vo, r = _f32(values), _f32(old_values), _f32(returns)
         per_token["vf_clip_fraction"] = sg(
@@ -292,4 +307,4 @@ def ppo_loss(
         per_token["entropy"] = sg(_f32(entropies))
         if entropy_coef:
             loss = loss - entropy_coef * grpo.aggregate_loss(entropies, w)
-    return loss, grpo.token_metric_contributions(per_token, mask, normalizers)
+    return loss, {**grpo.token_metric_contributions(per_token, mask, normalizers), **maxima}

@@ -19,16 +19,23 @@ of each sequence's token-mean KL, as verl and OpenRLHF; n_steps = N); it is host
 checkpoint.
 
 Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
-`vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. A NaN/inf
-loss or gradient skips the update (the training core's non-finite masking, counted in `skipped_updates`).
+`vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. The
+log-ratio is clamped to +-`log_ratio_clamp` (20, verl) before `exp`: an unclamped ratio of a token whose
+probability grew by e^89 overflows float32, and with A < 0 the loss -rho A is +inf. `dual_clip` (> 1, verl's
+`clip_ratio_c`) caps the loss of A < 0 tokens at -A dual_clip. `rollout_correction` weights the policy term as in
+GRPO (jaxrl.algorithms.grpo_task, trainer side: the teacher-forced pass above, at temperature 1). In the first
+`critic_warmup_steps` train steps only the value head trains (the LoRA factors get no gradient, so Adam leaves them
+where they are: the first rollouts' returns then meet a critic that has fit them). A NaN/inf loss or gradient skips
+the update (the training core's non-finite masking, counted in `skipped_updates`).
 
 Metrics per step: from the loss `pg_loss`, `vf_loss`, `clip_fraction`, `vf_clip_fraction`, `approx_kl` (to the
 behaviour policy), `ratio`, `entropy`; from the rollout `reward/*`, `completion/*`, `advantage/*` (before
 whitening), `value/mean`, `return/mean`, `explained_variance` (old values vs returns), `rollout/kl` (token mean
 of the KL estimate to the reference), `rollout/kl_sequence` (its per-sequence sum, averaged),
 `rollout/kl_sequence_mean` (its per-sequence mean, averaged: what the adaptive controller steers), `kl_coef` (the
-coefficient the rollout used), and on the rollout's first step `time/{sample_s,score_s,policy_pass_s,
-ref_logp_s,rollout_s}`.
+coefficient the rollout used), `mismatch/*` (as GRPO's), `critic_warmup` (1 in a warm-up step) when
+critic_warmup_steps > 0; maxima over the step's tokens `ratio/max` (the clamped ratio) and `value/abs_max`; and on
+the rollout's first step `time/{sample_s,score_s,policy_pass_s,ref_logp_s,mismatch_logp_s,rollout_s}`.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +103,8 @@ TRAINABLE = nnx.Any(LoRAParam, nnx.PathContains("value_head"))
 @dataclasses.dataclass(frozen=True)
 class PPOObjective:
     """PPO loss of one micro-batch. Batch keys: input_ids, attention_mask [b, P+C]; completion_mask, old_logp,
-    old_values, advantages (whitened), returns [b, C]."""
+    old_values, advantages (whitened), returns [b, C]; is_weights [b, C] (the rollout correction) unless it is
+    none; policy_on [b] (0 in the critic warm-up steps, else 1) when ppo.critic_warmup_steps > 0."""
 
     cliprange: float = 0.2
     cliprange_value: float = 0.2
@@ -105,6 +114,8 @@ class PPOObjective:
     entropy: bool = True
     entropy_coef: float = 0.0
     chunk_size: int = 512
+    log_ratio_clamp: Optional[float] = 20.0
+    dual_clip: Optional[float] = None
 
     def normalisers(self, batch):
         return grpo_lib.global_normalizers(batch["completion_mask"])
@@ -114,11 +125,18 @@ class PPOObjective:
         h, logp, ent = completion_passes.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
                                                         temperature=self.temperature,
                                                         entropy=self.entropy or bool(self.entropy_coef))
-        values = model.value_head(jax.lax.stop_gradient(h) if self.value_head_detach else h)
+        sg = jax.lax.stop_gradient
+        if "policy_on" in micro_batch:  # critic warm-up: the same values, but no gradient reaches the LoRA factors
+            on = micro_batch["policy_on"] > 0
+            h = jnp.where(on[:, None, None], h, sg(h))
+            logp = jnp.where(on[:, None], logp, sg(logp))
+            ent = None if ent is None else jnp.where(on[:, None], ent, sg(ent))
+        values = model.value_head(sg(h) if self.value_head_detach else h)
         return ppo_lib.ppo_loss(
             logp, micro_batch["old_logp"], micro_batch["advantages"], values, micro_batch["old_values"],
             micro_batch["returns"], mask, normalisers, cliprange=self.cliprange,
-            cliprange_value=self.cliprange_value or None, vf_coef=self.vf_coef, entropies=ent,
+            cliprange_value=self.cliprange_value or None, vf_coef=self.vf_coef, dual_clip=self.dual_clip,
+            log_ratio_clamp=self.log_ratio_clamp, sampling_weights=micro_batch.get("is_weights"), entropies=ent,
             entropy_coef=self.entropy_coef)
 
 
@@ -163,9 +181,18 @@ class PPOTask(online_task.OnlineTask):
         self.objective = PPOObjective(
             cliprange=ppo.cliprange, cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
             temperature=ppo.temperature, value_head_detach=ppo.value_head_detach, entropy=ppo.log_entropy,
-            entropy_coef=ppo.entropy_coef, chunk_size=self.chunk_size)
+            entropy_coef=ppo.entropy_coef, chunk_size=self.chunk_size, log_ratio_clamp=ppo.log_ratio_clamp or None,
+            dual_clip=ppo.dual_clip or None)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
-                           "returns")
+                           "returns") + (("is_weights",) if ppo.rollout_correction != "none" else ())
+        if ppo.critic_warmup_steps and config.optimizer.weight_decay:
+            logging.warning("ppo.critic_warmup_steps=%d with optimizer.weight_decay=%s: the LoRA factors get no "
+                            "gradient in the warm-up, but AdamW's decay still shrinks them", ppo.critic_warmup_steps,
+                            config.optimizer.weight_decay)
+        if ppo.rollout_correction != "none" and ppo.temperature != 1.0:
+            logging.warning("ppo.rollout_correction=%s at temperature %s: the sampler reports untempered log-probs "
+                            "(as vLLM does by default), so the weights are those of the untempered distributions",
+                            ppo.rollout_correction, ppo.temperature)
         self.engine = online_rollouts.RolloutEngine(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout,
                                                     sampling=ppo)
         self.mesh = mesh
@@ -177,6 +204,14 @@ class PPOTask(online_task.OnlineTask):
     def load_host_state(self, state: dict) -> None:
         if "kl_coef" in state:
             self.kl_coef = float(state["kl_coef"])
+
+    def batch(self, step: int):
+        out, host = super().batch(step)
+        if self.ppo.critic_warmup_steps:  # a per-row flag: the batch is the only per-step input of the update
+            on = step >= self.ppo.critic_warmup_steps
+            out["policy_on"] = np.full(len(out["input_ids"]), float(on), np.float32)
+            host["critic_warmup"] = float(not on)
+        return out, host
 
     def make_rollout(self, rollout: int, policy):
         ppo = self.ppo
@@ -194,6 +229,14 @@ class PPOTask(online_task.OnlineTask):
         ref = completion_passes.teacher_forced(policy, arrays, adapters=False, **common)["logp"]
         t2 = time.perf_counter()
         metrics.update({"time/policy_pass_s": t1 - t0, "time/ref_logp_s": t2 - t1})
+        # The sampler-trainer gap (grpo_task's module docstring): the sampler's log-probs are untempered.
+        trainer_logp = cur["logp"] if ppo.temperature == 1.0 else completion_passes.teacher_forced(
+            policy, arrays, adapters=True, **{**common, "temperature": 1.0})["logp"]
+        is_weights, mismatch = grpo_lib.rollout_correction(
+            trainer_logp, s.behaviour_logp, s.completion_mask, ppo.rollout_correction,
+            ppo.rollout_correction_min or None, ppo.rollout_correction_max)
+        metrics.update(mismatch)
+        metrics["time/mismatch_logp_s"] = time.perf_counter() - t2
 
         masked = np.isnan(s.rewards)  # the reward masked these samples (truncation policy "mask"): no loss
         mask = s.completion_mask * (~masked)[:, None].astype(np.float32)
@@ -233,6 +276,8 @@ class PPOTask(online_task.OnlineTask):
         buffer = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": mask,
                   "old_logp": cur["logp"], "old_values": cur["values"], "advantages": np.asarray(adv, np.float32),
                   "returns": np.asarray(ret, np.float32)}
+        if is_weights is not None:
+            buffer["is_weights"] = is_weights
         return buffer, metrics
 
 

@@ -18,7 +18,8 @@ Inside one step (all on device, no host round trip):
 
 Metrics (device scalars, replicated): loss, grad_norm (before clipping), update_norm (0 when skipped),
 lora_norm (after the step), learning_rate (of this step's update), update_skipped, loss_finite,
-nonfinite_total, nonfinite_consecutive, finite/<group> per parameter group, plus the objective's metric sums.
+nonfinite_total, nonfinite_consecutive, finite/<group> per parameter group, plus the objective's metric sums
+(its metrics named `.../max` or `..._max` are maxima over the micro-batches instead: `is_max_metric`).
 
 Fault injection (tests): with `fault_injection=True` the step takes a 4th argument `fault = {"loss": f32[],
 "grad": f32[]}` added to the loss and to the gradients of `fault_group` (all groups when None) right after
@@ -83,6 +84,13 @@ def make_micro_loss(objective, graphdef, codec: ParamCodec) -> Callable:
     return micro_loss
 
 
+def is_max_metric(name: str) -> bool:
+    """An objective metric reduced with max over micro-batches instead of summed: its name ends in `max`
+    (`ratio/max`, `value/abs_max`). A maximum cannot be an additive share; the accumulator starts at 0, so such a
+    metric must be >= 0 (a magnitude)."""
+    return name == "max" or name.endswith(("/max", "_max"))
+
+
 def accumulate_gradients(micro_loss: Callable, objective, params: dict, frozen, batch, step_rng):
     """(loss, grads, metric_sums): sums over the micro-batches of `batch` (leaves [n_micro, mb, ...])."""
     normalisers = objective.normalisers(merge_micro(batch))
@@ -97,7 +105,7 @@ def accumulate_gradients(micro_loss: Callable, objective, params: dict, frozen, 
         (loss, metrics), grads = grad_fn(params, frozen, micro_batch, normalisers,
                                          jax.random.fold_in(step_rng, index))
         grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
-        metric_acc = jax.tree.map(jnp.add, metric_acc, metrics)
+        metric_acc = {k: (jnp.maximum if is_max_metric(k) else jnp.add)(metric_acc[k], v) for k, v in metrics.items()}
         return (loss_acc + loss, grad_acc, metric_acc), None
 
     init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),

@@ -21,7 +21,9 @@ layout, else exported once under `<out_dir>/peft/<name>`) loaded through POST /v
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) unless the server already lists it (e.g. `--lora-modules` at start-up).
 `loaded_digest()` re-reads what the server reports it serves (/v1/models: the adapter folder, or the digest the
 JAX server reads back from its parameters). A full HF folder (`kind="hf"`, e.g. a merged export) needs a server of
-that folder: a launched vLLM is restarted on it; a server given by URL must already serve it.
+that folder: a launched vLLM is restarted on it; a server given by URL must already serve it. Online training sends
+every new version of its adapter with `serve_adapter_version` (new version loaded, then the old one unloaded; the
+served digest returned for the trainer to check: `jaxrl.algorithms.server_rollouts`).
 
 Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
 serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
@@ -310,6 +312,44 @@ class ServerBackend:
                 self._model = self._load_adapter(spec, adapter, self.peft_folder(spec, adapter))
                 self._adapter_digest = adapter.digest()
         self._spec, self._adapter = spec, adapter
+
+    def serve_adapter_version(self, lora_name: str, folder: str, adapter, *, stale_prefix: str = "") -> str:
+        """Online training's adapter sync: loads the PEFT folder `folder` (holding `adapter`) as a new model
+        `lora_name`, makes it what `generate` samples from, then unloads the version this backend loaded before;
+        returns the digest the server reports serving under `lora_name` (`loaded_digest`), for the caller to
+        compare with its own. New before old: a request in flight never finds its model gone.
+
+        A model of the same name already listed (left by an earlier process of the same run, killed before it
+        unloaded it) is unloaded first; so are, on the first call of this backend, the other models whose name
+        starts with `stale_prefix` (that process's last version)."""
+        self._serve_folder(self.base_dir, self._model_len, max(lora_rank_slot(adapter.rank), self.base_lora_rank))
+        listed = [c["id"] for c in self.models() if c.get("parent")]
+        stale = [n for n in listed if n == lora_name or (stale_prefix and self._ours is None and
+                                                          n.startswith(stale_prefix))]
+        for name in stale:
+            status, payload = http_json("POST", self.url + "/v1/unload_lora_adapter", {"lora_name": name})
+            if status != 200:
+                raise ServerError(f"the server at {self.url} lists adapter {name!r} (left by an earlier process of "
+                                  f"this run) and refused to unload it: HTTP {status}: {error_message(payload)}")
+        status, payload = http_json("POST", self.url + "/v1/load_lora_adapter",
+                                    {"lora_name": lora_name, "lora_path": os.path.abspath(folder)}, timeout=600)
+        if status != 200:
+            message = error_message(payload)
+            hint = (" (launchers.serve: start it with --allowed_lora_roots=<a folder above the run's workdir>; "
+                    "vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and the folder must be readable by the server at "
+                    "this path)")
+            raise ServerError(f"the server at {self.url} refused to load the trainer's adapter as {lora_name!r} from "
+                              f"{folder}: HTTP {status}: {message}{hint}")
+        previous = self._ours if self._ours not in (None, lora_name) and self._ours not in stale else None
+        self._ours, self._model = lora_name, lora_name
+        self._spec, self._adapter = ModelSpec(lora_name, "adapter", folder), adapter
+        self._adapter_digest = adapter.digest()
+        if previous is not None:
+            status, payload = http_json("POST", self.url + "/v1/unload_lora_adapter", {"lora_name": previous})
+            if status != 200:
+                logger.warning("%s: unloading the previous adapter version %s: HTTP %s: %s", self.url, previous,
+                               status, error_message(payload))
+        return self.loaded_digest()
 
     def loaded_digest(self) -> Optional[str]:
         """Digest of the adapter the server serves under the model id requests name, from what the server reports

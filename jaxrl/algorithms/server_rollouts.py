@@ -1,0 +1,202 @@
+"""Online GRPO / PPO rollouts sampled on servers (`grpo.rollout_backend` / `ppo.rollout_backend` = server | vllm).
+
+    pool = make_pool(config.grpo, model_path=..., dtype="bfloat16", seed=0, workdir=run_dir, stop_ids=(1,),
+                     max_prompt_len=64, max_new_tokens=512, lora_rank=16)
+    sync = pool.sync(policy_adapter(policy), "r7")   # {"rollout/adapter_digest": ..., "rollout/served_digest": ...}
+    gens = pool.generate(prompts, group_ids, SamplingParams(n=8, max_new_tokens=512, temperature=1.0, seed=s))
+
+The servers are a data-parallel set of engines that serve the run's base model (`model_path`): `launchers.serve`
+processes or vLLM 0.33 (`rollout_servers`, or with `rollout_backend="vllm"` and no URLs one `vllm serve` the run
+starts from its own environment, exactly as evaluation starts it: `jaxrl.rollout.backends.vllm_backend`). A
+rollout's prompts are split over them in contiguous blocks; every sample's key is (seed, group id, sample index)
+(the request seed packs it: `openai_client.request_seed`), so the split does not change a sample, and the JAX
+server draws the very tokens the in-process jax backend draws for the same keys.
+
+Adapter sync, before every rollout (`sync`): the trainer's current LoRA factors are written as a PEFT folder in the
+base's layout to `<workdir>/rollout_adapters/<version>` (a rename of the fp32 factors: the digest survives), loaded
+on every server as a new model `<run tag>-<version>` (POST /v1/load_lora_adapter), the previous version unloaded,
+and the digest each server reports serving under the new name (GET /v1/models: the JAX server's `adapter_digest`,
+read back from the attached parameters; vLLM's card names the folder, whose adapter is read back) compared with
+the trainer's `Adapter.digest()`. A server serving anything else fails the step (`AdapterSyncError`, naming the
+server). The run tag is a hash of the workdir, so two runs can share servers, and a resumed run replaces the
+versions its killed predecessor left loaded. The servers must be able to read the workdir at the same path
+(launchers.serve: `--allowed_lora_roots` above it).
+
+Requests ask for the sampled token's log-probability (`logprobs: 0`, temperature 1, unfiltered: the sampler's own,
+as the jax backend reports them); a server that returns none fails the rollout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import shutil
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+from absl import logging
+
+from jaxrl.export.peft import export_peft
+from jaxrl.models import lora
+from jaxrl.models.adapters import Adapter
+from jaxrl.rollout.backends.base import Generation, SamplingParams
+from jaxrl.rollout.backends.openai_client import ServerBackend, ServerError
+
+ADAPTER_DIR = "rollout_adapters"  # <workdir>/rollout_adapters/<version>: the PEFT folder of the version served now
+
+
+class AdapterSyncError(ServerError):
+    """A rollout server that does not serve the trainer's adapter after the sync; names the server."""
+
+
+def policy_adapter(model, dropout: float = 0.0) -> Adapter:
+    """The LoRA factors `model` carries now, as an Adapter (host copies; its digest is what the servers must
+    report)."""
+    import jax
+    adapters = list(lora.iter_lora(model))
+    if not adapters:
+        raise ValueError("the policy carries no LoRA adapter to send to the rollout servers")
+    first = adapters[0][1]
+    params = {k: np.asarray(jax.device_get(v), np.float32) for k, v in lora.lora_state(model).items()}
+    return Adapter(params=params, rank=int(first.rank), alpha=float(first.alpha), use_rslora=bool(first.use_rslora),
+                   dropout=float(dropout), source="the trainer's policy")
+
+
+def run_tag(workdir: str) -> str:
+    """The prefix of a run's adapter names on shared servers: a hash of its workdir (stable across resumes)."""
+    return "jaxrl-" + hashlib.sha256(os.path.realpath(workdir).encode()).hexdigest()[:10]
+
+
+def _parallel(fn, items: Sequence) -> list:
+    if len(items) == 1:
+        return [fn(items[0])]
+    with concurrent.futures.ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+class ServerPool:
+    """The generation backend of server rollouts (module docstring): `sync` an adapter, `generate` over every
+    server, `close` (unloads this run's adapter; stops a vLLM it started)."""
+
+    name = "server"
+
+    def __init__(self, backends: Sequence[ServerBackend], *, base_dir: str, workdir: str):
+        if not backends:
+            raise ValueError("ServerPool needs at least one server")
+        self.backends = list(backends)
+        self.base_dir = os.path.abspath(base_dir)
+        self.adapter_dir = os.path.join(os.path.abspath(workdir), ADAPTER_DIR)
+        self.tag = run_tag(workdir)
+        self.synced: Optional[str] = None  # the trainer digest every server serves now
+
+    def urls(self) -> list[str]:
+        return [b.url or f"(a {b.name} server not started yet)" for b in self.backends]
+
+    def sync(self, adapter: Adapter, version: str) -> dict:
+        """Serves `adapter` on every server as model `<tag>-<version>` and checks each server's digest (module
+        docstring); returns the metrics of the sync. The same adapter as the last sync is only re-checked."""
+        want = adapter.digest()
+        name = f"{self.tag}-{version}"
+        t0 = time.perf_counter()
+        if want == self.synced:
+            served = _parallel(lambda b: b.loaded_digest(), self.backends)
+        else:
+            folder = os.path.join(self.adapter_dir, version)
+            export_peft(adapter, folder, self.base_dir, overwrite=True)
+            self.synced = None
+            served = _parallel(lambda b: b.serve_adapter_version(name, folder, adapter,
+                                                                 stale_prefix=self.tag + "-"), self.backends)
+        for backend, got in zip(self.backends, served):
+            if got != want:
+                raise AdapterSyncError(
+                    f"rollout server {backend.url} serves adapter digest {got} under {backend._model!r}, not the "
+                    f"trainer's {want} (version {version}): another process replaced it, or the server did not load "
+                    "what it was sent; the step stops rather than train on another policy's samples")
+        if self.synced is None:
+            self.synced = want
+            self._prune(keep=version)
+        return {"rollout/adapter_digest": want, "rollout/served_digest": served[0],
+                "rollout/servers": float(len(self.backends)), "time/adapter_sync_s": time.perf_counter() - t0}
+
+    def _prune(self, keep: str) -> None:
+        """Removes the PEFT folders of versions no server serves any more (every one but `keep`)."""
+        if not os.path.isdir(self.adapter_dir):
+            return
+        for name in os.listdir(self.adapter_dir):
+            if name != keep:
+                shutil.rmtree(os.path.join(self.adapter_dir, name), ignore_errors=True)
+
+    def generate(self, prompts, group_ids, sampling: SamplingParams, *, params=None) -> list[Generation]:
+        """Prompts split over the servers in contiguous blocks; rows back in prompt-major order."""
+        if params is not None:
+            raise ValueError("server rollouts sample on the servers; in-memory weights (params=) cannot be used")
+        if self.synced is None:
+            raise RuntimeError("ServerPool.generate before sync(): the servers serve no adapter of this run yet")
+        blocks = [b for b in np.array_split(np.arange(len(prompts)), len(self.backends)) if len(b)]
+
+        def run(k: int) -> list[Generation]:
+            idx = blocks[k]
+            gens = self.backends[k].generate([prompts[i] for i in idx], [group_ids[i] for i in idx], sampling)
+            for g in gens:
+                g.prompt_index = int(idx[g.prompt_index])
+                if g.logprobs is None:
+                    raise ServerError(f"rollout server {self.backends[k].url} returned no log-probability for the "
+                                      f"tokens of prompt {g.prompt_index} (asked with logprobs: 0); online "
+                                      "training needs the sampler's log-probs")
+            return gens
+
+        out = []
+        for gens in _parallel(run, list(range(len(blocks)))):
+            out.extend(gens)
+        return out
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
+        self.synced = None
+
+
+# ---------------------------------------------------------------------------------------------------- building
+
+
+def vllm_server(options: dict, *, model_path: str, dtype: str, seed: int, log_path: str, check_install: bool = True):
+    """The `vllm serve` a run with rollout_backend='vllm' and no rollout_servers starts (evaluation's launcher,
+    `jaxrl.rollout.backends.vllm_backend.VLLMServer`); `options`: the launch keys of rollout_backend_kwargs."""
+    from jaxrl.rollout.backends.vllm_backend import VLLMServer
+    keys = ("python", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "extra_args",
+            "startup_timeout_s", "max_loras")
+    kwargs = {k: options[k] for k in keys if k in options}
+    return VLLMServer(tokenizer=os.path.abspath(model_path), dtype=dtype, seed=seed, log_path=log_path,
+                      check_install=check_install, **kwargs)
+
+
+def make_pool(block, *, model_path: str, dtype: str, seed: int, workdir: str, stop_ids: Sequence[int],
+              max_prompt_len: int, max_new_tokens: int, lora_rank: int, check_install: bool = True) -> ServerPool:
+    """The ServerPool of an algorithm block (GRPOConfig / PPOConfig: rollout_backend, rollout_servers,
+    rollout_backend_kwargs) for a run in `workdir` on the base `model_path`."""
+    from jaxrl.rollout.backends.vllm_backend import VLLMBackend
+    options = dict(block.rollout_backend_kwargs)
+    common = dict(stop_ids=stop_ids, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+                  concurrency=int(options.get("concurrency", 64)),
+                  request_timeout_s=float(options.get("request_timeout_s", 3600.0)))
+    servers = tuple(block.rollout_servers)
+    if block.rollout_backend == "server":
+        backends = [ServerBackend(model_path, url=url, **common) for url in servers]
+    elif block.rollout_backend == "vllm" and servers:
+        backends = [VLLMBackend(model_path, url=url, **common) for url in servers]
+    elif block.rollout_backend == "vllm":
+        launcher = vllm_server(options, model_path=model_path, dtype=dtype, seed=seed,
+                               log_path=os.path.join(workdir, "vllm_server.log"), check_install=check_install)
+        backend = ServerBackend(model_path, launcher=launcher, out_dir=workdir, **common)
+        backend.name = "vllm"
+        backend.base_lora_rank = int(lora_rank)
+        backends = [backend]
+        logging.info("rollouts: starting `%s` at the first rollout", launcher.shell_command(
+            os.path.abspath(model_path), max_prompt_len + max_new_tokens, lora_rank))
+    else:
+        raise ValueError(f"rollout_backend={block.rollout_backend!r} has no servers")
+    logging.info("rollouts: %d %s server(s): %s", len(backends), block.rollout_backend,
+                 ", ".join(b.url or "(started at the first rollout)" for b in backends))
+    return ServerPool(backends, base_dir=model_path, workdir=workdir)
