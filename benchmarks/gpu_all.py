@@ -24,6 +24,18 @@ minimum is left; `--only` picks some):
   7. gpu_train_step_4b_mb2  4B, T=4096, micro-batch 2
   8. gpu_train_step_9b      9B, T=6144, micro-batch 1
 
+Only with `--only=aot_real_shapes` (not in the default run: it compiles nine programs and runs none):
+     aot_real_shapes        benchmarks/aot_real_shapes.py on the GPU: compile time and XLA:GPU's memory analysis of
+                            the DPO steps (4B T=4096 mb 1, 9B T=6144 mb 1 and 2), the GRPO step and the decode round,
+                            scanned and unrolled, from abstract shapes (the CPU's figures are in
+                            benchmarks/RESULTS.md)
+
+Compiled programs persist (jaxrl/utils/compile_cache.py): every child runs with JAX's persistent compilation
+cache at --compilation_cache (default $XDG_CACHE_HOME/jaxrl/xla, else ~/.cache/jaxrl/xla; none: off; an inherited
+JAX_COMPILATION_CACHE_DIR wins), so a rerun on the same machine loads the 4B/9B programs instead of compiling
+them again, and its `compile_s` figures are then load times (gpu_all.json records the folder used and how many
+entries it held at the start).
+
 Random weights of the preset shapes (jaxrl/models/qwen35/config.py: qwen35_4b, qwen35_9b); nothing is
 downloaded. Also written: `<out>/gpu_all.json` (every result or failure, the device, the 4B/9B FLOP arithmetic)
 and a one-line-per-benchmark summary on stdout.
@@ -70,7 +82,11 @@ GPU_BENCHES = {
     "gpu_train_step_9b": ("benchmarks.gpu_train_step",
                           dict(model="9b", seq_len=6144, pairs_per_device=1, steps=3, remat="auto", lora_rank=16),
                           _TINY_STEP, 300, 120),
+    "aot_real_shapes": ("benchmarks.aot_real_shapes", dict(shape="real", scan_layers="both"),
+                        dict(shape="tiny", programs="dpo_4b,decode_4b", scan_layers="both"), 540, 120),
 }
+# Run only when --only names them.
+NOT_BY_DEFAULT = ("aot_real_shapes",)
 
 
 def _worker(module: str, kwargs: dict, json_out: str) -> None:
@@ -101,6 +117,11 @@ def _summary(name: str, r: dict) -> str:
                 f"{r['tokens_per_s']:,.0f} tok/s ({r['fraction_of_hbm_bound']:.0%} of the HBM bound), "
                 f"{r['decode_steps']} steps, utilisation {r['slot_utilisation']:.0%}, {r['compiled_programs']} "
                 f"programs compiled in {r['compile_s']:.0f} s, peak {gib(r.get('peak_device_memory_gib'))}")
+    if name == "aot_real_shapes":
+        return "; ".join(f"{p['program']} scan={p.get('scan_layers')}: " + (
+            f"compile {p['compile_s']:.0f} s, peak {p['memory']['peak_gib']:.1f} GiB, remat "
+            f"{p['remat'].get('chosen', '-')}" if "error" not in p else f"ERROR {p['error'][:120]}")
+            for p in r["programs"])
     if name.startswith("gpu_grpo"):
         return (f"{r['model']} {r['rows']} rows x {r['max_new_tokens']} new: step {r['step_s']:.1f} s = sample "
                 f"{r['sample_s']:.1f} + score {r['score_s']:.2f} + ref {r['ref_logp_s']:.1f} + update "
@@ -116,6 +137,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default="", help="comma list of: " + ", ".join(GPU_BENCHES))
     ap.add_argument("--grpo_new_tokens", type=int, default=512, help="GRPO cap on new tokens (users' runs: 4096)")
     ap.add_argument("--dry_run", action="store_true", help="tiny shapes on any backend (a CPU check of the scripts)")
+    ap.add_argument("--compilation_cache", default=None, help="JAX persistent compilation cache of the children: a "
+                    "folder, or none (default $XDG_CACHE_HOME/jaxrl/xla; an inherited JAX_COMPILATION_CACHE_DIR "
+                    "wins)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kwargs", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--json_out", default=None, help=argparse.SUPPRESS)
@@ -124,13 +148,15 @@ def main(argv=None) -> dict:
         _worker(args.worker, json.loads(args.kwargs), args.json_out)
         return {}
 
-    child_env = dict(os.environ)
+    from jaxrl.utils import compile_cache
+    child_env = compile_cache.child_env(args.compilation_cache)
+    cache_dir = child_env.get(compile_cache.ENV)
     # This process only does arithmetic on abstract shapes: keep it off the accelerator, whose memory the
     # benchmarks (children, with the original environment) need in full.
     os.environ["JAX_PLATFORMS"] = "cpu"
     from benchmarks.gpu_train_step import shape_report
     from benchmarks.run_all import run_group
-    names = [n for n in args.only.split(",") if n] or list(GPU_BENCHES)
+    names = [n for n in args.only.split(",") if n] or [n for n in GPU_BENCHES if n not in NOT_BY_DEFAULT]
     unknown = [n for n in names if n not in GPU_BENCHES]
     if unknown:
         ap.error(f"--only: unknown {unknown}; choose from {list(GPU_BENCHES)}")
@@ -138,12 +164,15 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "dry_run": args.dry_run,
               "budget_s": args.budget_s, "device": _device(child_env),
+              "compilation_cache": {"folder": cache_dir, "entries_at_start": _entries(cache_dir)},
               "shapes": [shape_report("4b", 4096, 1, 16), shape_report("9b", 6144, 2, 16)], "benchmarks": {}}
     for name in names:
         module, kwargs, dry_kwargs, cap, minimum = GPU_BENCHES[name]
         kwargs = dict(dry_kwargs if args.dry_run else kwargs)
         if name.startswith("gpu_grpo") and not args.dry_run:
             kwargs["max_new_tokens"] = args.grpo_new_tokens
+        if name == "aot_real_shapes":  # one line per program as it compiles: what finished survives a time limit
+            kwargs["out"] = os.path.join(args.out, f"{name}{'_dry_run' if args.dry_run else ''}.jsonl")
         left = args.budget_s - (time.perf_counter() - start)
         entry = {"module": module, "kwargs": kwargs}
         if left < minimum and not args.dry_run:
@@ -181,6 +210,13 @@ def main(argv=None) -> dict:
         json.dump(report, f, indent=1, default=str)
     print(f"[gpu_all] wrote {path} in {report['wall_s']} s")
     return report
+
+
+def _entries(folder) -> int | None:
+    """jax's cache entries in `folder` (`<key>-cache` files): 0 on a first run, the programs' count on a rerun."""
+    if not folder:
+        return None
+    return sum(1 for n in os.listdir(folder) if n.endswith("-cache")) if os.path.isdir(folder) else 0
 
 
 def _device(env: dict) -> dict:

@@ -87,6 +87,16 @@ BENCHES: dict[str, dict] = {
         full=dict(prompts=32, samples=8, slots=64, max_new_tokens=256, truncation_prompts=20, repeats=3),
         quick=dict(prompts=16, samples=8, slots=32, max_new_tokens=128, truncation_prompts=10, repeats=2,
                    sections=())),
+    "packing": dict(
+        module="benchmarks.bench_packing",
+        peer="the padded layout (jaxrl, same pairs, run back to back)",
+        full=dict(pairs=64, scale=16, mb=4, grad_accum=2, epochs=2),
+        quick=dict(pairs=32, scale=32, mb=4, grad_accum=2, epochs=3)),
+    "overlap": dict(
+        module="benchmarks.bench_overlap",
+        peer="overlap off (jaxrl, the same server run, alternated)",
+        full=dict(steps=12, rounds=2, servers=1),
+        quick=dict(steps=5, rounds=1, servers=1)),
 }
 
 
@@ -215,10 +225,32 @@ def rows_rollout_engine(r: dict) -> list[dict]:
     return rows
 
 
+def rows_packing(r: dict) -> list[dict]:
+    p, u = r["packed"], r["padded"]
+    notes = (f"small model, {r['pairs']} pairs of the pair builder's length spread / {r['scale']} (T {u['seq_len']}), "
+             f"mb {r['mb']} x {r['grad_accum']}; packed rows {p['row_lengths']} ({p['compiles']} compiles); "
+             f"load {u['load_before'][0]} -> {p['load_after'][0]}")
+    return [_row("packing", "DPO epoch, real tokens/s (packed vs padded)", p["tokens_per_s"], u["tokens_per_s"],
+                 "tok/s", notes=notes),
+            _row("packing", "DPO epoch, real tokens per CPU-second", p["tokens_per_cpu_s"], u["tokens_per_cpu_s"],
+                 "tok/CPU-s", notes="process CPU time: what other processes on shared cores disturb least"),
+            _row("packing", "fill ratio (real / row tokens)", p["fill_ratio"], u["fill_ratio"], "",
+                 notes=(f"mean over the steps, as logged (`fill_ratio`); the whole {r['cohort']}-pair cohort at full "
+                        f"scale, as planned: {r['full_scale']['packed']:.2f} vs {r['full_scale']['padded']:.2f}"))]
+
+
+def rows_overlap(r: dict) -> list[dict]:
+    notes = (f"the demo's GRPO ({r['prompts']} x {r['k']} rows, <= {r['max_new_tokens']} new tokens, {r['dtype']}) on "
+             f"{r['servers']} launchers.serve, {r['timed_steps']} timed steps x {r['rounds']} round(s), "
+             f"{r['cores']} cores; load {r['load_average_before'][0]} -> {r['load_average_after'][0]}")
+    return [_row("overlap", "GRPO step wall time, overlap on vs off", r["on_step_s"], r["off_step_s"], "s",
+                 higher_is_better=False, notes=notes)]
+
+
 ROWS: dict[str, Callable[[dict], list[dict]]] = {
     "forward": rows_forward, "train_step": rows_train_step, "decode": rows_decode, "verifier": rows_verifier,
     "dpo": rows_dpo, "kernels": rows_kernels, "grpo": rows_grpo, "server": rows_server,
-    "rollout_engine": rows_rollout_engine}
+    "rollout_engine": rows_rollout_engine, "packing": rows_packing, "overlap": rows_overlap}
 
 
 # ------------------------------------------------------------------------------------------------ machine

@@ -15,6 +15,11 @@ project's own code (a deliberate `raise`, whose innermost frame is in jaxrl/ or 
 wherever it is hit (one line naming the file). Anything else is a bug and keeps its traceback; --verbose prints
 the traceback of every error.
 
+Compiled programs persist (jaxrl/utils/compile_cache.py): every launcher takes --compilation_cache=PATH|none
+(default $XDG_CACHE_HOME/jaxrl/xla, or ~/.cache/jaxrl/xla), so a rerun on the same machine loads its programs
+instead of compiling them; an inherited JAX_COMPILATION_CACHE_DIR wins. A launcher that defines the flag itself
+(launchers.sweep: the cache its points share) keeps its own meaning.
+
 Quiet by default: INFO records of the libraries (absl logging from Orbax, jax, ...) are dropped unless
 --verbose, and so are the libraries' own reports of a full disk (their background threads log one traceback per
 file they could not write; the launcher's one line names the file); the project's own INFO lines (progress with
@@ -31,7 +36,7 @@ from typing import Callable, Optional
 
 from absl import app, flags
 
-from jaxrl.utils import interrupt
+from jaxrl.utils import compile_cache, interrupt
 from jaxrl.utils.io import damaged_file, disk_full
 from jaxrl.utils.logs import note_disk_full, own_file, quiet_libraries
 
@@ -41,6 +46,13 @@ EXIT_NONFINITE = 3  # launchers.train, jaxrl.sweep.point
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for every error and the libraries' INFO logs "
                              "(Orbax, jax, ...).")
+
+# --compilation_cache, defined by run() (not here: launchers.sweep defines a flag of that name with its own meaning,
+# and a second definition at import would fail); None when the launcher owns the name or did not start via run().
+_COMPILATION_CACHE: Optional[flags.FlagHolder] = None
+_CACHE_HELP = ("JAX's persistent compilation cache: a folder, or none. Default $XDG_CACHE_HOME/jaxrl/xla (else "
+               "~/.cache/jaxrl/xla); an inherited JAX_COMPILATION_CACHE_DIR wins. A rerun on this machine loads "
+               "its compiled programs instead of compiling them again.")
 
 # --verbose is shown by every launcher's --help: run() declares it a key flag of the calling launcher, which absl
 # attributes to the first module on the stack that has not disclaimed key flags.
@@ -249,6 +261,8 @@ def call(main: Callable, argv: list, name: str, interruptible: bool) -> int:
     quiet_libraries(verbose)
     interrupt.install(raise_now=not interruptible)
     try:
+        if _COMPILATION_CACHE is not None:  # before main: jax reads the folder at its first compile
+            compile_cache.configure(_COMPILATION_CACHE.value)
         status = main(argv)
     except interrupt.Interrupted as e:
         if verbose:
@@ -291,8 +305,13 @@ def signal_line(signum: int) -> str:
 
 def run(main: Callable, *, interruptible: bool = False) -> None:
     """`app.run(main)` with the rules of the module docstring."""
+    global _COMPILATION_CACHE
     name = launcher_name(main)
     flags.declare_key_flag("verbose")
+    if "compilation_cache" not in flags.FLAGS:
+        # defined here, after the launcher's own flags: absl attributes it to the launcher (this module disclaims
+        # its flags), so --helpshort lists it
+        _COMPILATION_CACHE = flags.DEFINE_string("compilation_cache", None, _CACHE_HELP)
 
     def wrapped(argv):
         return call(main, argv, name, interruptible)

@@ -474,35 +474,71 @@ def combined_dpo_loss(
     Metrics (means over this call's pairs, float32 scalars): ``loss``, ``loss/<type>``, ``chosen_rewards``,
     ``rejected_rewards``, ``reward_margin``, ``preference_accuracy``, ``logps/chosen``, ``logps/rejected``.
     """
+    cm, rm = jnp.asarray(inputs.chosen_mask), jnp.asarray(inputs.rejected_mask)
+    if inputs.chosen_token_logps.shape != cm.shape or inputs.rejected_token_logps.shape != rm.shape:
+        raise ValueError("token log-probs and masks must have equal shapes [B, T]")
+    if cm.shape[0] != rm.shape[0]:
+        raise ValueError(f"chosen batch {cm.shape[0]} != rejected batch {rm.shape[0]}")
+    c_logps, c_len = sequence_logps(inputs.chosen_token_logps, cm)
+    r_logps, r_len = sequence_logps(inputs.rejected_token_logps, rm)
+    sums = SequenceSums(c_logps, c_len, r_logps, r_len, inputs.ref_chosen_logps, inputs.ref_rejected_logps)
+    return combined_dpo_loss_from_sums(
+        sums, loss_types, loss_weights, beta=beta, label_smoothing=label_smoothing, gamma=gamma,
+        discopop_tau=discopop_tau, f_divergence=f_divergence, f_alpha=f_alpha, num_pairs=num_pairs,
+        num_chosen_tokens=num_chosen_tokens)
+
+
+class SequenceSums(NamedTuple):
+    """Per-pair inputs of :func:`combined_dpo_loss_from_sums`: what every loss reads of the tokens (packed rows
+    give these directly, `jaxrl.algorithms.dpo_task.packed_sequence_sums`)."""
+
+    chosen_logps: jax.Array  # [B] sum of the chosen completion's token log-probs
+    chosen_lengths: jax.Array  # [B] its token count (float32)
+    rejected_logps: jax.Array  # [B]
+    rejected_lengths: jax.Array  # [B]
+    ref_chosen_logps: jax.Array | None = None  # [B]; None only for reference-free losses
+    ref_rejected_logps: jax.Array | None = None  # [B]
+
+
+def combined_dpo_loss_from_sums(
+    sums: SequenceSums,
+    loss_types: Sequence[str] = ("sigmoid",),
+    loss_weights: Sequence[float] | None = None,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.5,
+    discopop_tau: float = 0.05,
+    f_divergence: str = "reverse_kl",
+    f_alpha: float = 0.5,
+    num_pairs: jax.Array | float | None = None,
+    num_chosen_tokens: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """:func:`combined_dpo_loss` from per-sequence sums and lengths: the same loss and metrics (its `sft` term
+    is ``-sum(chosen_logps) / num_chosen_tokens``, what ``sft_loss`` computes from the tokens)."""
     loss_types = tuple(loss_types)
     if not loss_types:
         raise ValueError("loss_types is empty")
     weights = (1.0,) * len(loss_types) if loss_weights is None else tuple(loss_weights)
     if len(weights) != len(loss_types):
         raise ValueError(f"{len(loss_types)} loss_types but {len(weights)} loss_weights")
-    cm, rm = jnp.asarray(inputs.chosen_mask), jnp.asarray(inputs.rejected_mask)
-    if inputs.chosen_token_logps.shape != cm.shape or inputs.rejected_token_logps.shape != rm.shape:
-        raise ValueError("token log-probs and masks must have equal shapes [B, T]")
-    if cm.shape[0] != rm.shape[0]:
-        raise ValueError(f"chosen batch {cm.shape[0]} != rejected batch {rm.shape[0]}")
-
-    c_logps, c_len = sequence_logps(inputs.chosen_token_logps, cm)
-    r_logps, r_len = sequence_logps(inputs.rejected_token_logps, rm)
-    have_ref = inputs.ref_chosen_logps is not None and inputs.ref_rejected_logps is not None
+    c_logps, c_len, r_logps, r_len = (_f32(x) for x in sums[:4])
+    have_ref = sums.ref_chosen_logps is not None and sums.ref_rejected_logps is not None
     B = c_logps.shape[0]
     n_pairs = _f32(B) if num_pairs is None else _f32(num_pairs)
 
     p = make_pair_inputs(
-        c_logps, r_logps, inputs.ref_chosen_logps, inputs.ref_rejected_logps, beta=beta,
+        c_logps, r_logps, sums.ref_chosen_logps, sums.ref_rejected_logps, beta=beta,
         label_smoothing=label_smoothing, chosen_lengths=c_len, rejected_lengths=r_len, gamma=gamma,
         discopop_tau=discopop_tau, f_divergence=f_divergence, f_alpha=f_alpha,
     )
     total = jnp.zeros((), jnp.float32)
     metrics: dict[str, jax.Array] = {}
     for name, w in zip(loss_types, weights):
-        if name == "sft":
-            total = total + w * sft_loss(inputs.chosen_token_logps, cm, num_chosen_tokens)
-            metrics["loss/sft"] = sft_loss(inputs.chosen_token_logps, cm)
+        if name == "sft":  # sft_loss of the tokens, from their sums
+            own = jnp.maximum(jnp.sum(c_len), 1.0)
+            total = total + w * (-jnp.sum(c_logps) / (own if num_chosen_tokens is None else _f32(num_chosen_tokens)))
+            metrics["loss/sft"] = -jnp.sum(c_logps) / own
             continue
         spec = loss_spec(name)
         _check_args(name, spec, label_smoothing, f_divergence, have_ref)

@@ -20,7 +20,17 @@ so any micro-batch split gives the same update.
 Metrics per step (global means over the step's pairs): loss (the trainer's), `loss/<type>`,
 `preference_accuracy`, `reward_margin`, `chosen_rewards`, `rejected_rewards` (beta * log-ratio),
 `chosen_logps`, `rejected_logps`, `ref_chosen_logps`, `ref_rejected_logps`, `chosen_length`,
-`rejected_length` (completion tokens), and the host metric `epoch`. At checkpoints: `eval_*` on held-out pairs.
+`rejected_length` (completion tokens), and the host metrics `epoch` and `fill_ratio` (real tokens / row tokens
+of the step's batch). At checkpoints: `eval_*` on held-out pairs.
+
+Packed pairs (`data.pack`, `pack_pairs`): each micro-batch's chosen and rejected sequences are laid end to end,
+first-fit, in as many rows as it has pairs (so the trainer's micro-batch split and sharding are unchanged, and
+a pair's two sequences meet in the micro-batch that scores them), at the shortest of a fixed set of row lengths
+that fits every micro-batch of the step: 2T x {1/4, 3/8, 1/2, 5/8, 3/4, 1} rounded up to `pad_multiple` (T: the
+padded length of the data set), so at most six compiled steps. One forward over the packed rows computes each
+sequence as if it were alone (`Qwen35.hidden_states(segment_ids=)`); per-sequence log-prob sums come back by
+`sequence_index` (`packed_sequence_sums`), so losses, gradients and metrics are those of the padded rows up to the
+order of float sums (tests/test_packing.py). The reference log-probs and held-out passes stay padded.
 
 Batches are a pure function of (seed, step): pairs are drawn in an epoch-wise seeded permutation, so a resumed
 run needs only the step (the position is still recorded in every checkpoint).
@@ -44,7 +54,7 @@ from absl import logging
 from flax import nnx
 
 from jaxrl.algorithms import dpo as dpo_lib
-from jaxrl.data import dpo_data
+from jaxrl.data import dpo_data, packing
 from jaxrl.data.chat import load_tokenizer
 from jaxrl.data.pairs import read_pairs, read_problem_messages, verify_cohort
 from jaxrl.data.stream import epoch_stream
@@ -89,11 +99,64 @@ def pair_token_logps(model, batch, chunk_size: int) -> tuple[jax.Array, jax.Arra
 
 
 def pair_sequence_logps(model, batch, chunk_size: int) -> tuple[jax.Array, jax.Array]:
-    """(chosen_logps [b], rejected_logps [b]): sums of completion-token log-probs."""
+    """(chosen_logps [b], rejected_logps [b]): sums of completion-token log-probs (padded or packed rows)."""
+    if is_packed(batch):
+        c, _, r, _ = packed_sequence_sums(model, batch, chunk_size)
+        return c, r
     logp, mask = pair_token_logps(model, batch, chunk_size)
     sums, _ = dpo_lib.sequence_logps(logp, mask)
     b = sums.shape[0] // 2
     return sums[:b], sums[b:]
+
+
+# Packed pairs (`pack_pairs`, data.pack): the micro-batch's chosen and rejected sequences laid end to end in as many
+# rows as it has pairs; `sequence_index` 2j is pair j's chosen sequence, 2j + 1 its rejected one.
+PACKED_KEYS = ("input_ids", "attention_mask", "loss_mask", "segment_ids", "sequence_index")
+
+
+def is_packed(batch) -> bool:
+    return "segment_ids" in batch
+
+
+def packed_sequence_sums(model, batch, chunk_size: int):
+    """(chosen_logps, chosen_lengths, rejected_logps, rejected_lengths), each [b], of a packed micro-batch of b
+    pairs (b rows): one forward over the packed rows (each sequence computed as if alone in its row,
+    `Qwen35.hidden_states(segment_ids=)`), the chunked token log-probs, and per-sequence sums gathered by
+    `sequence_index`: the numbers `pair_token_logps` + `sequence_logps` give on padded rows, up to the order of
+    float sums."""
+    ids, seg = batch["input_ids"], batch["segment_ids"]
+    pairs = ids.shape[0]
+    hidden, _ = model.hidden_states(ids, batch["attention_mask"], segment_ids=seg)
+    logp = token_logprobs(hidden[:, :-1], model.head_weight(), ids[:, 1:], chunk_size=chunk_size)
+    keep = target_mask(batch) > 0
+    index = batch["sequence_index"][:, 1:].reshape(-1)
+    # jnp.where keeps a padded position's garbage (even inf) out of the sums, as `sequence_logps` does
+    sums = jax.ops.segment_sum(jnp.where(keep, logp, 0.0).reshape(-1), index, num_segments=2 * pairs)
+    counts = jax.ops.segment_sum(keep.astype(jnp.float32).reshape(-1), index, num_segments=2 * pairs)
+    return sums[0::2], counts[0::2], sums[1::2], counts[1::2]
+
+
+def pack_pairs(arrays: dict, index: np.ndarray, pairs_per_group: int, lengths: Sequence[int], pad_id: int
+               ) -> dict[str, np.ndarray]:
+    """The pairs `index` of `arrays` (dpo_data.ARRAY_KEYS, padded [N, T]) as packed rows (PACKED_KEYS, [len(index),
+    L]): consecutive groups of `pairs_per_group` pairs (the micro-batches, as `split_batch` cuts them) each packed
+    first-fit into that many rows, at the shortest length L of `lengths` that fits every group
+    (jaxrl.data.packing). Pair j of a group: sequence_index 2j (chosen) and 2j + 1 (rejected)."""
+    index = np.asarray(index)
+    if len(index) % pairs_per_group:
+        raise ValueError(f"pack_pairs: {len(index)} pairs do not split into groups of {pairs_per_group}")
+    groups = []  # per group: its 2 * pairs_per_group sequences
+    for start in range(0, len(index), pairs_per_group):
+        seqs = []
+        for row in index[start:start + pairs_per_group]:
+            for side in dpo_data.SIDES:
+                n = int(arrays[f"{side}_attention_mask"][row].sum())
+                seqs.append({"input_ids": arrays[f"{side}_input_ids"][row, :n],
+                             "loss_mask": arrays[f"{side}_loss_mask"][row, :n]})
+        groups.append(seqs)
+    row_len, placed = packing.plan([[len(x["input_ids"]) for x in g] for g in groups], pairs_per_group, lengths)
+    parts = [packing.pack_rows(seqs, rows, row_len, pad_id) for seqs, rows in zip(groups, placed)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in PACKED_KEYS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +180,23 @@ class DPOObjective:
             raise ValueError(f"reference={self.reference!r}")
 
     def normalisers(self, batch):
+        if is_packed(batch):  # as many rows as pairs; chosen sequences have even indices
+            chosen = target_mask(batch) * (batch["sequence_index"][:, 1:] % 2 == 0)
+            return {"num_pairs": jnp.float32(batch["input_ids"].shape[0]),
+                    "num_chosen_tokens": jnp.maximum(jnp.sum(chosen), 1.0)}
         chosen = target_mask(_rows(batch, "chosen"))
         return {"num_pairs": jnp.float32(batch["chosen_input_ids"].shape[0]),
                 "num_chosen_tokens": jnp.maximum(jnp.sum(chosen), 1.0)}
 
     def loss(self, model, micro_batch, normalisers, rng):
-        b = micro_batch["chosen_input_ids"].shape[0]
-        logp, mask = pair_token_logps(model, micro_batch, self.chunk_size)
+        if is_packed(micro_batch):
+            b = micro_batch["input_ids"].shape[0]
+            c_logps, c_len, r_logps, r_len = packed_sequence_sums(model, micro_batch, self.chunk_size)
+        else:
+            b = micro_batch["chosen_input_ids"].shape[0]
+            logp, mask = pair_token_logps(model, micro_batch, self.chunk_size)
+            c_logps, c_len = dpo_lib.sequence_logps(logp[:b], mask[:b])
+            r_logps, r_len = dpo_lib.sequence_logps(logp[b:], mask[b:])
         if self.reference == "batch":
             ref_c, ref_r = micro_batch["ref_chosen_logps"], micro_batch["ref_rejected_logps"]
         elif self.reference == "adapters_off":
@@ -132,27 +205,26 @@ class DPOObjective:
             ref_c, ref_r = jax.lax.stop_gradient(ref_c), jax.lax.stop_gradient(ref_r)
         else:
             ref_c = ref_r = None
-        inputs = dpo_lib.DPOInputs(logp[:b], mask[:b], logp[b:], mask[b:], ref_c, ref_r)
+        sums = dpo_lib.SequenceSums(c_logps, c_len, r_logps, r_len, ref_c, ref_r)
         n_pairs, n_tokens = normalisers["num_pairs"], normalisers["num_chosen_tokens"]
-        total, parts = dpo_lib.combined_dpo_loss(
-            inputs, self.loss_types, self.loss_weights, beta=self.beta, label_smoothing=self.label_smoothing,
+        total, parts = dpo_lib.combined_dpo_loss_from_sums(
+            sums, self.loss_types, self.loss_weights, beta=self.beta, label_smoothing=self.label_smoothing,
             gamma=self.gamma, discopop_tau=self.discopop_tau, f_divergence=self.f_divergence,
             f_alpha=self.f_alpha, num_pairs=n_pairs, num_chosen_tokens=n_tokens)
-        metrics = pair_metrics(inputs, self.beta, n_pairs)
+        metrics = pair_metrics(sums, self.beta, n_pairs)
         for name in self.loss_types:
             if name == "sft":  # token mean over the global batch's chosen tokens: an additive share as is
-                metrics["loss/sft"] = dpo_lib.sft_loss(logp[:b], mask[:b], n_tokens)
+                metrics["loss/sft"] = -jnp.sum(c_logps) / n_tokens
             else:  # combined_dpo_loss reports the micro-batch mean; turn it into the share of the global mean
                 metrics[f"loss/{name}"] = parts[f"loss/{name}"] * (b / n_pairs)
         return total, metrics
 
 
-def pair_metrics(inputs: dpo_lib.DPOInputs, beta: float, num_pairs) -> dict[str, jax.Array]:
+def pair_metrics(sums: dpo_lib.SequenceSums, beta: float, num_pairs) -> dict[str, jax.Array]:
     """Additive shares (sum over these pairs / num_pairs) of the per-pair diagnostics."""
-    c_logps, c_len = dpo_lib.sequence_logps(inputs.chosen_token_logps, inputs.chosen_mask)
-    r_logps, r_len = dpo_lib.sequence_logps(inputs.rejected_token_logps, inputs.rejected_mask)
-    ref_c = jnp.zeros_like(c_logps) if inputs.ref_chosen_logps is None else inputs.ref_chosen_logps
-    ref_r = jnp.zeros_like(r_logps) if inputs.ref_rejected_logps is None else inputs.ref_rejected_logps
+    c_logps, c_len, r_logps, r_len = sums[:4]
+    ref_c = jnp.zeros_like(c_logps) if sums.ref_chosen_logps is None else sums.ref_chosen_logps
+    ref_r = jnp.zeros_like(r_logps) if sums.ref_rejected_logps is None else sums.ref_rejected_logps
     per_pair = {
         "preference_accuracy": dpo_lib.preference_accuracy(c_logps, r_logps, ref_c, ref_r, beta),
         "reward_margin": dpo_lib.reward_margin(c_logps, r_logps, ref_c, ref_r, beta),
@@ -345,6 +417,15 @@ class DPOTask:
         self.train, self.eval = self._build_data(model)
         if len(self.train) == 0:
             raise ValueError("no training pairs")
+        # data.pack: every step's rows have one of these lengths (a pair's two sequences always fit a row of
+        # twice the padded length, so the widest always works)
+        self.micro_batch_size = config.batch.micro_batch_size
+        self.pack_lengths: Optional[tuple[int, ...]] = None
+        if self.data.pack:
+            self.pack_lengths = packing.row_lengths(2 * int(self.train.arrays["chosen_input_ids"].shape[1]),
+                                                    self.seq_cfg.pad_multiple)
+            logging.info("DPO data.pack: %d pairs a micro-batch in as many rows of one of %s tokens",
+                         self.micro_batch_size, list(self.pack_lengths))
         self.position = 0
         self.ref: Optional[dict[str, np.ndarray]] = None  # train: {"chosen", "rejected"}, set by setup()
         self.eval_ref: Optional[dict[str, np.ndarray]] = None
@@ -458,7 +539,8 @@ class DPOTask:
             info = {**self.stats, "train_pairs": len(self.train), "eval_pairs": 0 if self.eval is None else
                     len(self.eval), "global_batch": self.global_batch,
                     "steps_per_epoch": len(self.train) / self.global_batch,
-                    "reference": self.objective.reference, "loss_types": list(self.objective.loss_types)}
+                    "reference": self.objective.reference, "loss_types": list(self.objective.loss_types),
+                    "pack_row_lengths": None if self.pack_lengths is None else list(self.pack_lengths)}
             if self.manifest is not None:
                 info["cohort"] = {k: self.manifest.get(k) for k in ("sha256", "size", "seed", "source", "file")}
             atomic_write_json(os.path.join(context.workdir, DATA_STATS), info)
@@ -473,14 +555,22 @@ class DPOTask:
         if self.context is None:
             raise RuntimeError("DPOTask.batch before setup(context): the reference log-probs are not prepared")
         index = self.rows(step)
-        out = {k: v[index] for k, v in self.train.arrays.items()}
+        if self.pack_lengths is not None:
+            out = pack_pairs(self.train.arrays, index, self.micro_batch_size, self.pack_lengths, self.seq_cfg.pad_id)
+            fill = packing.fill_ratio(out["attention_mask"])
+        else:
+            out = {k: v[index] for k, v in self.train.arrays.items()}
+            fill = packing.fill_ratio(np.stack([out["chosen_attention_mask"], out["rejected_attention_mask"]]))
         if self.objective.reference == "batch":
             out["ref_chosen_logps"] = self.ref["chosen"][index]
             out["ref_rejected_logps"] = self.ref["rejected"][index]
         self.position = (step + 1) * self.global_batch
-        return out, {"epoch": self.position / len(self.train)}
+        # fill_ratio: real tokens / row tokens of this step's batch (padded or packed)
+        return out, {"epoch": self.position / len(self.train), "fill_ratio": fill}
 
     def num_tokens(self, batch) -> int:
+        if is_packed(batch):
+            return int(np.sum(batch["attention_mask"]))
         return int(np.sum(batch["chosen_attention_mask"]) + np.sum(batch["rejected_attention_mask"]))
 
     def state_dict(self) -> dict:

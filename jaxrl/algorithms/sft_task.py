@@ -7,6 +7,13 @@ Data (`config.data`):
   * `source = "jsonl"`: `data.path`, one `{"input_ids": [...], "loss_mask": [...] (optional)}` per line; rows
     are cut / right-padded to `data.seq_len`; the order is reshuffled every epoch from (seed, epoch).
 Both are indexed by the step, so the data position is the number of rows consumed (kept in checkpoints).
+
+`data.pack`: the step's rows (the same rows as unpacked) have their real tokens laid end to end, first-fit, in
+as many rows at the shortest of the lengths seq_len x {1/4, 3/8, 1/2, 5/8, 3/4, 1} (rounded up to 64, or to
+seq_len / 8 when smaller) that holds them all (jaxrl.data.packing; at most six compiled steps). The objective's
+loss is a sum over target tokens with a global count, so which micro-batch a sequence lands in does not matter,
+and every token's log-prob is that of its padded row (`NextToken`, `segment_ids`). The host metric `fill_ratio`
+(real tokens / row tokens) is logged every step, packed or not.
 """
 
 from __future__ import annotations
@@ -17,9 +24,28 @@ from typing import Optional
 
 import numpy as np
 
+from jaxrl.data import packing
 from jaxrl.data.stream import epoch_stream
 from jaxrl.train.objective import NextToken
 from jaxrl.utils.train_config import TrainConfig
+
+
+# Packed row lengths are multiples of this (of seq_len / 8 when that is smaller, so short test rows still get a
+# ladder of lengths).
+PACK_MULTIPLE = 64
+
+
+def pack_token_rows(batch: dict[str, np.ndarray], lengths, pad_id: int) -> dict[str, np.ndarray]:
+    """The real tokens (attention_mask 1) of each row of `batch` (input_ids, attention_mask, optional loss_mask
+    [B, T]) packed into B rows at the shortest of `lengths` that holds them (module docstring): input_ids,
+    attention_mask, segment_ids (and loss_mask) [B, L]."""
+    mask = np.asarray(batch["attention_mask"]) != 0
+    extra = [k for k in ("loss_mask",) if k in batch]
+    seqs = [{"input_ids": batch["input_ids"][r][mask[r]], **{k: batch[k][r][mask[r]] for k in extra}}
+            for r in range(mask.shape[0])]
+    row_len, (rows,) = packing.plan([[len(x["input_ids"]) for x in seqs]], mask.shape[0], lengths)
+    out = packing.pack_rows(seqs, rows, row_len, pad_id)
+    return {k: out[k] for k in ("input_ids", "attention_mask", "segment_ids", *extra)}
 
 
 def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab_size: int, seed: int,
@@ -97,6 +123,8 @@ class SFTTask:
         self.seed = config.seed
         self.vocab_size, self.pad_id = vocab_size, pad_id
         self.position = 0
+        multiple = max(1, min(PACK_MULTIPLE, self.seq_len // 8))
+        self.pack_lengths = packing.row_lengths(self.seq_len, multiple) if data.pack else None
         if data.source == "synthetic":
             self.source: Optional[JsonlTokens] = None
         elif data.source == "jsonl":
@@ -106,12 +134,16 @@ class SFTTask:
         else:
             raise ValueError(f"data.source={data.source!r}; choose 'synthetic' or 'jsonl'")
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    def batch(self, step: int) -> tuple[dict[str, np.ndarray], dict]:
         self.position = (step + 1) * self.global_batch
         if self.source is None:
-            return synthetic_batch(step, batch_size=self.global_batch, seq_len=self.seq_len,
-                                   vocab_size=self.vocab_size, seed=self.seed, pad_id=self.pad_id)
-        return self.source.rows(step * self.global_batch, self.global_batch)
+            out = synthetic_batch(step, batch_size=self.global_batch, seq_len=self.seq_len,
+                                  vocab_size=self.vocab_size, seed=self.seed, pad_id=self.pad_id)
+        else:
+            out = self.source.rows(step * self.global_batch, self.global_batch)
+        if self.pack_lengths is not None:
+            out = pack_token_rows(out, self.pack_lengths, self.pad_id)
+        return out, {"fill_ratio": packing.fill_ratio(out["attention_mask"])}
 
     def state_dict(self) -> dict:
         return {"position": self.position}

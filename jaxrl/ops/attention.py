@@ -26,6 +26,11 @@ to the query in slot t when valid[b, s] and s <= t. With `filled` (how many lead
 reads only a prefix of the cache: the smallest of a few static prefix lengths that covers `filled`, chosen by
 `lax.switch`, so a decode step reads the slots written so far rather than the whole preallocated buffer.
 
+Packed rows (`segment_ids` [B, T], training passes): several sequences end to end in one row; query t also needs
+the key's sequence to be its own. The XLA form adds that to its block masks; cuDNN takes it as a [B, 1, T, T]
+boolean mask (which it turns into an additive bias), probed like the plain kernel and replaced by the XLA form
+where it does not compile.
+
 Softmax statistics are fp32 whatever the operand dtype; a row with no visible key gives zeros, not NaN.
 """
 
@@ -41,47 +46,49 @@ IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 _NEG = -1e30  # masked scores: exp(_NEG - max) underflows to 0 for any finite max
 
 
-def resolve_implementation(implementation: str, dtype, head_dim: int) -> str:
+def resolve_implementation(implementation: str, dtype, head_dim: int, masked: bool = False) -> str:
     """"auto" -> "cudnn" on a GPU with bf16/fp16 operands and a head dim this GPU's cuDNN compiles (forward and
-    backward, `cudnn_supports`), else "xla"."""
+    backward, `cudnn_supports`; `masked`: with a packed-sequence mask), else "xla"."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
     if implementation != "auto":
         return implementation
     fused_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if (jax.default_backend() == "gpu" and fused_dtype and head_dim <= 256 and head_dim % 8 == 0
-            and cudnn_supports(dtype, head_dim)):
+            and cudnn_supports(dtype, head_dim, masked)):
         return "cudnn"
     return "xla"
 
 
-_CUDNN_SUPPORT: dict = {}  # (dtype name, head dim) -> whether cuDNN's fused attention compiled
+_CUDNN_SUPPORT: dict = {}  # (dtype name, head dim, masked) -> whether cuDNN's fused attention compiled
 
 
-def cudnn_supports(dtype, head_dim: int) -> bool:
+def cudnn_supports(dtype, head_dim: int, masked: bool = False) -> bool:
     """Whether cuDNN's fused causal attention compiles here for `dtype` and `head_dim`, forward and backward (a
     head dim of 256 needs a recent cuDNN and GPU generation). Probed once per (dtype, head dim) by compiling a
     one-row program; a failure logs one warning and "auto" uses the XLA attention instead."""
-    key = (jnp.dtype(dtype).name, int(head_dim))
+    key = (jnp.dtype(dtype).name, int(head_dim), bool(masked))
     if key not in _CUDNN_SUPPORT:
         try:
-            _compile_cudnn_probe(jnp.dtype(dtype), int(head_dim))
+            _compile_cudnn_probe(jnp.dtype(dtype), int(head_dim), bool(masked))
             _CUDNN_SUPPORT[key] = True
         except Exception as e:  # noqa: BLE001 - any failure to build the kernel means: do not use it
             _CUDNN_SUPPORT[key] = False
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            logging.warning("cuDNN fused attention does not compile for %s, head dim %d on this machine (%s); "
-                            "attention_implementation='auto' uses the XLA attention", key[0], head_dim, reason)
+            logging.warning("cuDNN fused attention does not compile for %s, head dim %d%s on this machine (%s); "
+                            "attention_implementation='auto' uses the XLA attention", key[0], head_dim,
+                            " with a packed-sequence mask" if masked else "", reason)
     return _CUDNN_SUPPORT[key]
 
 
-def _compile_cudnn_probe(dtype, head_dim: int) -> None:
+def _compile_cudnn_probe(dtype, head_dim: int, masked: bool = False) -> None:
     qkv = jax.ShapeDtypeStruct((1, 128, 1, head_dim), dtype)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
 
     def attend(q, k, v, n):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n,
-                                            implementation="cudnn")
+        mask = jnp.ones((1, 1, 128, 128), bool) if masked else None
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, query_seq_lengths=n,
+                                            key_value_seq_lengths=n, implementation="cudnn")
 
     grad = jax.grad(lambda q, k, v, n: jnp.sum(attend(q, k, v, n).astype(jnp.float32)), argnums=(0, 1, 2))
     for fn in (attend, grad):
@@ -101,11 +108,13 @@ def query_block_size(seq_len: int) -> int:
 # Training / prefill: right-padded rows, causal
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: Optional[jax.Array], scale: float,
-                     implementation: str = "auto", block_size: Optional[int] = None) -> jax.Array:
-    """q [B, T, nH, hd]; k, v [B, T, nKV, hd]; lengths [B] int (None: every position is real).
+                     implementation: str = "auto", block_size: Optional[int] = None,
+                     segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """q [B, T, nH, hd]; k, v [B, T, nKV, hd]; lengths [B] int (None: every position is real); segment_ids [B, T]
+    int (None: one sequence per row): each sequence's id, distinct within its row.
 
-    Query t of row b attends keys s <= t with s < lengths[b]. Returns [B, T, nH, hd] in q's dtype; outputs at
-    padded query positions are finite and meaningless.
+    Query t of row b attends keys s <= t with s < lengths[b] (and segment_ids[b, s] == segment_ids[b, t]).
+    Returns [B, T, nH, hd] in q's dtype; outputs at padded query positions are finite and meaningless.
     """
     batch, seq_len, num_heads, head_dim = q.shape
     if num_heads % k.shape[2]:
@@ -113,11 +122,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: Optional
     if lengths is not None:
         # A row without real tokens would leave every key masked; one visible (padding) key keeps it finite.
         lengths = jnp.clip(lengths.astype(jnp.int32), 1, seq_len)
-    impl = resolve_implementation(implementation, q.dtype, head_dim)
+    impl = resolve_implementation(implementation, q.dtype, head_dim, masked=segment_ids is not None)
     if impl == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
-                                            key_value_seq_lengths=lengths, implementation="cudnn")
-    return _xla_causal(q, k, v, lengths, scale, block_size or query_block_size(seq_len))
+        mask = None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                            query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                            implementation="cudnn")
+    return _xla_causal(q, k, v, lengths, scale, block_size or query_block_size(seq_len), segment_ids)
 
 
 def _to_head_major_queries(q: jax.Array, num_kv: int) -> jax.Array:
@@ -144,7 +155,7 @@ def _softmax_attend(qh: jax.Array, kh: jax.Array, vh: jax.Array, allowed: jax.Ar
     return (out / jnp.where(denom > 0, denom, 1.0)).astype(qh.dtype)
 
 
-def _xla_causal(q, k, v, lengths, scale, block):
+def _xla_causal(q, k, v, lengths, scale, block, segment_ids=None):
     num_kv, seq_len = k.shape[2], q.shape[1]
     qh = _to_head_major_queries(q, num_kv)
     kh = jnp.transpose(k, (0, 2, 1, 3))
@@ -158,6 +169,9 @@ def _xla_causal(q, k, v, lengths, scale, block):
         if lengths is not None:
             allowed = allowed[None] & (k_pos[None] < lengths[:, None, None])  # [B, t, s]
             allowed = allowed[:, None, None]
+        if segment_ids is not None:
+            same = segment_ids[:, start:stop, None] == segment_ids[:, None, :stop]  # [B, t, s]
+            allowed = allowed & same[:, None, None]
         outs.append(_softmax_attend(qh[:, :, :, start:stop], kh[:, :, :stop], vh[:, :, :stop], allowed, scale))
     o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     return _from_head_major_queries(o)

@@ -17,7 +17,14 @@ outputs o = q' S + intra v_new are computed after the scan for every chunk at on
 Dtypes: the decays, their cumulative sums, the triangular inverse and the carried state are fp32. With bf16
 inputs the matmul operands (q, k, v, W, the state as read by a product, the intra-chunk weights) are bf16 and
 every product accumulates in fp32 (`preferred_element_type`), like fla's kernels; with fp32 inputs everything
-is fp32. Measured against the fp32 path on random unit-scale inputs (B=2, T=300, Hk=2, Hv=4, d=64,
+is fp32. Every product with fp32 operands (the triangular inverse's always; all of them with fp32 inputs) runs at
+`FP32_PRECISION`, HIGHEST: at its default precision XLA:GPU may round fp32 operands to TF32 (a 10-bit mantissa)
+on tensor cores, and the inverse chains products (the squarings of N, then the block products) whose roundings
+compound. With bf16 inputs only the inverse's C x C products are fp32, a small share of the step's flops, so
+full fp32 costs little there; the all-fp32 path pays fp32 throughput everywhere, for the exactness it exists
+for. bf16 operands keep the default (a bf16 x bf16 product is exact in fp32 accumulation). XLA:CPU computes
+fp32 dots in full precision either way (tests/test_gdn_precision.py: the same output at DEFAULT and HIGHEST).
+Measured against the fp32 path on random unit-scale inputs (B=2, T=300, Hk=2, Hv=4, d=64,
 tests/test_gated_delta_fast.py): the bf16 path's output error is about 1% of the output scale (bound asserted:
 3%), of the same order as rounding the fp32 output itself to bf16 several times over.
 
@@ -47,6 +54,18 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 _L2_EPS = 1e-6
+# The precision of every dot with fp32 operands (module docstring, Dtypes). A module constant so a test can trace
+# the op at DEFAULT and compare.
+FP32_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _precision(*operands: jax.Array) -> Optional[jax.lax.Precision]:
+    """FP32_PRECISION when any operand is fp32 (an fp32 x bf16 product is promoted to fp32), else the default."""
+    return FP32_PRECISION if any(x.dtype == jnp.float32 for x in operands) else None
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=_precision(a, b))
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
@@ -77,14 +96,14 @@ def _unit_lower_inverse(strict: jax.Array) -> jax.Array:
     if size <= 16 or size % 2:
         inverse, power, reach = eye - strict, strict, 1
         while 2 * reach < size:  # after this loop `inverse` holds sum_{k < 2*reach} (-N)^k >= n terms
-            power = power @ power
-            inverse = inverse @ (eye + power)
+            power = _matmul(power, power)
+            inverse = _matmul(inverse, eye + power)
             reach *= 2
         return inverse
     h = size // 2
     a_inv = _unit_lower_inverse(strict[..., :h, :h])
     d_inv = _unit_lower_inverse(strict[..., h:, h:])
-    lower_left = -(d_inv @ strict[..., h:, :h] @ a_inv)
+    lower_left = -_matmul(_matmul(d_inv, strict[..., h:, :h]), a_inv)
     top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([lower_left, d_inv], axis=-1)], axis=-2)
 
@@ -107,6 +126,39 @@ def unit_lower_inverse(strict: jax.Array, method: str = "auto") -> jax.Array:
     return _unit_lower_inverse(strict)
 
 
+def _segment_decays(segment_ids: jax.Array, g: jax.Array, lower: jax.Array, pad: int):
+    """The chunked form's decays for packed rows: several sequences end to end, the state reset to zero at each
+    sequence start (flash-linear-attention's `cu_seqlens`). segment_ids [B, T]: each sequence's id, distinct
+    within its row (`jaxrl.models.qwen35.model.sequence_numbers`); g [B, Hk, N, r, C] (chunked, padded);
+    lower [C, C]. Returns (decay [.., C, C], state_decay [.., C], to_end [.., C], chunk_decay [..]) as
+    `chunk_gated_delta_rule` uses them:
+      * decay_ij = 0 across sequences, so the WY inverse and the intra-chunk attention never mix two of them;
+      * state_decay_i = 0 from the first start inside the chunk on: the entering state reaches only the tokens of
+        the sequence that was running when the chunk began;
+      * to_end_i = 0 outside the chunk's last sequence, chunk_decay = 0 when a sequence starts inside the chunk:
+        the state leaving the chunk is that of its last sequence alone.
+    The log-decays are summed per sequence (restarting at each start), not as one running sum whose differences
+    are taken: after a strongly decaying sequence the running sum is large, and the difference of two large fp32
+    numbers would lose the precision of the next sequence's decays. A zero decay is a -inf exponent, not a very
+    negative log-decay: exactly 0, and no difference of huge values anywhere."""
+    batch, _, n_chunks, _, size = g.shape
+    seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge") if pad else segment_ids  # padding continues
+    starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], dtype=bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    seg = seg.reshape(batch, 1, n_chunks, 1, size)
+    starts = starts.reshape(batch, 1, n_chunks, 1, size)
+    same = lower & (seg[..., :, None] == seg[..., None, :])  # [B, 1, N, 1, C, C]: j <= i, the same sequence
+    cum = jnp.sum(jnp.where(same, g[..., None, :], 0.0), axis=-1)  # log-decay from the sequence's start (or chunk's)
+    decay = jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    running = jnp.cumsum(starts.astype(jnp.int32), axis=-1) == 0  # no start at or before i in this chunk
+    # Masked before exp, like `decay`: an unselected exp(cum_last - cum_i) of an earlier sequence can overflow,
+    # and its inf would turn the where's zero cotangent into NaN.
+    masked_exp = lambda keep, x: jnp.exp(jnp.where(keep, x, -jnp.inf))  # noqa: E731
+    state_decay = masked_exp(running, cum)
+    to_end = masked_exp(seg == seg[..., -1:], cum[..., -1:] - cum)
+    chunk_decay = masked_exp(running[..., -1], cum[..., -1])
+    return decay, state_decay, to_end, chunk_decay
+
+
 def chunk_gated_delta_rule(
     q: jax.Array,  # [B, T, Hk, dk]
     k: jax.Array,  # [B, T, Hk, dk]
@@ -116,6 +168,7 @@ def chunk_gated_delta_rule(
     initial_state: Optional[jax.Array] = None,  # [B, Hv, dk, dv], fp32 (or bf16 storage)
     chunk_size: int = 64,
     solve_method: str = "auto",
+    segment_ids: Optional[jax.Array] = None,  # [B, T] int: packed sequences (`_segment_decays`); None: one a row
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] fp32)."""
     f32 = jnp.float32
@@ -152,8 +205,14 @@ def chunk_gated_delta_rule(
     lower = jnp.tril(jnp.ones((C, C), dtype=bool))
     # exp(cum_i - cum_j) for j <= i; the upper triangle is masked *before* exp so it cannot overflow.
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, Hk, N, r, C, C]
+    state_decay = jnp.exp(cum)  # decay from the state entering the chunk to position i
+    to_end = jnp.exp(cum[..., -1:] - cum)  # decay from position i to the chunk's end
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, Hk, N, r]
+    if segment_ids is not None:
+        decay, state_decay, to_end, chunk_decay = _segment_decays(segment_ids, g, lower, pad)
 
-    dot = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=f32)  # noqa: E731
+    dot = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=f32,  # noqa: E731
+                                        precision=_precision(a, b))
     kk = dot("bhncd,bhnsd->bhncs", k, k)[:, :, :, None]  # [B, Hk, N, 1, C, C], shared by the key head's group
     qk = dot("bhncd,bhnsd->bhncs", q, k)[:, :, :, None]
     # WY/UT representation of the C delta-rule updates of a chunk: with A_ij = beta_i (k_i . k_j) L_ij (i > j),
@@ -161,11 +220,8 @@ def chunk_gated_delta_rule(
     inverse = unit_lower_inverse(jnp.tril(kk * beta[..., :, None] * decay, -1), solve_method)
     inverse = inverse * beta[..., None, :]
     new_values = dot("bhnrcs,bhnrsv->bhnrcv", inverse.astype(cd), v)  # U [B, Hk, N, r, C, dv] fp32
-    k_cumdecay = dot("bhnrcs,bhnsd->bhnrcd", (inverse * jnp.exp(cum)[..., None, :]).astype(cd), k)  # W
+    k_cumdecay = dot("bhnrcs,bhnsd->bhnrcd", (inverse * state_decay[..., None, :]).astype(cd), k)  # W
     intra = (qk * decay).astype(cd)  # causal attention inside the chunk, diagonal kept
-    to_end = jnp.exp(cum[..., -1:] - cum)  # decay from position i to the chunk's end
-    chunk_decay = jnp.exp(cum[..., -1])  # [B, Hk, N, r]
-
     state0 = (jnp.zeros((batch, num_k_heads, rep, dk, dv), f32) if initial_state is None
               else initial_state.astype(f32).reshape(batch, num_k_heads, rep, dk, dv))
 
@@ -181,7 +237,7 @@ def chunk_gated_delta_rule(
         step, state0, tuple(map(chunk_first, (new_values, k_cumdecay.astype(cd), k, to_end, chunk_decay))))
     states = jnp.moveaxis(states, 0, 2)  # [B, Hk, N, r, dk, dv]: the state entering each chunk
     v_new = jnp.moveaxis(v_new, 0, 2)  # [B, Hk, N, r, C, dv]
-    o = (dot("bhncd,bhnrdv->bhnrcv", q, states) * jnp.exp(cum)[..., None]
+    o = (dot("bhncd,bhnrdv->bhnrcv", q, states) * state_decay[..., None]
          + dot("bhnrcs,bhnrsv->bhnrcv", intra, v_new))
     o = jnp.transpose(o, (0, 2, 4, 1, 3, 5)).reshape(batch, n_chunks * C, num_v_heads, dv)[:, :seq_len]
     return o.astype(out_dtype), final_state.reshape(batch, num_v_heads, dk, dv)
@@ -200,7 +256,8 @@ def gated_delta_decode_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     s = state.astype(f32).reshape(batch, num_k_heads, rep, dk, dv)
     a = jnp.exp(g.astype(f32)).reshape(batch, num_k_heads, rep, 1)
     b = beta.astype(f32).reshape(batch, num_k_heads, rep, 1)
-    read = jnp.einsum("bhrkv,bhik->bhriv", s, jnp.stack([k, q], axis=2))  # S^T k and S^T q in one pass
+    # S^T k and S^T q in one pass
+    read = jnp.einsum("bhrkv,bhik->bhriv", s, jnp.stack([k, q], axis=2), precision=FP32_PRECISION)
     delta = b * (v.astype(f32).reshape(batch, num_k_heads, rep, dv) - a * read[:, :, :, 0])
     k_dot_q = jnp.sum(k * q, axis=-1)[:, :, None, None]
     o = a * read[:, :, :, 1] + k_dot_q * delta
@@ -288,10 +345,10 @@ def recurrent_gated_delta_rule(
     def step(state, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B,H,dk], [B,H,dk], [B,H,dv], [B,H], [B,H]
         state = state * jnp.exp(g_t)[..., None, None]
-        predicted = jnp.einsum("bhkv,bhk->bhv", state, k_t)
+        predicted = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=FP32_PRECISION)
         delta = (v_t - predicted) * b_t[..., None]
         state = state + k_t[..., :, None] * delta[..., None, :]
-        return state, jnp.einsum("bhkv,bhk->bhv", state, q_t)
+        return state, jnp.einsum("bhkv,bhk->bhv", state, q_t, precision=FP32_PRECISION)
 
     time_first = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
     final_state, outs = jax.lax.scan(step, state0, tuple(map(time_first, (q, k, v.astype(f32), g.astype(f32),

@@ -46,8 +46,9 @@ def target_mask(batch: Batch) -> jax.Array:
 
     Keys: `input_ids [B, T]`; optional `attention_mask [B, T]` (1 = real token; left or right padding);
     optional `loss_mask [B, T]` aligned with input_ids (1 where the token is a target, e.g. completion tokens
-    only); optional `loss_weights [B, T]` (per-token weights, aligned like loss_mask).
-    A target counts only when both it and the token predicting it are real.
+    only); optional `loss_weights [B, T]` (per-token weights, aligned like loss_mask); optional `segment_ids
+    [B, T]` (packed rows, jaxrl.data.packing).
+    A target counts only when both it and the token predicting it are real, and of the same sequence.
     """
     ids = batch["input_ids"]
     attn = batch.get("attention_mask")
@@ -57,6 +58,9 @@ def target_mask(batch: Batch) -> jax.Array:
         mask = mask * batch["loss_mask"][:, 1:].astype(jnp.float32)
     if batch.get("loss_weights") is not None:
         mask = mask * batch["loss_weights"][:, 1:].astype(jnp.float32)
+    if batch.get("segment_ids") is not None:  # the first token of a packed sequence is not the previous one's target
+        seg = batch["segment_ids"]
+        mask = mask * (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
     return mask
 
 
@@ -66,7 +70,9 @@ class NextToken:
     batch (every target token weighs the same, whichever micro-batch holds it).
 
     Metrics (additive shares): `nll` (= loss), `target_tokens` (count in the micro-batch; sums to the global
-    count). Log-probs are computed by the chunked `token_logprobs` (never [B, T, V] at once).
+    count). Log-probs are computed by the chunked `token_logprobs` (never [B, T, V] at once). Packed rows (a
+    `segment_ids` key, SFT's data.pack) give every sequence's tokens the log-probs of its padded row, so the loss
+    is the padded batch's.
     """
 
     chunk_size: int = 512
@@ -76,7 +82,8 @@ class NextToken:
 
     def loss(self, model, micro_batch: Batch, normalisers, rng):
         ids = micro_batch["input_ids"]
-        hidden, _ = model.hidden_states(ids, micro_batch.get("attention_mask"))
+        hidden, _ = model.hidden_states(ids, micro_batch.get("attention_mask"),
+                                        segment_ids=micro_batch.get("segment_ids"))
         logp = token_logprobs(hidden[:, :-1], model.head_weight(), ids[:, 1:], chunk_size=self.chunk_size)
         mask = target_mask(micro_batch)
         weights = mask / normalisers["num_tokens"]

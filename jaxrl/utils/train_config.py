@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any, Mapping, Optional
 
 import ml_collections
@@ -46,6 +47,52 @@ def _at_least(where: str, keys: Mapping[str, int], obj) -> None:
         value = getattr(obj, key)
         if value < minimum:
             raise ValueError(f"{where}.{key} must be >= {minimum}, got {value}")
+
+
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _check_rollout_correction(where: str, block) -> None:
+    if block.rollout_correction not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"{where}.rollout_correction={block.rollout_correction!r}; choose one of "
+                         f"{ROLLOUT_CORRECTIONS}")
+    lo, hi = block.rollout_correction_min, block.rollout_correction_max
+    if not (0.0 <= lo < 1.0 < hi):  # a weight of 1 (no mismatch) is always kept as it is
+        raise ValueError(f"{where}.rollout_correction_min={lo} and rollout_correction_max={hi} must satisfy "
+                         f"0 <= min < 1 < max")
+
+
+ROLLOUT_BACKENDS = ("jax", "server", "vllm")
+SERVER_BACKEND_OPTIONS = ("concurrency", "request_timeout_s")
+# what a `vllm serve` this run starts takes (jaxrl.rollout.backends.vllm_backend.VLLMServer)
+VLLM_LAUNCH_OPTIONS = ("python", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
+                       "extra_args", "startup_timeout_s", "max_loras")
+
+
+def _check_rollout_backend(where: str, block) -> None:
+    """rollout_backend / rollout_servers / rollout_backend_kwargs / overlap of a GRPO or PPO block."""
+    backend, servers = block.rollout_backend, tuple(str(u).rstrip("/") for u in block.rollout_servers)
+    object.__setattr__(block, "rollout_servers", servers)  # a list from config.json is a tuple here
+    if backend not in ROLLOUT_BACKENDS:
+        raise ValueError(f"{where}.rollout_backend={backend!r}; choose one of {ROLLOUT_BACKENDS}")
+    bad = [u for u in servers if not re.match(r"https?://[^/]+", u)]
+    if bad:
+        raise ValueError(f"{where}.rollout_servers: {bad} are not base URLs (http://host:port)")
+    if len(set(servers)) != len(servers):
+        raise ValueError(f"{where}.rollout_servers lists a server twice: {list(servers)}")
+    if backend == "jax" and (servers or block.rollout_backend_kwargs):
+        raise ValueError(f"{where}.rollout_servers / rollout_backend_kwargs are for rollout_backend='server' or "
+                         f"'vllm'; {where}.rollout_backend is 'jax'")
+    if backend == "server" and not servers:
+        raise ValueError(f"{where}.rollout_backend='server' needs {where}.rollout_servers: the base URLs of running "
+                         "servers (e.g. python -m launchers.serve --allowed_lora_roots=<workdir>)")
+    valid = SERVER_BACKEND_OPTIONS + (VLLM_LAUNCH_OPTIONS if backend == "vllm" and not servers else ())
+    unknown = sorted(set(block.rollout_backend_kwargs) - set(valid))
+    if unknown:
+        raise ValueError(f"{where}.rollout_backend_kwargs: unknown {unknown}; valid here: {list(valid)}")
+    if block.overlap and backend == "jax":
+        raise ValueError(f"{where}.overlap samples the next rollout on the servers while this one trains: it needs "
+                         f"{where}.rollout_backend='server' or 'vllm' (the jax sampler shares the trainer's devices)")
 
 
 # ------------------------------------------------------------------------------------------------ the core
@@ -157,6 +204,8 @@ class SFTDataConfig:
     source: str = setting("synthetic", doc="synthetic (arithmetic progressions) | jsonl")
     path: str = setting("", doc="jsonl: one {'input_ids': [...], 'loss_mask': [...]} per line")
     seq_len: int = setting(2048, doc="rows are cut / right-padded to it")
+    pack: bool = setting(False, doc="pack a step's sequences end to end into rows of one of the lengths "
+                         "seq_len x {1/4, 3/8, 1/2, 5/8, 3/4, 1} (jaxrl.algorithms.sft_task); per-token losses unchanged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +238,9 @@ class DPODataConfig:
                                      "pair is dropped")
     enable_thinking: bool = setting(False, doc="the chat template's generation prompt (as the pairs were sampled)")
     pad_multiple: int = setting(64, doc="sequence-length bucket")
+    pack: bool = setting(False, doc="pack each micro-batch's chosen and rejected sequences end to end into as many "
+                         "rows as it has pairs, of one of the lengths 2T x {1/4, 3/8, 1/2, 5/8, 3/4, 1} (T: the "
+                         "padded length; jaxrl.data.packing); log-probs and loss unchanged")
     eval_fraction: float = setting(0.0, doc="held-out share of the pairs (seeded by pair id), scored at every "
                                    "checkpoint")
     eval_pairs: str = setting("", doc="or a separate held-out pairs file")
@@ -266,10 +318,34 @@ class GRPOConfig:
     log_entropy: bool = setting(True, doc="the `entropy` metric (one more reduction over the vocab per chunk)")
     rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
     logprob_batch_size: int = setting(8, doc="rows per reference / old-log-prob pass")
+    rollout_correction: str = setting("none", doc="importance weights for the sampler's numerics differing from the "
+                                      "trainer's: none | token_truncate | token_mask | sequence_truncate | "
+                                      "sequence_mask (sequence: the geometric mean of the token ratios)")
+    rollout_correction_min: float = setting(0.0, doc="lower bound of the weights; 0 = none")
+    rollout_correction_max: float = setting(3.0, doc="upper bound of the weights (TRL's vLLM IS default)")
+    dynamic_sampling: bool = setting(False, doc="draw more prompt groups until prompts_per_step of them have "
+                                     "rewards that differ (DAPO / verl filter_groups)")
+    max_extra_draws: int = setting(4, doc="dynamic_sampling: at most this many extra draws of prompts_per_step "
+                                   "prompts per rollout; then the step trains on what it has")
+    rollout_backend: str = setting("jax", doc="where rollouts are sampled: jax (this process) | server (the "
+                                   "OpenAI-compatible servers at rollout_servers, e.g. launchers.serve) | vllm "
+                                   "(vLLM 0.33 from its own environment: started by the run, or the running servers "
+                                   "at rollout_servers); before each rollout the adapter goes to every server")
+    rollout_servers: tuple = setting((), tuple, "base URLs of the rollout servers (server: one or more; vllm: none = "
+                                     "start one); each rollout's prompts are split over them")
+    rollout_backend_kwargs: dict = setting({}, dict, "server / vllm options: concurrency (requests in flight per "
+                                           "server), request_timeout_s; a vllm the run starts also python, "
+                                           "tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
+                                           "extra_args, startup_timeout_s, max_loras")
+    overlap: bool = setting(False, doc="sample rollout r+1 on the servers while rollout r trains (one rollout "
+                            "off-policy, corrected with the behaviour policy's log-probs); needs rollout_backend "
+                            "server | vllm")
 
     def __post_init__(self):
-        _at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1},
-                  self)
+        _at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1,
+                           "max_extra_draws": 0}, self)
+        _check_rollout_correction("grpo", self)
+        _check_rollout_backend("grpo", self)
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"grpo.scale_rewards={self.scale_rewards!r}; choose one of {SCALE_REWARDS}")
         if self.aggregation not in AGGREGATIONS:
@@ -314,12 +390,39 @@ class PPOConfig:
     log_entropy: bool = setting(True)
     rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
     logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass")
+    rollout_correction: str = setting("none", doc="as grpo.rollout_correction (weights the policy loss only)")
+    rollout_correction_min: float = setting(0.0, doc="lower bound of the weights; 0 = none")
+    rollout_correction_max: float = setting(3.0, doc="upper bound of the weights")
+    log_ratio_clamp: float = setting(20.0, doc="the policy log-ratio is clamped to +-this before exp (verl), so no "
+                                     "ratio overflows; 0 = off")
+    dual_clip: float = setting(0.0, doc="> 1: for A < 0 the policy loss is capped at -A * dual_clip (verl "
+                               "clip_ratio_c = 3); 0 = off")
+    critic_warmup_steps: int = setting(0, doc="train steps at the start in which only the value head trains")
+    rollout_backend: str = setting("jax", doc="where rollouts are sampled: jax (this process) | server (the "
+                                   "OpenAI-compatible servers at rollout_servers, e.g. launchers.serve) | vllm "
+                                   "(vLLM 0.33 from its own environment: started by the run, or the running servers "
+                                   "at rollout_servers); before each rollout the adapter goes to every server")
+    rollout_servers: tuple = setting((), tuple, "base URLs of the rollout servers (server: one or more; vllm: none = "
+                                     "start one); each rollout's prompts are split over them")
+    rollout_backend_kwargs: dict = setting({}, dict, "server / vllm options: concurrency (requests in flight per "
+                                           "server), request_timeout_s; a vllm the run starts also python, "
+                                           "tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
+                                           "extra_args, startup_timeout_s, max_loras")
+    overlap: bool = setting(False, doc="sample rollout r+1 on the servers while rollout r trains (one rollout "
+                            "off-policy, corrected with the behaviour policy's log-probs); needs rollout_backend "
+                            "server | vllm")
 
     def __post_init__(self):
         _at_least("ppo", {"prompts_per_rollout": 1, "num_generations": 1, "max_new_tokens": 1, "epochs": 1,
-                          "minibatches": 1}, self)
+                          "minibatches": 1, "critic_warmup_steps": 0}, self)
         if self.init_kl_coef < 0:
             raise ValueError(f"ppo.init_kl_coef must be >= 0, got {self.init_kl_coef}")
+        if self.log_ratio_clamp < 0:
+            raise ValueError(f"ppo.log_ratio_clamp must be >= 0 (0 = off), got {self.log_ratio_clamp}")
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ValueError(f"ppo.dual_clip={self.dual_clip} must exceed 1 (or be 0 = off)")
+        _check_rollout_correction("ppo", self)
+        _check_rollout_backend("ppo", self)
 
     @property
     def rows_per_rollout(self) -> int:
@@ -360,6 +463,10 @@ class TrainConfig:
                          "recomputation whose estimated activations fit half the device memory after the weights) | "
                          "none | matmuls (keep projection outputs) | attention (keep attention / GDN outputs) | full "
                          "| dots | dots_no_batch")
+    scan_layers: bool = setting(True, doc="training forward: jax.lax.scan over the repeating block of layers "
+                                "(Qwen3.5: three Gated DeltaNet, one attention), one compiled body instead of every "
+                                "layer unrolled; a model whose layers do not repeat (or LoRA on some layers only) "
+                                "runs unrolled, with one log line; decode is always unrolled")
     gdn_chunk_size: int = setting(0, doc="tokens per chunk of the chunked Gated DeltaNet form (training, prefill); "
                                   "0: auto, the key head dim within 16..64 (64 for the 4B and 9B; 16 for a tiny "
                                   "model)")

@@ -30,7 +30,7 @@ _ACCEPTED_ROPE_TYPES = ("default",)
 GDN_STATE_DTYPES = ("float32", "bfloat16")
 # The computation settings among the fields: they may differ between two models that load the same weights. Each
 # is also a run-config key of the same name, whose default (jaxrl/utils/train_config.py) is the field's default.
-COMPUTE_FIELDS = ("gdn_chunk_size", "gdn_state_dtype", "attention_implementation")
+COMPUTE_FIELDS = ("gdn_chunk_size", "gdn_state_dtype", "attention_implementation", "scan_layers")
 
 
 class ConfigError(ValueError):
@@ -69,6 +69,8 @@ class Qwen35Config:
     gdn_state_dtype: str = run_default("gdn_state_dtype")
     # Full-attention kernel of training and prefill (jaxrl.ops.attention.resolve_implementation).
     attention_implementation: str = run_default("attention_implementation")
+    # Training forward: scan the repeating block of layers instead of unrolling them (Qwen35.hidden_states).
+    scan_layers: bool = run_default("scan_layers")
 
     def __post_init__(self):
         if not self.layer_types:
@@ -138,6 +140,8 @@ class Qwen35Config:
                                             f"{ATTENTION_IMPLEMENTATIONS}")
         if not isinstance(self.gdn_chunk_size, int) or self.gdn_chunk_size < 0:
             bad("gdn_chunk_size", f"must be a positive integer or 0 (auto), got {self.gdn_chunk_size!r}")
+        if not isinstance(self.scan_layers, bool):
+            bad("scan_layers", f"must be true or false, got {self.scan_layers!r}")
         if not (self.rms_norm_eps > 0):
             bad("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
 

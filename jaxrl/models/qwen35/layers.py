@@ -200,6 +200,9 @@ class StepContext(NamedTuple):
     # call: row b writes its slot write_index[b])
     write_index: Optional[jax.Array]
     filled: Optional[jax.Array]  # int32 scalar: slots [filled, S) are unused by every row after this call
+    # Packed rows (training passes): [B, T] int32 sequence number of each token (`Qwen35.hidden_states`), None
+    # for one sequence per row.
+    segment_ids: Optional[jax.Array] = None
 
 
 class GatedAttention(nnx.Module):
@@ -244,10 +247,11 @@ class GatedAttention(nnx.Module):
             state = KVState(k_all, v_all)
             o = cache_attention(q, k_all, v_all, ctx.key_valid, ctx.q_slots, scale, filled=ctx.filled)
         elif ctx.order is None:
-            o = causal_attention(q, k, v, None, scale, self.implementation)
+            o = causal_attention(q, k, v, None, scale, self.implementation, segment_ids=ctx.segment_ids)
         else:  # any padding layout -> right padding, the fused kernel, and back
+            segments = None if ctx.segment_ids is None else compact(ctx.segment_ids, ctx.order)
             o = uncompact(causal_attention(compact(q, ctx.order), compact(k, ctx.order), compact(v, ctx.order),
-                                           ctx.lengths, scale, self.implementation), ctx.dest)
+                                           ctx.lengths, scale, self.implementation, segment_ids=segments), ctx.dest)
         o = checkpoint_name(o, "attention_core")
         if state is None and cache_length is not None:
             slots = ((0, 0), (0, 0), (0, cache_length - seq_len), (0, 0))
@@ -292,7 +296,7 @@ class GatedDeltaNet(nnx.Module):
 
         weight = self.conv1d[...][:, 0, :]
         conv_out, conv_state = causal_depthwise_conv(mixed.astype(weight.dtype),
-                                                     weight, None if state is None else state.conv)
+                                                     weight, None if state is None else state.conv, ctx.segment_ids)
         mixed = jax.nn.silu(conv_out).astype(x.dtype)
         q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
@@ -310,7 +314,8 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]
         else:
             initial = None if state is None else state.current()
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.cfg.gdn_chunk)
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=self.cfg.gdn_chunk,
+                                              segment_ids=ctx.segment_ids)
         o = checkpoint_name(o, "gdn_core")
         o = self.norm(o, z).reshape(batch, seq_len, self.value_dim)
         if state is not None or cache_length is not None:

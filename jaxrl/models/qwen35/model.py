@@ -27,11 +27,19 @@ Rematerialisation (`remat`, training passes only: no cache): per-layer `jax.chec
   auto       the least recomputation whose estimated activation memory (`activation_bytes`) fits half of the
              device's memory after the weights, decided per call from the batch shape
   dots, dots_no_batch   JAX's dots_saveable / dots_with_no_batch_dims_saveable
+
+Scanned layers (`scan_layers`, training passes only): when the layer pattern repeats (Qwen3.5: three Gated
+DeltaNet layers then one attention layer, 8 times for the 4B and 9B) the layers run as one `jax.lax.scan` over
+the repeats of that block, so XLA compiles one block instead of every layer; remat stays per layer inside the
+block. The weights stay one module per layer (stacked only inside the traced program). A pattern that does not
+repeat, or layers of one block position built differently (LoRA on some layers only), run unrolled, said once
+in the log (`layer_cycle` says which and why).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import NamedTuple, Optional
 
@@ -46,6 +54,8 @@ from jaxrl.ops.attention import compaction, resolve_implementation
 from jaxrl.ops.gated_delta import no_pending_update
 from jaxrl.ops.matmul import project
 from jaxrl.ops.rotary import rotary_cos_sin
+
+logger = logging.getLogger(__name__)
 
 _cp = jax.checkpoint_policies
 REMAT_POLICIES = {
@@ -63,6 +73,8 @@ _AUTO_ORDER = ("none", "matmuls", "attention", "full")
 AUTO_ACTIVATION_FRACTION = 0.5
 # `transpose_for_decode` copies the weights only when they take at most this fraction of the host's memory.
 DECODE_COPY_FRACTION = 0.125
+# Reasons a training forward fell back to unrolled layers that this process has logged (`Qwen35._scan_cycle`).
+_FALLBACKS_LOGGED: set = set()
 
 
 class Cache(NamedTuple):
@@ -149,19 +161,27 @@ class Qwen35(nnx.Module):
         return self.use_decode_weights(jax.lax.optimization_barrier(weights) if weights else weights)
 
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
-                 positions: Optional[jax.Array] = None, cache: Optional[Cache] = None):
+                 positions: Optional[jax.Array] = None, cache: Optional[Cache] = None, *,
+                 segment_ids: Optional[jax.Array] = None):
         """[B, T] ids -> logits [B, T, V]; with a cache, returns (logits, new_cache)."""
-        hidden, new_cache = self.hidden_states(input_ids, attention_mask, positions, cache)
+        hidden, new_cache = self.hidden_states(input_ids, attention_mask, positions, cache, segment_ids=segment_ids)
         logits = self.logits_from_hidden(hidden)
         return logits if cache is None else (logits, new_cache)
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
                       positions: Optional[jax.Array] = None, cache: Optional[Cache] = None, *,
-                      cache_length: Optional[int] = None) -> tuple[jax.Array, Optional[Cache]]:
+                      cache_length: Optional[int] = None,
+                      segment_ids: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[Cache]]:
         """Final-norm hidden states [B, T, H] (what the head and a value head read), and the updated cache.
 
         cache: continue this cache (decode, or a multi-token continuation). cache_length (without a cache):
         prefill, returning a fresh cache of `cache_length` >= T slots that holds this call.
+        segment_ids [B, T] int (training passes only; None: one sequence per row): packed rows, several sequences
+        end to end, a new one starting wherever the id changes from the previous token's. Each sequence is
+        computed as if it were alone in its row: RoPE positions restart at 0 (counting its real tokens), attention
+        stays inside it (causal), and the Gated DeltaNet conv window and recurrent state start from zero at its
+        first token (`jaxrl.ops.conv`, `jaxrl.ops.gated_delta._segment_decays`). Padding (attention_mask 0)
+        belongs at the end of a row, as in an unpacked row.
         """
         cfg = self.config
         batch, seq_len = input_ids.shape
@@ -194,22 +214,37 @@ class Qwen35(nnx.Module):
             q_slots = write_index + jnp.arange(seq_len, dtype=jnp.int32)
             key_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
             filled = write_index + seq_len
-        if positions is None:
+        if segment_ids is not None:
+            if cache is not None or cache_length is not None:
+                raise ValueError("segment_ids (packed rows) are for training passes, without a cache")
+            segment_ids = sequence_numbers(segment_ids)
+        if positions is None and segment_ids is not None:
+            positions = segment_positions(counts, token_mask, segment_ids)
+        elif positions is None:
             positions = start_pos[:, None] + jnp.maximum(counts - 1, 0)
         cos, sin = rotary_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, self.dtype)
-        ctx = StepContext(cos, sin, token_mask, order, dest, lengths, key_valid, q_slots, write_index, filled)
+        ctx = StepContext(cos, sin, token_mask, order, dest, lengths, key_valid, q_slots, write_index, filled,
+                          segment_ids)
 
         training = cache is None and cache_length is None
         policy = self.remat_policy(batch, seq_len) if training else "none"
         h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         new_states = []
-        for i, layer in enumerate(self.layers):
-            state = None if cache is None else cache.layers[i]
-            if policy != "none":
-                h = _remat_layer(layer, h, ctx, REMAT_POLICIES[policy])
-            else:
-                h, state = layer(h, ctx, state, cache_length)
-            new_states.append(state)
+        # Only the training pass scans. Prefill and decode stay unrolled: their caches are one state per layer
+        # (KVState / LinearState) that the engine and the decode loops index by layer; a scanned decode would
+        # need them stacked per cycle position (a new cache layout for every cache user) or stacked and unstacked
+        # around every call (a copy of every KV buffer per token).
+        cycle = self._scan_cycle() if training else None
+        if cycle is not None:
+            h = _scan_layers(list(self.layers), cycle, h, ctx, policy)
+        else:
+            for i, layer in enumerate(self.layers):
+                state = None if cache is None else cache.layers[i]
+                if policy != "none":
+                    h = _remat_layer(layer, h, ctx, REMAT_POLICIES[policy])
+                else:
+                    h, state = layer(h, ctx, state, cache_length)
+                new_states.append(state)
         h = self.norm(h)
         if training:
             return h, None
@@ -227,12 +262,40 @@ class Qwen35(nnx.Module):
         tokens = batch * seq_len / max(1, jax.device_count())  # rows are split over the devices
         return choose_remat(self.config, tokens, seq_len, jnp.dtype(self.dtype).itemsize, budget)
 
+    def layer_cycle(self) -> tuple[Optional[int], str]:
+        """(cycle, "") when a training pass scans its layers in blocks of `cycle` (Qwen3.5: 4, three Gated
+        DeltaNet layers then one attention layer), else (None, why they run unrolled). Scanning needs the
+        `scan_layers` setting, a layer pattern that repeats at least twice over the whole stack, and every layer
+        built like the layer at its position in the first cycle (the same graphdef: not so with LoRA on some
+        layers only)."""
+        if not self.config.scan_layers:
+            return None, "scan_layers is off"
+        types = self.config.layer_types
+        cycle = repeat_cycle(types)
+        if cycle is None:
+            return None, f"the pattern of the {len(types)} layers does not repeat"
+        graphdefs = [nnx.graphdef(layer) for layer in self.layers]
+        for i in range(cycle, len(graphdefs)):
+            if graphdefs[i] != graphdefs[i % cycle]:
+                return None, (f"layer {i} is built unlike layer {i % cycle} (different submodules or settings, e.g. "
+                              "LoRA on some layers only)")
+        return cycle, ""
+
+    def _scan_cycle(self) -> Optional[int]:
+        """`layer_cycle`'s cycle; a fallback to unrolled layers is logged once per reason and process."""
+        cycle, why = self.layer_cycle()
+        if cycle is None and self.config.scan_layers and why not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(why)
+            logger.info("scan_layers: the training forward runs its layers unrolled: %s", why)
+        return cycle
+
     def weight_bytes(self) -> int:
         return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
 
     def set_compute(self, **settings) -> "Qwen35":
         """Change computation settings in place (before jitting): `remat`, and the config's COMPUTE_FIELDS
-        (gdn_chunk_size, gdn_state_dtype, attention_implementation). Weights are untouched. Returns the model."""
+        (gdn_chunk_size, gdn_state_dtype, attention_implementation, scan_layers). Weights are untouched. Returns
+        the model."""
         remat = settings.pop("remat", None)
         unknown = sorted(set(settings) - set(COMPUTE_FIELDS))
         if unknown:
@@ -273,8 +336,72 @@ class Qwen35(nnx.Module):
         return Cache(tuple(layers), jnp.zeros((batch, max_length), bool), length, jnp.zeros((batch,), jnp.int32))
 
 
+def sequence_numbers(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] ids -> [B, T] int32 running sequence numbers (0, 1, 2, ... along each row, +1 wherever the id
+    changes): the ops compare ids for equality, and an id that came back later in a row ("1 1 2 2 1") must not
+    join the earlier sequence."""
+    changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+    starts = jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
+    return jnp.cumsum(starts.astype(jnp.int32), axis=1)
+
+
+def segment_positions(counts: jax.Array, token_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """RoPE positions of packed rows: real tokens of each sequence before this one (so 0 at its first real
+    token, as the sequence alone would have). counts [B, T]: real tokens up to and including t."""
+    before = counts - token_mask.astype(jnp.int32)  # real tokens of the row before t
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], dtype=bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    base = jax.lax.cummax(jnp.where(starts, before, 0), axis=1)  # real tokens before the sequence's start
+    return jnp.maximum(counts - 1 - base, 0)
+
+
 def _layer_path(path) -> str:
     return "layers." + ".".join(str(p) for p in path)
+
+
+def repeat_cycle(layer_types) -> Optional[int]:
+    """The shortest block the layer pattern is a whole number (at least 2) of repeats of, else None."""
+    n = len(layer_types)
+    for cycle in range(1, n // 2 + 1):
+        if n % cycle == 0 and all(layer_types[i] == layer_types[i % cycle] for i in range(n)):
+            return cycle
+    return None
+
+
+def _scan_layers(layers: list, cycle: int, h: jax.Array, ctx: StepContext, policy: str) -> jax.Array:
+    """The training forward's layers as one `jax.lax.scan` over the len(layers) // cycle repeats of the block
+    (`Qwen35.layer_cycle`): XLA compiles one block instead of every layer.
+
+    The weights stay one module per layer (Hugging Face's layout, what LoRA, the sharding rules, export and the
+    decode caches address); here, at trace time, the states of the layers at each block position are stacked
+    on a new leading axis. That stack is a copy inside the compiled program: XLA hoists it out of the train
+    step's micro-batch loop but does not elide it, so the step's temporaries hold one more copy of the layer
+    weights (benchmarks/RESULTS.md, section 'CPU: scanned vs unrolled layers (issue 31)'). Each layer keeps its own
+    `jax.checkpoint` with the remat policy inside the scanned body, so the backward recomputes what the
+    unrolled layers would; gradients flow back through the stack to each layer's own parameters.
+    """
+    splits = [nnx.split(layer) for layer in layers]
+    graphdefs = [graphdef for graphdef, _ in splits[:cycle]]
+    stacked = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits[j::cycle]))
+                    for j in range(cycle))
+    steps = [_layer_step(graphdef, policy) for graphdef in graphdefs]
+
+    def block(x, states):
+        for step, state in zip(steps, states):
+            x = step(state, x, ctx)
+        return x, None
+
+    h, _ = jax.lax.scan(block, h, stacked)
+    return h
+
+
+def _layer_step(graphdef, policy: str):
+    """(layer state, h, ctx) -> h: one decoder layer of the training forward, under `jax.checkpoint` with the
+    named remat policy unless it is "none"."""
+    def run(state, x, c):
+        return nnx.merge(graphdef, state)(x, c, None)[0]
+
+    return run if policy == "none" else jax.checkpoint(run, policy=REMAT_POLICIES[policy])
 
 
 def _remat_layer(layer: DecoderLayer, h: jax.Array, ctx: StepContext, policy) -> jax.Array:

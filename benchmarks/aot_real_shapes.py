@@ -1,0 +1,455 @@
+r"""Compile time and XLA's memory estimate of the real programs at the users' shapes, ahead of time, from abstract
+shapes only (no weight is allocated); one JSON object per program on stdout (and appended to --out).
+
+    python -m benchmarks.aot_real_shapes --shape=tiny                      # every program, tiny model: seconds
+    python -m benchmarks.aot_real_shapes --programs=dpo_4b --scan_layers=off --out=bench_out/aot.jsonl
+    python -m benchmarks.aot_real_shapes --programs=dpo_9b_mb2 --scan_layers=both --llvm_opt=0
+
+Programs (bf16 base weights, LoRA r16 / alpha 32 on all 12 projections, fp32 adapters and AdamW state, one device):
+
+  dpo_4b       the DPO train step (`jaxrl.train.step` with `DPOObjective`, sigmoid, beta 0.1), Qwen3.5-4B,
+               T=4096, micro-batch 1 pair x grad_accum 8 (the users' global batch of 8 pairs)
+  dpo_9b_mb1   the same at 9B, T=6144, micro-batch 1 x 8
+  dpo_9b_mb2   9B, T=6144, micro-batch 2 x 4
+  grpo_4b      the GRPO train step (`GRPOObjective`, GRPOConfig's defaults: k3 KL to the reference log-probs in
+               the batch, sequence_mean), 4B, 20 prompts x 8 samples = 160 rows of 2,048 prompt + 4,096
+               completion tokens, micro-batch 4 rows x grad_accum 40 (configs/grpo.py's default split)
+  decode_4b    the continuous-batching engine's decode round (`jaxrl.rollout.engine._round`: a while loop of
+               decode steps) over 160 slots, 4B, cache 2,048 + 4,096 slots, LoRA fused, plain sampling
+
+`--scan_layers=both` compiles each train step with the layers scanned (`Qwen35Config.scan_layers`: one
+compiled block of three Gated DeltaNet layers and one attention layer) and unrolled; decode is never scanned.
+
+What each object holds:
+  compile_s, lower_s    seconds to lower (trace + StableHLO) and to compile on this machine's CPU (`llvm_opt`:
+                        XLA:CPU's LLVM level; buffer assignment, and so the memory figures, do not depend on it);
+                        *_cpu_s the CPU seconds of this process meanwhile (what a loaded machine does not inflate)
+  memory                `compiled.memory_analysis()`: arguments, outputs, aliased (donated) bytes, temporaries,
+                        generated code, XLA's own peak, and `peak_gib` = arguments + outputs - aliases +
+                        temporaries (or XLA's peak when larger: on the CPU it reports less than that sum)
+  fit                   that peak against the H200 (`--device_memory_gib`, 139 GiB usable of its 141 GB) and
+                        against the allocator's default limit (`--mem_fraction` 0.75 of it: JAX preallocates 75%
+                        unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), with the margins
+  remat                 what `remat="auto"` resolved to for the H200 (`Qwen35.remat_policy` with the allocator
+                        limit above and cuDNN attention, as the GPU run decides), the activation budget, and
+                        `activation_bytes` of each policy
+  flops                 `compiled.cost_analysis()` FLOPs against the MFU formula of benchmarks/gpu_train_step.py
+                        (`model_flops`). XLA counts the body of a while loop once: one micro-batch of the
+                        accumulation scan, and with scanned layers one block of layers, so the comparison is
+                        per micro-batch and only meaningful unrolled; the counted FLOPs include remat's
+                        recomputation, which the MFU formula does not
+  host_peak_rss_gib     this process's peak resident memory so far (compiling is what takes it)
+  largest_temporaries   with --dump_dir: the program's memory by shape (XLA's memory-usage-report dump: each
+                        buffer region attributed to the shape that uses it most), to tell the CPU's own
+                        temporaries (fp32 copies of bf16 activations, XLA attention blocks) from what the GPU
+                        program would hold too
+
+The compiled programs are the CPU's. Two differences from the GPU program matter: attention runs as XLA's
+blocked softmax (the GPU's is cuDNN's fused kernel, without any T x T block in memory), and XLA:GPU fuses and
+schedules differently. The memory figures are therefore an estimate of the GPU's, not its measurement
+(benchmarks/gpu_all.py measures it where a GPU is lent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import resource
+import sys
+import time
+from typing import Optional
+
+# One CPU device: the train steps' meshes are (1, 1, 1), and `remat="auto"` divides tokens by the device count. The
+# test suite's 8 fake devices (XLA_FLAGS) would change both; drop them before jax starts.
+os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                                 os.environ.get("XLA_FLAGS", "")).strip()
+
+GIB = 2**30
+LORA_RANK, LORA_ALPHA = 16, 32.0
+PROGRAMS = {
+    "dpo_4b": dict(kind="dpo", model="4b", seq_len=4096, micro_batch=1, grad_accum=8),
+    "dpo_9b_mb1": dict(kind="dpo", model="9b", seq_len=6144, micro_batch=1, grad_accum=8),
+    "dpo_9b_mb2": dict(kind="dpo", model="9b", seq_len=6144, micro_batch=2, grad_accum=4),
+    "grpo_4b": dict(kind="grpo", model="4b", prompt_len=2048, new_tokens=4096, rows=160, micro_batch=4),
+    "decode_4b": dict(kind="decode", model="4b", slots=160, prompt_len=2048, new_tokens=4096),
+}
+# --shape=tiny: the same programs at the tiny model (4 layers: linear, full, linear, full) and short sequences.
+TINY = {
+    "dpo_4b": dict(seq_len=64),
+    "dpo_9b_mb1": dict(seq_len=96),
+    "dpo_9b_mb2": dict(seq_len=96),
+    "grpo_4b": dict(prompt_len=16, new_tokens=32, rows=16),
+    "decode_4b": dict(slots=8, prompt_len=16, new_tokens=32),
+}
+
+
+def model_config(name: str, shape: str, scan: Optional[bool]):
+    from jaxrl.models import qwen35
+    cfg = qwen35.tiny() if shape == "tiny" else {"4b": qwen35.qwen35_4b, "9b": qwen35.qwen35_9b}[name]()
+    if scan is not None:
+        cfg = dataclasses.replace(cfg, scan_layers=scan)
+    return cfg
+
+
+def scan_available() -> bool:
+    """Whether the model has the `scan_layers` setting (scanned layer cycles)."""
+    from jaxrl.models.qwen35.config import Qwen35Config
+    return any(f.name == "scan_layers" for f in dataclasses.fields(Qwen35Config))
+
+
+class H200:
+    """The model's memory-dependent choices made as on the GPU: `remat="auto"` and the decode weight copies read
+    `_device_memory_bytes()` (here the allocator's limit on the H200, not this host's RAM), and the activation
+    estimate assumes the cuDNN attention that `resolve_implementation` picks there for bf16 and head dim 256
+    (the XLA attention's T x T blocks would be counted otherwise). Only the model module's names are replaced,
+    so the program still compiles the CPU's attention."""
+
+    def __init__(self, limit_bytes: float):
+        self.limit = float(limit_bytes)
+
+    def __enter__(self):
+        import jax.numpy as jnp
+
+        from jaxrl.models.qwen35 import model as model_module
+        self.module = model_module
+        self.saved = (model_module._device_memory_bytes, model_module.resolve_implementation)
+        real = self.saved[1]
+
+        def resolve(implementation, dtype, head_dim, masked=False):
+            if (implementation == "auto" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+                    and head_dim <= 256 and head_dim % 8 == 0):
+                return "cudnn"
+            return real(implementation, dtype, head_dim, masked)
+
+        model_module._device_memory_bytes = lambda: self.limit
+        model_module.resolve_implementation = resolve
+        return self
+
+    def __exit__(self, *exc):
+        self.module._device_memory_bytes, self.module.resolve_implementation = self.saved
+
+
+def abstract_model(cfg, remat: str):
+    """The bf16 model with LoRA r16 on every projection, as shapes only (nnx.eval_shape: nothing allocated)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl.models import lora, qwen35
+
+    def build():
+        model = qwen35.Qwen35(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=remat)
+        lora.apply_lora(model, "all-linear", rank=LORA_RANK, alpha=LORA_ALPHA)
+        return model
+
+    return nnx.eval_shape(build)
+
+
+def remat_report(model, rows: int, seq_len: int, limit: float) -> dict:
+    """What `remat="auto"` resolves to for a training pass over [rows, seq_len] (inside `H200`), the budget, and
+    each policy's activation estimate (GiB)."""
+    import jax.numpy as jnp
+
+    from jaxrl.models.qwen35 import model as model_module
+    chosen = model.remat_policy(rows, seq_len)
+    tokens = rows * seq_len
+    estimate = {p: round(model_module.activation_bytes(model.config, p, tokens, seq_len, 2) / GIB, 2)
+                for p in ("none", "matmuls", "attention", "full")}
+    budget = model_module.AUTO_ACTIVATION_FRACTION * (limit - model.weight_bytes())
+    return {"setting": model.remat, "chosen": chosen, "budget_gib": round(budget / GIB, 2),
+            "activation_estimate_gib": estimate, "weights_gib": round(model.weight_bytes() / GIB, 2),
+            "dtype_bytes": jnp.dtype(model.dtype).itemsize}
+
+
+def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: float):
+    """(jitted step, abstract args, remat report, rows per micro-batch, tokens per row) of a DPO or GRPO step."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.algorithms.dpo_task import DPOObjective
+    from jaxrl.algorithms.grpo_task import GRPOObjective
+    from jaxrl.models import lora
+    from jaxrl.parallel.mesh import make_mesh
+    from jaxrl.train.optim import make_optimizer
+    from jaxrl.train.state import ParamCodec, init_train_state
+    from jaxrl.train.step import jit_train_step, make_train_step
+    from jaxrl.utils.train_config import GRPOConfig, OptimizerConfig
+
+    model = abstract_model(cfg, remat)
+    graphdef, trainable, frozen = lora.split_lora(model)
+    codec = ParamCodec(trainable)
+    params = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in codec.to_flat(trainable).items()}
+    tx, schedule = make_optimizer(OptimizerConfig(), total_steps=125)
+    state = jax.eval_shape(lambda p: init_train_state(p, tx, 0, False), params)
+    sds = jax.ShapeDtypeStruct
+    i32, f32 = jnp.int32, jnp.float32
+    if spec["kind"] == "dpo":
+        objective = DPOObjective(loss_types=("sigmoid",), beta=0.1, reference=dpo_reference)
+        n_micro, mb, T = spec["grad_accum"], spec["micro_batch"], spec["seq_len"]
+        batch = {f"{side}_{key}": sds((n_micro, mb, T), i32) for side in ("chosen", "rejected")
+                 for key in ("input_ids", "attention_mask", "loss_mask")}
+        if dpo_reference == "batch":
+            batch.update({f"ref_{side}_logps": sds((n_micro, mb), f32) for side in ("chosen", "rejected")})
+        rows = 2 * mb  # one forward over the chosen and rejected rows
+    else:
+        grpo = GRPOConfig()
+        P, C, mb = spec["prompt_len"], spec["new_tokens"], spec["micro_batch"]
+        n_micro, T = spec["rows"] // mb, P + C
+        objective = GRPOObjective(max_new_tokens=C, aggregation=grpo.aggregation, beta=grpo.beta,
+                                  kl_estimator=grpo.kl_estimator, epsilon_low=grpo.epsilon_low,
+                                  epsilon_high=grpo.epsilon_high, importance_sampling_level=grpo.importance_sampling_level,
+                                  temperature=grpo.temperature, entropy=grpo.log_entropy, entropy_coef=grpo.entropy_coef)
+        # on-policy (one update per rollout): no old_logp; beta != 0: the reference log-probs ride in the batch
+        batch = {"input_ids": sds((n_micro, mb, T), i32), "attention_mask": sds((n_micro, mb, T), i32),
+                 "completion_mask": sds((n_micro, mb, C), f32), "advantages": sds((n_micro, mb), f32),
+                 "sequence_mask": sds((n_micro, mb), f32), "ref_logp": sds((n_micro, mb, C), f32)}
+        rows = mb
+    step_fn = make_train_step(objective, tx, schedule, graphdef, codec)
+    mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+    jitted = jit_train_step(step_fn, mesh, state, frozen, batch)
+    return jitted, (state, frozen, batch), remat_report(model, rows, T, limit), rows, T, model
+
+
+def decode_program(spec: dict, cfg, limit: float):
+    """(jitted round, positional args, static kwargs) of the engine's decode round, from abstract shapes."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.rollout import engine
+    from jaxrl.rollout.sampler import weights_of
+    from jaxrl.rollout.sampling import sampling_mode
+
+    model = abstract_model(cfg, "none")
+    graphdef, params = weights_of(model, None, None)
+    decode_weights = jax.eval_shape(functools.partial(engine._prepare, graphdef, fuse_adapters=True), params)
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    state = jax.eval_shape(functools.partial(
+        engine._init_state, graphdef, slots=spec["slots"], cache_len=spec["prompt_len"] + spec["new_tokens"],
+        max_new_tokens=spec["new_tokens"], stop_width=8, pad_id=pad_id, mesh=None), params)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    mode = sampling_mode(1.0, 1.0, 0, cfg.vocab_size)
+    args = (graphdef, params, decode_weights, state, scalar, scalar)
+    return engine._round, args, dict(mode=mode, pad_id=pad_id, mesh=None), model, decode_weights
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def largest_temporaries(dump_dir: str, module: str, top: int = 10) -> list:
+    """[[GiB, regions, shape], ...]: the regions of the first table of `module`'s newest memory-usage-report dump
+    (XLA's listing of the program's memory by offset range, with the values that use each range over time),
+    each attributed to the shape that uses it most often, summed by that shape. XLA lists a range per value
+    extent, so ranges overlap and the GiB are an attribution (what dominates), not a partition of the peak."""
+    import collections
+    import glob
+    files = sorted(glob.glob(os.path.join(dump_dir, f"*{module}*after_optimizations-memory-usage-report.txt")),
+                   key=os.path.getmtime)
+    if not files:
+        return []
+    by_shape: dict = collections.defaultdict(lambda: [0, 0])
+    tables = 0
+    for line in open(files[-1]):
+        tables += "cumulative_size;" in line
+        if tables > 1:  # the later tables are the single-value allocations (parameters) again
+            break
+        m = re.match(r"\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)(\w+);\s*\d+;\s*\d+;\s*(.*)$", line)
+        if not m:
+            continue
+        size = float(m.group(1)) * _UNITS[m.group(2)]
+        counts = collections.Counter()
+        for item in m.group(3).split(", "):
+            n, _, shape = item.rpartition("\u00d7")
+            counts[shape.strip()] += int(n) if n.isdigit() else 1
+        shape = counts.most_common(1)[0][0]
+        by_shape[shape][0] += size
+        by_shape[shape][1] += 1
+    ranked = sorted(by_shape.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[round(size / GIB, 2), regions, shape] for shape, (size, regions) in ranked]
+
+
+def memory_report(compiled, capacity: float, limit: float) -> tuple[dict, dict]:
+    m = compiled.memory_analysis()
+    arg, out, alias, temp = (m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
+                             m.temp_size_in_bytes)
+    xla_peak = getattr(m, "peak_memory_in_bytes", 0) or 0
+    # XLA:CPU's own peak leaves out what its buffer assignment runs inside loops; the sum bounds it from above
+    peak = max(xla_peak, arg + out - alias + temp)
+    memory = {"argument_gib": arg / GIB, "output_gib": out / GIB, "alias_gib": alias / GIB, "temp_gib": temp / GIB,
+              "generated_code_mib": m.generated_code_size_in_bytes / 2**20, "xla_peak_gib": xla_peak / GIB,
+              "sum_gib": (arg + out - alias + temp) / GIB, "peak_gib": peak / GIB}
+    memory = {k: round(v, 3) for k, v in memory.items()}
+    fit = {"capacity_gib": round(capacity / GIB, 1), "allocator_limit_gib": round(limit / GIB, 1),
+           "margin_capacity_gib": round((capacity - peak) / GIB, 2),
+           "margin_allocator_gib": round((limit - peak) / GIB, 2),
+           "fits_capacity": peak <= capacity, "fits_allocator_default": peak <= limit}
+    return memory, fit
+
+
+def cost_flops(compiled) -> Optional[float]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def formula_flops(cfg, kind: str, rows: int, seq_len: int, dpo_reference: str, completion: int = 0) -> dict:
+    """The MFU formula (benchmarks/gpu_train_step.py `model_flops`) for one micro-batch: policy forward and
+    backward plus the reference forward (the DPO step with `adapters_off`); without the in-step reference
+    (DPO with the reference in the batch, GRPO with ref_logp in the batch) the reference forward's share
+    (one linear pass and one pass of the attention cores) is taken off."""
+    from benchmarks.gpu_train_step import model_flops
+    f = model_flops(cfg, LORA_RANK, rows, seq_len)
+    per_token = f["per_token"]
+    linear = f["share_linear"] * per_token / 3
+    cores = f["share_attention_cores"] * per_token / 4
+    in_step_reference = kind == "dpo" and dpo_reference == "adapters_off"
+    if not in_step_reference:
+        per_token -= linear + cores
+    return {"formula": per_token * f["tokens"], "per_token": per_token, "tokens": f["tokens"],
+            "reference_forward_in_step": in_step_reference}
+
+
+def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_reference: str, capacity: float,
+                limit: float, llvm_opt: Optional[int], emulate: bool = True, dump_dir: Optional[str] = None) -> dict:
+    import contextlib
+
+    import jax
+
+    spec = dict(PROGRAMS[name], **(TINY[name] if shape == "tiny" else {}))
+    cfg = model_config(spec["model"], shape, scan)
+    options = {} if llvm_opt is None else {"xla_backend_optimization_level": llvm_opt}
+    result = {"program": name, "shape": shape, "kind": spec["kind"], "model": spec["model"] if shape == "real"
+              else "tiny", "spec": spec, "scan_layers": scan, "backend": jax.default_backend(),
+              "jax": jax.__version__, "llvm_opt": llvm_opt, "emulated_h200": emulate}
+    with H200(limit) if emulate else contextlib.nullcontext():
+        t0, c0 = time.perf_counter(), time.process_time()
+        if spec["kind"] == "decode":
+            fn, args, static, model, decode_weights = decode_program(spec, cfg, limit)
+            lowered = fn.lower(*args, **static)
+            result["remat"] = {"setting": "none (decode has no backward)"}
+            result["decode_weight_copies_gib"] = round(sum(
+                x.size * x.dtype.itemsize for x in jax.tree.leaves(decode_weights)) / GIB, 3)
+            rows, seq_len = spec["slots"], 1
+        else:
+            jitted, args, remat_info, rows, seq_len, model = train_step_program(spec, cfg, remat, dpo_reference,
+                                                                                 limit)
+            lowered = jitted.lower(*args)
+            result["remat"] = remat_info
+        result["layer_cycle"] = list(model.layer_cycle()) if hasattr(model, "layer_cycle") else None
+        result["lower_s"] = round(time.perf_counter() - t0, 1)
+        result["lower_cpu_s"] = round(time.process_time() - c0, 1)
+        del args
+        t0, c0 = time.perf_counter(), time.process_time()
+        compiled = lowered.compile(compiler_options=options or None)
+        result["compile_s"] = round(time.perf_counter() - t0, 1)
+        # CPU seconds of this process (every thread): on a shared machine the wall time above is mostly waiting
+        result["compile_cpu_s"] = round(time.process_time() - c0, 1)
+    result["memory"], result["fit"] = memory_report(compiled, capacity, limit)
+    if dump_dir:
+        result["largest_temporaries"] = largest_temporaries(dump_dir, "_round" if spec["kind"] == "decode"
+                                                            else "step")
+    counted = cost_flops(compiled)
+    if spec["kind"] == "decode":
+        # one decode step of every slot: 2 FLOPs per weight (the head included) and row, the LoRA products, and
+        # attention over the cache are what the while loop's body holds
+        from flax import nnx
+        weights = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if len(x.shape) >= 2)
+        result["flops"] = {"counted": counted, "weights_x2_x_rows": 2.0 * weights * rows,
+                           "note": "XLA counts the round's while-loop body once: one decode step"}
+    else:
+        f = formula_flops(cfg, spec["kind"], rows, seq_len, dpo_reference)
+        ratio = None if counted is None or scan else round(counted / f["formula"], 3)
+        result["flops"] = {"counted": counted, "formula_per_micro_batch": f["formula"],
+                           "counted_over_formula": ratio, "rows_per_micro_batch": rows, "tokens_per_row": seq_len,
+                           "reference_forward_in_step": f["reference_forward_in_step"],
+                           "note": ("XLA counts a while-loop body once: with scanned layers one block, so no ratio"
+                                    if scan else "one micro-batch (the accumulation scan's body); counted includes "
+                                    "remat's recomputation")}
+        if spec["kind"] == "dpo":
+            result["dpo_reference"] = dpo_reference
+    result["host_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2)
+    return result
+
+
+def run(programs: str = ",".join(PROGRAMS), shape: str = "real", scan_layers: str = "both", remat: str = "auto",
+        dpo_reference: str = "adapters_off", device_memory_gib: float = 139.0, mem_fraction: float = 0.75,
+        llvm_opt: Optional[int] = None, out: Optional[str] = None, dump_dir: Optional[str] = None) -> dict:
+    """Every program of `programs` (comma list) at each scan setting; {"programs": [result, ...], ...}. On a GPU
+    (benchmarks/gpu_all.py's `aot_real_shapes`) the programs are the GPU's, nothing is emulated, and the
+    allocator limit is the device's own."""
+    import jax
+
+    names = [n for n in programs.split(",") if n]
+    unknown = [n for n in names if n not in PROGRAMS]
+    if unknown:
+        raise ValueError(f"programs: unknown {unknown}; choose from {list(PROGRAMS)}")
+    capacity = device_memory_gib * GIB
+    emulate = jax.default_backend() == "cpu"
+    if emulate:
+        limit = mem_fraction * capacity
+    else:
+        from jaxrl.models.qwen35.model import _device_memory_bytes
+        limit = _device_memory_bytes()
+    if not scan_available():
+        print("[aot] the model has no scan_layers setting: every program runs unrolled", file=sys.stderr)
+        settings = [None]
+    else:
+        settings = {"both": [True, False], "on": [True], "off": [False]}[scan_layers]
+    results = []
+    for name in names:
+        for scan in ([False] if PROGRAMS[name]["kind"] == "decode" and settings != [None] else settings):
+            print(f"[aot {time.strftime('%H:%M:%S')}] {name} ({shape}, scan_layers={scan}) ...", file=sys.stderr,
+                  flush=True)
+            try:
+                result = run_program(name, shape, scan, remat, dpo_reference, capacity, limit, llvm_opt, emulate,
+                                     dump_dir)
+            except Exception as e:  # noqa: BLE001 - a program that does not compile is a result too
+                result = {"program": name, "shape": shape, "scan_layers": scan,
+                          "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                          "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+                                                     2)}
+            line = json.dumps(result, default=str)
+            print(line, flush=True)
+            if out:
+                os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+                with open(out, "a") as f:
+                    f.write(line + "\n")
+            results.append(result)
+    return {"programs": results, "device_kind": jax.devices()[0].device_kind, "emulated_h200": emulate}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--programs", default=",".join(PROGRAMS), help="comma list of: " + ", ".join(PROGRAMS))
+    ap.add_argument("--shape", choices=("real", "tiny"), default="real")
+    ap.add_argument("--scan_layers", choices=("both", "on", "off"), default="both",
+                    help="train steps with the layers scanned, unrolled, or both (decode: unrolled always)")
+    ap.add_argument("--remat", default="auto", help="the train steps' remat setting (default auto)")
+    ap.add_argument("--dpo_reference", choices=("adapters_off", "batch"), default="adapters_off",
+                    help="adapters_off: the reference forward inside the step (benchmarks/gpu_train_step.py, the "
+                         "MFU formula); batch: precomputed reference log-probs (dpo.precompute_ref_logps)")
+    ap.add_argument("--device_memory_gib", type=float, default=139.0, help="usable memory of the target GPU")
+    ap.add_argument("--mem_fraction", type=float, default=0.75,
+                    help="the allocator's share of it (JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION); CPU only: "
+                         "on a GPU the device's own limit")
+    ap.add_argument("--llvm_opt", type=int, default=None,
+                    help="XLA:CPU LLVM optimisation level (default: XLA's; 0 compiles faster, same memory)")
+    ap.add_argument("--out", default=None, help="also append each JSON object as one line to this file")
+    ap.add_argument("--dump_dir", default=None, help="XLA's dumps of the compiled programs go here (HLO, buffer "
+                    "assignment, memory report); adds largest_temporaries to each object")
+    args = ap.parse_args(argv)
+    if args.dump_dir:  # read when the backend starts, which nothing has done yet
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump_dir} "
+                                   "--xla_dump_hlo_module_re=.*(step|_round).* --xla_dump_hlo_as_text").strip()
+    try:
+        return run(**vars(args))
+    except ValueError as e:
+        ap.error(str(e))
+
+
+if __name__ == "__main__":
+    main()
