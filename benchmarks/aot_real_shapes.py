@@ -31,8 +31,9 @@ What each object holds:
                         against the allocator's default limit (`--mem_fraction` 0.75 of it: JAX preallocates 75%
                         unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), with the margins
   remat                 what `remat="auto"` resolved to for the H200 (`Qwen35.remat_policy` with the allocator
-                        limit above and cuDNN attention, as the GPU run decides), the activation budget, and
-                        `activation_bytes` of each policy
+                        limit above and cuDNN attention, as the GPU run decides), the activation budget,
+                        `activation_bytes` of each policy, and `kept_activations`: the residuals the backward of
+                        one micro-batch keeps (from the jaxpr, before any compiler: the same on every backend)
   flops                 `compiled.cost_analysis()` FLOPs against the MFU formula of benchmarks/gpu_train_step.py
                         (`model_flops`). XLA counts the body of a while loop once: one micro-batch of the
                         accumulation scan, and with scanned layers one block of layers, so the comparison is
@@ -163,8 +164,36 @@ def remat_report(model, rows: int, seq_len: int, limit: float) -> dict:
             "dtype_bytes": jnp.dtype(model.dtype).itemsize}
 
 
+def kept_activations(micro_loss, params, frozen, micro_batch, normalisers, rng) -> dict:
+    """What the backward of one micro-batch keeps from its forward, before any compiler sees it: the residuals
+    of `jax.vjp` of the micro-batch loss in the LoRA parameters (the jaxpr's residual outputs that are not its
+    inputs: the weights are counted once, as arguments), in GiB, with the five largest shapes. The same on every
+    backend; the compiled program's temporaries add the working set of the layer being recomputed."""
+    import collections
+
+    import jax
+    from jax.extend import core
+
+    def vjp_of(params, frozen, micro_batch, normalisers, rng):
+        return jax.vjp(lambda p: micro_loss(p, frozen, micro_batch, normalisers, rng)[0], params)[1]
+
+    jaxpr = jax.make_jaxpr(vjp_of)(params, frozen, micro_batch, normalisers, rng).jaxpr
+    inputs = set(jaxpr.invars)
+    seen, by_shape = set(), collections.Counter()
+    for v in jaxpr.outvars:
+        if isinstance(v, core.Literal) or v in inputs or v in seen:
+            continue
+        seen.add(v)
+        by_shape[f"{v.aval.dtype}{list(v.aval.shape)}"] += v.aval.size * v.aval.dtype.itemsize
+    return {"gib": round(sum(by_shape.values()) / GIB, 2),
+            "largest": [[round(b / GIB, 2), shape] for shape, b in by_shape.most_common(5)]}
+
+
 def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: float):
-    """(jitted step, abstract args, remat report, rows per micro-batch, tokens per row) of a DPO or GRPO step."""
+    """(jitted step, abstract args, remat report, rows per micro-batch, tokens per row, abstract model, a function
+    of no arguments giving `kept_activations`) of a DPO or GRPO step."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
@@ -174,7 +203,7 @@ def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: f
     from jaxrl.parallel.mesh import make_mesh
     from jaxrl.train.optim import make_optimizer
     from jaxrl.train.state import ParamCodec, init_train_state
-    from jaxrl.train.step import jit_train_step, make_train_step
+    from jaxrl.train.step import jit_train_step, make_micro_loss, make_train_step, merge_micro
     from jaxrl.utils.train_config import GRPOConfig, OptimizerConfig
 
     model = abstract_model(cfg, remat)
@@ -209,7 +238,12 @@ def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: f
     step_fn = make_train_step(objective, tx, schedule, graphdef, codec)
     mesh = make_mesh((1, 1, 1), jax.devices()[:1])
     jitted = jit_train_step(step_fn, mesh, state, frozen, batch)
-    return jitted, (state, frozen, batch), remat_report(model, rows, T, limit), rows, T, model
+    micro_batch = {k: sds(v.shape[1:], v.dtype) for k, v in batch.items()}
+    normalisers = jax.eval_shape(lambda b: objective.normalisers(merge_micro(b)), batch)
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    kept = functools.partial(kept_activations, make_micro_loss(objective, graphdef, codec), params, frozen,
+                             micro_batch, normalisers, rng)
+    return jitted, (state, frozen, batch), remat_report(model, rows, T, limit), rows, T, model, kept
 
 
 def decode_program(spec: dict, cfg, limit: float):
@@ -314,7 +348,8 @@ def formula_flops(cfg, kind: str, rows: int, seq_len: int, dpo_reference: str, c
 
 
 def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_reference: str, capacity: float,
-                limit: float, llvm_opt: Optional[int], emulate: bool = True, dump_dir: Optional[str] = None) -> dict:
+                limit: float, llvm_opt: Optional[int], emulate: bool = True, dump_dir: Optional[str] = None,
+                analysis_only: bool = False) -> dict:
     import contextlib
 
     import jax
@@ -329,20 +364,26 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
         t0, c0 = time.perf_counter(), time.process_time()
         if spec["kind"] == "decode":
             fn, args, static, model, decode_weights = decode_program(spec, cfg, limit)
-            lowered = fn.lower(*args, **static)
+            lowered = None if analysis_only else fn.lower(*args, **static)
             result["remat"] = {"setting": "none (decode has no backward)"}
             result["decode_weight_copies_gib"] = round(sum(
                 x.size * x.dtype.itemsize for x in jax.tree.leaves(decode_weights)) / GIB, 3)
             rows, seq_len = spec["slots"], 1
         else:
-            jitted, args, remat_info, rows, seq_len, model = train_step_program(spec, cfg, remat, dpo_reference,
-                                                                                 limit)
-            lowered = jitted.lower(*args)
+            jitted, args, remat_info, rows, seq_len, model, kept = train_step_program(spec, cfg, remat,
+                                                                                       dpo_reference, limit)
+            lowered = None if analysis_only else jitted.lower(*args)
             result["remat"] = remat_info
         result["layer_cycle"] = list(model.layer_cycle()) if hasattr(model, "layer_cycle") else None
         result["lower_s"] = round(time.perf_counter() - t0, 1)
         result["lower_cpu_s"] = round(time.process_time() - c0, 1)
         del args
+        if spec["kind"] != "decode":
+            c0 = time.process_time()
+            result["remat"]["kept_activations"] = kept()
+            result["remat"]["kept_activations"]["trace_cpu_s"] = round(time.process_time() - c0, 1)
+        if analysis_only:
+            return result
         t0, c0 = time.perf_counter(), time.process_time()
         compiled = lowered.compile(compiler_options=options or None)
         result["compile_s"] = round(time.perf_counter() - t0, 1)
@@ -377,7 +418,8 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
 
 def run(programs: str = ",".join(PROGRAMS), shape: str = "real", scan_layers: str = "both", remat: str = "auto",
         dpo_reference: str = "adapters_off", device_memory_gib: float = 139.0, mem_fraction: float = 0.75,
-        llvm_opt: Optional[int] = None, out: Optional[str] = None, dump_dir: Optional[str] = None) -> dict:
+        llvm_opt: Optional[int] = None, out: Optional[str] = None, dump_dir: Optional[str] = None,
+        analysis_only: bool = False) -> dict:
     """Every program of `programs` (comma list) at each scan setting; {"programs": [result, ...], ...}. On a GPU
     (benchmarks/gpu_all.py's `aot_real_shapes`) the programs are the GPU's, nothing is emulated, and the
     allocator limit is the device's own."""
@@ -406,7 +448,7 @@ def run(programs: str = ",".join(PROGRAMS), shape: str = "real", scan_layers: st
                   flush=True)
             try:
                 result = run_program(name, shape, scan, remat, dpo_reference, capacity, limit, llvm_opt, emulate,
-                                     dump_dir)
+                                     dump_dir, analysis_only)
             except Exception as e:  # noqa: BLE001 - a program that does not compile is a result too
                 result = {"program": name, "shape": shape, "scan_layers": scan,
                           "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
@@ -441,6 +483,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="also append each JSON object as one line to this file")
     ap.add_argument("--dump_dir", default=None, help="XLA's dumps of the compiled programs go here (HLO, buffer "
                     "assignment, memory report); adds largest_temporaries to each object")
+    ap.add_argument("--analysis_only", action="store_true", help="only what needs no compile: remat's choice and "
+                    "the kept activations (seconds per program)")
     args = ap.parse_args(argv)
     if args.dump_dir:  # read when the backend starts, which nothing has done yet
         os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump_dir} "

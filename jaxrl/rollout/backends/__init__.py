@@ -10,7 +10,8 @@ stop token; `finish_reason` is "stop" (a stop id ended it) or "length" (the cap 
 (seed, group id, sample index) on every backend (server backends pack them into the request seed,
 `openai_client.request_seed`), so a sample does not depend on its batch.
 
-Backends: `jax` (this process's Sampler; the default, and what online training uses with explicit weights),
+Backends: `jax` (this process's Sampler; the default, and what online training uses with explicit weights unless
+`grpo.rollout_backend` / `ppo.rollout_backend` names a server: jaxrl/algorithms/server_rollouts.py),
 `vllm` (vLLM 0.33 in its own environment, started as `vllm serve`, adapters served unmerged as LoRA; or a running
 vLLM at `url`) and `server` (any OpenAI-compatible completions server at `url`, e.g. `python -m launchers.serve`).
 Every consumer (offline rollouts, online GRPO/PPO, evaluation) reaches a backend through
