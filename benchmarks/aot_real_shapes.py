@@ -158,7 +158,7 @@ def remat_report(model, rows: int, seq_len: int, limit: float) -> dict:
     tokens = rows * seq_len
     estimate = {p: round(model_module.activation_bytes(model.config, p, tokens, seq_len, 2) / GIB, 2)
                 for p in ("none", "matmuls", "attention", "full")}
-    budget = model_module.AUTO_ACTIVATION_FRACTION * (limit - model.weight_bytes())
+    budget = model.activation_budget(limit)
     return {"setting": model.remat, "chosen": chosen, "budget_gib": round(budget / GIB, 2),
             "activation_estimate_gib": estimate, "weights_gib": round(model.weight_bytes() / GIB, 2),
             "dtype_bytes": jnp.dtype(model.dtype).itemsize}

@@ -336,6 +336,32 @@ def test_auto_remat_follows_the_memory_estimate():
         qwen35.init_model(tiny(), remat="fast")
 
 
+def test_auto_remat_budgets_the_weight_stack_of_scanned_layers():
+    """A scanned training pass holds a stacked copy of the layer weights (the AOT benchmark at the 9B shape: the
+    kept activations of remat "matmuls" came to 49.1 GiB against a 43.7 GiB budget), so "auto" reserves it."""
+    import dataclasses
+
+    cfg = qwen35.qwen35_9b()
+
+    def abstract(scan_layers):  # shapes only: nothing of the 9B model is allocated
+        c = dataclasses.replace(cfg, scan_layers=scan_layers)
+        return nnx.eval_shape(lambda: qwen35.Qwen35(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+
+    scanned, unrolled = abstract(True), abstract(False)
+    assert scanned.layer_cycle()[0] == 4 and unrolled.layer_cycle()[0] is None
+    layer_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(scanned.layers, nnx.Param)))
+    assert 12 * 2**30 < layer_bytes < 14 * 2**30  # the 9B's layer weights in bf16 (embeddings and head aside)
+    device = 104.25 * 2**30  # an H200's default allocator limit (75% of 139 GiB)
+    gap = unrolled.activation_budget(device) - scanned.activation_budget(device)
+    assert gap == pytest.approx(model_module.AUTO_ACTIVATION_FRACTION * layer_bytes)
+    # A device on which the unrolled pass just affords "matmuls": the scanned one falls back to "attention".
+    tokens, seq_len = 2 * 6144, 6144
+    need = activation_bytes(cfg, "matmuls", tokens, seq_len, 2)
+    device = need / model_module.AUTO_ACTIVATION_FRACTION + unrolled.weight_bytes()
+    assert choose_remat(cfg, tokens, seq_len, 2, unrolled.activation_budget(device)) == "matmuls"
+    assert choose_remat(cfg, tokens, seq_len, 2, scanned.activation_budget(device)) == "attention"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Rollouts: each distinct prompt prefilled once
 

@@ -258,9 +258,21 @@ class Qwen35(nnx.Module):
         """The remat policy a training pass over [batch, seq_len] runs with ("auto" resolved)."""
         if self.remat != "auto":
             return self.remat
-        budget = AUTO_ACTIVATION_FRACTION * (_device_memory_bytes() - self.weight_bytes())
         tokens = batch * seq_len / max(1, jax.device_count())  # rows are split over the devices
-        return choose_remat(self.config, tokens, seq_len, jnp.dtype(self.dtype).itemsize, budget)
+        return choose_remat(self.config, tokens, seq_len, jnp.dtype(self.dtype).itemsize,
+                            self.activation_budget(_device_memory_bytes()))
+
+    def activation_budget(self, device_bytes: float) -> float:
+        """Bytes "auto" lets a training pass keep for its backward on a device of `device_bytes`: a fraction of
+        what the weights leave, and with scanned layers also what their stack takes. Scanning feeds the layers'
+        weights to the scan as stacked arrays, a copy of every layer weight in the step's temporaries (the AOT
+        benchmark at the 9B shapes: 12.9 GiB, which took the kept activations from the 43.4 GiB estimated for
+        remat "matmuls" to 49.1 GiB against a 43.7 GiB budget)."""
+        reserved = self.weight_bytes()
+        if self._scan_cycle() is not None:
+            reserved += sum(int(x.size) * jnp.dtype(x.dtype).itemsize
+                            for x in jax.tree.leaves(nnx.state(self.layers, nnx.Param)))
+        return AUTO_ACTIVATION_FRACTION * (device_bytes - reserved)
 
     def layer_cycle(self) -> tuple[Optional[int], str]:
         """(cycle, "") when a training pass scans its layers in blocks of `cycle` (Qwen3.5: 4, three Gated
