@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 from flax import nnx
 
+from jaxrl.algorithms import server_rollouts
 from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
 from jaxrl.data.stream import epoch_stream
@@ -230,7 +232,6 @@ class RolloutEngine:
         self.workdir: Optional[str] = None
         self.last_sync: dict = {}  # the adapter sync of the last run (server backends)
         if self.backend_name != "jax":
-            import jax
             where = f"{config.algorithm}.rollout_backend={self.backend_name!r}"
             if not config.model_path:
                 raise ValueError(f"{where} samples on servers of the run's base model: set model_path to the HF folder "
@@ -261,7 +262,6 @@ class RolloutEngine:
                                      prompt_buckets=(length,), stop_ids=self.stop_ids, pad_id=self.pad_id,
                                      mesh=self.mesh)
             else:
-                from jaxrl.algorithms import server_rollouts
                 if self.workdir is None:
                     raise RuntimeError("server rollouts need the run's workdir: call attach_workdir (the task's setup "
                                        "does) before the first rollout")
@@ -295,7 +295,6 @@ class RolloutEngine:
         if self.backend_name == "jax":
             params = nnx.state(model)
         else:  # the policy's adapter to every server, checked (the same adapter again: checked only)
-            from jaxrl.algorithms import server_rollouts
             self.last_sync = collector.backend.sync(server_rollouts.policy_adapter(model, self.lora_dropout),
                                                     f"r{rollout}")
         samples = collector.collect(prompts, group_ids, problems,

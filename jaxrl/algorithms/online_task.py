@@ -39,9 +39,13 @@ import threading
 import time
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from flax import nnx
 
+from jaxrl.models.lora import LoRAParam
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.train.task import TaskContext
 from jaxrl.utils.io import atomic_write_bytes
@@ -257,11 +261,6 @@ class OnlineTask:
     def _snapshot(self, policy):
         """`policy` with copies of its trained variables: the train step donates the state those arrays belong
         to, and the background rollout must keep the parameters it samples from."""
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
-        from jaxrl.models.lora import LoRAParam
         graphdef, trained, rest = nnx.split(policy, getattr(self, "trainable", LoRAParam), ...)
         return nnx.merge(graphdef, jax.tree.map(jnp.copy, trained), rest)
 

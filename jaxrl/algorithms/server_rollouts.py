@@ -35,6 +35,7 @@ import shutil
 import time
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -43,6 +44,7 @@ from jaxrl.models import lora
 from jaxrl.models.adapters import Adapter
 from jaxrl.rollout.backends.base import Generation, SamplingParams
 from jaxrl.rollout.backends.openai_client import ServerBackend, ServerError
+from jaxrl.rollout.backends.vllm_backend import VLLMBackend, VLLMServer
 
 ADAPTER_DIR = "rollout_adapters"  # <workdir>/rollout_adapters/<version>: the PEFT folder of the version served now
 
@@ -54,7 +56,6 @@ class AdapterSyncError(ServerError):
 def policy_adapter(model, dropout: float = 0.0) -> Adapter:
     """The LoRA factors `model` carries now, as an Adapter (host copies; its digest is what the servers must
     report)."""
-    import jax
     adapters = list(lora.iter_lora(model))
     if not adapters:
         raise ValueError("the policy carries no LoRA adapter to send to the rollout servers")
@@ -164,7 +165,6 @@ class ServerPool:
 def vllm_server(options: dict, *, model_path: str, dtype: str, seed: int, log_path: str, check_install: bool = True):
     """The `vllm serve` a run with rollout_backend='vllm' and no rollout_servers starts (evaluation's launcher,
     `jaxrl.rollout.backends.vllm_backend.VLLMServer`); `options`: the launch keys of rollout_backend_kwargs."""
-    from jaxrl.rollout.backends.vllm_backend import VLLMServer
     keys = ("python", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "extra_args",
             "startup_timeout_s", "max_loras")
     kwargs = {k: options[k] for k in keys if k in options}
@@ -176,7 +176,6 @@ def make_pool(block, *, model_path: str, dtype: str, seed: int, workdir: str, st
               max_prompt_len: int, max_new_tokens: int, lora_rank: int, check_install: bool = True) -> ServerPool:
     """The ServerPool of an algorithm block (GRPOConfig / PPOConfig: rollout_backend, rollout_servers,
     rollout_backend_kwargs) for a run in `workdir` on the base `model_path`."""
-    from jaxrl.rollout.backends.vllm_backend import VLLMBackend
     options = dict(block.rollout_backend_kwargs)
     common = dict(stop_ids=stop_ids, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
                   concurrency=int(options.get("concurrency", 64)),

@@ -21,6 +21,8 @@ import logging
 import os
 from typing import Optional
 
+import jax
+
 ENV = "JAX_COMPILATION_CACHE_DIR"
 OFF = ("none", "")
 # Programs that compile faster than this are not written (jax's own default, stated here because it is the right
@@ -84,7 +86,6 @@ def configure(setting: Optional[str] = None) -> Optional[str]:
             raise OSError(f"--compilation_cache={setting}: {problem}; give a writable folder, or none")
         logging.getLogger(__name__).warning("no persistent compilation cache: %s", problem)
         return None
-    import jax
     for name, env, value in _THRESHOLDS:
         if env not in os.environ:
             jax.config.update(name, value)
