@@ -121,12 +121,15 @@ def test_sigint_during_rollouts_keeps_the_batches_written_and_the_rerun_complete
     rerun adds the rest, and the file then holds the same samples as an uninterrupted run."""
     import launcher_env
 
-    env, cache = launcher_env.build(tmp_path / "env"), tmp_path / "xla"
-    sampling = [a for a in launcher_env.SAMPLING if not a.startswith(("--batch_size", "--max_new_tokens"))]
+    # 9 problems x 4 samples in written batches of 4 rows: 9 batches, so the SIGINT sent when the first lands
+    # finds batches still to run even on a loaded machine (with 2 batches, CI once saw the second finish first)
+    env, cache = launcher_env.build(tmp_path / "env", n_problems=9), tmp_path / "xla"
+    sampling = [a for a in launcher_env.SAMPLING
+                if not a.startswith(("--batch_size", "--max_new_tokens", "--num_samples"))]
     args = [f"--problems={env['problems']}", f"--model={env['model']}", *sampling, "--batch_size=1",
-            "--max_new_tokens=64", "--mesh_shape=1,1,1"]
+            "--num_samples=4", "--max_new_tokens=64", "--mesh_shape=1,1,1"]
     # one device, one engine slot: a call (a written batch) takes 4 slots' worth of rows (JaxBackend's
-    # collect_factor), so the 8 samples land in 2 batches of 2 problems
+    # collect_factor), so the 36 samples land in 9 batches of one problem
 
     def rollout(out, stop=False):
         cmd = [sys.executable, "-m", "launchers.rollout", *args, f"--out={out}"]
@@ -151,9 +154,9 @@ def test_sigint_during_rollouts_keeps_the_batches_written_and_the_rerun_complete
     rc, err = rollout(broken, stop=True)
     assert rc == 130, err[-3000:]
     kept = records(broken)
-    assert err.strip().splitlines()[-1] == (f"rollout: interrupted (SIGINT): rollouts stopped with {len(kept)} of 8 "
+    assert err.strip().splitlines()[-1] == (f"rollout: interrupted (SIGINT): rollouts stopped with {len(kept)} of 36 "
                                             f"samples in {broken}; rerun the same command to resume")
-    assert 0 < len(kept) < 8 and len(kept) % 4 == 0 and set(kept) <= set(records(straight))
+    assert 0 < len(kept) < 36 and len(kept) % 4 == 0 and set(kept) <= set(records(straight))
     rc, err = rollout(broken)
     assert rc == 0, err[-3000:]
     assert records(broken) == records(straight)

@@ -50,3 +50,26 @@ def test_kernel_benchmark_runs_and_its_rows_parse():
     assert bench_kernels.weight_shapes("4b")[-1] == (248320, 2560)  # tied: the head is the embedding
     rows = run_all.rows_kernels(result)
     assert len(rows) == 4 and "[in, out]" in rows[-1]["benchmark"]
+
+
+@pytest.mark.slow
+def test_aot_real_shapes_runs_every_program_at_the_tiny_shape():
+    """The AOT benchmark of the real programs (benchmarks/aot_real_shapes.py) at the tiny shape: every program's
+    analysis (remat's choice and budget, the kept activations), and one train step and the decode round compiled
+    through to XLA's memory and cost analysis."""
+    from benchmarks import aot_real_shapes
+
+    analysed = aot_real_shapes.run(shape="tiny", scan_layers="both", analysis_only=True)["programs"]
+    assert [r.get("error") for r in analysed] == [None] * len(analysed)
+    trains = [r for r in analysed if r["kind"] != "decode"]
+    assert {(r["program"], r["scan_layers"]) for r in trains} == {
+        (name, scan) for name, spec in aot_real_shapes.PROGRAMS.items() if spec["kind"] != "decode"
+        for scan in (True, False)}
+    for r in trains:
+        assert r["remat"]["chosen"] in ("none", "matmuls", "attention", "full")
+        assert r["remat"]["kept_activations"]["gib"] >= 0 and r["remat"]["kept_activations"]["largest"]
+        assert (r["layer_cycle"][0] is not None) == r["scan_layers"]
+    compiled = aot_real_shapes.run(programs="dpo_9b_mb1,decode_4b", shape="tiny", scan_layers="off")["programs"]
+    assert [r.get("error") for r in compiled] == [None, None]
+    for r in compiled:
+        assert r["compile_s"] > 0 and r["memory"]["peak_gib"] > 0 and r["flops"]["counted"] > 0
