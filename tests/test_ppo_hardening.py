@@ -1,4 +1,4 @@
-"""PPO hardening (issue 29 item 5): the log-ratio clamped before exp (finite loss and gradient at log-ratio 100
+"""PPO hardening (issue 29 item 5; GRPO shares the clamp): the log-ratio clamped before exp (finite loss and gradient at log-ratio 100
 with A < 0, bit-identical inside the window), ppo.dual_clip reaching the loss, the ratio/max and value/abs_max
 maxima reduced exactly over micro-batches, critic warm-up, and a tiny PPO run at 100x the learning rate that
 skips no update."""
@@ -122,6 +122,40 @@ def test_the_config_reaches_the_objective():
         resolve_config(tiny_config("ppo", dual_clip=0.5))
     with pytest.raises(ValueError, match="ppo.critic_warmup_steps must be >= 0"):
         resolve_config(tiny_config("ppo", critic_warmup_steps=-1))
+
+
+def test_grpo_clamps_the_log_ratio_too():
+    """GRPO's loss (off-policy under overlap or num_iterations > 1) with log-ratio 100 and A < 0: +inf and a NaN
+    gradient without the clamp, finite with grpo.log_ratio_clamp's default; inside the window bit-identical."""
+    logp, old, _, _, _, _, mask = _batch(seed=7)
+    adv = np.array([-1.0, 0.5, -0.3, 1.2], np.float32)
+    mask[0, 0] = 1.0
+    norm = grpo.global_normalizers(jnp.asarray(mask))
+
+    def loss_and_grad(lp, clamp):
+        f = lambda x: grpo.grpo_loss(x, old, adv, mask, norm, log_ratio_clamp=clamp)  # noqa: E731
+        (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
+        return loss, metrics, g
+
+    inside = [np.asarray(x) for x in loss_and_grad(logp, None)[::2]]
+    assert [np.asarray(x).tobytes() for x in loss_and_grad(logp, 20.0)[::2]] == [x.tobytes() for x in inside]
+    far = logp.copy()
+    far[0, 0] = old[0, 0] + 100.0
+    loss, _, g = loss_and_grad(far, None)
+    assert not np.isfinite(float(loss)) and not np.isfinite(np.asarray(g)).all()
+    loss, metrics, g = loss_and_grad(far, 20.0)
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(g)).all() and np.isfinite(float(metrics["ratio"]))
+    assert float(g[0, 0]) == 0.0
+
+
+@pytest.mark.slow  # builds the tiny model
+def test_grpo_config_reaches_the_objective():
+    from jaxrl.algorithms.grpo_task import GRPOTask
+    assert resolve_config(tiny_config("grpo")).grpo.log_ratio_clamp == 20.0
+    cfg = resolve_config(tiny_config("grpo", log_ratio_clamp=0.0))
+    assert GRPOTask(cfg, build_model(cfg), make_mesh(MESH)).objective.log_ratio_clamp is None
+    with pytest.raises(ValueError, match="grpo.log_ratio_clamp must be >= 0"):
+        resolve_config(tiny_config("grpo", log_ratio_clamp=-1.0))
 
 
 @pytest.mark.heavy

@@ -459,6 +459,7 @@ def grpo_loss(
     sampling_weights: jax.Array | None = None,
     entropies: jax.Array | None = None,
     entropy_coef: float = 0.0,
+    log_ratio_clamp: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One micro-batch's GRPO loss contribution and metric contributions.
 
@@ -470,7 +471,8 @@ def grpo_loss(
 
     ``beta`` must be a Python number (``beta == 0`` skips the reference entirely). ``entropies`` ``[b, T]``
     (per-token entropies of the policy) adds an ``entropy`` metric and, with ``entropy_coef``, the bonus
-    ``- entropy_coef * token_mean(entropy)`` (a token mean whatever the aggregation, as TRL).
+    ``- entropy_coef * token_mean(entropy)`` (a token mean whatever the aggregation, as TRL). ``log_ratio_clamp``:
+    the log-ratio is clamped before ``exp`` as in :func:`clipped_surrogate` (the ``ratio`` metric alike).
 
     Metrics (each additive over micro-batches, see :func:`token_metric_contributions`): ``policy_loss`` (token
     mean of the surrogate), ``ratio``, ``clip_fraction/low``, ``clip_fraction/high``, ``clip_fraction/region``,
@@ -481,12 +483,12 @@ def grpo_loss(
     chex.assert_axis_dimension(jnp.asarray(advantages), 0, mask.shape[0])
     old = jax.lax.stop_gradient(_f32(logp)) if old_logp is None else _f32(old_logp)
     log_w = importance_log_weights(logp, old, mask, importance_sampling_level)
-    pg = clipped_surrogate(log_w, advantages, epsilon_low, epsilon_high, delta)
+    pg = clipped_surrogate(log_w, advantages, epsilon_low, epsilon_high, delta, log_ratio_clamp=log_ratio_clamp)
     if sampling_weights is not None:
         pg = pg * _f32(sampling_weights)
     per_token = pg
     sg = jax.lax.stop_gradient
-    per_token_metrics = {"policy_loss": sg(pg), "ratio": sg(jnp.exp(log_w))}
+    per_token_metrics = {"policy_loss": sg(pg), "ratio": sg(jnp.exp(clamp_log_ratio(log_w, log_ratio_clamp)))}
     clips = clip_fraction(sg(log_w), advantages, epsilon_low, epsilon_high)
     per_token_metrics.update({f"clip_fraction/{k}": v for k, v in clips.items()})
     if beta != 0.0:

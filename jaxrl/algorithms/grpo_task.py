@@ -79,6 +79,7 @@ class GRPOObjective:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     delta: Optional[float] = None
+    log_ratio_clamp: Optional[float] = None
     importance_sampling_level: str = "token"
     temperature: float = 1.0
     entropy: bool = True
@@ -99,9 +100,10 @@ class GRPOObjective:
             ref_logp=micro_batch.get("ref_logp"), beta=self.beta, kl_estimator=self.kl_estimator,
             epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta,
             importance_sampling_level=self.importance_sampling_level, aggregation=self.aggregation,
-            sampling_weights=micro_batch.get("is_weights"), entropies=ent, entropy_coef=self.entropy_coef)
+            sampling_weights=micro_batch.get("is_weights"), entropies=ent, entropy_coef=self.entropy_coef,
+            log_ratio_clamp=self.log_ratio_clamp)
         old = jax.lax.stop_gradient(logp) if micro_batch.get("old_logp") is None else micro_batch["old_logp"]
-        dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp) - old) - 1.0)
+        dev = jnp.abs(jnp.exp(grpo_lib.clamp_log_ratio(jax.lax.stop_gradient(logp) - old, self.log_ratio_clamp)) - 1.0)
         metrics.update(grpo_lib.token_metric_contributions({"ratio_abs_dev": dev}, mask, normalisers))
         return loss, metrics
 
@@ -148,7 +150,8 @@ class GRPOTask(online_task.OnlineTask):
         self.objective = GRPOObjective(
             max_new_tokens=grpo.max_new_tokens, aggregation=grpo.aggregation, beta=grpo.beta,
             kl_estimator=grpo.kl_estimator, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
-            delta=grpo.delta or None, importance_sampling_level=grpo.importance_sampling_level,
+            delta=grpo.delta or None, log_ratio_clamp=grpo.log_ratio_clamp or None,
+            importance_sampling_level=grpo.importance_sampling_level,
             temperature=grpo.temperature, entropy=grpo.log_entropy, entropy_coef=grpo.entropy_coef,
             chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (

@@ -301,6 +301,8 @@ class GRPOConfig:
     epsilon_high: float = setting(0.2, doc="DAPO clip-higher: 0.28")
     delta: float = setting(0.0, doc="> 0: two-sided clipping, the ratio is also capped at delta (INTELLECT-2; e.g. "
                            "4.0)")
+    log_ratio_clamp: float = setting(20.0, doc="the policy log-ratio is clamped to +-this before exp (verl), so an "
+                                     "off-policy ratio (overlap, num_iterations > 1) cannot overflow; 0 = off")
     importance_sampling_level: str = setting("token", doc="token | sequence (GSPO)")
     beta: float = setting(0.04, doc="KL coefficient; 0 skips the reference pass")
     kl_estimator: str = setting("k3", doc="k1 | k2 | k3 | low_var_kl | abs | k3+ | a plug-in")
@@ -352,6 +354,8 @@ class GRPOConfig:
             raise ValueError(f"grpo.aggregation={self.aggregation!r}; choose one of {AGGREGATIONS}")
         if self.delta and self.delta <= 1.0 + self.epsilon_high:
             raise ValueError(f"grpo.delta={self.delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
+        if self.log_ratio_clamp < 0:
+            raise ValueError(f"grpo.log_ratio_clamp must be >= 0 (0 = off), got {self.log_ratio_clamp}")
 
     @property
     def rows_per_rollout(self) -> int:
