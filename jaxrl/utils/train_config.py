@@ -69,6 +69,28 @@ VLLM_LAUNCH_OPTIONS = ("python", "tensor_parallel_size", "data_parallel_size", "
                        "extra_args", "startup_timeout_s", "max_loras")
 
 
+# The rollout-backend keys GRPO and PPO share: (default, types, meaning), one home for both blocks.
+SERVER_ROLLOUT_KEYS = {
+    "rollout_backend": ("jax", (), "where rollouts are sampled: jax (this process) | server (the OpenAI-compatible "
+                        "servers at rollout_servers, e.g. launchers.serve) | vllm (vLLM 0.33 from its own "
+                        "environment: started by the run, or the running servers at rollout_servers); before each "
+                        "rollout the adapter goes to every server"),
+    "rollout_servers": ((), tuple, "base URLs of the rollout servers (server: one or more; vllm: none = start one); "
+                        "each rollout's prompts are split over them"),
+    "rollout_backend_kwargs": ({}, dict, "server / vllm options: concurrency (requests in flight per server), "
+                               "request_timeout_s; a vllm the run starts also python, tensor_parallel_size, "
+                               "data_parallel_size, gpu_memory_utilization, extra_args, startup_timeout_s, max_loras"),
+    "overlap": (False, (), "sample rollout r+1 on the servers while rollout r trains (one rollout off-policy, "
+                "corrected with the behaviour policy's log-probs); needs rollout_backend server | vllm"),
+}
+
+
+def server_rollout_setting(name: str):
+    """The dataclass field of one of SERVER_ROLLOUT_KEYS (a fresh field per class: dataclasses bind it)."""
+    default, types, doc = SERVER_ROLLOUT_KEYS[name]
+    return setting(default, types, doc)
+
+
 def _check_rollout_backend(where: str, block) -> None:
     """rollout_backend / rollout_servers / rollout_backend_kwargs / overlap of a GRPO or PPO block."""
     backend, servers = block.rollout_backend, tuple(str(u).rstrip("/") for u in block.rollout_servers)
@@ -329,19 +351,10 @@ class GRPOConfig:
                                      "rewards that differ (DAPO / verl filter_groups)")
     max_extra_draws: int = setting(4, doc="dynamic_sampling: at most this many extra draws of prompts_per_step "
                                    "prompts per rollout; then the step trains on what it has")
-    rollout_backend: str = setting("jax", doc="where rollouts are sampled: jax (this process) | server (the "
-                                   "OpenAI-compatible servers at rollout_servers, e.g. launchers.serve) | vllm "
-                                   "(vLLM 0.33 from its own environment: started by the run, or the running servers "
-                                   "at rollout_servers); before each rollout the adapter goes to every server")
-    rollout_servers: tuple = setting((), tuple, "base URLs of the rollout servers (server: one or more; vllm: none = "
-                                     "start one); each rollout's prompts are split over them")
-    rollout_backend_kwargs: dict = setting({}, dict, "server / vllm options: concurrency (requests in flight per "
-                                           "server), request_timeout_s; a vllm the run starts also python, "
-                                           "tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
-                                           "extra_args, startup_timeout_s, max_loras")
-    overlap: bool = setting(False, doc="sample rollout r+1 on the servers while rollout r trains (one rollout "
-                            "off-policy, corrected with the behaviour policy's log-probs); needs rollout_backend "
-                            "server | vllm")
+    rollout_backend: str = server_rollout_setting("rollout_backend")
+    rollout_servers: tuple = server_rollout_setting("rollout_servers")
+    rollout_backend_kwargs: dict = server_rollout_setting("rollout_backend_kwargs")
+    overlap: bool = server_rollout_setting("overlap")
 
     def __post_init__(self):
         _at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1,
@@ -402,19 +415,10 @@ class PPOConfig:
     dual_clip: float = setting(0.0, doc="> 1: for A < 0 the policy loss is capped at -A * dual_clip (verl "
                                "clip_ratio_c = 3); 0 = off")
     critic_warmup_steps: int = setting(0, doc="train steps at the start in which only the value head trains")
-    rollout_backend: str = setting("jax", doc="where rollouts are sampled: jax (this process) | server (the "
-                                   "OpenAI-compatible servers at rollout_servers, e.g. launchers.serve) | vllm "
-                                   "(vLLM 0.33 from its own environment: started by the run, or the running servers "
-                                   "at rollout_servers); before each rollout the adapter goes to every server")
-    rollout_servers: tuple = setting((), tuple, "base URLs of the rollout servers (server: one or more; vllm: none = "
-                                     "start one); each rollout's prompts are split over them")
-    rollout_backend_kwargs: dict = setting({}, dict, "server / vllm options: concurrency (requests in flight per "
-                                           "server), request_timeout_s; a vllm the run starts also python, "
-                                           "tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
-                                           "extra_args, startup_timeout_s, max_loras")
-    overlap: bool = setting(False, doc="sample rollout r+1 on the servers while rollout r trains (one rollout "
-                            "off-policy, corrected with the behaviour policy's log-probs); needs rollout_backend "
-                            "server | vllm")
+    rollout_backend: str = server_rollout_setting("rollout_backend")
+    rollout_servers: tuple = server_rollout_setting("rollout_servers")
+    rollout_backend_kwargs: dict = server_rollout_setting("rollout_backend_kwargs")
+    overlap: bool = server_rollout_setting("overlap")
 
     def __post_init__(self):
         _at_least("ppo", {"prompts_per_rollout": 1, "num_generations": 1, "max_new_tokens": 1, "epochs": 1,
