@@ -62,7 +62,7 @@ from typing import Callable, Optional, Sequence
 from jaxrl.rollout.engine import DEFAULT_ROUND_STEPS, Engine, Request, Ticket
 from jaxrl.rollout.sampler import default_batch_buckets, default_prompt_buckets, pick_bucket
 from jaxrl.rollout.sampling import sampling_mode
-from jaxrl.rollout.serve_engine import (GenerateRows, Overloaded, RowOutput, ScoreRows, ShuttingDown, Work,
+from jaxrl.rollout.serve_engine import (GenerateRows, RowOutput, ScoreRows, ShuttingDown, Work, admit_rows,
                                         compiled_programs, generation_buckets, length_buckets, score_rows,
                                         top_k_bucket)
 
@@ -157,13 +157,7 @@ class ContinuousServeEngine:
             job.future.set_result([])
             return job.future
         with self._cond:
-            if self._stop:
-                raise ShuttingDown("the server is shutting down")
-            if self._pending_rows and self._pending_rows + rows > self.max_pending_rows:
-                raise Overloaded(f"the server is overloaded: {self._pending_rows} rows are waiting or running, "
-                                 f"and this request adds {rows} (launchers.serve --max_pending_rows="
-                                 f"{self.max_pending_rows}); retry later")
-            self._pending_rows += rows
+            admit_rows(self, rows)
             (self._generate if isinstance(work, GenerateRows) else self._score).append(job)
             self._cond.notify_all()
         return job.future

@@ -68,6 +68,19 @@ class ShuttingDown(RuntimeError):
     """The engine is closing: HTTP 503."""
 
 
+def admit_rows(engine, rows: int) -> None:
+    """Admission of a request of `rows` rows, under the engine's lock (both engines: `BatchingEngine`,
+    `ContinuousServeEngine`): refused while shutting down, or when it would take the rows waiting or running past
+    `max_pending_rows` (a lone request is always admitted); else its rows count as pending."""
+    if engine._stop:
+        raise ShuttingDown("the server is shutting down")
+    if engine._pending_rows and engine._pending_rows + rows > engine.max_pending_rows:
+        raise Overloaded(f"the server is overloaded: {engine._pending_rows} rows are waiting or running, and this "
+                         f"request adds {rows} (launchers.serve --max_pending_rows={engine.max_pending_rows}); "
+                         "retry later")
+    engine._pending_rows += rows
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateRows:
     """Rows sampled in one request: row r continues prompts[r] with the key (seed, groups[r], samples[r])."""
@@ -253,13 +266,7 @@ class BatchingEngine:
         rows = len(work)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            if self._stop:
-                raise ShuttingDown("the server is shutting down")
-            if self._pending_rows and self._pending_rows + rows > self.max_pending_rows:
-                raise Overloaded(f"the server is overloaded: {self._pending_rows} rows are waiting or running, "
-                                 f"and this request adds {rows} (launchers.serve --max_pending_rows="
-                                 f"{self.max_pending_rows}); retry later")
-            self._pending_rows += rows
+            admit_rows(self, rows)
             self._pending.append(_Job(work, key, future))
             self._cond.notify_all()
         return future
