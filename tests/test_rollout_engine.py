@@ -24,6 +24,7 @@ from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny  # not qwen35.tiny: the tiny.py submodule shadows it once imported
 from jaxrl.rollout import TRACE_COUNTS, ContinuousSampler, Engine, Request, Sampler
 from jaxrl.rollout.engine import engine_programs, insert_sizes, prompts_per_rows, shrink_ladder
+import golden
 # test_generation_path's fixture `env` (a tiny container, its tokenizer, four problems), here as `generation_env`
 from test_generation_path import env as generation_env  # noqa: F401
 
@@ -78,6 +79,7 @@ def test_continuous_batching_samples_what_the_static_sampler_samples(model, temp
     # 2 rows per refill (the default for so short a cap refills all 8 slots at once)
     out = ContinuousSampler(model, shrink=True, insert_rows=2, **SETTINGS).sample(prompts, **sampling)
     assert_same_samples(out, ref)
+    golden.check_rows(f"engine_t{temperature}_p{top_p}_k{top_k}", out.tokens, out.logprobs, out.finish_reasons)
     lengths = [len(t) for t in ref.tokens]
     assert min(lengths) < max(lengths) and "stop" in ref.finish_reasons  # rows end apart: the engine refills
     assert out.stats["inserts"] > 3 and out.stats["shrinks"] >= 1
@@ -113,6 +115,8 @@ def test_requests_join_free_slots_with_their_own_settings(model):
         stop.set()
         worker.join()
     assert engine.idle
+    golden.check_rows("engine_requests", *zip(*[(c.tokens, c.logprobs, c.finish_reason) for c in
+                                                firsts + [extra_done] + [done[k] for k in sorted(done)]]))
 
     ref = Sampler(model, **SETTINGS).sample(prompts, n=2, group_ids=range(5), **{k: sampled[k] for k in
                                                                                  ("seed", "temperature", "top_p")})
@@ -144,6 +148,7 @@ def test_row_caps_cut_each_row_where_its_cap_says(model):
     sampling = dict(n=4, temperature=1.0, seed=2)
     ref = Sampler(model, **SETTINGS).sample(prompts, **sampling)
     out = ContinuousSampler(model, **SETTINGS).sample(prompts, row_caps=caps, **sampling)
+    golden.check_rows("engine_row_caps", out.tokens, out.logprobs, out.finish_reasons)
     for tokens, reason, full, full_reason, cap in zip(out.tokens, out.finish_reasons, ref.tokens,
                                                       ref.finish_reasons, caps):
         assert tokens == full[:cap]
@@ -183,6 +188,13 @@ def _static_reference(env, prompts, group_ids, problems, sampling, stop_ids, pro
              s.sample_index): s for s in samples}
 
 
+def check_keyed(name, samples: dict):
+    """Samples keyed by (problem id, sample index) against their golden rows, in key order."""
+    keys = sorted(samples, key=str)
+    golden.check_rows(name, *zip(*[(samples[k].tokens, samples[k].logprobs, samples[k].finish_reason)
+                                   for k in keys]))
+
+
 class _NoReward:
     def score(self, texts, problems, truncated=None):
         from jaxrl.rewards.base import RewardResult
@@ -213,6 +225,7 @@ def test_rollouts_evaluation_and_online_rollouts_sample_what_the_static_path_sam
     seed = 17
     sampling = SamplingParams(n=N, max_new_tokens=CAP, temperature=temperature, seed=seed)
     ref = _static_reference(env, prompts, keys, problems, sampling, stop_ids, 192, tok.pad_token_id)
+    check_keyed(f"consumers_t{temperature}", ref)
     assert any(s.finish_reason == "stop" for s in ref.values())
     assert temperature == 0 or len({len(s.tokens) for s in ref.values()}) > 1  # sampled rows end apart
 
@@ -252,6 +265,7 @@ def test_rollouts_evaluation_and_online_rollouts_sample_what_the_static_path_sam
     online_ref = _static_reference(env, rollout_prompts, rollout_keys, rollout_problems,
                                    engine.sampling.replace(seed=engine.sample_seed(0)), engine.stop_ids,
                                    engine.prompt_length(), engine.pad_id)
+    check_keyed(f"online_t{temperature}", online_ref)
     for j, problem in enumerate(rollout_problems):
         for i in range(N):
             row, s = j * N + i, online_ref[(problem.id, i)]
@@ -301,6 +315,7 @@ def test_an_interrupted_rollout_resumes_to_the_same_samples(generation_env):
     ref = _static_reference(env, prompts, [problem_key(p.id) for p in problems], problems,
                             SamplingParams(n=N, max_new_tokens=CAP, temperature=1.0, seed=23), stop_ids, 192,
                             tok.pad_token_id)
+    check_keyed("resumed_rollout", ref)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted((r["problem_id"], r["sample_index"]) for r in records) == sorted(ref)
     for r in records:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+import golden
 from serve_fixture import build_base
 
 MAX_LEN = 512
@@ -86,6 +87,12 @@ def answers(engine, works):
         return list(pool.map(one, works))
 
 
+def check_golden(name, results):
+    """Every row of every request (in request order) against its golden row."""
+    flat = [r for rows_ in results for r in rows_]
+    golden.check_rows(name, [r.tokens for r in flat], [r.logprobs for r in flat], [r.finish_reason for r in flat])
+
+
 def assert_same_rows(got, want):
     assert len(got) == len(want)
     for a, b in zip(got, want):
@@ -133,6 +140,7 @@ def test_a_request_arriving_while_others_decode_joins_a_free_slot_at_the_next_ro
         server.close()
     for got, ref in zip([long] + short, want):
         assert_same_rows(got.result(), ref)
+    check_golden("serve_join", [f.result() for f in [long] + short])
     assert [len(f.result()[0].tokens) for f in short] == [24, 10]
 
 
@@ -160,6 +168,7 @@ def test_concurrent_requests_get_the_static_engines_rows_token_for_token(env):
         continuous.close()
     for g, w in zip(got, want):
         assert_same_rows(g, w)
+    check_golden("serve_concurrent", got)
     reasons = [r.finish_reason for g in got for r in g]
     assert "stop" in reasons and "length" in reasons
     assert [len(r.tokens) for r in got[3]] == [64] and [len(r.tokens) for r in got[4]] == [1, 1]
@@ -194,6 +203,7 @@ def test_adapters_prompt_buckets_and_sampling_modes_match_the_static_engine(env)
         continuous.load_adapter("a1", env["adapters"]["a2"], load_inplace=True, runtime=False)
         again = continuous.engine.submit(rows("a1", [p[2]], [2], [1], [50])).result(timeout=600)
         assert_same_rows(again, want[5])
+        check_golden("serve_adapters", got + [again])
         assert continuous.models()["data"][1]["adapter_digest"] == continuous.models()["data"][2]["adapter_digest"]
     finally:
         static.close()
