@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rewards.toy import token_text
@@ -101,6 +101,29 @@ class Collector:
         samples = self.score(gens, problems)
         self.last_times = {"sample_s": t1 - t0, "score_s": time.perf_counter() - t1}
         return samples
+
+    def stream(self, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], problems: Sequence[Any],
+               sampling: SamplingParams, *, chunk: int,
+               wanted: Optional[Callable[[int, int], bool]] = None) -> Iterator[tuple[int, list[Sample]]]:
+        """`collect` over all prompts as one stream: (first prompt index, samples) of `chunk` prompts at a time, in
+        prompt order, each chunk scored once it is whole while the backend goes on with the next prompts where it
+        can (`JaxBackend.stream`). Sample prompt indices refer to `prompts`."""
+        if len(problems) != len(prompts) or len(group_ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts, {len(group_ids)} group ids, {len(problems)} problems")
+        if not prompts:
+            return
+        gens: list[Generation] = []
+        start = 0
+        t0 = time.perf_counter()
+        for j, rows in self.backend.stream(prompts, group_ids, sampling, prompts_per_call=chunk):
+            gens.extend(g for g in rows if wanted is None or wanted(g.prompt_index, g.sample_index))
+            if j + 1 - start < chunk and j + 1 < len(prompts):
+                continue
+            t1 = time.perf_counter()
+            samples = self.score(gens, problems)
+            self.last_times = {"sample_s": t1 - t0, "score_s": time.perf_counter() - t1}
+            yield start, samples
+            gens, start, t0 = [], j + 1, time.perf_counter()
 
     def close(self) -> None:
         """Closes the reward (its sandboxes) and the backend."""

@@ -61,9 +61,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 from functools import partial
-from typing import Hashable, NamedTuple, Optional, Sequence
+from typing import Hashable, Iterator, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +98,7 @@ MAX_SHRINK = 16
 # A sampler whose cap is below this never shrinks: the steps a shrink can save (at most the cap) do not pay for
 # compiling the smaller slot counts' programs.
 SHRINK_MIN_CAP = 128
-ENGINE_PROGRAMS = ("engine_prepare", "engine_insert", "engine_round", "engine_shrink")
+ENGINE_PROGRAMS = ("engine_prepare", "engine_prefill", "engine_insert", "engine_round", "engine_shrink")
 
 
 def engine_programs() -> int:
@@ -108,13 +109,14 @@ def engine_programs() -> int:
 def program_bound(start_sizes: Sequence[int], prompt_lengths: int, multiple: int = 1, shrink: bool = True) -> int:
     """The most engine programs one (model structure, sampling mode, cap, samples per prompt) can compile when
     calls start at the slot counts `start_sizes` (a sampler's batch buckets) with `prompt_lengths` prompt
-    lengths: per prompt length, two inserts (the fill of all slots, the refill of K) per start size, a round per
-    slot count the rows can run at and, when they shrink, a shrink per slot count; and one weight preparation."""
+    lengths: per prompt length and start size, two prefills and two inserts (the fill of all slots, the refill of
+    K), a round per slot count the rows can run at and, when they shrink, a shrink per slot count; and one weight
+    preparation."""
     sizes = set(start_sizes)
     if shrink:
         for s in start_sizes:
             sizes.update(shrink_ladder(s, multiple))
-    return prompt_lengths * (2 * len(start_sizes) + len(sizes) * (2 if shrink else 1)) + 1
+    return prompt_lengths * (4 * len(start_sizes) + len(sizes) * (2 if shrink else 1)) + 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,15 +139,36 @@ class SlotState(NamedTuple):
     stop_ids: jax.Array  # [B, W] int32, padded with -1
 
 
+class Structure:
+    """A model's graph and its weights' tree structure, as the engine's programs take them: one static argument
+    hashed once (a GraphDef hashes its whole module tree on every call, a dispatch's largest cost on a small
+    model), with the weights passed as a flat list of arrays (flattening an nnx.State on every call costs several
+    times the rest of a dispatch)."""
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+        self._hash = hash((graphdef, treedef))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Structure) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef and self.treedef == other.treedef)
+
+    def merge(self, leaves: list) -> nnx.Module:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[:, None] == stop_ids, axis=-1)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "slots", "cache_len", "max_new_tokens", "stop_width", "pad_id",
                                    "mesh"))
-def _init_state(graphdef, params: tuple, *, slots: int, cache_len: int, max_new_tokens: int, stop_width: int,
-                pad_id: int, mesh: Optional[Mesh]) -> SlotState:
-    model = nnx.merge(graphdef, *params)
+def _init_state(graphdef: Structure, params: list, *, slots: int, cache_len: int, max_new_tokens: int,
+                stop_width: int, pad_id: int, mesh: Optional[Mesh]) -> SlotState:
+    model = graphdef.merge(params)
     f32, i32 = jnp.float32, jnp.int32
     state = SlotState(
         model.init_cache(slots, cache_len, per_row=True), jnp.full((slots,), pad_id, i32), jnp.zeros((slots,), i32),
@@ -156,29 +179,38 @@ def _init_state(graphdef, params: tuple, *, slots: int, cache_len: int, max_new_
 
 
 @partial(jax.jit, static_argnames=("graphdef", "fuse_adapters"))
-def _prepare(graphdef, params: tuple, *, fuse_adapters: bool) -> dict:
+def _prepare(graphdef: Structure, params: list, *, fuse_adapters: bool) -> dict:
     """The decode weight copies of these weights (`Qwen35.decode_weights`), made once per weight version."""
     TRACE_COUNTS[("engine_prepare", fuse_adapters)] += 1
-    return nnx.merge(graphdef, *params).decode_weights(fuse_adapters)
+    return graphdef.merge(params).decode_weights(fuse_adapters)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh"), donate_argnames=("state",))
-def _insert(graphdef, params: tuple, state: SlotState, ids: jax.Array, mask: jax.Array, source: jax.Array,
-            slots: jax.Array, seeds: jax.Array, group_ids: jax.Array, sample_ids: jax.Array, caps: jax.Array,
-            temperature: jax.Array, top_p: jax.Array, stop_ids: jax.Array, *, mode: SamplingMode, pad_id: int,
-            mesh: Optional[Mesh]) -> SlotState:
-    """Prefills the U prompts of ids / mask [U, P] (left-padded) and moves K rows into the slots: row k samples
-    from prompt source[k] into slot slots[k] (slots[k] == B: padding, dropped). seeds, group_ids, sample_ids,
-    caps, temperature, top_p [K]; stop_ids [K, W]."""
-    num_slots, max_new = state.tokens.shape
-    prompt_len = ids.shape[1]
-    TRACE_COUNTS[("engine_insert", num_slots, state.cache.max_length, ids.shape, source.shape[0],
-                  stop_ids.shape[1], mode)] += 1
-    model = nnx.merge(graphdef, *params)
+@partial(jax.jit, static_argnames=("graphdef", "mesh"))
+def _prefill(graphdef: Structure, params: list, ids: jax.Array, mask: jax.Array, *, mesh: Optional[Mesh]
+             ) -> tuple[Cache, jax.Array]:
+    """The caches of the U prompts of ids / mask [U, P] (left-padded; P cache slots each) and the logits of their
+    last position [U, V] f32: what an insert copies into the slots of the rows that sample from them."""
+    TRACE_COUNTS[("engine_prefill", ids.shape)] += 1
+    model = graphdef.merge(params)
     ids, mask = constrain_rows((ids, mask), mesh)
-    hidden, fresh = model.hidden_states(ids, mask, cache_length=prompt_len)
+    hidden, fresh = model.hidden_states(ids, mask, cache_length=ids.shape[1])
     # Only the last position's logits are needed: never materialise [U, P, V].
     logits = model.logits_from_hidden(hidden[:, -1]).astype(jnp.float32)
+    return constrain_rows((fresh, logits), mesh)
+
+
+@partial(jax.jit, static_argnames=("mode", "pad_id", "mesh"), donate_argnames=("state",))
+def _insert(state: SlotState, fresh: Cache, logits: jax.Array, source: jax.Array, slots: jax.Array,
+            seeds: jax.Array, group_ids: jax.Array, sample_ids: jax.Array, caps: jax.Array, temperature: jax.Array,
+            top_p: jax.Array, stop_ids: jax.Array, *, mode: SamplingMode, pad_id: int, mesh: Optional[Mesh]
+            ) -> SlotState:
+    """Moves K rows into the slots: row k takes the prefilled prompt source[k] (of `fresh` / `logits`, U prompts
+    of `_prefill`) into slot slots[k] (slots[k] == B: padding, dropped) and samples its first token. seeds,
+    group_ids, sample_ids, caps, temperature, top_p [K]; stop_ids [K, W]."""
+    num_slots, max_new = state.tokens.shape
+    prompt_len = fresh.valid.shape[1]
+    TRACE_COUNTS[("engine_insert", num_slots, state.cache.max_length, logits.shape[0], source.shape[0],
+                  stop_ids.shape[1], mode)] += 1
     take = lambda x: jnp.take(x, source, axis=0)  # noqa: E731  prompt rows -> the rows moving in
     base = jax.vmap(jax.random.PRNGKey)(seeds)
     keys = jax.vmap(lambda k, g, s: jax.random.fold_in(jax.random.fold_in(k, g), s))(
@@ -208,7 +240,7 @@ def _insert(graphdef, params: tuple, state: SlotState, ids: jax.Array, mask: jax
 
 
 @partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh"), donate_argnames=("state",))
-def _round(graphdef, params: tuple, decode_weights: dict, state: SlotState, max_steps: jax.Array,
+def _round(graphdef: Structure, params: list, decode_weights: dict, state: SlotState, max_steps: jax.Array,
            want_free: jax.Array, *, mode: SamplingMode, pad_id: int, mesh: Optional[Mesh]
            ) -> tuple:
     """Up to max_steps decode steps over every slot; stops early when no slot runs or when at least want_free
@@ -217,7 +249,7 @@ def _round(graphdef, params: tuple, decode_weights: dict, state: SlotState, max_
     buffers replicated (every process of a mesh over several processes reads every row; None without a mesh)."""
     num_slots, max_new = state.tokens.shape
     TRACE_COUNTS[("engine_round", num_slots, state.cache.max_length, max_new, state.stop_ids.shape[1], mode)] += 1
-    model = nnx.merge(graphdef, *params).use_decode_weights(decode_weights)
+    model = graphdef.merge(params).use_decode_weights(decode_weights)
 
     def cond(carry):
         step, st = carry
@@ -428,7 +460,9 @@ class Engine:
         self._lock = threading.Lock()
         self._submitted = threading.Condition(self._lock)
         self._mode: Optional[SamplingMode] = None
-        self.stats = {"rows": 0, "generated_tokens": 0, "decode_steps": 0, "slot_steps": 0, "rounds": 0,
+        # the last prefill of each prompt count: (prompt keys, caches, logits), for the next rows of those prompts
+        self._prefilled: dict[int, tuple] = {}
+        self.stats = {"rows": 0, "finished": 0, "generated_tokens": 0, "decode_steps": 0, "slot_steps": 0, "rounds": 0,
                       "inserts": 0, "prefilled_prompts": 0, "shrinks": 0}
 
     # ----------------------------------------------------------------------------------------------- requests
@@ -491,7 +525,10 @@ class Engine:
         if any(r is not None for r in self._occupant):
             raise RuntimeError("Engine.set_params while rows are in flight would mix two policies in one row; "
                                "wait until the engine is idle")
-        self.graphdef, self._params = weights_of(self.model, params, self.mesh)
+        graphdef, (state,) = weights_of(self.model, params, self.mesh)
+        self._params, treedef = jax.tree.flatten(state)
+        self.graphdef = Structure(graphdef, treedef)
+        self._prefilled = {}
         self._decode_weights = _prepare(self.graphdef, self._params, fuse_adapters=self.fuse_adapters)
 
     def share_params(self, other: "Engine") -> None:
@@ -504,12 +541,14 @@ class Engine:
         if other._params is None:
             other.set_params(None)
         self.graphdef, self._params, self._decode_weights = other.graphdef, other._params, other._decode_weights
+        self._prefilled = {}
 
     def release(self) -> None:
         """Frees the slots' device memory (the caches); the next row allocates them again."""
         if any(r is not None for r in self._occupant):
             raise RuntimeError("Engine.release while rows are in flight")
         self._state = None
+        self._prefilled = {}
         self._size = self.slots
         self._occupant = [None] * self.slots
 
@@ -569,6 +608,7 @@ class Engine:
                 n = int(generated[b])
                 row, self._occupant[b] = self._occupant[b], None
                 self.stats["generated_tokens"] += n
+                self.stats["finished"] += 1
                 row.ticket._finish(Completion(tokens[b, :n].tolist(), np.asarray(logprobs[b, :n], np.float32),
                                               "stop" if stopped[b] else "length"))
                 done.append(row.ticket)
@@ -582,12 +622,24 @@ class Engine:
             waiting = len(self._queue)
             head_fits = waiting and self._queue[0].mode == self._mode
         if head_fits:
-            return min(self.insert_rows, waiting)
+            return min(self._refill_at(), waiting)
         if not waiting:
             smaller = [s for s in self.shrink_sizes if s < self._size]
             if smaller:
                 return self._size - smaller[0]
         return self._size + 1
+
+    def _refill_at(self) -> int:
+        """Free slots a round waits for before refilling them while rows wait: K (one insert's rows), or more when
+        rows finish fast. A round end (a host round trip and an insert) costs about a decode step; waiting for F
+        free slots leaves about F / 2 of them idle for F / r steps (r rows finish per step), so the cost per step
+        is about F / (2 x slots) + r / F, least at F = sqrt(2 x slots x r). Short rows (several finishing every
+        step) raise F past K, and a round end then moves several inserts' rows in; long rows keep F = K. r is
+        counted, not timed, so the schedule (and every log-prob) stays a function of the inputs."""
+        k = self.insert_rows
+        rate = self.stats["finished"] / max(self.stats["decode_steps"], 1)
+        best = math.sqrt(2 * self._size * rate)
+        return max(k, min(self._size // 2, -(-int(best) // k) * k))
 
     def _maybe_shrink(self) -> None:
         with self._lock:
@@ -633,41 +685,54 @@ class Engine:
             self._insert(rows, free[:len(rows)], rows_at_most, prompts_at_most)
 
     def _insert(self, rows: list[_Row], slots: list[int], k: int, u: int) -> None:
-        """One insert program moving `rows` into `slots`, padded to k rows and u prompts (its static shape)."""
+        """One insert program moving `rows` into `slots`, padded to k rows, from u prefilled prompts (its static
+        shape): the prompts of the last prefill of u prompts when they hold every row's prompt (the next rows of
+        a prompt whose first rows moved in before: n samples of a prompt are prefilled once, not once per insert),
+        else a prefill of the rows' prompts."""
         if self._state is None:
             self._state = _init_state(self.graphdef, self._params, slots=self._size,
                                       cache_len=self.prompt_len + self.max_new_tokens,
                                       max_new_tokens=self.max_new_tokens, stop_width=self.stop_width,
                                       pad_id=self.pad_id, mesh=self.mesh)
-        width = self.prompt_len
-        ids = np.full((u, width), self.pad_id, np.int32)
-        mask = np.zeros((u, width), np.int32)
-        mask[:, -1] = 1  # padding prompts get one (pad) token so every prompt row has a real last position
+        keys, fresh, logits = self._prefilled.get(u, ((), None, None))
+        if not all(row.prompt_key in keys for row in rows):
+            keys, fresh, logits = self._prefill(rows, u)
+            self._prefilled[u] = keys, fresh, logits
+        position = {key: j for j, key in enumerate(keys)}
         source = np.zeros((k,), np.int32)
         where = np.full((k,), self._size, np.int32)  # out of range: a padding row, dropped
         seeds, groups, samples = (np.zeros((k,), np.uint32) for _ in range(3))
         caps = np.ones((k,), np.int32)
         temperature, top_p = np.ones((k,), np.float32), np.ones((k,), np.float32)
         stops = np.full((k, self.stop_width), -1, np.int32)
-        prompt_row: dict = {}
         for i, (row, slot) in enumerate(zip(rows, slots)):
-            if row.prompt_key not in prompt_row:
-                j = prompt_row[row.prompt_key] = len(prompt_row)
-                ids[j, width - len(row.prompt):] = row.prompt
-                mask[j] = 0
-                mask[j, width - len(row.prompt):] = 1
             request = row.ticket.request
-            source[i], where[i] = prompt_row[row.prompt_key], slot
+            source[i], where[i] = position[row.prompt_key], slot
             seeds[i], groups[i], samples[i] = (int(request.seed), int(request.group_id) % 2 ** 32,
                                                int(request.sample_index) % 2 ** 32)
             caps[i], temperature[i], top_p[i], stops[i] = row.cap, row.temperature, request.top_p, row.stops
             self._occupant[slot] = row
-        self._state = _insert(self.graphdef, self._params, self._state, ids, mask, source, where, seeds, groups,
-                              samples, caps, temperature, top_p, stops, mode=self._mode, pad_id=self.pad_id,
-                              mesh=self.mesh)
+        self._state = _insert(self._state, fresh, logits, source, where, seeds, groups, samples, caps, temperature,
+                              top_p, stops, mode=self._mode, pad_id=self.pad_id, mesh=self.mesh)
         self.stats["inserts"] += 1
         self.stats["rows"] += len(rows)
-        self.stats["prefilled_prompts"] += len(prompt_row)
+
+    def _prefill(self, rows: list[_Row], u: int) -> tuple:
+        """(prompt keys, caches, last logits) of the distinct prompts of `rows`, padded to u prompts."""
+        width = self.prompt_len
+        ids = np.full((u, width), self.pad_id, np.int32)
+        mask = np.zeros((u, width), np.int32)
+        mask[:, -1] = 1  # padding prompts get one (pad) token so every prompt row has a real last position
+        keys: list = []
+        for row in rows:
+            if row.prompt_key not in keys:
+                j = len(keys)
+                keys.append(row.prompt_key)
+                ids[j, width - len(row.prompt):] = row.prompt
+                mask[j] = 0
+                mask[j, width - len(row.prompt):] = 1
+        self.stats["prefilled_prompts"] += len(keys)
+        return (tuple(keys), *_prefill(self.graphdef, self._params, ids, mask, mesh=self.mesh))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -698,6 +763,23 @@ class ContinuousSampler(SamplerBase):
         """The most engine programs this sampler can compile per (model structure, sampling mode)."""
         return program_bound(self.batch_buckets, len(self.prompt_buckets), self._dp, self.shrinks)
 
+    def _engine(self, arrays: list, n: int, slots: int, params, shrink: bool) -> Engine:
+        """The Engine of one call: `slots` slots at the smallest prompt bucket holding the longest prompt."""
+        prompt_len = pick_bucket(max(len(p) for p in arrays), self.prompt_buckets, "prompt length")
+        rows, prompts_per_insert = insert_sizes(slots, n, self._dp, self.max_new_tokens)
+        if self.insert_rows:
+            rows, prompts_per_insert = self.insert_rows, prompts_per_rows(self.insert_rows, n, self._dp)
+        engine = Engine(self.model, slots=slots, prompt_len=prompt_len, max_new_tokens=self.max_new_tokens,
+                        eos_token_ids=self.stop_ids, pad_token_id=self.pad_id, mesh=self.mesh,
+                        insert_rows=rows, prompts_per_insert=min(rows, prompts_per_insert),
+                        fill_prompts=prompts_per_rows(slots, n, self._dp),
+                        round_steps=self.round_steps or self.max_new_tokens,
+                        shrink_sizes=shrink_ladder(slots, self._dp) if shrink else (),
+                        stop_width=len(self._stop_array), fuse_adapters=self.fuse_adapters)
+        engine.set_params(params)
+        self.graphdef = engine.graphdef
+        return engine
+
     def sample(self, prompts: Sequence[Sequence[int]], *, params=None, n: int = 1, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, group_ids: Optional[Sequence[int]] = None,
                row_caps: Optional[Sequence[int]] = None) -> GenerationOutput:
@@ -707,20 +789,8 @@ class ContinuousSampler(SamplerBase):
         num_rows = len(arrays) * n
         if row_caps is not None and len(row_caps) != num_rows:
             raise ValueError(f"{len(row_caps)} row_caps for {num_rows} rows")
-        prompt_len = pick_bucket(max(len(p) for p in arrays), self.prompt_buckets, "prompt length")
         slots = next((b for b in self.batch_buckets if b >= num_rows), self.batch_size)
-        rows, prompts_per_insert = insert_sizes(slots, n, self._dp, self.max_new_tokens)
-        if self.insert_rows:
-            rows, prompts_per_insert = self.insert_rows, prompts_per_rows(self.insert_rows, n, self._dp)
-        engine = Engine(self.model, slots=slots, prompt_len=prompt_len, max_new_tokens=self.max_new_tokens,
-                        eos_token_ids=self.stop_ids, pad_token_id=self.pad_id, mesh=self.mesh,
-                        insert_rows=rows, prompts_per_insert=min(rows, prompts_per_insert),
-                        fill_prompts=prompts_per_rows(slots, n, self._dp),
-                        round_steps=self.round_steps or self.max_new_tokens,
-                        shrink_sizes=shrink_ladder(slots, self._dp) if self.shrinks else (),
-                        stop_width=len(self._stop_array), fuse_adapters=self.fuse_adapters)
-        engine.set_params(params)
-        self.graphdef = engine.graphdef
+        engine = self._engine(arrays, n, slots, params, self.shrinks)
         tickets = [engine.submit(Request(arrays[j], group_id=group_ids[j], sample_index=s, seed=int(seed),
                                          max_new_tokens=None if row_caps is None else int(row_caps[j * n + s]),
                                          temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
@@ -729,7 +799,7 @@ class ContinuousSampler(SamplerBase):
         engine.run()
         engine.release()
         done = [t.wait() for t in tickets]
-        stats = dict(engine.stats, slots=slots, prompt_len=prompt_len, batches=engine.stats["rounds"],
+        stats = dict(engine.stats, slots=slots, prompt_len=engine.prompt_len, batches=engine.stats["rounds"],
                      padded_rows=slots)
         return GenerationOutput(tokens=[c.tokens for c in done], logprobs=[c.logprobs for c in done],
                                 finish_reasons=[c.finish_reason for c in done],
@@ -737,3 +807,41 @@ class ContinuousSampler(SamplerBase):
                                 sample_indices=[r % n for r in range(num_rows)],
                                 prompt_lengths=[len(arrays[r // n]) for r in range(num_rows)],
                                 max_new_tokens=self.max_new_tokens, stats=stats)
+
+    def stream(self, prompts: Sequence[Sequence[int]], *, params=None, n: int = 1, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int = 0, group_ids: Optional[Sequence[int]] = None,
+               lookahead: Optional[int] = None) -> Iterator[tuple[int, list[Completion]]]:
+        """(prompt index, its n completions) for every prompt, in prompt order, from ONE engine fed as it goes.
+
+        The rows of later prompts are queued while fewer than `lookahead` rows wait (default: twice the slots, so
+        the queue outlasts a round's refills: a drained queue would let the engine shrink its slots), so
+        a slot freed by a finished row is refilled from the next prompts instead of idling until the last rows of
+        a batch end: a run pays for one tail, not one per batch of prompts. Everything happens between the
+        caller's `next()` calls (no thread): the schedule, and so every log-probability, is a function of the
+        inputs alone. `stats` (this object's attribute) holds the engine's counters once the stream is exhausted.
+        """
+        mode, arrays, group_ids = self._check_call(prompts, n, seed, temperature, top_p, top_k, group_ids)
+        del mode
+        num_rows = len(arrays) * n
+        slots = next((b for b in self.batch_buckets if b >= num_rows), self.batch_size)
+        # One tail per stream: the programs of a shrink ladder cost more to compile than they save on one tail.
+        engine = self._engine(arrays, n, slots, params, shrink=False)
+        lookahead = int(lookahead or 2 * slots)
+        pending: dict[int, list[Ticket]] = {}
+        queued = 0  # prompts whose rows are submitted
+        for j in range(len(arrays)):
+            while True:
+                while queued < len(arrays) and engine.queued < lookahead:
+                    pending[queued] = [engine.submit(Request(
+                        arrays[queued], group_id=group_ids[queued], sample_index=s, seed=int(seed),
+                        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), prompt_key=queued))
+                        for s in range(n)]
+                    queued += 1
+                if all(t.done for t in pending[j]):
+                    break
+                if engine.idle:
+                    raise RuntimeError(f"the engine went idle with prompt {j}'s rows unfinished")
+                engine.step()
+            yield j, [t.wait() for t in pending.pop(j)]
+        engine.release()
+        self.stats = dict(engine.stats, slots=slots, prompt_len=engine.prompt_len)

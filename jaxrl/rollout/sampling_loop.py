@@ -113,11 +113,14 @@ class SamplingLoop:
             # problems per collect call: the jax backend's compiled batch, a server's requests in flight
             per_batch = max(1, getattr(collector.backend, "batch_size", batch_size) // self.num_samples)
             counts.started = time.perf_counter()
-            for b in range(0, len(self.todo), per_batch):
-                chunk = self.todo[b:b + per_batch]
-                samples = collector.collect([prompt for _, prompt in chunk], [problem_key(p.id) for p, _ in chunk],
-                                            [p for p, _ in chunk], sampling,
-                                            wanted=lambda j, i: not self.is_done(chunk[j][0].id, i))
+            todo = self.todo
+            stream = collector.stream([prompt for _, prompt in todo], [problem_key(p.id) for p, _ in todo],
+                                      [p for p, _ in todo], sampling, chunk=per_batch,
+                                      wanted=lambda j, i: not self.is_done(todo[j][0].id, i))
+            for b, samples in stream:
+                chunk = todo[b:b + per_batch]
+                for s in samples:
+                    s.prompt_index -= b
                 by_problem: list[list[dict]] = [[] for _ in chunk]
                 for s in samples:
                     problem, prompt = chunk[s.prompt_index]

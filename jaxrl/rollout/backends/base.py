@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Protocol, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 MODEL_KINDS = ("base", "adapter", "hf")
 
@@ -97,3 +97,18 @@ class GenerationBackend(Protocol):
 
     def close(self) -> None: ...
 
+
+
+def chunked_stream(backend, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], sampling: SamplingParams,
+                   prompts_per_call: int) -> Iterator[tuple[int, list[Generation]]]:
+    """`stream` for a backend that generates a call at a time: `prompts_per_call` prompts per `generate` call,
+    yielded prompt by prompt in order."""
+    for start in range(0, len(prompts), max(1, prompts_per_call)):
+        gens = backend.generate(prompts[start:start + prompts_per_call], group_ids[start:start + prompts_per_call],
+                                sampling)
+        by_prompt: list[list[Generation]] = [[] for _ in prompts[start:start + prompts_per_call]]
+        for g in gens:
+            by_prompt[g.prompt_index].append(g)
+            g.prompt_index += start
+        for k, rows in enumerate(by_prompt):
+            yield start + k, rows

@@ -18,7 +18,7 @@ from absl import logging
 from jaxrl.models.adapters import attach, attached_digest, detach
 from jaxrl.models import qwen35
 from jaxrl.parallel.sharding import batch_shards
-from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
+from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams, chunked_stream
 from jaxrl.rollout.engine import ContinuousSampler
 from jaxrl.rollout.sampler import TRACE_COUNTS, Sampler, SamplerBase
 
@@ -133,6 +133,25 @@ class JaxBackend:
         self.compiled_programs = programs
         return [Generation(list(out.tokens[i]), out.finish_reasons[i], out.prompt_indices[i], out.sample_indices[i],
                            [float(x) for x in out.logprobs[i]]) for i in range(len(out))]
+
+    def stream(self, prompts, group_ids, sampling: SamplingParams, *, prompts_per_call: int):
+        """(prompt index, its `sampling.n` generations) for every prompt, in order, from one engine fed as it goes
+        (`ContinuousSampler.stream`: one tail for the whole run instead of one per call of `prompts_per_call`)."""
+        sampler = self.sampler(int(sampling.max_new_tokens))
+        if not isinstance(sampler, ContinuousSampler):  # the static reference: a call at a time
+            yield from chunked_stream(self, prompts, group_ids, sampling, prompts_per_call)
+            return
+        before = sampler_programs()
+        for j, completions in sampler.stream(prompts, n=sampling.n, temperature=sampling.temperature,
+                                             top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                                             group_ids=group_ids):
+            yield j, [Generation(list(c.tokens), c.finish_reason, j, i, [float(x) for x in c.logprobs])
+                      for i, c in enumerate(completions)]
+        self.compiled_programs = sampler_programs()
+        if self.compiled_programs > before:
+            logging.info("jax backend: %d sampler programs compiled in this process (%d by this stream; at most %s "
+                         "per model structure, sampling mode and cap)", self.compiled_programs,
+                         self.compiled_programs - before, sampler.program_bound())
 
     def close(self) -> None:
         self._model = self._base = None

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 
 from jaxrl.export.merge import read_provenance
 from jaxrl.export.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
-from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams
+from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams, chunked_stream
 
 logger = logging.getLogger(__name__)
 
@@ -416,6 +416,10 @@ class ServerBackend:
             for i, choice in enumerate(choices):
                 rows.append(self._generation(choice, j, i))
         return rows
+
+    def stream(self, prompts, group_ids, sampling: SamplingParams, *, prompts_per_call: int):
+        """`generate` a call of `prompts_per_call` prompts at a time, yielded prompt by prompt."""
+        yield from chunked_stream(self, prompts, group_ids, sampling, prompts_per_call)
 
     def _generation(self, choice: dict, j: int, i: int) -> Generation:
         tokens = choice.get("token_ids")
