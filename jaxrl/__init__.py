@@ -2,8 +2,8 @@
 evaluation with intervals, diagnostics and sweeps.
 
 Packages, bottom to top (`LAYERS`). A package imports only packages below it, at module top or inside a function
-(tests/test_layers.py checks every import of every module); `jaxrl.demo`, `launchers/` and `configs/` sit above
-them all.
+(tests/test_layers.py checks every import of every module); `jaxrl.demo` (and its settings, `jaxrl.demo_settings`),
+`launchers/` and `configs/` sit above them all.
 """
 
 LAYERS = ("utils", "ops", "parallel", "models", "data", "rewards", "export", "rollout", "train", "algorithms",

@@ -30,7 +30,6 @@ prompt, which LoRA can teach it in tens of steps, so the report shows a real gai
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -63,9 +62,9 @@ from jaxrl.models.qwen35.config import tiny
 from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer, minimal_vocab_size
+from jaxrl.demo_settings import MARKER, DemoSettings
 from jaxrl.utils.io import write_jsonl
 
-MARKER = ".jaxrl-demo"  # in a folder the demo made: what `launchers.demo --fresh` may delete
 DIGITS = "0123456789"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 ALPHABETS = {"digits": DIGITS, "letters": LETTERS}
@@ -74,34 +73,6 @@ ALPHABETS = {"digits": DIGITS, "letters": LETTERS}
 HEAD_SCALE = 10.0
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "lemon", "piano", "zebra", "north",
          "candle", "forest", "silver", "rocket", "garden")
-
-
-@dataclasses.dataclass
-class DemoSettings:
-    """Sizes of the demo; `quick` (tests) shrinks every stage."""
-
-    train_problems: int = 192
-    eval_problems: int = 128  # halves: dev (selection) and held-out (confirmation)
-    samples: int = 8  # K rollouts per training prompt
-    max_new_tokens: int = 8
-    sft_steps: int = 200
-    dpo_steps: int = 48
-    dpo_checkpoint_every: int = 8
-    # GRPO, like DPO, sits on a plateau for its first ~15-30 updates here (the adapter must learn to carry the
-    # requested alphabet from the prompt to the answer) and climbs after; 48 steps = DPO's, so the report
-    # compares the two at equal step counts.
-    grpo_steps: int = 48
-    grpo_checkpoint_every: int = 8
-    grpo_learning_rate: float = 3e-3
-    grpo_prompts_per_step: int = 8
-    grpo_beta: float = 0.04
-    eval_samples: int = 4
-    seed: int = 0
-
-    @classmethod
-    def quick(cls) -> "DemoSettings":
-        return cls(train_problems=96, eval_problems=32, sft_steps=120, dpo_steps=16, dpo_checkpoint_every=8,
-                   grpo_steps=4, grpo_checkpoint_every=4, eval_samples=2)
 
 
 # ------------------------------------------------------------------------------------------------------ data

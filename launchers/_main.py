@@ -36,23 +36,19 @@ from typing import Callable, Optional
 
 from absl import app, flags
 
-from jaxrl.utils import compile_cache, interrupt
+from jaxrl.utils import compile_cache, dataclass_flags, interrupt
 from jaxrl.utils.io import damaged_file, disk_full
-from jaxrl.utils.logs import note_disk_full, own_file, quiet_libraries
+from jaxrl.utils.logs import LogSettings, note_disk_full, own_file, quiet_libraries
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3  # launchers.train, jaxrl.sweep.point
 
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for every error and the libraries' INFO logs "
-                             "(Orbax, jax, ...).")
+_VERBOSE = dataclass_flags.define_flags(LogSettings)["verbose"]
 
 # --compilation_cache, defined by run() (not here: launchers.sweep defines a flag of that name with its own meaning,
 # and a second definition at import would fail); None when the launcher owns the name or did not start via run().
 _COMPILATION_CACHE: Optional[flags.FlagHolder] = None
-_CACHE_HELP = ("JAX's persistent compilation cache: a folder, or none. Default $XDG_CACHE_HOME/jaxrl/xla (else "
-               "~/.cache/jaxrl/xla); an inherited JAX_COMPILATION_CACHE_DIR wins. A rerun on this machine loads "
-               "its compiled programs instead of compiling them again.")
 
 # --verbose is shown by every launcher's --help: run() declares it a key flag of the calling launcher, which absl
 # attributes to the first module on the stack that has not disclaimed key flags.
@@ -311,7 +307,7 @@ def run(main: Callable, *, interruptible: bool = False) -> None:
     if "compilation_cache" not in flags.FLAGS:
         # defined here, after the launcher's own flags: absl attributes it to the launcher (this module disclaims
         # its flags), so --helpshort lists it
-        _COMPILATION_CACHE = flags.DEFINE_string("compilation_cache", None, _CACHE_HELP)
+        _COMPILATION_CACHE = dataclass_flags.define_flags(compile_cache.CacheSettings)["compilation_cache"]
 
     def wrapped(argv):
         return call(main, argv, name, interruptible)

@@ -22,54 +22,33 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from absl import app, flags, logging
+from absl import app, logging
 
 from jaxrl.data import pairs as pairs_lib
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
-_ROLLOUTS = flags.DEFINE_string("rollouts", None, "rollouts.jsonl to build pairs from.")
-_PAIRS_IN = flags.DEFINE_string("pairs_in", None, "Existing pairs.jsonl to filter (instead of --rollouts).")
-_PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl giving the prompt messages when the rollouts "
-                                "carry no 'messages'.")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Output folder for pairs.jsonl, audit.json and cohort/.")
-_MIN_MARGIN = flags.DEFINE_float("min_margin", 0.5, "Minimum chosen - rejected partial reward.")
-_TRUNCATION_BUFFER = flags.DEFINE_integer("truncation_buffer", 24, "A completion with more than "
-                                          "max_new_tokens - truncation_buffer tokens counts as truncated.")
-_MAX_LENGTH_DIFF = flags.DEFINE_integer("max_length_diff", 512, "Maximum |chosen_tokens - rejected_tokens|.")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Generation cap, used for records that do not "
-                                       "carry their own max_new_tokens.")
-_PAIRING = flags.DEFINE_enum("pairing", "single", list(pairs_lib.PAIRINGS),
-                             "single: one pair a prompt; all: every admissible pair.")
-_SELECTION = flags.DEFINE_enum("selection", "best_worst", list(pairs_lib.SELECTIONS),
-                               "best_worst: best vs worst or drop the prompt; best_admissible: fall back to the "
-                               "admissible pair with the largest margin.")
-_COHORT_SIZE = flags.DEFINE_integer("cohort_size", 0, "If > 0, freeze this many pairs into out_dir/cohort/.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the cohort selection.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out_dir holds (pairs.jsonl, audit.json, "
-                                "cohort/) when this build gives other pairs or another cohort.")
-_SKIP_MALFORMED = flags.DEFINE_bool("skip_malformed", False, "Skip (and count) malformed input lines instead "
-                                    "of failing.")
+_FILTERS = dataclass_flags.define_flags(pairs_lib.PairConfig)  # --min_margin, --pairing, ...
+_BUILD = dataclass_flags.define_flags(pairs_lib.BuildPairsSettings)  # --rollouts, --out_dir, --cohort_size, ...
 
 
 def run() -> dict:
     """Does the work for the parsed flags; returns the audit."""
-    if bool(_ROLLOUTS.value) == bool(_PAIRS_IN.value):
+    build = dataclass_flags.config_from_flags(pairs_lib.BuildPairsSettings, _BUILD)
+    if bool(build.rollouts) == bool(build.pairs_in):
         raise app.UsageError("pass exactly one of --rollouts and --pairs_in")
-    if not _OUT_DIR.value:
+    if not build.out_dir:
         raise app.UsageError("--out_dir is required")
-    out_dir = Path(_OUT_DIR.value)
-    config = pairs_lib.PairConfig(
-        min_margin=_MIN_MARGIN.value, truncation_buffer=_TRUNCATION_BUFFER.value,
-        max_length_diff=_MAX_LENGTH_DIFF.value, max_new_tokens=_MAX_NEW_TOKENS.value,
-        pairing=_PAIRING.value, selection=_SELECTION.value)
-    if _COHORT_SIZE.value < 0:
-        raise app.UsageError(f"--cohort_size must be >= 0, got {_COHORT_SIZE.value}")
+    out_dir = Path(build.out_dir)
+    config = dataclass_flags.config_from_flags(pairs_lib.PairConfig, _FILTERS)
+    if build.cohort_size < 0:
+        raise app.UsageError(f"--cohort_size must be >= 0, got {build.cohort_size}")
 
     skipped: list[str] = []
-    if _ROLLOUTS.value:
-        src = _ROLLOUTS.value
-        samples = pairs_lib.read_rollouts(src, skip_malformed=_SKIP_MALFORMED.value, skipped=skipped)
-        messages = pairs_lib.read_problem_messages(_PROBLEMS.value) if _PROBLEMS.value else None
+    if build.rollouts:
+        src = build.rollouts
+        samples = pairs_lib.read_rollouts(src, skip_malformed=build.skip_malformed, skipped=skipped)
+        messages = pairs_lib.read_problem_messages(build.problems) if build.problems else None
         warning = pairs_lib.truncation_buffer_warning(samples, config, src)
         if warning:
             logging.warning("%s", warning)
@@ -77,10 +56,10 @@ def run() -> dict:
         n_records = len(samples)
         reward = pairs_lib.rollouts_reward(src)
     else:
-        src = _PAIRS_IN.value
+        src = build.pairs_in
         if Path(src).resolve() == (out_dir / "pairs.jsonl").resolve():
             raise app.UsageError(f"--pairs_in {src} is the output file; choose another --out_dir")
-        records = pairs_lib.read_pairs(src, skip_malformed=_SKIP_MALFORMED.value, skipped=skipped)
+        records = pairs_lib.read_pairs(src, skip_malformed=build.skip_malformed, skipped=skipped)
         pairs, audit = pairs_lib.filter_pairs(records, config)
         n_records = len(records)
         reward = pairs_lib.recorded_reward(src)
@@ -89,11 +68,11 @@ def run() -> dict:
     audit["reward"] = reward  # None when the input does not say (the pair audit then cannot re-score)
     if not pairs:
         raise pairs_lib.NoPairsError(pairs_lib.no_pairs_message(audit, os.fspath(src)))
-    cohort = (_COHORT_SIZE.value, _SEED.value) if _COHORT_SIZE.value > 0 else None
+    cohort = (build.cohort_size, build.seed) if build.cohort_size > 0 else None
     if cohort and cohort[0] > len(pairs):
         raise ValueError(f"--cohort_size={cohort[0]} exceeds the {len(pairs)} pairs this build keeps")
     # refused here, before anything is written, when out_dir holds other pairs / another cohort
-    action = pairs_lib.check_build_output(out_dir, pairs, overwrite=_OVERWRITE.value, cohort=cohort)
+    action = pairs_lib.check_build_output(out_dir, pairs, overwrite=build.overwrite, cohort=cohort)
     if action == "replace":
         removed = pairs_lib.remove_cohort(out_dir)
         if removed:

@@ -20,48 +20,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from absl import app, flags
+from absl import app
 
+from jaxrl.sweep.flags import CompareSettings
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
-_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep folder (launchers.sweep --out).")
-_OUT = flags.DEFINE_string("out", None, "Output folder (default: the sweep folder).")
-_BASELINE = flags.DEFINE_string("baseline", None, "Baseline point: a slug, or axis=value[,axis=value] (axes left "
-                                "open pair each point with the baseline of its own seed / other labels).")
-_METRIC = flags.DEFINE_list("metric", None, "Evaluation metrics with per-checkpoint columns (default: "
-                            "partial_reward_mean, strict_rate, eval_preference_accuracy, eval_reward_margin, as "
-                            "present).")
-_STEPS = flags.DEFINE_list("steps", None, "Only these checkpoint steps (default: every evaluated one).")
-_SORT = flags.DEFINE_string("sort", None, "Sort by this column; '-col' for descending.")
-_FILTER = flags.DEFINE_multi_string("filter", [], "Keep rows where COLUMN OP VALUE holds (repeatable).")
-_PLOT = flags.DEFINE_string("plot_metric", None, "Column plotted against each axis (default: the first metric at "
-                            "the last evaluated step).")
-_LAST_K = flags.DEFINE_integer("last_k", 5, "Training summary: mean of the last k steps.")
-_N_RESAMPLES = flags.DEFINE_integer("n_resamples", 10000, "Bootstrap resamples of the paired intervals.")
-_CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Interval confidence level.")
-_SEED = flags.DEFINE_integer("seed", 0, "Bootstrap seed.")
+_F = dataclass_flags.define_flags(CompareSettings)  # a flag per CompareSettings field
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not _SWEEP_DIR.value:
-        raise app.UsageError("--sweep_dir is required")
-    if not Path(_SWEEP_DIR.value).is_dir():
-        raise FileNotFoundError(f"{_SWEEP_DIR.value}: no such sweep folder (--sweep_dir)")
-    if not 0 < _CONFIDENCE.value < 1 or _N_RESAMPLES.value < 1 or _LAST_K.value < 1:
+    s = dataclass_flags.config_from_flags(CompareSettings, _F)  # --sweep_dir is required; --steps: integers
+    if not Path(s.sweep_dir).is_dir():
+        raise FileNotFoundError(f"{s.sweep_dir}: no such sweep folder (--sweep_dir)")
+    if not 0 < s.confidence < 1 or s.n_resamples < 1 or s.last_k < 1:
         raise app.UsageError(f"--confidence must be in (0, 1), --n_resamples and --last_k >= 1; got "
-                             f"{_CONFIDENCE.value}, {_N_RESAMPLES.value}, {_LAST_K.value}")
-    try:
-        steps = [int(s) for s in _STEPS.value] if _STEPS.value else None
-    except ValueError:
-        raise app.UsageError(f"--steps: expected integers, got {','.join(_STEPS.value)}") from None
+                             f"{s.confidence}, {s.n_resamples}, {s.last_k}")
     from jaxrl.sweep.report import write_comparison
     # a bad column, operator or value fails in build_table, before the first write (launchers/_main.py prints it)
     paths = write_comparison(
-        _SWEEP_DIR.value, _OUT.value, plot_metric=_PLOT.value, baseline=_BASELINE.value,
-        metrics=_METRIC.value, steps=steps, last_k=_LAST_K.value, sort=_SORT.value, filters=_FILTER.value,
-        n_resamples=_N_RESAMPLES.value, confidence=_CONFIDENCE.value, seed=_SEED.value)
+        s.sweep_dir, s.out, plot_metric=s.plot_metric, baseline=s.baseline,
+        metrics=list(s.metric) if s.metric is not None else None, steps=list(s.steps) if s.steps else None,
+        last_k=s.last_k, sort=s.sort, filters=s.filter, n_resamples=s.n_resamples, confidence=s.confidence,
+        seed=s.seed)
     print(paths["md"].read_text())
     print("compare: wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -16,51 +16,47 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import app
 
+from jaxrl.models.qwen35.flags import ConvertSettings
+from jaxrl.utils import dataclass_flags
 from jaxrl.utils.io import OutputExistsError, atomic_folder
 from launchers import _main
 
-FLAGS = flags.FLAGS
-flags.DEFINE_enum("to", None, ["orbax", "hf"], "Target format.")
-flags.DEFINE_string("src", None, "Source: an HF folder, or a jaxrl Orbax params folder (has jaxrl_model.json).")
-flags.DEFINE_string("out", None, "Output folder.")
-flags.DEFINE_string("base", None, "For --to=hf: the HF folder whose layout, dtypes and non-language files to keep.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "In-memory dtype while converting.")
-flags.DEFINE_bool("overwrite", False, "Replace an existing --out (once the new one is complete).")
-flags.mark_flags_as_required(["to", "src", "out"])
+_F = dataclass_flags.define_flags(ConvertSettings, mark_required=True)  # --to, --src and --out: absl-required
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.to == "hf" and not FLAGS.base:
+    s = dataclass_flags.config_from_flags(ConvertSettings, _F)
+    if s.to == "hf" and not s.base:
         raise app.UsageError("--to=hf needs --base: the HF folder to take layout, dtypes and other files from")
-    if not os.path.isdir(FLAGS.src):
-        raise FileNotFoundError(f"{FLAGS.src}: no such folder (--src)")
-    out = os.path.abspath(FLAGS.out)
-    if os.path.abspath(FLAGS.src) == out or (FLAGS.base and os.path.abspath(FLAGS.base) == out):
-        raise app.UsageError(f"--out={FLAGS.out} is the source; choose another folder")
-    if os.path.exists(out) and not FLAGS.overwrite:  # before anything is loaded
+    if not os.path.isdir(s.src):
+        raise FileNotFoundError(f"{s.src}: no such folder (--src)")
+    out = os.path.abspath(s.out)
+    if os.path.abspath(s.src) == out or (s.base and os.path.abspath(s.base) == out):
+        raise app.UsageError(f"--out={s.out} is the source; choose another folder")
+    if os.path.exists(out) and not s.overwrite:  # before anything is loaded
         raise OutputExistsError(f"{out}: already exists; choose another --out, or pass --overwrite to replace it")
     import jax.numpy as jnp
 
     from jaxrl.models import qwen35
     from jaxrl.models.qwen35.orbax_io import META_FILE, load_orbax_params, save_orbax_params
 
-    dtype = jnp.bfloat16 if FLAGS.dtype == "bfloat16" else jnp.float32
-    src_is_orbax = os.path.isfile(os.path.join(FLAGS.src, META_FILE))
-    if FLAGS.to == "hf":
-        qwen35.config.load_hf_config(FLAGS.base)  # a --base that is no HF folder fails before the model loads
-    model = (load_orbax_params(FLAGS.src, dtype=dtype) if src_is_orbax
-             else qwen35.from_pretrained(FLAGS.src, dtype=dtype))
-    with atomic_folder(out, overwrite=FLAGS.overwrite) as tmp:
-        if FLAGS.to == "orbax":
-            save_orbax_params(model, tmp, hf_source=None if src_is_orbax else os.path.abspath(FLAGS.src))
+    dtype = jnp.bfloat16 if s.dtype == "bfloat16" else jnp.float32
+    src_is_orbax = os.path.isfile(os.path.join(s.src, META_FILE))
+    if s.to == "hf":
+        qwen35.config.load_hf_config(s.base)  # a --base that is no HF folder fails before the model loads
+    model = (load_orbax_params(s.src, dtype=dtype) if src_is_orbax
+             else qwen35.from_pretrained(s.src, dtype=dtype))
+    with atomic_folder(out, overwrite=s.overwrite) as tmp:
+        if s.to == "orbax":
+            save_orbax_params(model, tmp, hf_source=None if src_is_orbax else os.path.abspath(s.src))
         else:
-            qwen35.save_pretrained(model, tmp, base_dir=FLAGS.base)
-    print(f"convert: wrote {FLAGS.to} to {FLAGS.out} ({sum(1 for _ in qwen35.checkpoint.base_params(model))} "
-          f"tensors, dtype {FLAGS.dtype})")
+            qwen35.save_pretrained(model, tmp, base_dir=s.base)
+    print(f"convert: wrote {s.to} to {s.out} ({sum(1 for _ in qwen35.checkpoint.base_params(model))} "
+          f"tensors, dtype {s.dtype})")
 
 
 if __name__ == "__main__":

@@ -16,16 +16,11 @@ import shutil
 
 from absl import app, flags, logging
 
+from jaxrl.demo_settings import MARKER, DemoRunSettings
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
-_WORKDIR = flags.DEFINE_string("workdir", "demo_workdir", "Output folder (resumed when it exists).")
-_FRESH = flags.DEFINE_bool("fresh", False, "Delete --workdir first (only a folder the demo made: it holds the "
-                           "demo's .jaxrl-demo mark).")
-_QUICK = flags.DEFINE_bool("quick", False, "Smaller stages (fewer prompts and steps): for tests.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the tiny model, the tasks and every sampler.")
-_QUICK_COMPILES = flags.DEFINE_bool(
-    "quick_compiles", True, "Compile with LLVM at -O0 (XLA_FLAGS=--xla_backend_optimization_level=0) unless "
-    "XLA_FLAGS already sets a level: the demo's programs are tiny, so compiling them is most of its time on a CPU.")
+_F = dataclass_flags.define_flags(DemoRunSettings)  # a flag per DemoRunSettings field
 
 
 def _quick_compiles() -> None:
@@ -56,16 +51,15 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if _QUICK_COMPILES.value:
+    run = dataclass_flags.config_from_flags(DemoRunSettings, _F)
+    if run.quick_compiles:
         _quick_compiles()
     if not flags.FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # the demo prints its own one-line-per-stage progress
-    from jaxrl.demo import MARKER, Demo, DemoSettings
-    if _FRESH.value:
-        _clear(_WORKDIR.value, MARKER)
-    settings = DemoSettings.quick() if _QUICK.value else DemoSettings()
-    settings.seed = _SEED.value
-    report = Demo(_WORKDIR.value, settings, log=lambda m: print(m, flush=True)).run()
+    if run.fresh:
+        _clear(run.workdir, MARKER)
+    from jaxrl.demo import Demo
+    report = Demo(run.workdir, run.demo_settings(), log=lambda m: print(m, flush=True)).run()
     print(f"\nreport: {report}\nopen it in a browser (file://{os.path.abspath(report)})")
     return 0
 

@@ -17,68 +17,36 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from absl import app, flags
+from absl import app
 
 from jaxrl.data import formats
+from jaxrl.diagnostics.flags import DRIFT_MAX_NEW_TOKENS, WHATS, DiagnoseSettings
+from jaxrl.utils import dataclass_flags
 from jaxrl.utils.io import read_jsonl, write_jsonl
 from launchers import _main
 
-_WHAT = flags.DEFINE_enum("what", None, ["drift", "pairs", "diff", "termination", "curves"], "Which diagnostic.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: eval/ is read from it, diagnostics/ written to it.")
-_EVAL_DIR = flags.DEFINE_string("eval_dir", None, "Evaluation folder (default WORKDIR/eval).")
-_OUT = flags.DEFINE_string("out", None, "Output JSON (default WORKDIR/diagnostics/<what>.json).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of every sample drawn (semantic audit, bootstrap).")
-# pairs
-_PAIRS = flags.DEFINE_string("pairs", None, "pairs.jsonl to audit (--what=pairs).")
-_PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl: semantic audit (pairs) / prompts (drift).")
-_SAMPLE_SIZE = flags.DEFINE_integer("sample_size", 20, "Chosen completions re-scored by the semantic audit.")
-_REWARD = flags.DEFINE_string("reward", None, "pairs: the reward to re-score chosen completions with (default: the "
-                              "one the pairs were scored with, from the audit.json beside them or their rollouts' "
-                              ".meta.json; unknown: the semantic audit says it cannot judge).")
-_TIMEOUT = flags.DEFINE_float("timeout_s", 2.0, "Code verifier timeout per test (semantic audit, reward code).")
-_WORKERS = flags.DEFINE_integer("workers", 2, "Code verifier sandboxes (semantic audit, reward code).")
-_CAP = flags.DEFINE_integer("max_new_tokens", None, "pairs: generation cap for records without one; drift: "
-                            "length of the generated continuations (default 64).")
-# diff
-_MODEL_A = flags.DEFINE_string("model_a", "base", "diff: the reference model (eval/samples/<name>.jsonl).")
-_MODEL_B = flags.DEFINE_string("model_b", None, "diff: the other model (default: the best checkpoint).")
-_SIM = flags.DEFINE_float("similarity_threshold", 0.6, "diff: code similarity below which a change is "
-                          "tagged 'algorithm'.")
-# termination / curves
-_THRESHOLD = flags.DEFINE_float("threshold", 0.10, "termination: truncation rate flagged as censoring.")
-_BINS = flags.DEFINE_integer("n_bins", 8, "termination: completion-length bins.")
-_TOL = flags.DEFINE_float("tol", 0.0, "curves: moves up to this size count as flat (non-monotonic flag).")
-# drift
-_BASE = flags.DEFINE_string("base_model", None, "drift: HF folder of the base model.")
-_ADAPTERS = flags.DEFINE_string("adapters", None, "drift: folder of PEFT adapters named step_N/ (or "
-                                "checkpoint-N/, N/).")
-_STEPS = flags.DEFINE_list("steps", None, "drift: steps to measure (default: every adapter found).")
-_SEQUENCES = flags.DEFINE_string("sequences", None, "drift: JSONL of {prompt_ids, continuation_ids} to reuse "
-                                 "(written next to the output on the first run).")
-_N_PROMPTS = flags.DEFINE_integer("n_prompts", 8, "drift: prompts taken from --problems (first N).")
-_BATCH = flags.DEFINE_integer("batch_size", 4, "drift: rows per forward pass.")
-_THINKING = flags.DEFINE_bool("enable_thinking", False, "drift: chat template's thinking switch.")
+_F = dataclass_flags.define_flags(DiagnoseSettings)  # a flag per DiagnoseSettings field
 
 
-def _out_path(what: str) -> Path:
-    if _OUT.value:
-        return Path(_OUT.value)
-    if not _WORKDIR.value:
+def _out_path(s: DiagnoseSettings) -> Path:
+    if s.out:
+        return Path(s.out)
+    if not s.workdir:
         raise app.UsageError("pass --workdir or --out")
-    return formats.diagnostics_path(_WORKDIR.value, what)
+    return formats.diagnostics_path(s.workdir, s.what)
 
 
-def _eval_dir() -> Path:
-    if _EVAL_DIR.value:
-        return Path(_EVAL_DIR.value)
-    if not _WORKDIR.value:
+def _eval_dir(s: DiagnoseSettings) -> Path:
+    if s.eval_dir:
+        return Path(s.eval_dir)
+    if not s.workdir:
         raise app.UsageError("pass --workdir or --eval_dir")
-    return Path(_WORKDIR.value) / formats.EVAL_DIR
+    return Path(s.workdir) / formats.EVAL_DIR
 
 
-def _curves() -> tuple[dict, str]:
+def _curves(s: DiagnoseSettings) -> tuple[dict, str]:
     from jaxrl.diagnostics.curves import curves_from_eval_dir
-    res = curves_from_eval_dir(_eval_dir(), seed=_SEED.value, tol=_TOL.value)
+    res = curves_from_eval_dir(_eval_dir(s), seed=s.seed, tol=s.tol)
     lines = []
     for metric, mc in res["metrics"].items():
         pts = ", ".join(f"{p['step']}: {p['value']:.4f}" for p in mc["points"])
@@ -86,13 +54,13 @@ def _curves() -> tuple[dict, str]:
     return res, "\n".join(lines)
 
 
-def _termination() -> tuple[dict, str]:
+def _termination(s: DiagnoseSettings) -> tuple[dict, str]:
     from jaxrl.diagnostics.curves import load_eval_samples
     from jaxrl.diagnostics.termination import termination_analysis
-    samples = load_eval_samples(_eval_dir())
+    samples = load_eval_samples(_eval_dir(s))
     if not samples:
-        raise app.UsageError(f"{_eval_dir() / formats.SAMPLES_DIR}: no sample files")
-    res = termination_analysis(samples, n_bins=_BINS.value, threshold=_THRESHOLD.value)
+        raise app.UsageError(f"{_eval_dir(s) / formats.SAMPLES_DIR}: no sample files")
+    res = termination_analysis(samples, n_bins=s.n_bins, threshold=s.threshold)
     lines = []
     for n, m in res["models"].items():
         u = m["metrics"]["untruncated"]
@@ -102,13 +70,13 @@ def _termination() -> tuple[dict, str]:
     return res, "\n".join(lines)
 
 
-def _diff() -> tuple[dict, str]:
+def _diff(s: DiagnoseSettings) -> tuple[dict, str]:
     from jaxrl.diagnostics.curves import load_eval_samples
     from jaxrl.diagnostics.generation_diff import diff_generations
     from jaxrl.diagnostics.report import default_diff_pairs
-    eval_dir = _eval_dir()
+    eval_dir = _eval_dir(s)
     samples = load_eval_samples(eval_dir)
-    a, b = _MODEL_A.value, _MODEL_B.value
+    a, b = s.model_a, s.model_b
     if b is None:
         pairs = default_diff_pairs(formats.read_results(eval_dir), samples)
         if not pairs:
@@ -118,26 +86,26 @@ def _diff() -> tuple[dict, str]:
         if name not in samples:
             raise app.UsageError(f"{formats.samples_path(eval_dir, name)}: no such samples file; have "
                                  f"{sorted(samples)}")
-    res = diff_generations(samples[a], samples[b], name_a=a, name_b=b, similarity_threshold=_SIM.value)
-    s = res["summary"]
-    lines = [f"{b} vs {a}: {s['n_changed']} of {s['n_compared']} samples changed "
-             f"(mean partial {100 * s['mean_partial_diff']:+.2f} pp)"]
+    res = diff_generations(samples[a], samples[b], name_a=a, name_b=b, similarity_threshold=s.similarity_threshold)
+    summary = res["summary"]
+    lines = [f"{b} vs {a}: {summary['n_changed']} of {summary['n_compared']} samples changed "
+             f"(mean partial {100 * summary['mean_partial_diff']:+.2f} pp)"]
     lines += [f"  {t}: {v['n']} ({v['improved']} improved, {v['worsened']} worsened), "
-              f"net {100 * v['net_delta']:+.2f} pp" for t, v in s["by_tag"].items() if v["n"]]
+              f"net {100 * v['net_delta']:+.2f} pp" for t, v in summary["by_tag"].items() if v["n"]]
     return res, "\n".join(lines)
 
 
-def _pairs() -> tuple[dict, str]:
+def _pairs(s: DiagnoseSettings) -> tuple[dict, str]:
     from jaxrl.data.pairs import PairConfig
     from jaxrl.diagnostics.pair_audit import audit_pairs
-    if not _PAIRS.value:
+    if not s.pairs:
         raise app.UsageError("--what=pairs needs --pairs")
-    if _REWARD.value:
+    if s.reward:
         from jaxrl.rollout.runner import check_reward_choice
-        check_reward_choice(_REWARD.value, {})
-    res = audit_pairs(_PAIRS.value, config=PairConfig(max_new_tokens=_CAP.value), problems=_PROBLEMS.value,
-                      reward=_REWARD.value, sample_size=_SAMPLE_SIZE.value, seed=_SEED.value,
-                      timeout_s=_TIMEOUT.value, workers=_WORKERS.value)
+        check_reward_choice(s.reward, {})
+    res = audit_pairs(s.pairs, config=PairConfig(max_new_tokens=s.max_new_tokens), problems=s.problems,
+                      reward=s.reward, sample_size=s.sample_size, seed=s.seed, timeout_s=s.timeout_s,
+                      workers=s.workers)
     lb = res["length_bias"]
     lines = [f"{res['n_pairs']} pairs"]
     if lb.get("n_pairs"):
@@ -153,35 +121,36 @@ def _pairs() -> tuple[dict, str]:
     return res, "\n".join(lines)
 
 
-def _drift(out: Path) -> tuple[dict, str]:
+def _drift(s: DiagnoseSettings, out: Path) -> tuple[dict, str]:
     from jaxrl.diagnostics import drift
-    if not (_BASE.value and _ADAPTERS.value):
+    if not (s.base_model and s.adapters):
         raise app.UsageError("--what=drift needs --base_model and --adapters")
-    found = drift.find_peft_checkpoints(_ADAPTERS.value)
+    found = drift.find_peft_checkpoints(s.adapters)
     if not found:
-        raise app.UsageError(f"{_ADAPTERS.value}: no PEFT adapter folders named step_N/ (with "
+        raise app.UsageError(f"{s.adapters}: no PEFT adapter folders named step_N/ (with "
                              "adapter_model.safetensors)")
-    steps = [int(s) for s in _STEPS.value] if _STEPS.value else sorted(found)
+    steps = list(s.steps) if s.steps else sorted(found)
     missing = [s for s in steps if s not in found]
     if missing:
         raise app.UsageError(f"no adapter for steps {missing}; found {sorted(found)}")
     import jax.numpy as jnp
 
     from jaxrl.models import qwen35
-    model = qwen35.from_pretrained(_BASE.value, dtype=jnp.float32)
-    if _SEQUENCES.value:
-        seqs = [(r["prompt_ids"], r["continuation_ids"]) for r in read_jsonl(_SEQUENCES.value)]
+    model = qwen35.from_pretrained(s.base_model, dtype=jnp.float32)
+    if s.sequences:
+        seqs = [(r["prompt_ids"], r["continuation_ids"]) for r in read_jsonl(s.sequences)]
     else:
-        if not _PROBLEMS.value:
+        if not s.problems:
             raise app.UsageError("--what=drift needs --problems (prompts) or --sequences")
-        seqs = drift.fixed_sequences(model, _BASE.value, _PROBLEMS.value, n_prompts=_N_PROMPTS.value,
-                                     max_new_tokens=_CAP.value or 64, enable_thinking=_THINKING.value)
+        seqs = drift.fixed_sequences(model, s.base_model, s.problems, n_prompts=s.n_prompts,
+                                     max_new_tokens=s.max_new_tokens or DRIFT_MAX_NEW_TOKENS,
+                                     enable_thinking=s.enable_thinking)
         seq_path = out.with_name(out.stem + "_sequences.jsonl")
         write_jsonl(seq_path, [{"prompt_ids": list(map(int, p)), "continuation_ids": list(map(int, c))}
                                for p, c in seqs])
         print(f"fixed sequences written to {seq_path} (reuse with --sequences)")
-    res = drift.model_checkpoint_drift(_BASE.value, {s: drift.load_peft_adapter(found[s]) for s in steps}, seqs,
-                                       steps=steps, batch_size=_BATCH.value, model=model)
+    res = drift.model_checkpoint_drift(s.base_model, {k: drift.load_peft_adapter(found[k]) for k in steps}, seqs,
+                                       steps=steps, batch_size=s.batch_size, model=model)
     lines = [f"step {r['step']}: KL {r['kl_to_base']:.5f} per token ({r['n_tokens']} tokens), update norm "
              f"{r['update_norm']['total']:.4g}" for r in res["per_step"]]
     return res, "\n".join(lines)
@@ -190,18 +159,18 @@ def _drift(out: Path) -> tuple[dict, str]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    what = _WHAT.value
+    s = dataclass_flags.config_from_flags(DiagnoseSettings, _F)
+    what = s.what
     if what is None:
-        raise app.UsageError("--what is required: drift, pairs, diff, termination or curves")
-    out = _out_path(what)
-    if what != "drift" and _WORKDIR.value and not _EVAL_DIR.value and what != "pairs" and \
-            not Path(_WORKDIR.value).is_dir():
-        raise FileNotFoundError(f"{_WORKDIR.value}: no such run folder (--workdir)")
+        raise app.UsageError(f"--what is required: {', '.join(WHATS[:-1])} or {WHATS[-1]}")
+    out = _out_path(s)
+    if what != "drift" and s.workdir and not s.eval_dir and what != "pairs" and not Path(s.workdir).is_dir():
+        raise FileNotFoundError(f"{s.workdir}: no such run folder (--workdir)")
     # a missing or malformed input is one line (launchers/_main.py); nothing is written before the result
     if what == "drift":
-        res, summary = _drift(out)
+        res, summary = _drift(s, out)
     else:
-        res, summary = {"curves": _curves, "termination": _termination, "diff": _diff, "pairs": _pairs}[what]()
+        res, summary = {"curves": _curves, "termination": _termination, "diff": _diff, "pairs": _pairs}[what](s)
     formats.write_diagnostic(out, res)
     print(summary)
     for f in res.get("flags", []):

@@ -40,60 +40,31 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import app
 
+from jaxrl.export import ExportSettings, run_export
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Adapter checkpoint (workdir, checkpoints/, adapters/, "
-                                  "adapters/<step>) or a PEFT adapter folder.")
-_STEP = flags.DEFINE_integer("step", None, "Adapter step to export (default: the newest).")
-_BASE = flags.DEFINE_string("base", None, "The base HF folder the adapter was trained on (default: the model_path "
-                            "recorded in the adapter checkpoint).")
-_OUT = flags.DEFINE_string("out", None, "Output folder.")
-_MERGE = flags.DEFINE_bool("merge", False, "Write the merged full checkpoint instead of a PEFT adapter.")
-_LAYOUT = flags.DEFINE_enum("layout", "auto", ["auto", "container", "text"], "PEFT key layout (auto: the base's).")
-_ALLOW = flags.DEFINE_bool("allow_layout_mismatch", False, "Allow a PEFT layout other than the base's.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out.")
-_AVERAGE = flags.DEFINE_list("average", [], "Export the weighted mean of these adapter steps (STEP,STEP,... or "
-                             "last:N) instead of one step.")
-_AVERAGE_WEIGHTS = flags.DEFINE_list("average_weights", [], "--average: one weight per step (normalised to sum 1; "
-                                     "default equal).")
-_AVERAGE_RANK = flags.DEFINE_integer("average_rank", None, "--average: truncate the exact average (rank k*r) to this "
-                                     "rank by SVD; its residual per module goes to jaxrl_export.json.")
-_MERGE_DTYPE = flags.DEFINE_enum("merge_dtype", "stored", ["stored", "float32"], "--merge only: the dtype of the "
-                                 "merged weights (stored: the base's, usually bf16, which rounds small updates "
-                                 "away; float32: kept, serve in fp32).")
+_F = dataclass_flags.define_flags(ExportSettings)  # a flag per ExportSettings field
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    for flag in (_CHECKPOINT,) if _AVERAGE.value else (_CHECKPOINT, _OUT):
-        if not flag.value:
-            raise app.UsageError(f"--{flag.name} is required")
-    if not _AVERAGE.value:
-        for flag in (_AVERAGE_WEIGHTS, _AVERAGE_RANK):
-            if flag.present:
-                raise app.UsageError(f"--{flag.name} goes with --average")
-    elif _STEP.value is not None:
+    s = dataclass_flags.config_from_flags(ExportSettings, _F)  # --average_weights: numbers
+    for name in ("checkpoint",) if s.average else ("checkpoint", "out"):
+        if not getattr(s, name):
+            raise app.UsageError(f"--{name} is required")
+    if not s.average:
+        for name in ("average_weights", "average_rank"):
+            if _F[name].present:
+                raise app.UsageError(f"--{name} goes with --average")
+    elif s.step is not None:
         raise app.UsageError("--step and --average exclude each other (--average=STEP,STEP,... names the steps)")
-    from jaxrl.export import export_average, export_checkpoint
-    common = dict(merge=_MERGE.value, layout=_LAYOUT.value, allow_layout_mismatch=_ALLOW.value,
-                  overwrite=_OVERWRITE.value, merge_dtype=None if _MERGE_DTYPE.value == "stored" else _MERGE_DTYPE.value)
     # a refused export (wrong layout, foreign shapes, existing output...) is one line: launchers/_main.py
-    if _AVERAGE.value:
-        info = export_average(_CHECKPOINT.value, _BASE.value, _OUT.value, average=_AVERAGE.value,
-                              weights=_weights(_AVERAGE_WEIGHTS.value), rank=_AVERAGE_RANK.value, **common)
-    else:
-        info = export_checkpoint(_CHECKPOINT.value, _BASE.value, _OUT.value, step=_STEP.value, **common)
-    print(summary_line(info.get("out") or _OUT.value, info))
-
-
-def _weights(values: list) -> list:
-    try:
-        return [float(v) for v in values]
-    except ValueError:
-        raise app.UsageError(f"--average_weights: expected numbers, got {','.join(values)}") from None
+    info = run_export(s)
+    print(summary_line(info.get("out") or s.out, info))
 
 
 def summary_line(out: str, info: dict) -> str:

@@ -17,68 +17,53 @@ within-prompt variance cannot be separated, so more samples are assumed not to h
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import app
 
+from jaxrl.evaluation.planning import (PlanSettings, minimum_detectable_effect, plan_table, power_at,
+                                     sd_from_interval, variance_components)
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
-_RESULTS = flags.DEFINE_string("results", None, "Pilot evaluation folder (or its results.json) with samples/.")
-_MODEL = flags.DEFINE_string("model", None, "Pilot model compared with the baseline (default: the one with the "
-                             "largest |diff| on --metric).")
-_METRIC = flags.DEFINE_enum("metric", "partial_reward_mean", ["partial_reward_mean", "strict_rate"], "Metric.")
-_EFFECT = flags.DEFINE_float("effect", 0.02, "True effect to detect, in the metric's units (0.02 = 2 pp).")
-_POWER = flags.DEFINE_float("power", 0.8, "Probability of detecting it.")
-_ALPHA = flags.DEFINE_float("alpha", 0.05, "Two-sided level of each test.")
-_FAMILY = flags.DEFINE_integer("family", None, "Comparisons to correct for (default: the pilot's family size, "
-                               "else 1).")
-_SAMPLES = flags.DEFINE_list("samples", ["1", "2", "4", "8", "16"], "Samples a prompt to plan for.")
-_SD_DIFF = flags.DEFINE_float("sd_diff", None, "SD of the per-prompt differences (no pilot files needed).")
-_PILOT_INTERVAL = flags.DEFINE_list("pilot_interval", None, "LOW,HIGH: a pilot's 95% interval of the difference "
-                                    "(with --pilot_n): its SD is implied.")
-_PILOT_N = flags.DEFINE_integer("pilot_n", None, "Prompts behind --pilot_interval.")
-_CORRELATION = flags.DEFINE_float("correlation", None, "Base-only pilot: assumed model-base correlation of the "
-                                  "per-prompt means.")
-_OUT = flags.DEFINE_string("out", None, "Also write the plan as JSON here.")
+_F = dataclass_flags.define_flags(PlanSettings)  # a flag per PlanSettings field
 
 
-def _components():
+def _components(s: PlanSettings):
     """(variance components, pilot family size or None, description)."""
-    if _SD_DIFF.value is not None or _PILOT_INTERVAL.value:
-        from jaxrl.evaluation.planning import sd_from_interval
-        if _PILOT_INTERVAL.value:
-            if _SD_DIFF.value is not None or not _PILOT_N.value or len(_PILOT_INTERVAL.value) != 2:
+    if s.sd_diff is not None or s.pilot_interval:
+        if s.pilot_interval:
+            if s.sd_diff is not None or not s.pilot_n or len(s.pilot_interval) != 2:
                 raise app.UsageError("--pilot_interval=LOW,HIGH needs --pilot_n and excludes --sd_diff")
-            lo, hi = (float(x) for x in _PILOT_INTERVAL.value)
-            sd = sd_from_interval(lo, hi, _PILOT_N.value)
-            what = f"SD implied by the interval [{lo:+.4f}, {hi:+.4f}] on {_PILOT_N.value} prompts: {sd:.4f}"
+            lo, hi = s.pilot_interval
+            sd = sd_from_interval(lo, hi, s.pilot_n)
+            what = f"SD implied by the interval [{lo:+.4f}, {hi:+.4f}] on {s.pilot_n} prompts: {sd:.4f}"
         else:
-            sd = _SD_DIFF.value
+            sd = s.sd_diff
             what = f"given SD of the per-prompt differences {sd:.4f}"
         comps = {"between": sd * sd, "within": 0.0, "sd_diff": sd, "k": 1, "within_identified": False,
                  "source": what, "measured": False}
-        if _PILOT_INTERVAL.value:
-            comps["n_prompts"] = _PILOT_N.value
+        if s.pilot_interval:
+            comps["n_prompts"] = s.pilot_n
         return comps, None, what
-    if not _RESULTS.value:
+    if not s.results:
         raise app.UsageError("give --results (a pilot evaluation), --sd_diff or --pilot_interval")
     from pathlib import Path
 
     from jaxrl.data.formats import read_results, read_samples, samples_path
-    from jaxrl.evaluation.planning import variance_components
-    path = Path(_RESULTS.value)
+    path = Path(s.results)
     folder = path if path.is_dir() else path.parent
     results = read_results(folder)
     baseline = (results.get("evaluation") or {}).get("baseline", "base")
     family = (results.get("family") or {}).get("size")
     base = read_samples(samples_path(folder, baseline))
-    if _CORRELATION.value is not None:
-        comps = variance_components(None, base, _METRIC.value, correlation=_CORRELATION.value)
+    if s.correlation is not None:
+        comps = variance_components(None, base, s.metric, correlation=s.correlation)
         return comps, family, f"base-only pilot {folder} ({comps['n_prompts']} prompts x {comps['k']} samples)"
-    rows = [c for c in results.get("comparisons", []) if c["metric"] == _METRIC.value]
-    name = _MODEL.value or (max(rows, key=lambda c: abs(c["diff"]))["model"] if rows else None)
+    rows = [c for c in results.get("comparisons", []) if c["metric"] == s.metric]
+    name = s.model or (max(rows, key=lambda c: abs(c["diff"]))["model"] if rows else None)
     if name is None:
-        raise app.UsageError(f"{folder}: no model compared on {_METRIC.value}; pass --correlation for a base-only "
+        raise app.UsageError(f"{folder}: no model compared on {s.metric}; pass --correlation for a base-only "
                              "pilot")
-    comps = variance_components(read_samples(samples_path(folder, name)), base, _METRIC.value)
+    comps = variance_components(read_samples(samples_path(folder, name)), base, s.metric)
     return comps, family, (f"pilot {folder}: {name} vs {baseline}, {comps['n_prompts']} prompts x {comps['k']} "
                            f"samples")
 
@@ -86,24 +71,21 @@ def _components():
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from jaxrl.evaluation.planning import minimum_detectable_effect, plan_table, power_at
-    for name, value, ok in (("effect", _EFFECT.value, _EFFECT.value != 0), ("power", _POWER.value,
-                             0 < _POWER.value < 1), ("alpha", _ALPHA.value, 0 < _ALPHA.value < 1),
-                            ("family", _FAMILY.value, _FAMILY.value is None or _FAMILY.value >= 1),
-                            ("sd_diff", _SD_DIFF.value, _SD_DIFF.value is None or _SD_DIFF.value > 0)):
+    s = dataclass_flags.config_from_flags(PlanSettings, _F)  # --samples: integers; --pilot_interval: numbers
+    for name, value, ok in (("effect", s.effect, s.effect != 0), ("power", s.power,
+                             0 < s.power < 1), ("alpha", s.alpha, 0 < s.alpha < 1),
+                            ("family", s.family, s.family is None or s.family >= 1),
+                            ("sd_diff", s.sd_diff, s.sd_diff is None or s.sd_diff > 0)):
         if not ok:
             raise app.UsageError(f"--{name}={value}: expected " + {"effect": "a non-zero effect",
                                  "family": "an integer >= 1", "sd_diff": "a positive SD"}.get(name, "a value in (0, 1)"))
-    try:
-        ks = [int(k) for k in _SAMPLES.value]
-    except ValueError:
-        raise app.UsageError(f"--samples: expected integers, got {','.join(_SAMPLES.value)}") from None
-    comps, pilot_family, what = _components()  # a missing or malformed pilot file: one line (launchers/_main.py)
-    family = _FAMILY.value or pilot_family or 1
+    ks = list(s.samples)
+    comps, pilot_family, what = _components(s)  # a missing or malformed pilot file: one line (launchers/_main.py)
+    family = s.family or pilot_family or 1
     if not comps["within_identified"]:
         ks = [1]
-    rows = plan_table(comps, _EFFECT.value, power=_POWER.value, alpha=_ALPHA.value, family=family, ks=ks)
-    eff = _EFFECT.value
+    rows = plan_table(comps, s.effect, power=s.power, alpha=s.alpha, family=family, ks=ks)
+    eff = s.effect
     print(what)
     if "correlation" in comps and comps["correlation"] is not None:
         print(f"model-base correlation of the per-prompt means: {comps['correlation']:.3f}")
@@ -119,20 +101,20 @@ def main(argv):
     n_pilot = comps.get("n_prompts")
     if n_pilot:
         print(f"at the pilot's {n_pilot} prompts: minimum detectable effect "
-              f"{100 * minimum_detectable_effect(comps['sd_diff'], n_pilot, _POWER.value, _ALPHA.value):.2f} pp, "
-              f"power for {100 * eff:+.2f} pp {power_at(n_pilot, comps['sd_diff'], eff, _ALPHA.value):.0%}")
-    print(f"\nto detect {100 * eff:+.2f} pp with {_POWER.value:.0%} power (two-sided alpha {_ALPHA.value}; "
+              f"{100 * minimum_detectable_effect(comps['sd_diff'], n_pilot, s.power, s.alpha):.2f} pp, "
+              f"power for {100 * eff:+.2f} pp {power_at(n_pilot, comps['sd_diff'], eff, s.alpha):.0%}")
+    print(f"\nto detect {100 * eff:+.2f} pp with {s.power:.0%} power (two-sided alpha {s.alpha}; "
           f"family of {family} with Bonferroni):")
     print(f"{'samples/prompt':>15} {'sd_diff':>8} {'prompts':>8} {'samples':>8} {'prompts (family)':>17} "
           f"{'samples (family)':>17}")
     for r in rows:
         print(f"{r['k']:>15} {r['sd_diff']:>8.4f} {r['prompts']:>8} {r['samples']:>8} {r['prompts_family']:>17} "
               f"{r['samples_family']:>17}")
-    if _OUT.value:
+    if s.out:
         from jaxrl.utils.io import atomic_write_json
-        atomic_write_json(_OUT.value, {"source": what, "components": comps, "effect": eff, "power": _POWER.value,
-                                       "alpha": _ALPHA.value, "family": family, "rows": rows})
-        print(f"plan: wrote {_OUT.value}")
+        atomic_write_json(s.out, {"source": what, "components": comps, "effect": eff, "power": s.power,
+                                       "alpha": s.alpha, "family": family, "rows": rows})
+        print(f"plan: wrote {s.out}")
     return 0
 
 

@@ -11,28 +11,22 @@ malformed input, 2 for usage errors (launchers/_main.py).
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import app
 
-from jaxrl.diagnostics.report import build_report
+from jaxrl.diagnostics.report import ReportSettings, build_report
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder.")
-_OUT = flags.DEFINE_string("out", None, "Output HTML (default WORKDIR/report.html).")
-_EVAL_DIR = flags.DEFINE_string("eval_dir", None, "Evaluation folder (default WORKDIR/eval).")
-_PAIRS = flags.DEFINE_string("pairs", None, "pairs.jsonl to audit in the report (else diagnostics/pairs.json).")
-_PROBLEMS = flags.DEFINE_string("problems", None, "problems.jsonl for the semantic pair audit (with --pairs).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the bootstrap and of the semantic-audit sample.")
+_F = dataclass_flags.define_flags(ReportSettings)  # a flag per ReportSettings field
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not _WORKDIR.value:
-        raise app.UsageError("--workdir is required")
-    if _PROBLEMS.value and not _PAIRS.value:
+    s = dataclass_flags.config_from_flags(ReportSettings, _F)  # --workdir is required
+    if s.problems and not s.pairs:
         raise app.UsageError("--problems is used by the pair audit: it needs --pairs")
-    path = build_report(_WORKDIR.value, _OUT.value, eval_dir=_EVAL_DIR.value, pairs=_PAIRS.value,
-                        problems=_PROBLEMS.value, seed=_SEED.value)
+    path = build_report(s.workdir, s.out, eval_dir=s.eval_dir, pairs=s.pairs, problems=s.problems, seed=s.seed)
     print(f"report: {path}")
     return 0
 

@@ -20,44 +20,35 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app
 
+from jaxrl.sweep.flags import SweepSettings
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
-_SWEEP = flags.DEFINE_string("sweep", None, "Sweep config: path/to/sweep.py[:arg] (get_sweep()).")
-_OUT = flags.DEFINE_string("out", None, "Sweep folder: one subfolder per point, sweep.json, the comparison.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the points (name, folder, state) and exit; writes nothing.")
-_PRINT = flags.DEFINE_bool("print_commands", False, "Print one shell command per unfinished point (for a cluster "
-                           "scheduler) and exit.")
-_ONLY = flags.DEFINE_string("only", None, "Only the points whose slug or name contains this string.")
-_POINT = flags.DEFINE_string("point", None, "Only the point with this exact slug (what --print_commands emits).")
-_JOBS = flags.DEFINE_integer("jobs", 1, "Points run at the same time on this machine (1 on an accelerator).")
-_CACHE = flags.DEFINE_string("compilation_cache", None, "JAX persistent compilation cache shared by the points "
-                             "(default OUT/.jax_cache; '' = off).")
-_RETRY = flags.DEFINE_bool("retry_failed", True, "Rerun points whose last attempt failed.")
-_FORCE = flags.DEFINE_bool("force", False, "Also run points marked running by a process on another host.")
-_COMPARE = flags.DEFINE_bool("compare", True, "Write the comparison table and report after running.")
+_F = dataclass_flags.define_flags(SweepSettings)  # a flag per SweepSettings field
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not _SWEEP.value or not _OUT.value:
+    s = dataclass_flags.config_from_flags(SweepSettings, _F)
+    if not s.sweep or not s.out:
         raise app.UsageError("--sweep and --out are required")
-    if _ONLY.value and _POINT.value:
+    if s.only and s.point:
         raise app.UsageError("give --only or --point, not both")
-    if _JOBS.value < 1:
-        raise app.UsageError(f"--jobs must be >= 1, got {_JOBS.value}")
+    if s.jobs < 1:
+        raise app.UsageError(f"--jobs must be >= 1, got {s.jobs}")
     from jaxrl.sweep.runner import SweepRunner
     from jaxrl.sweep.spec import SweepError, load_sweep
     try:
-        spec = load_sweep(_SWEEP.value)
-        runner = SweepRunner(spec, _OUT.value, jobs=_JOBS.value, compilation_cache=_CACHE.value,
-                             retry_failed=_RETRY.value, force=_FORCE.value)
-        if _POINT.value and not any(p.slug == _POINT.value for p in runner.select(_POINT.value)):
-            raise SweepError(f"--point={_POINT.value!r} is not the exact slug of a point")
-        only = _POINT.value or _ONLY.value
-        if _DRY_RUN.value:
+        spec = load_sweep(s.sweep)
+        runner = SweepRunner(spec, s.out, jobs=s.jobs, compilation_cache=s.compilation_cache,
+                             retry_failed=s.retry_failed, force=s.force)
+        if s.point and not any(p.slug == s.point for p in runner.select(s.point)):
+            raise SweepError(f"--point={s.point!r} is not the exact slug of a point")
+        only = s.point or s.only
+        if s.dry_run:
             planned = runner.plan(only)
             print(f"{spec.where}: {len(planned)} point(s), base {spec.base}, axes "
                   + ", ".join(f"{a.name} ({len(a.labels)})" for a in spec.axes))
@@ -65,7 +56,7 @@ def main(argv):
                 state = "CONFIG CHANGED: " + "; ".join(pp.conflict[:4]) if pp.conflict else pp.state
                 print(f"{i + 1:4d}  {state:8s}  {pp.point.slug}\n      {pp.point.name}")
             return 0
-        if _PRINT.value:
+        if s.print_commands:
             planned = runner.plan(only)
             runner.prepare(planned)
             runner.check_plugins([pp for pp in planned if pp.status["state"] != "done"])
@@ -80,7 +71,7 @@ def main(argv):
         _main.fail("sweep", str(e), _main.EXIT_USAGE)
     print(f"sweep: {len(summary['done'])} done, {len(summary['failed'])} failed, "
           f"{len(summary['skipped'])} running elsewhere; folder {runner.out}", flush=True)
-    if _COMPARE.value and summary["done"]:
+    if s.compare and summary["done"]:
         from jaxrl.sweep.report import write_comparison
         try:
             paths = write_comparison(runner.out)

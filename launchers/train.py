@@ -28,16 +28,13 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl.parallel import distributed
+from jaxrl.train.flags import TrainSettings
+from jaxrl.utils import dataclass_flags
 from launchers import _main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()); --config.key=value overrides.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics, config.json.")
+_F = dataclass_flags.define_flags(TrainSettings)  # --workdir, --debug_kill_after_step, ...
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, --process_id, ...
-# Test-only: prove that a run killed without any clean-up resumes exactly.
-_KILL_AFTER = flags.DEFINE_integer("debug_kill_after_step", 0, "TESTS ONLY: SIGKILL this process after step N "
-                                   "(after its pending checkpoint writes have landed).")
-_KILL_DURING_SAVE = flags.DEFINE_integer("debug_kill_during_save", 0, "TESTS ONLY: SIGKILL this process right "
-                                         "after the checkpoint of step N was started (its write may be unfinished).")
 
 EXIT_NONFINITE = _main.EXIT_NONFINITE
 
@@ -71,7 +68,8 @@ def _check_reward(config) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not _WORKDIR.value:
+    s = dataclass_flags.config_from_flags(TrainSettings, _F)
+    if not s.workdir:
         raise app.UsageError("--config and --workdir are required")
     config = _CONFIG.value
     if config is None:
@@ -86,13 +84,13 @@ def main(argv):
     distributed.initialize_from_flags(_DISTRIBUTED)
     from jaxrl.algorithms.run import run_training
     from jaxrl.train.loop import NonFiniteError, check_workdir_free
-    check_workdir_free(_WORKDIR.value)  # another process trains there: refused now, before a model is loaded
+    check_workdir_free(s.workdir)  # another process trains there: refused now, before a model is loaded
     try:
-        result = run_training(config, _WORKDIR.value,
-                              on_step_end=_kill_hook(_KILL_AFTER.value, _KILL_DURING_SAVE.value))
+        result = run_training(config, s.workdir,
+                              on_step_end=_kill_hook(s.debug_kill_after_step, s.debug_kill_during_save))
     except NonFiniteError as e:
         _main.fail("train", str(e), EXIT_NONFINITE)
-    print(f"done: {result.final_step} steps; checkpoints in {os.path.join(_WORKDIR.value, 'checkpoints')}",
+    print(f"done: {result.final_step} steps; checkpoints in {os.path.join(s.workdir, 'checkpoints')}",
           flush=True)
 
 

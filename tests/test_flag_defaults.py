@@ -1,12 +1,18 @@
 """Every setting's default lives once, on its config dataclass field (jaxrl.utils.dataclass_flags): the config a
 launcher builds from its flags, given only the required ones, holds the dataclass defaults field for field, and
-the launcher's --help lists a flag for every field. Plus the helper's own rules: flag kinds, conversions, and
+the launcher's --help lists a flag for every field. rollout and evaluate are checked in this process (their flags
+modules define the flags in any FlagValues); every other launcher defines its flags when it is imported, so its
+flags are parsed in a fresh interpreter (`PROBE`). Plus the helper's own rules: flag kinds, conversions, and
 errors that name the flag."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import re
+import subprocess
+import sys
 from typing import Optional
 
 import pytest
@@ -18,13 +24,31 @@ from jaxrl.rollout import flags as rollout_flags
 from jaxrl.rollout.runner import RolloutConfig
 from jaxrl.utils import dataclass_flags
 from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
-from launcher_env import launch
+from launcher_env import ROOT, launch, launch_env
 
 # (config class, its launcher, the module defining the launcher's flags, the required flags of a run)
 LAUNCHERS = {
     "rollout": (RolloutConfig, rollout_flags, {"problems": "p.jsonl", "model": "model_dir", "out": "r.jsonl"}),
     "evaluate": (EvalConfig, evaluate_flags, {"problems": "p.jsonl", "base": "base_dir", "out": "eval_dir"}),
 }
+# The other launchers: (the settings classes their flags are made from, the required flags of a run)
+SETTINGS = {
+    "build_pairs": (("jaxrl.data.pairs.PairConfig", "jaxrl.data.pairs.BuildPairsSettings"), {}),
+    "compare": (("jaxrl.sweep.flags.CompareSettings",), {"sweep_dir": "runs/sweep"}),
+    "convert": (("jaxrl.models.qwen35.flags.ConvertSettings",), {"to": "hf", "src": "src_dir", "out": "out_dir"}),
+    "demo": (("jaxrl.demo_settings.DemoRunSettings",), {}),
+    "diagnose": (("jaxrl.diagnostics.flags.DiagnoseSettings",), {}),
+    "export": (("jaxrl.export.ExportSettings",), {}),
+    "import_problems": (("jaxrl.data.importers.ImportSettings", "jaxrl.data.splits.SplitSettings"),
+                        {"format": "lcb", "input": ("a.jsonl", "b.jsonl"), "output": "p.jsonl"}),
+    "plan": (("jaxrl.evaluation.planning.PlanSettings",), {}),
+    "report": (("jaxrl.diagnostics.report.ReportSettings",), {"workdir": "run"}),
+    "sweep": (("jaxrl.sweep.flags.SweepSettings",), {}),
+    "train": (("jaxrl.train.flags.TrainSettings",), {}),
+}
+# Every launcher's --verbose (defined when launchers/_main.py is imported) and --compilation_cache (defined by its
+# run(), unless the launcher has a flag of that name: sweep's is its own setting)
+COMMON = ("jaxrl.utils.logs.LogSettings", "jaxrl.utils.compile_cache.CacheSettings")
 
 
 def parsed_config(name: str, set_defaults: Optional[dict] = None):
@@ -80,14 +104,93 @@ def listed_flags(help_text: str) -> set[str]:
     return set(re.findall(r"^\s+--(?:\[no\])?(\w+):", help_text, flags=re.MULTILINE))
 
 
-@pytest.mark.parametrize("name", LAUNCHERS)
+def settings_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("name", [*LAUNCHERS, *SETTINGS])
 def test_help_lists_a_flag_for_every_config_field(name):
-    cls, module, _ = LAUNCHERS[name]
     proc = launch(name, "--help", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     listed = listed_flags(proc.stdout)
-    assert set(dataclass_flags.flag_names(cls)) <= listed
-    assert set(module.NAMES) <= listed  # the flags that are not fields too (--server_url, --coordinator_address)
+    if name in LAUNCHERS:
+        cls, module, _ = LAUNCHERS[name]
+        assert set(dataclass_flags.flag_names(cls)) <= listed
+        assert set(module.NAMES) <= listed  # the flags that are not fields too (--server_url, --coordinator_address)
+        classes = COMMON
+    else:
+        classes = SETTINGS[name][0] + COMMON
+    for path in classes:
+        assert set(dataclass_flags.flag_names(settings_class(path))) <= listed, path
+
+
+# Run as `python -c PROBE LAUNCHER CLASSES ARGS`: imports launchers.LAUNCHER (which defines its flags, as
+# `python -m` does), parses ARGS, builds each settings class from the parsed flags, and prints every flag field's
+# (type name, repr) as JSON.
+PROBE = """
+import importlib, json, sys
+from absl import flags
+from jaxrl.utils import dataclass_flags
+name, classes, args = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+importlib.import_module("launchers." + name)
+flags.FLAGS([name, *args])
+out = {}
+for path in classes:
+    module, _, cls_name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), cls_name)
+    cfg = dataclass_flags.config_from_flags(cls, flags.FLAGS)  # FLAGS[name] is the flag, its .value the value
+    out[path] = {n: [type(getattr(cfg, n)).__name__, repr(getattr(cfg, n))] for n in dataclass_flags.flag_names(cls)}
+print(json.dumps(out))
+"""
+
+
+def probe(name: str, *extra: str) -> dict:
+    """{settings class: {flag field: [type name, repr]}} of launchers.<name> parsed with its required flags and
+    `extra`, in a fresh interpreter."""
+    classes, required = SETTINGS[name]
+    classes += (COMMON[0],)  # --compilation_cache is defined by run(), which a probe does not call
+    args = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in required.items()] + list(extra)
+    proc = subprocess.run([sys.executable, "-c", PROBE, name, json.dumps(classes), json.dumps(args)], cwd=ROOT,
+                          env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def differing_in_probe(name: str, parsed: dict) -> list[str]:
+    """The flag fields (class.field) whose parsed value differs from the field's default, in value or type; the
+    required flags are compared with the value given."""
+    required = SETTINGS[name][1]
+    out = []
+    for path, values in parsed.items():
+        cls = settings_class(path)
+        for field in dataclasses.fields(cls):
+            if field.name not in values:
+                continue
+            want = field_default(field)
+            if want is dataclasses.MISSING:
+                want = required[field.name]
+            if values[field.name] != [type(want).__name__, repr(want)]:
+                out.append(f"{cls.__name__}.{field.name}")
+    return out
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_every_launchers_flag_defaults_are_its_settings_defaults(name):
+    parsed = probe(name)
+    assert set(parsed) == set(SETTINGS[name][0]) | {COMMON[0]}
+    assert differing_in_probe(name, parsed) == []
+    # every field is a flag (none of these settings has a NOT_A_FLAG field)
+    for path in parsed:
+        cls = settings_class(path)
+        assert set(parsed[path]) == {f.name for f in dataclasses.fields(cls)}
+
+
+def test_a_launchers_flag_that_differs_from_its_field_is_found():
+    """The comparison above fails when a parsed value and its field's default part."""
+    parsed = probe("build_pairs", "--seed=3", "--pairing=all", "--verbose")
+    assert differing_in_probe("build_pairs", parsed) == ["PairConfig.pairing", "BuildPairsSettings.seed",
+                                                         "LogSettings.verbose"]
 
 
 def test_listed_flags_reads_absl_help():
@@ -170,3 +273,30 @@ def test_a_field_without_help_or_kind_is_refused_when_flags_are_made():
         dataclass_flags.define_flags(NoHelp, flags.FlagValues())
     with pytest.raises(TypeError, match=r"NoKind.when: no flag kind"):
         dataclass_flags.define_flags(NoKind, flags.FlagValues())
+
+
+@dataclasses.dataclass
+class Repeated:
+    out: str = flag_field(help="Output file.")
+    filters: list[str] = flag_field(default_factory=list, help="A filter (repeatable).")
+    ids: list[int] = flag_field(default_factory=list, help="An id (repeatable).")
+
+
+def test_a_list_field_is_a_flag_given_once_per_value():
+    values = flags.FlagValues()
+    holders = dataclass_flags.define_flags(Repeated, values)
+    values(["r", "--out=o", "--filters=a>1", "--filters=b==2", "--ids=3", "--ids=4"])
+    assert dataclass_flags.config_from_flags(Repeated, holders) == Repeated(out="o", filters=["a>1", "b==2"],
+                                                                              ids=[3, 4])
+    assert values["filters"].default == [] and values["ids"].default == []
+    values.unparse_flags()
+    values(["r", "--out=o"])
+    assert dataclass_flags.config_from_flags(Repeated, holders) == Repeated(out="o")
+
+
+def test_required_fields_can_be_refused_by_absl_while_it_parses():
+    values = flags.FlagValues()
+    dataclass_flags.define_flags(Repeated, values, mark_required=True)
+    assert dataclass_flags.required_names(Repeated) == ("out",)
+    with pytest.raises(flags.IllegalFlagValueError, match="Flag --out must have a value other than None"):
+        values(["r"])

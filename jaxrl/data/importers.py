@@ -21,9 +21,10 @@ import pickle
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from jaxrl.data.problems import Problem, ProblemFormatError, TestCase, iter_records
+from jaxrl.utils.dataclass_flags import flag_field
 
 # LiveCodeBench's own prompt (lcb_runner/prompts/code_generation.py), so scores are comparable with theirs.
 LCB_SYSTEM_PROMPT = ("You are an expert Python programmer. You will be given a question (problem specification) "
@@ -335,14 +336,29 @@ IMPORTERS: dict[str, Callable[[Mapping[str, Any], str], Problem]] = {
 }
 
 
+@dataclass(frozen=True)
+class ImportSettings:
+    """One import (launchers.import_problems; its fields are the launcher's flags, jaxrl.utils.dataclass_flags,
+    `format`, `input` and `output` required while absl parses). Its frozen splits: jaxrl.data.splits.SplitSettings."""
+
+    format: str = flag_field(help="Record format of the input files.", choices=sorted(IMPORTERS))
+    input: tuple[str, ...] = flag_field(help="Local input files (comma-separated): .jsonl, .jsonl.gz or .parquet.")
+    output: str = flag_field(help="Where to write the canonical problems (.jsonl or .parquet).")
+    skip_malformed: bool = flag_field(False, help="Skip and count malformed records instead of stopping at the "
+                                      "first.")
+    limit: Optional[int] = flag_field(None, help="Keep at most this many problems (in input order).")
+    overwrite: bool = flag_field(False, help="Allow replacing an --output that holds other problems and frozen "
+                                 "splits that would change.")
+
+
 @dataclass
 class ImportResult:
     problems: list[Problem] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # "file:line: key ...: why", one per skipped record
 
 
-def import_file(path: str | Path, fmt: str, skip_malformed: bool = False, limit: int | None = None,
-                result: ImportResult | None = None) -> ImportResult:
+def import_file(path: str | Path, fmt: str, skip_malformed: bool = ImportSettings.skip_malformed,
+                limit: int | None = ImportSettings.limit, result: ImportResult | None = None) -> ImportResult:
     """Convert one local file. Malformed records raise (naming file and line) unless ``skip_malformed``."""
     if fmt not in IMPORTERS:
         raise ValueError(f"unknown format {fmt!r}; known: {sorted(IMPORTERS)}")

@@ -60,10 +60,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxrl.utils.dataclass_flags import flag_field
 from jaxrl.utils.io import (OutputExistsError, atomic_write_json, iter_jsonl, jsonl_bytes, read_jsonl, sha256_file,
                             write_jsonl)
 
 __all__ = [
+    "BuildPairsSettings",
     "PairConfig",
     "Sample",
     "REASONS",
@@ -98,14 +100,20 @@ PAIR_KEYS = ("problem_id", "messages", "chosen", "rejected", "chosen_reward", "r
 
 @dataclasses.dataclass(frozen=True)
 class PairConfig:
-    """Pair filters and selection; see the module docstring. Token counts are completion tokens."""
+    """Pair filters and selection; see the module docstring. Token counts are completion tokens. The fields are
+    launchers.build_pairs' flags (jaxrl.utils.dataclass_flags)."""
 
-    min_margin: float = 0.5
-    truncation_buffer: int = 24
-    max_length_diff: int = 512
-    max_new_tokens: Optional[int] = None  # fallback cap when a record has no "max_new_tokens"
-    pairing: str = "single"
-    selection: str = "best_worst"
+    min_margin: float = flag_field(0.5, help="Minimum chosen - rejected partial reward.")
+    truncation_buffer: int = flag_field(24, help="A completion with more than max_new_tokens - truncation_buffer "
+                                        "tokens counts as truncated.")
+    max_length_diff: int = flag_field(512, help="Maximum |chosen_tokens - rejected_tokens|.")
+    # fallback cap when a record has no "max_new_tokens"
+    max_new_tokens: Optional[int] = flag_field(None, help="Generation cap, used for records that do not carry "
+                                               "their own max_new_tokens.")
+    pairing: str = flag_field("single", choices=PAIRINGS, help="single: one pair a prompt; all: every admissible "
+                              "pair.")
+    selection: str = flag_field("best_worst", choices=SELECTIONS, help="best_worst: best vs worst or drop the "
+                                "prompt; best_admissible: fall back to the admissible pair with the largest margin.")
 
     def __post_init__(self):
         if self.pairing not in PAIRINGS:
@@ -116,6 +124,23 @@ class PairConfig:
             raise ValueError("truncation_buffer and max_length_diff must be >= 0")
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPairsSettings:
+    """What launchers.build_pairs reads and writes (its filters: PairConfig); the fields are its flags. One of
+    `rollouts` and `pairs_in` is given, and `out_dir` (the launcher checks both)."""
+
+    rollouts: Optional[str] = flag_field(None, help="rollouts.jsonl to build pairs from.")
+    pairs_in: Optional[str] = flag_field(None, help="Existing pairs.jsonl to filter (instead of --rollouts).")
+    problems: Optional[str] = flag_field(None, help="problems.jsonl giving the prompt messages when the rollouts "
+                                         "carry no 'messages'.")
+    out_dir: Optional[str] = flag_field(None, help="Output folder for pairs.jsonl, audit.json and cohort/.")
+    cohort_size: int = flag_field(0, help="If > 0, freeze this many pairs into out_dir/cohort/.")
+    seed: int = flag_field(0, help="Seed of the cohort selection.")
+    overwrite: bool = flag_field(False, help="Replace what --out_dir holds (pairs.jsonl, audit.json, cohort/) when "
+                                 "this build gives other pairs or another cohort.")
+    skip_malformed: bool = flag_field(False, help="Skip (and count) malformed input lines instead of failing.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +218,7 @@ def _sample_from_record(rec: Mapping, line: int = 0) -> Sample:
     )
 
 
-def read_rollouts(path: str | os.PathLike, *, skip_malformed: bool = False,
+def read_rollouts(path: str | os.PathLike, *, skip_malformed: bool = BuildPairsSettings.skip_malformed,
                   skipped: Optional[list] = None) -> list[Sample]:
     """Samples of a rollouts.jsonl. A malformed line raises ``JsonlError("path:LINE: reason")``; with
     ``skip_malformed`` it is left out and its message appended to ``skipped``. A repeated
@@ -228,7 +253,7 @@ def _validate_pair(rec: Mapping) -> None:
             raise ValueError(f"{key} must be 'stop' or 'length', got {rec[key]!r}")
 
 
-def read_pairs(path: str | os.PathLike, *, skip_malformed: bool = False,
+def read_pairs(path: str | os.PathLike, *, skip_malformed: bool = BuildPairsSettings.skip_malformed,
                skipped: Optional[list] = None) -> list[dict]:
     """Records of a pairs.jsonl, each checked for the docs/reference/interfaces.md keys (errors name file and line)."""
     return read_jsonl(path, validate=_validate_pair, skip_malformed=skip_malformed, skipped=skipped)
@@ -571,8 +596,8 @@ def write_pairs(out_dir: str | os.PathLike, pairs: Sequence[Mapping], audit: Map
     return write_jsonl(out_dir / "pairs.jsonl", pairs), atomic_write_json(out_dir / "audit.json", audit)
 
 
-def check_build_output(out_dir: str | os.PathLike, pairs: Sequence[Mapping], overwrite: bool = False,
-                       cohort: Optional[tuple[int, int]] = None) -> str:
+def check_build_output(out_dir: str | os.PathLike, pairs: Sequence[Mapping],
+                       overwrite: bool = BuildPairsSettings.overwrite, cohort: Optional[tuple[int, int]] = None) -> str:
     """What writing these pairs (and the cohort `(size, seed)`, if any) into `out_dir` would do, checked before
     anything is written: "new" (no pairs there), "same" (pairs.jsonl already holds exactly these pairs: a rerun;
     a cohort asked for is added when there is none) or "replace" (other pairs, with `overwrite`: pairs.jsonl,
@@ -651,8 +676,8 @@ def check_cohort_writable(out_dir: str | os.PathLike, overwrite: bool = False) -
     return cohort
 
 
-def freeze_cohort(pairs: Sequence[Mapping], out_dir: str | os.PathLike, size: int, seed: int = 0,
-                  overwrite: bool = False, source: Optional[str] = None) -> dict:
+def freeze_cohort(pairs: Sequence[Mapping], out_dir: str | os.PathLike, size: int,
+                  seed: int = BuildPairsSettings.seed, overwrite: bool = False, source: Optional[str] = None) -> dict:
     """Freezes ``size`` pairs chosen by ``seed`` into ``out_dir/cohort/{pairs.jsonl, manifest.json}``.
 
     Order: ascending ``sha256(f"{seed}:{pair_id}")`` (a seeded shuffle independent of input order), first

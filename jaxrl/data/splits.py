@@ -16,18 +16,37 @@ All files are written atomically. Freezing again into the same folder must repro
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from jaxrl.data.problems import Problem, load_problems, problems_jsonl_bytes
+from jaxrl.utils.dataclass_flags import flag_field
 from jaxrl.utils.io import atomic_write_bytes, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxrl.splits/1"
 DEFAULT_FRACTIONS = {"dev": 0.5, "heldout": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSettings:
+    """The dev / held-out splits launchers.import_problems freezes of what it imported (its fields are the
+    launcher's flags, jaxrl.utils.dataclass_flags)."""
+
+    split: bool = flag_field(False, help="Also freeze dev / held-out splits of the imported problems.")
+    split_dir: Optional[str] = flag_field(None, help="Folder for the splits and manifest.json (default: next to "
+                                          "--output).")
+    dev_fraction: float = flag_field(DEFAULT_FRACTIONS["dev"], help="Fraction of problems in the dev split; the rest "
+                                     "is held out.")
+    seed: int = flag_field(0, help="Seed of the split assignment.")
+
+    def fractions(self) -> dict[str, float]:
+        """The fractions of `plan_splits`: dev, and the rest held out."""
+        return {"dev": self.dev_fraction, "heldout": 1.0 - self.dev_fraction}
 
 
 class SplitIntegrityError(RuntimeError):
@@ -61,7 +80,7 @@ def _check_fractions(fractions: Mapping[str, float]) -> None:
 
 
 def freeze_splits(problems: Sequence[Problem], out_dir: str | os.PathLike,
-                  fractions: Mapping[str, float] = DEFAULT_FRACTIONS, seed: int = 0,
+                  fractions: Mapping[str, float] = DEFAULT_FRACTIONS, seed: int = SplitSettings.seed,
                   source_path: str | os.PathLike | None = None, overwrite: bool = False) -> dict:
     """Split problems by id, write one JSONL per split plus the manifest; return the manifest."""
     manifest, payloads = plan_splits(problems, fractions, seed, source_path)
@@ -69,7 +88,8 @@ def freeze_splits(problems: Sequence[Problem], out_dir: str | os.PathLike,
     return write_splits(out_dir, manifest, payloads)
 
 
-def plan_splits(problems: Sequence[Problem], fractions: Mapping[str, float] = DEFAULT_FRACTIONS, seed: int = 0,
+def plan_splits(problems: Sequence[Problem], fractions: Mapping[str, float] = DEFAULT_FRACTIONS,
+                seed: int = SplitSettings.seed,
                 source_path: str | os.PathLike | None = None, source_sha256: str | None = None
                 ) -> tuple[dict, dict[str, bytes]]:
     """(manifest, {split: file bytes}) of the splits `freeze_splits` would write; writes nothing. The source's

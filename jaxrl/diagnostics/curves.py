@@ -42,6 +42,7 @@ from typing import Mapping, Optional, Sequence
 from jaxrl.data.formats import (BASE_MODEL, available_samples, averaged_steps, model_step, read_results,
                                 read_samples)
 from jaxrl.diagnostics import red_flags
+from jaxrl.diagnostics.flags import DiagnoseSettings
 from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.stats import compare
 
@@ -70,8 +71,8 @@ def checkpoint_curves(
     samples: Optional[Mapping[str, Sequence[Mapping]]] = None,
     confidence: float = 0.95,
     n_resamples: int = 10000,
-    seed: int = 0,
-    tol: float = 0.0,
+    seed: int = DiagnoseSettings.seed,
+    tol: float = DiagnoseSettings.tol,
     flag_metrics: Sequence[str] = FLAG_METRICS,
 ) -> dict:
     """Curves over checkpoints with intervals and flags (see the module docstring for the output).

@@ -51,6 +51,7 @@ from safetensors.numpy import load_file
 
 from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
+from jaxrl.diagnostics.flags import DRIFT_MAX_NEW_TOKENS, DiagnoseSettings
 from jaxrl.models import qwen35
 from jaxrl.rollout import generate
 
@@ -278,7 +279,8 @@ class ModelLogprobs:
     """
 
     def __init__(self, model_dir: Optional[str], adapters: AdapterSource,
-                 sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch_size: int = 4,
+                 sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                 batch_size: int = DiagnoseSettings.batch_size,
                  dtype=None, model=None):
         if model is None:
             model = qwen35.from_pretrained(model_dir, dtype=dtype or jnp.float32)
@@ -354,7 +356,8 @@ class ModelLogprobs:
 
 def model_checkpoint_drift(model_dir: Optional[str], adapters: AdapterSource, sequences=None, *,
                            steps: Optional[Sequence[int]] = None, prompts: Optional[Sequence[Sequence[int]]] = None,
-                           max_new_tokens: int = 64, eos_token_ids: Sequence[int] = (), batch_size: int = 4,
+                           max_new_tokens: int = DRIFT_MAX_NEW_TOKENS, eos_token_ids: Sequence[int] = (),
+                           batch_size: int = DiagnoseSettings.batch_size,
                            dtype=None, model=None, cache_base: bool = True) -> dict:
     """:func:`checkpoint_drift` with :class:`ModelLogprobs`.
 
@@ -380,8 +383,10 @@ def model_checkpoint_drift(model_dir: Optional[str], adapters: AdapterSource, se
     return result
 
 
-def fixed_sequences(model, model_dir: str, problems, *, n_prompts: int = 8, max_new_tokens: int = 64,
-                    enable_thinking: bool = False, max_prompt_len: int = 4096) -> list[tuple[list[int], list[int]]]:
+def fixed_sequences(model, model_dir: str, problems, *, n_prompts: int = DiagnoseSettings.n_prompts,
+                    max_new_tokens: int = DRIFT_MAX_NEW_TOKENS,
+                    enable_thinking: bool = DiagnoseSettings.enable_thinking,
+                    max_prompt_len: int = 4096) -> list[tuple[list[int], list[int]]]:
     """The fixed prompt set for drift: the first ``n_prompts`` problems, chat-templated with ``model_dir``'s
     tokenizer, each with the base model's greedy continuation (``max_new_tokens``, stopping at the chat's end
     tokens). Save the result (``launchers.diagnose`` writes ``*_sequences.jsonl``) so that later runs measure on

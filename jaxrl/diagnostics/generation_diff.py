@@ -41,6 +41,7 @@ import tokenize
 from typing import Mapping, Optional, Sequence
 
 from jaxrl.diagnostics import red_flags
+from jaxrl.diagnostics.flags import DiagnoseSettings
 from jaxrl.rewards.extract import extract_code
 
 __all__ = ["TAGS", "normalized_tokens", "code_similarity", "tag_change", "diff_generations", "trim_text"]
@@ -80,7 +81,7 @@ def code_similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, ta, tb, autojunk=False).ratio()
 
 
-def tag_change(a: Mapping, b: Mapping, *, similarity_threshold: float = 0.6,
+def tag_change(a: Mapping, b: Mapping, *, similarity_threshold: float = DiagnoseSettings.similarity_threshold,
                length_ratio: float = 2.0) -> tuple[str, Optional[float], Optional[str], Optional[str]]:
     """(tag, similarity or None, code of a, code of b) for two SAMPLES records of the same prompt."""
     code_a, code_b = extract_code(a["completion"]).code, extract_code(b["completion"]).code
@@ -120,7 +121,8 @@ def _index(records: Sequence[Mapping], name: str) -> dict[tuple[str, int], Mappi
 
 
 def diff_generations(samples_a: Sequence[Mapping], samples_b: Sequence[Mapping], *, name_a: str = "a",
-                     name_b: str = "b", similarity_threshold: float = 0.6, length_ratio: float = 2.0,
+                     name_b: str = "b", similarity_threshold: float = DiagnoseSettings.similarity_threshold,
+                     length_ratio: float = 2.0,
                      max_examples: int = 30, max_chars: int = 1200, tol: float = 1e-9) -> dict:
     """Changed samples between two models' SAMPLES records (module docstring for the output and the tags).
 

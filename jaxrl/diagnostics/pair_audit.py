@@ -45,6 +45,7 @@ import scipy.stats
 from jaxrl.data import pairs as pairs_lib
 from jaxrl.data.problems import Problem, load_problems
 from jaxrl.diagnostics import red_flags
+from jaxrl.diagnostics.flags import DiagnoseSettings
 from jaxrl.diagnostics.generation_diff import trim_text
 from jaxrl.evaluation.stats import mcnemar_exact, paired_bootstrap
 from jaxrl.rewards import get_reward
@@ -94,8 +95,9 @@ def _reward_of(name: str, timeout_s: float, workers: int):
 
 
 def semantic_audit(pairs: Sequence[Mapping], problems, *, verifier=None, reward: Optional[str] = None,
-                   sample_size: int = 20, seed: int = 0, timeout_s: float = 2.0, workers: int = 2, tol: float = 1e-9,
-                   max_chars: int = 1500) -> dict:
+                   sample_size: int = DiagnoseSettings.sample_size, seed: int = DiagnoseSettings.seed,
+                   timeout_s: float = DiagnoseSettings.timeout_s, workers: int = DiagnoseSettings.workers,
+                   tol: float = 1e-9, max_chars: int = 1500) -> dict:
     """Re-scores a seeded sample of chosen completions; returns the ``semantic`` section.
 
     Args:
@@ -143,8 +145,10 @@ def semantic_audit(pairs: Sequence[Mapping], problems, *, verifier=None, reward:
 
 
 def audit_pairs(pairs: Sequence[Mapping] | str | os.PathLike, *, config: Optional[pairs_lib.PairConfig] = None,
-                problems=None, verifier=None, reward: Optional[str] = None, sample_size: int = 20, seed: int = 0,
-                timeout_s: float = 2.0, workers: int = 2, max_points: int = 2000) -> dict:
+                problems=None, verifier=None, reward: Optional[str] = None,
+                sample_size: int = DiagnoseSettings.sample_size, seed: int = DiagnoseSettings.seed,
+                timeout_s: float = DiagnoseSettings.timeout_s, workers: int = DiagnoseSettings.workers,
+                max_points: int = 2000) -> dict:
     """The full audit (module docstring). ``pairs``: records or a pairs.jsonl path.
 
     ``config``: the filters to evaluate (default ``PairConfig()``). A pair without ``max_new_tokens`` whose cap

@@ -16,6 +16,7 @@ file is given). Drift needs a model and the semantic pair audit runs code, so th
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -28,6 +29,7 @@ from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, DIAGNOSTICS_DIR, EVAL_D
 from jaxrl.diagnostics import red_flags
 from jaxrl.diagnostics import plots
 from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples
+from jaxrl.diagnostics.flags import DiagnoseSettings
 from jaxrl.diagnostics.generation_diff import diff_generations
 from jaxrl.diagnostics.page import CSS, escape, img, table
 from jaxrl.diagnostics.pair_audit import audit_pairs
@@ -37,11 +39,25 @@ from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.protocol import read_protocol
 from jaxrl.evaluation.selection import selection_summary
 from jaxrl.train.metrics import CONFIG_HISTORY
+from jaxrl.utils.dataclass_flags import flag_field
 from jaxrl.utils.io import atomic_write_text, iter_jsonl
 
-__all__ = ["collect", "render_html", "build_report", "default_diff_pairs"]
+__all__ = ["ReportSettings", "collect", "render_html", "build_report", "default_diff_pairs"]
 
 _COLLAPSE_AFTER = 4  # more flags than this with one code are folded into one line with a details list
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSettings:
+    """launchers.report: the run, where the page goes, and what it adds to the run's files; the fields are the
+    launcher's flags (jaxrl.utils.dataclass_flags)."""
+
+    workdir: str = flag_field(help="Run folder.")
+    out: Optional[str] = flag_field(None, help="Output HTML (default WORKDIR/report.html).")
+    eval_dir: Optional[str] = flag_field(None, help="Evaluation folder (default WORKDIR/eval).")
+    pairs: Optional[str] = flag_field(None, help="pairs.jsonl to audit in the report (else diagnostics/pairs.json).")
+    problems: Optional[str] = flag_field(None, help="problems.jsonl for the semantic pair audit (with --pairs).")
+    seed: int = flag_field(0, help="Seed of the bootstrap and of the semantic-audit sample.")
 
 
 # --------------------------------------------------------------------------------------------- collecting
@@ -147,7 +163,8 @@ def read_config_history(workdir: Path) -> list[dict]:
 
 def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike] = None,
             pairs: Optional[str | os.PathLike] = None, problems=None,
-            diff_models: Optional[Sequence[tuple[str, str]]] = None, sample_size: int = 20, seed: int = 0) -> dict:
+            diff_models: Optional[Sequence[tuple[str, str]]] = None,
+            sample_size: int = DiagnoseSettings.sample_size, seed: int = ReportSettings.seed) -> dict:
     """Everything the report shows, as plain dicts (see the module docstring for the sources)."""
     workdir = Path(workdir)
     stored_curves = read_diagnostic(diagnostics_path(workdir, "curves"))

@@ -35,6 +35,7 @@ import numpy as np
 from jaxrl.data import formats
 from jaxrl.data.formats import validate_sample
 from jaxrl.diagnostics import red_flags
+from jaxrl.diagnostics.flags import DiagnoseSettings
 from jaxrl.evaluation.censoring import censoring_section, save_resampled
 from jaxrl.evaluation.metrics import model_metrics, per_prompt_values
 from jaxrl.evaluation.stats import compare
@@ -98,7 +99,8 @@ def _model_summary(records: Sequence[Mapping], n_bins: int) -> dict:
     }
 
 
-def termination_analysis(samples: Mapping[str, Sequence[Mapping]], *, n_bins: int = 8, threshold: float = 0.10,
+def termination_analysis(samples: Mapping[str, Sequence[Mapping]], *, n_bins: int = DiagnoseSettings.n_bins,
+                         threshold: float = DiagnoseSettings.threshold,
                          resampled: Optional[Mapping[str, Mapping]] = None, baseline: str = "base",
                          n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> dict:
     """Per-model termination view (module docstring) with ``truncation_censoring`` flags.

@@ -21,16 +21,47 @@ over 7 checkpoints (``required_prompts(0.159, 0.02)``, ``required_prompts(0.159,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import scipy.stats
 
-__all__ = ["required_prompts", "minimum_detectable_effect", "power_at", "sd_from_interval", "variance_components",
-           "plan_table", "row_power", "DEFAULT_POWER"]
+from jaxrl.utils.dataclass_flags import flag_field
 
-DEFAULT_POWER = 0.8
+__all__ = ["required_prompts", "minimum_detectable_effect", "power_at", "sd_from_interval", "variance_components",
+           "plan_table", "row_power", "DEFAULT_POWER", "PlanSettings"]
+
+METRICS = ("partial_reward_mean", "strict_rate")  # the per-sample metrics a plan is made for
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """One plan (launchers.plan; its fields are the launcher's flags, jaxrl.utils.dataclass_flags): the effect and
+    the test, and where the variance comes from: a pilot evaluation (`results`), or the users' own numbers
+    (`sd_diff`, or `pilot_interval` with `pilot_n`)."""
+
+    results: Optional[str] = flag_field(None, help="Pilot evaluation folder (or its results.json) with samples/.")
+    model: Optional[str] = flag_field(None, help="Pilot model compared with the baseline (default: the one with the "
+                                      "largest |diff| on --metric).")
+    metric: str = flag_field("partial_reward_mean", choices=METRICS, help="Metric.")
+    effect: float = flag_field(0.02, help="True effect to detect, in the metric's units (0.02 = 2 pp).")
+    power: float = flag_field(0.8, help="Probability of detecting it.")
+    alpha: float = flag_field(0.05, help="Two-sided level of each test.")
+    family: Optional[int] = flag_field(None, help="Comparisons to correct for (default: the pilot's family size, "
+                                       "else 1).")
+    samples: tuple[int, ...] = flag_field((1, 2, 4, 8, 16), help="Samples a prompt to plan for.")
+    sd_diff: Optional[float] = flag_field(None, help="SD of the per-prompt differences (no pilot files needed).")
+    pilot_interval: Optional[tuple[float, ...]] = flag_field(None, help="LOW,HIGH: a pilot's 95% interval of the "
+                                                             "difference (with --pilot_n): its SD is implied.")
+    pilot_n: Optional[int] = flag_field(None, help="Prompts behind --pilot_interval.")
+    correlation: Optional[float] = flag_field(None, help="Base-only pilot: assumed model-base correlation of the "
+                                              "per-prompt means.")
+    out: Optional[str] = flag_field(None, help="Also write the plan as JSON here.")
+
+
+DEFAULT_POWER = PlanSettings.power
 
 
 def _z_sum(power: float, alpha: float, family: int) -> float:
@@ -43,7 +74,7 @@ def _z_sum(power: float, alpha: float, family: int) -> float:
     return float(scipy.stats.norm.ppf(1 - alpha / (2 * int(family))) + scipy.stats.norm.ppf(power))
 
 
-def required_prompts(sd_diff: float, effect: float, power: float = DEFAULT_POWER, alpha: float = 0.05,
+def required_prompts(sd_diff: float, effect: float, power: float = DEFAULT_POWER, alpha: float = PlanSettings.alpha,
                      family: int = 1) -> int:
     """Prompts needed to detect ``effect`` (same units as ``sd_diff``) at ``power``, two-sided ``alpha`` (over a
     Bonferroni family of ``family`` comparisons). Raises ValueError for a zero effect."""
@@ -54,15 +85,15 @@ def required_prompts(sd_diff: float, effect: float, power: float = DEFAULT_POWER
     return max(1, int(math.ceil((_z_sum(power, alpha, family) * sd_diff / abs(effect)) ** 2)))
 
 
-def minimum_detectable_effect(sd_diff: float, n: int, power: float = DEFAULT_POWER, alpha: float = 0.05,
-                              family: int = 1) -> float:
+def minimum_detectable_effect(sd_diff: float, n: int, power: float = DEFAULT_POWER,
+                              alpha: float = PlanSettings.alpha, family: int = 1) -> float:
     """The smallest true effect detected with probability ``power`` on ``n`` prompts."""
     if n < 1:
         raise ValueError(f"minimum_detectable_effect: n must be >= 1, got {n}")
     return _z_sum(power, alpha, family) * sd_diff / math.sqrt(n)
 
 
-def power_at(n: int, sd_diff: float, effect: float, alpha: float = 0.05, family: int = 1) -> float:
+def power_at(n: int, sd_diff: float, effect: float, alpha: float = PlanSettings.alpha, family: int = 1) -> float:
     """Probability that the two-sided test at ``alpha / family`` rejects when the true effect is ``effect``."""
     if sd_diff == 0:
         return 1.0 if effect != 0 else alpha / family
@@ -89,7 +120,7 @@ def _by_prompt(records: Sequence[Mapping], metric: str) -> dict[str, dict[int, f
 
 
 def variance_components(model_records: Optional[Sequence[Mapping]], base_records: Sequence[Mapping],
-                        metric: str = "partial_reward_mean", *, correlation: Optional[float] = None) -> dict:
+                        metric: str = PlanSettings.metric, *, correlation: Optional[float] = None) -> dict:
     """The pilot's variance split (module docstring).
 
     Args:
@@ -140,8 +171,9 @@ def variance_components(model_records: Optional[Sequence[Mapping]], base_records
     return out
 
 
-def plan_table(components: Mapping, effect: float, *, power: float = DEFAULT_POWER, alpha: float = 0.05,
-               family: int = 1, ks: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict]:
+def plan_table(components: Mapping, effect: float, *, power: float = DEFAULT_POWER,
+               alpha: float = PlanSettings.alpha, family: int = 1,
+               ks: Sequence[int] = PlanSettings.samples) -> list[dict]:
     """Prompts (and samples = prompts x k) needed per samples-a-prompt k, without and with the correction for a
     family of ``family`` comparisons."""
     rows = []

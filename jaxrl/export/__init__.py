@@ -8,6 +8,7 @@
     # <run>/averages/avg_20-24-28 (where launchers.evaluate --checkpoints=run finds it)
     export_average("run", base=None, out=None, average="last:3")
     export_average("run", base=None, out=None, average=[20, 24, 28], weights=[1, 1, 2], rank=16)
+    run_export(settings)    # an ExportSettings (the flags of launchers.export): whichever of the two it asks for
 
 Modules: `peft` (PEFT layout, export and import, layout checks; `read_adapter` of any adapter folder), `audit`
 (fingerprints and tensor-level comparisons of any set of checkpoints), `merge` (LoRA merged into the full
@@ -17,6 +18,7 @@ detach on the JAX model) is `jaxrl.models.adapters`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Sequence
 
@@ -24,11 +26,56 @@ from jaxrl.export.average import average_checkpoints, average_name, average_step
 from jaxrl.export.merge import export_merged
 from jaxrl.export.peft import export_peft, read_adapter
 from jaxrl.models.adapters import AVERAGES, Adapter, run_folder
+from jaxrl.utils.dataclass_flags import flag_field
+
+LAYOUTS = ("auto", "container", "text")  # PEFT key layouts (jaxrl.export.peft); auto: the base's
+MERGE_DTYPES = ("stored", "float32")  # merged weights: the base's stored dtype (merge_dtype None), or fp32
 
 
-def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: Optional[int] = None,
-                      merge: bool = False, layout: str = "auto", allow_layout_mismatch: bool = False,
-                      overwrite: bool = False, merge_dtype: Optional[str] = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
+    """One export (launchers.export; its fields are the launcher's flags, jaxrl.utils.dataclass_flags): a step of
+    `checkpoint`, or with `average` the weighted mean of several. `checkpoint` is required, and `out` without
+    `average` (the launcher checks both)."""
+
+    checkpoint: Optional[str] = flag_field(None, help="Adapter checkpoint (workdir, checkpoints/, adapters/, "
+                                           "adapters/<step>) or a PEFT adapter folder.")
+    step: Optional[int] = flag_field(None, help="Adapter step to export (default: the newest).")
+    base: Optional[str] = flag_field(None, help="The base HF folder the adapter was trained on (default: the "
+                                     "model_path recorded in the adapter checkpoint).")
+    out: Optional[str] = flag_field(None, help="Output folder.")
+    merge: bool = flag_field(False, help="Write the merged full checkpoint instead of a PEFT adapter.")
+    layout: str = flag_field("auto", choices=LAYOUTS, help="PEFT key layout (auto: the base's).")
+    allow_layout_mismatch: bool = flag_field(False, help="Allow a PEFT layout other than the base's.")
+    overwrite: bool = flag_field(False, help="Replace an existing --out.")
+    average: tuple[str, ...] = flag_field((), help="Export the weighted mean of these adapter steps (STEP,STEP,... "
+                                          "or last:N) instead of one step.")
+    average_weights: tuple[float, ...] = flag_field((), help="--average: one weight per step (normalised to sum 1; "
+                                                    "default equal).")
+    average_rank: Optional[int] = flag_field(None, help="--average: truncate the exact average (rank k*r) to this "
+                                             "rank by SVD; its residual per module goes to jaxrl_export.json.")
+    merge_dtype: str = flag_field("stored", choices=MERGE_DTYPES, help="--merge only: the dtype of the merged "
+                                  "weights (stored: the base's, usually bf16, which rounds small updates away; "
+                                  "float32: kept, serve in fp32).")
+
+
+
+def run_export(settings: ExportSettings) -> dict:
+    """The export `settings` asks for (`export_average` with `average`, else `export_checkpoint`); returns its
+    provenance record."""
+    common = dict(merge=settings.merge, layout=settings.layout, allow_layout_mismatch=settings.allow_layout_mismatch,
+                  overwrite=settings.overwrite, merge_dtype=None if settings.merge_dtype == "stored" else
+                  settings.merge_dtype)
+    if settings.average:
+        return export_average(settings.checkpoint, settings.base, settings.out, average=list(settings.average),
+                              weights=list(settings.average_weights), rank=settings.average_rank, **common)
+    return export_checkpoint(settings.checkpoint, settings.base, settings.out, step=settings.step, **common)
+
+
+def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: Optional[int] = ExportSettings.step,
+                      merge: bool = ExportSettings.merge, layout: str = ExportSettings.layout,
+                      allow_layout_mismatch: bool = ExportSettings.allow_layout_mismatch,
+                      overwrite: bool = ExportSettings.overwrite, merge_dtype: Optional[str] = None) -> dict:
     """What `python -m launchers.export` does; returns the provenance record written to `out/jaxrl_export.json`.
 
     checkpoint: a run workdir, its checkpoints/ or adapters/ folder, one adapters/<step> folder, or a PEFT folder.
@@ -41,9 +88,10 @@ def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: O
 
 
 def export_average(checkpoint: str, base: Optional[str], out: Optional[str], *, average: Sequence[str] | str,
-                   weights: Optional[Sequence[float]] = None, rank: Optional[int] = None, merge: bool = False,
-                   layout: str = "auto", allow_layout_mismatch: bool = False, overwrite: bool = False,
-                   merge_dtype: Optional[str] = None) -> dict:
+                   weights: Optional[Sequence[float]] = None, rank: Optional[int] = ExportSettings.average_rank,
+                   merge: bool = ExportSettings.merge, layout: str = ExportSettings.layout,
+                   allow_layout_mismatch: bool = ExportSettings.allow_layout_mismatch,
+                   overwrite: bool = ExportSettings.overwrite, merge_dtype: Optional[str] = None) -> dict:
     """What `launchers.export --average` does: the weighted mean of the adapter checkpoints `average` names (step
     numbers or `last:N`) of the run at `checkpoint`, exact or truncated to `rank` (`jaxrl.export.average`),
     exported like one checkpoint; returns the provenance record (with `average`, and `out`).
@@ -62,9 +110,10 @@ def export_average(checkpoint: str, base: Optional[str], out: Optional[str], *, 
     return {**info, "out": os.path.abspath(out)}
 
 
-def export_adapter(adapter: Adapter, checkpoint: str, base: Optional[str], out: str, *, merge: bool = False,
-                   layout: str = "auto", allow_layout_mismatch: bool = False, overwrite: bool = False,
-                   merge_dtype: Optional[str] = None) -> dict:
+def export_adapter(adapter: Adapter, checkpoint: str, base: Optional[str], out: str, *,
+                   merge: bool = ExportSettings.merge, layout: str = ExportSettings.layout,
+                   allow_layout_mismatch: bool = ExportSettings.allow_layout_mismatch,
+                   overwrite: bool = ExportSettings.overwrite, merge_dtype: Optional[str] = None) -> dict:
     """`adapter` (read from `checkpoint`) written as a PEFT folder or merged into `base` at `out`."""
     base = base or adapter.model_path  # the trainer records the base it trained on
     if not base or not os.path.isfile(os.path.join(base, "config.json")):

@@ -64,12 +64,11 @@ from jaxrl.evaluation.metrics import per_prompt_values
 from jaxrl.evaluation.seeds import seeds_then_prompts
 from jaxrl.evaluation.selection import selection_summary
 from jaxrl.evaluation.stats import compare, simultaneous
+from jaxrl.sweep.flags import DEFAULT_METRICS, CompareSettings
 from jaxrl.sweep.runner import STATUS_FILE, SWEEP_FILE, merged_metrics, read_json
 from jaxrl.sweep.spec import SEED, fmt, short_key
 
-LAST_K = 5
 RESULTS_METRICS = ("partial_reward_mean", "strict_rate", "truncation_rate", "mean_completion_tokens")
-DEFAULT_METRICS = ("partial_reward_mean", "strict_rate", "eval_preference_accuracy", "eval_reward_margin")
 
 
 @dataclasses.dataclass
@@ -118,7 +117,7 @@ def _first(rec: Mapping, keys: Sequence[str]):
     return next((rec[k] for k in keys if _num(rec.get(k)) is not None), None)
 
 
-def training_summary(records: Sequence[Mapping], status: Mapping, last_k: int = LAST_K) -> dict:
+def training_summary(records: Sequence[Mapping], status: Mapping, last_k: int = CompareSettings.last_k) -> dict:
     """The training columns of one point (module docstring); None where the run logged no such metric."""
     train = [r for r in records if "loss" in r or "grad_norm" in r]
     out: dict[str, Any] = {"final_step": train[-1]["step"] if train else None}
@@ -251,8 +250,9 @@ def _metric_steps(evals: Mapping[str, Mapping[int, Mapping]], metrics: Sequence[
 
 def build_table(meta: Mapping, points: Sequence[PointData], *, baseline: Any = None,
                 metrics: Optional[Sequence[str]] = None, steps: Optional[Sequence[int]] = None,
-                last_k: int = LAST_K, sort: Optional[str] = None, filters: Sequence[str] = (),
-                n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> Table:
+                last_k: int = CompareSettings.last_k, sort: Optional[str] = None, filters: Sequence[str] = (),
+                n_resamples: int = CompareSettings.n_resamples, confidence: float = CompareSettings.confidence,
+                seed: int = CompareSettings.seed) -> Table:
     axes = [a["name"] for a in meta["axes"]]
     evals = {p.slug: checkpoint_evals(p) for p in points}
     present = {m for e in evals.values() for vals in e.values() for m in vals}

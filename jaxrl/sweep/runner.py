@@ -54,6 +54,7 @@ from typing import Callable, Optional, Sequence
 from jaxrl.algorithms.plugins import REFERENCES
 from jaxrl.data.formats import CONFIG_FILE, EVAL_DIR
 from jaxrl.evaluation import flags as evaluate_flags
+from jaxrl.sweep.flags import SweepSettings
 from jaxrl.sweep.spec import Point, SweepError, SweepSpec
 from jaxrl.utils import interrupt
 from jaxrl.utils.io import atomic_copy, atomic_write_json, iter_jsonl
@@ -187,8 +188,10 @@ class SweepRunner:
     running by a process this machine cannot see (another host). echo: progress lines.
     """
 
-    def __init__(self, spec: SweepSpec, out: str, *, jobs: int = 1, compilation_cache: Optional[str] = None,
-                 retry_failed: bool = True, force: bool = False, python: str = sys.executable,
+    def __init__(self, spec: SweepSpec, out: str, *, jobs: int = SweepSettings.jobs,
+                 compilation_cache: Optional[str] = SweepSettings.compilation_cache,
+                 retry_failed: bool = SweepSettings.retry_failed, force: bool = SweepSettings.force,
+                 python: str = sys.executable,
                  echo: Callable[[str], None] = lambda msg: print(msg, flush=True)):
         if jobs < 1:
             raise SweepError(f"jobs must be >= 1, got {jobs}")

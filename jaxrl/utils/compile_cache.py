@@ -5,6 +5,7 @@ programs take tens of seconds to minutes each; a GPU lease of 15 minutes cannot 
     configure(None)        # the default folder, $XDG_CACHE_HOME/jaxrl/xla (or ~/.cache/jaxrl/xla)
     configure("/fast/x")   # another folder (an unwritable one is the user's error)
     configure("none")      # off ("" too, as launchers.sweep spells it)
+    CacheSettings          # the setting as every launcher's --compilation_cache flag (launchers/_main.py)
 
 An inherited JAX_COMPILATION_CACHE_DIR wins over all three: jax reads it when it is imported, and whoever set it
 (the test suite, a sweep for its points, a cluster script) chose the folder for a reason. The two thresholds
@@ -17,11 +18,14 @@ file lock and scans the folder, which is why no cap is set here).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Optional
 
 import jax
+
+from jaxrl.utils.dataclass_flags import flag_field
 
 ENV = "JAX_COMPILATION_CACHE_DIR"
 OFF = ("none", "")
@@ -35,6 +39,17 @@ _THRESHOLDS = (("jax_persistent_cache_min_compile_time_secs", "JAX_PERSISTENT_CA
                 MIN_COMPILE_TIME_S),
                ("jax_persistent_cache_min_entry_size_bytes", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
                 MIN_ENTRY_BYTES))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSettings:
+    """The cache folder of a launcher run; its field is every launcher's --compilation_cache (launchers/_main.py;
+    jaxrl.utils.dataclass_flags makes the flag)."""
+
+    compilation_cache: Optional[str] = flag_field(None, help=(
+        "JAX's persistent compilation cache: a folder, or none. Default $XDG_CACHE_HOME/jaxrl/xla (else "
+        "~/.cache/jaxrl/xla); an inherited JAX_COMPILATION_CACHE_DIR wins. A rerun on this machine loads its "
+        "compiled programs instead of compiling them again."))
 
 
 def default_dir() -> str:
@@ -69,7 +84,7 @@ def unwritable(path: str) -> Optional[str]:
     return None
 
 
-def configure(setting: Optional[str] = None) -> Optional[str]:
+def configure(setting: Optional[str] = CacheSettings.compilation_cache) -> Optional[str]:
     """Turns jax's persistent cache on at the folder `setting` names (`resolve`) before the first compile;
     returns the folder in use (the inherited JAX_COMPILATION_CACHE_DIR when it is set), or None when off.
 

@@ -7,6 +7,7 @@ field, and both the launcher's flags and the config it builds from them follow f
         num_samples: int = flag_field(8, help="Samples per problem.")
         dtype: str = flag_field("bfloat16", help="Compute dtype.", choices=("bfloat16", "float32"))
         buckets: tuple[int, ...] = flag_field((), help="Prompt lengths.")          # --buckets=32,64
+        filters: list[str] = flag_field(default_factory=list, help="A filter.")     # --filters=a --filters=b
         options: dict = flag_field(default_factory=dict, help="JSON options.")     # --options='{"a": 1}'
         specs: list = dataclasses.field(default_factory=list, metadata=NOT_A_FLAG)
 
@@ -14,9 +15,14 @@ field, and both the launcher's flags and the config it builds from them follow f
     cfg = config_from_flags(Config, holders, specs=[...])   # after parsing; keyword values are taken as given
 
 Flag kinds by field type: str -> DEFINE_string, int -> DEFINE_integer, float -> DEFINE_float, bool -> DEFINE_bool,
-a field with `choices` -> DEFINE_enum, tuple[X, ...] -> DEFINE_list (items converted to X), dict -> DEFINE_string
-holding a JSON object; Optional[X] is X with None allowed. A field's `parse` (flag value -> field value, raising
-app.UsageError) replaces the conversion. Every field is a flag unless its metadata is NOT_A_FLAG.
+a field with `choices` -> DEFINE_enum, tuple[X, ...] -> DEFINE_list (items converted to X), list[X] -> DEFINE_multi_X
+(a flag given once per value; X str, int or float), dict -> DEFINE_string holding a JSON object; Optional[X] is X
+with None allowed. A field's `parse` (flag value -> field value, raising app.UsageError) replaces the conversion.
+Every field is a flag unless its metadata is NOT_A_FLAG.
+
+`define_flags(..., mark_required=True)` makes absl refuse a missing required flag while it parses (absl's own
+message), for a launcher whose users have seen that message; otherwise `check_required` / `config_from_flags` say
+"--NAME is required".
 
 Flags that are not config fields are defined from a table of (name, kind, default, [enum values,] help) with
 `define_table`. This module disclaims its flag definitions (absl's key flags): a flag belongs to the module that
@@ -34,12 +40,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from absl import app, flags
 
 __all__ = ["NOT_A_FLAG", "check_required", "config_from_flags", "define_flags", "define_table", "flag_field",
-           "flag_names"]
+           "flag_names", "required_names"]
 
 flags.disclaim_key_flags()  # the flags defined below belong to the module that asks for them (docstring)
 
 NOT_A_FLAG = types.MappingProxyType({"flag": False})  # metadata of a config field that no flag sets
 _ITEM_NAMES = {int: "integers", float: "numbers"}  # for "--x: expected integers, got ..."
+_MULTI_KINDS = {str: "multi_string", int: "multi_integer", float: "multi_float"}  # list[X] fields
 
 
 def flag_field(default: Any = dataclasses.MISSING, *, help: str,  # noqa: A002 (the word absl uses)
@@ -55,12 +62,12 @@ def flag_field(default: Any = dataclasses.MISSING, *, help: str,  # noqa: A002 (
 @dataclasses.dataclass(frozen=True)
 class _FlagSpec:
     name: str
-    kind: str  # string | integer | float | bool | enum | list | json
+    kind: str  # string | integer | float | bool | enum | list | multi | json
     default: Any  # the field's default as the flag holds it (None for a required field)
     required: bool
     help: str
     choices: Optional[tuple] = None
-    item: Optional[type] = None  # list flags: the type of the tuple's items
+    item: Optional[type] = None  # list and multi flags: the type of the items
     parse: Optional[Callable[[Any], Any]] = None
 
 
@@ -90,11 +97,17 @@ def _spec(cls: type, field: dataclasses.Field, tp: Any) -> _FlagSpec:
         if len(items) != 1:
             raise TypeError(f"{where}: a tuple flag needs one item type (tuple[int, ...]), got {tp}")
         kind, item = "list", items.pop()
+    elif typing.get_origin(tp) is list:
+        items = typing.get_args(tp)
+        if len(items) != 1 or items[0] not in _MULTI_KINDS:
+            raise TypeError(f"{where}: a repeated flag needs one item type, str, int or float (list[str]), got "
+                            f"{tp}")
+        kind, item = "multi", items[0]
     elif tp in _KINDS:
         kind = _KINDS[tp]
     else:
-        raise TypeError(f"{where}: no flag kind for type {tp}; use str, int, float, bool, tuple[X, ...], dict, "
-                        f"Optional of one of them, or metadata=NOT_A_FLAG")
+        raise TypeError(f"{where}: no flag kind for type {tp}; use str, int, float, bool, tuple[X, ...], list[X], "
+                        f"dict, Optional of one of them, or metadata=NOT_A_FLAG")
     if field.default is not dataclasses.MISSING:
         default = field.default
     elif field.default_factory is not dataclasses.MISSING:
@@ -103,6 +116,8 @@ def _spec(cls: type, field: dataclasses.Field, tp: Any) -> _FlagSpec:
         default = None
     if default is not None and kind == "list":
         default = [str(v) for v in default]  # as a command line gives them
+    elif default is not None and kind == "multi":
+        default = list(default)
     elif default is not None and kind == "json":
         default = json.dumps(default)
     required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
@@ -120,14 +135,23 @@ def flag_names(cls: type) -> tuple[str, ...]:
     return tuple(s.name for s in _specs(cls))
 
 
-def define_flags(cls: type, flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, flags.FlagHolder]:
-    """Defines a flag for every field of the config dataclass `cls` (module docstring); returns the holders."""
+def required_names(cls: type) -> tuple[str, ...]:
+    """The flag names of the required fields of the config dataclass `cls` (no default)."""
+    return tuple(s.name for s in _specs(cls) if s.required)
+
+
+def define_flags(cls: type, flag_values: flags.FlagValues = flags.FLAGS, *,
+                 mark_required: bool = False) -> dict[str, flags.FlagHolder]:
+    """Defines a flag for every field of the config dataclass `cls` (module docstring); returns the holders.
+    `mark_required`: absl refuses a command line without the required ones while it parses."""
     holders = {}
     for s in _specs(cls):
-        kind = "string" if s.kind == "json" else s.kind
+        kind = {"json": "string", "multi": _MULTI_KINDS.get(s.item)}.get(s.kind, s.kind)
         extra = (list(s.choices),) if s.kind == "enum" else ()
         holders[s.name] = getattr(flags, f"DEFINE_{kind}")(s.name, s.default, *extra, s.help,
                                                            flag_values=flag_values)
+    if mark_required and required_names(cls):
+        flags.mark_flags_as_required(required_names(cls), flag_values=flag_values)
     return holders
 
 
@@ -159,6 +183,8 @@ def _convert(s: _FlagSpec, value: Any) -> Any:
         except ValueError:
             raise app.UsageError(f"--{s.name}: expected {_ITEM_NAMES.get(s.item, s.item.__name__)}, got "
                                  f"{','.join(value)}") from None
+    if s.kind == "multi":
+        return list(value)  # absl converted the items
     if s.kind == "json":
         try:
             parsed = json.loads(value)

@@ -1,9 +1,10 @@
 """The console's log filters, one home for every entry point (launchers/, the sweep's point subprocesses):
 
     install_log_filters()        # Orbax's read-only notices dropped (always); what every launcher gets on import
-    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (launchers/_main.py), the
-                                 # orphaned reads and late callbacks of a failed tensorstore restore, and the
-                                 # libraries' own reports of a full disk (the launcher prints one line)
+    quiet_libraries(verbose)     # the libraries' INFO records dropped unless verbose (LogSettings: a launcher's
+                                 # --verbose, launchers/_main.py), the orphaned reads and late callbacks of a
+                                 # failed tensorstore restore, and the libraries' own reports of a full disk (the
+                                 # launcher prints one line)
 
 Both act on absl's logger / handler, which Orbax, jax and the project all log through. Warnings and errors always
 pass; so do the project's own INFO lines (progress with ETA, "resumed from ...": records whose file is in jaxrl/,
@@ -13,6 +14,7 @@ launchers/ or configs/).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -22,6 +24,7 @@ from typing import Optional
 
 from absl import logging as absl_logging
 
+from jaxrl.utils.dataclass_flags import flag_field
 from jaxrl.utils.io import disk_full
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +34,15 @@ OWN_DIRS = tuple(str(_REPO / d) + os.sep for d in ("jaxrl", "launchers", "config
 # an adapter checkpoint does), that a read-only manager will not save, create or clean up: three lines per
 # opened checkpoint, dozens per evaluation, and nothing a user can act on.
 _ORBAX_READ_ONLY_NOTICES = ("CheckpointManagerOptions.read_only=True, setting ", "Given directory is read only=")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+    """How much a launcher run says; its field is every launcher's --verbose (launchers/_main.py, which also prints
+    every error's traceback with it; jaxrl.utils.dataclass_flags makes the flag)."""
+
+    verbose: bool = flag_field(False, help="Tracebacks for every error and the libraries' INFO logs (Orbax, jax, "
+                               "...).")
 
 
 def own_file(filename: str) -> bool:
@@ -143,7 +155,7 @@ def _quiet_thread_disk_full(args) -> None:
         threading.__excepthook__(args)
 
 
-def quiet_libraries(verbose: bool = False) -> None:
+def quiet_libraries(verbose: bool = LogSettings.verbose) -> None:
     """The libraries' INFO records and asyncio's orphaned futures off the console (absl's handler), and the
     closed-loop callbacks of `_closed_loop_callback`, unless `verbose`; idempotent."""
     handler = absl_logging.get_absl_handler()
