@@ -259,6 +259,68 @@ def run_gdn_state(rows: int = 16, max_new_tokens: int = 128, repeats: int = 3, s
             "tokens_per_s": {dt: round(tokens / statistics.median(t), 1) for dt, t in seconds.items()}}
 
 
+def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 512, repeats: int = 2,
+                 workdir: str = "") -> dict:
+    """`python -m launchers.rollout` on the demo's random model (its pretrained/ folder and its 128 held-out
+    prompts) with `samples` samples per prompt and cap `max_new_tokens`, the static sampler
+    (`--backend_kwargs={"batching": "static"}`) against the engine, each a fresh process, alternated: `cold` with
+    no compilation cache (every program compiled in the run, what a first run pays), `warm` with a cache a first
+    run of each side filled (what a rerun on the same machine pays). samples/s is the launcher's own (its
+    meta.json: from the first sample drawn to the last written, compilation included)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from jaxrl.demo import Demo
+    root = workdir or tempfile.mkdtemp(prefix="bench_rollout_launcher_")
+    demo = Demo(os.path.join(root, "demo"), log=lambda _: None)
+    demo.claim_folder()
+    demo.make_model()
+    demo.make_tasks()
+    out = {"problems": problems, "samples_per_prompt": samples, "max_new_tokens": max_new_tokens,
+           "repeats": repeats, "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+
+    def launch(side: str, cache: str, tag: str) -> dict:
+        path = os.path.join(root, f"{side}_{tag}.jsonl")
+        for stale in (path, path + ".meta.json"):
+            if os.path.exists(stale):
+                os.remove(stale)
+        cmd = [sys.executable, "-m", "launchers.rollout", f"--problems={demo.p['eval']}",
+               f"--model={demo.p['pretrained']}", f"--out={path}", f"--num_samples={samples}",
+               f"--max_new_tokens={max_new_tokens}", "--max_prompt_len=64", "--dtype=float32", "--reward=charset",
+               "--temperature=1.0", "--noprogress", f"--compilation_cache={cache}",
+               "--backend_kwargs=" + json.dumps({"batching": side})]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "JAX_COMPILATION_CACHE_DIR": ""})
+        meta = json.load(open(path + ".meta.json"))
+        records = [json.loads(line) for line in open(path)]
+        return {"samples_per_s": round(meta["samples_per_s"], 1), "seconds": meta["seconds"],
+                "process_s": round(time.perf_counter() - t0, 2), "mean_length": round(
+                    meta["generated_tokens"] / meta["samples_written"], 2),
+                "tokens": [r["token_ids"] for r in records]}
+
+    sides = ("static", "continuous")
+    caches = {side: os.path.join(root, f"cache_{side}") for side in sides}
+    runs = {f"{side}_{kind}": [] for side in sides for kind in ("cold", "warm")}
+    for side in sides:  # fills each side's cache (not measured)
+        launch(side, caches[side], "fill")
+    for r in range(repeats):
+        for side in sides:
+            runs[f"{side}_cold"].append(launch(side, "none", f"cold{r}"))
+            runs[f"{side}_warm"].append(launch(side, caches[side], f"warm{r}"))
+    first = runs["static_cold"][0]["tokens"]
+    out["samples_identical"] = all(run["tokens"] == first for entries in runs.values() for run in entries)
+    out["mean_length"] = runs["static_cold"][0]["mean_length"]
+    for key, entries in runs.items():
+        out[key] = {"samples_per_s": [e["samples_per_s"] for e in entries],
+                    "seconds": [e["seconds"] for e in entries], "process_s": [e["process_s"] for e in entries]}
+    for kind in ("cold", "warm"):
+        s, c = (statistics.median(out[f"{side}_{kind}"]["samples_per_s"]) for side in sides)
+        out[f"ratio_{kind}"] = round(c / s, 3)
+    out["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
 def run(workloads=WORKLOADS, prompts: int = 32, samples: int = 8, slots: int = 64, max_new_tokens: int = 256,
         truncation_prompts: int = 20, truncation_model: str = "small", repeats: int = 3, seed: int = 0,
         sections=("adapter", "gdn_state")) -> dict:
@@ -284,7 +346,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sections", default="adapter,gdn_state")
     parser.add_argument("--truncation_model", default="small", choices=sorted(MODELS))
+    parser.add_argument("--launcher", action="store_true", help="only launchers.rollout, static vs engine "
+                        "(run_launcher: 128 prompts x 32 samples, cap 512, the demo's random model)")
     args = parser.parse_args(argv)
+    if args.launcher:
+        result = run_launcher(repeats=args.repeats)
+        print(json.dumps(result, indent=1))
+        return result
     sizes = dict(prompts=16, truncation_prompts=10, slots=32, max_new_tokens=128) if args.quick else {}
     result = run(workloads=tuple(w for w in args.workloads.split(",") if w), repeats=args.repeats,
                  truncation_model=args.truncation_model,

@@ -109,14 +109,13 @@ def engine_programs() -> int:
 def program_bound(start_sizes: Sequence[int], prompt_lengths: int, multiple: int = 1, shrink: bool = True) -> int:
     """The most engine programs one (model structure, sampling mode, cap, samples per prompt) can compile when
     calls start at the slot counts `start_sizes` (a sampler's batch buckets) with `prompt_lengths` prompt
-    lengths: per prompt length and start size, two prefills and two inserts (the fill of all slots, the refill of
-    K), a round per slot count the rows can run at and, when they shrink, a shrink per slot count; and one weight
-    preparation."""
+    lengths: per prompt length and start size, a prefill and an insert (K rows), a round per slot count the rows
+    can run at and, when they shrink, a shrink per slot count; and one weight preparation."""
     sizes = set(start_sizes)
     if shrink:
         for s in start_sizes:
             sizes.update(shrink_ladder(s, multiple))
-    return prompt_lengths * (4 * len(start_sizes) + len(sizes) * (2 if shrink else 1)) + 1
+    return prompt_lengths * (2 * len(start_sizes) + len(sizes) * (2 if shrink else 1)) + 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -407,8 +406,6 @@ class Engine:
       eos_token_ids, stop_token_ids: the default stop ids of a request; pad_token_id: the id of padding.
       insert_rows, prompts_per_insert: K rows per insert and the U prompts its prefill holds (default
         `insert_sizes(slots, 1, cap=max_new_tokens)`, every row its own prompt).
-      fill_prompts: the prompts of the insert that fills all slots of an empty engine at once (default slots:
-        every row its own prompt).
       round_steps: decode steps per round at most (requests join at round ends).
       shrink_sizes: smaller slot counts the rows may move to once nothing waits (() = never: a server).
       stop_width: stop ids a request may carry (default 8, or more for the default stop ids).
@@ -420,8 +417,7 @@ class Engine:
                  eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
                  pad_token_id: Optional[int] = None, mesh: Optional[Mesh] = None, insert_rows: Optional[int] = None,
                  prompts_per_insert: Optional[int] = None, round_steps: int = DEFAULT_ROUND_STEPS,
-                 shrink_sizes: Sequence[int] = (), stop_width: Optional[int] = None, fuse_adapters: bool = True,
-                 fill_prompts: Optional[int] = None):
+                 shrink_sizes: Sequence[int] = (), stop_width: Optional[int] = None, fuse_adapters: bool = True):
         self.model, self.mesh, self.fuse_adapters = model, mesh, bool(fuse_adapters)
         self.vocab_size = int(model.config.vocab_size)
         dp = 1 if mesh is None else mesh.shape[DATA] * mesh.shape[FSDP]
@@ -435,13 +431,11 @@ class Engine:
         default_k, default_u = insert_sizes(self.slots, 1, dp, self.max_new_tokens)
         self.insert_rows = int(insert_rows or default_k)
         self.prompts_per_insert = int(prompts_per_insert or min(self.insert_rows, default_u))
-        self.fill_prompts = int(fill_prompts or self.slots)
         if not 1 <= self.prompts_per_insert <= self.insert_rows <= self.slots:
             raise ValueError(f"Engine: need 1 <= prompts_per_insert ({self.prompts_per_insert}) <= insert_rows "
                              f"({self.insert_rows}) <= slots ({self.slots})")
-        if not 1 <= self.fill_prompts <= self.slots or self.fill_prompts % dp or self.prompts_per_insert % dp:
-            raise ValueError(f"Engine: fill_prompts ({self.fill_prompts}) must be in [1, slots] and it and "
-                             f"prompts_per_insert ({self.prompts_per_insert}) multiples of {dp}")
+        if self.prompts_per_insert % dp:
+            raise ValueError(f"Engine: prompts_per_insert ({self.prompts_per_insert}) must be a multiple of {dp}")
         self.round_steps = int(round_steps)
         self.shrink_sizes = tuple(sorted({int(s) for s in shrink_sizes if int(s) < self.slots}, reverse=True))
         if any(s % dp for s in self.shrink_sizes):
@@ -660,8 +654,9 @@ class Engine:
             self.stats["shrinks"] += 1
 
     def _admit(self) -> None:
-        """Moves waiting rows into free slots: all slots at once into an empty engine (one prefill for them
-        all), then K at a time (fewer when fewer wait)."""
+        """Moves waiting rows into free slots, K at a time (fewer when fewer wait), an empty engine's slots by
+        as many inserts as they take: one insert program (and one prefill program) for every refill, and a
+        prompt's rows copy its one prefill whichever insert they move in with."""
         while True:
             free = [b for b, r in enumerate(self._occupant) if r is None]
             with self._lock:
@@ -672,9 +667,7 @@ class Engine:
                     self._mode = self._queue[0].mode
                 if self._queue[0].mode != self._mode or len(free) < min(self.insert_rows, len(self._queue)):
                     return
-                fill = empty and self._size == self.slots and len(self._queue) > self.insert_rows
-                rows_at_most, prompts_at_most = ((self.slots, self.fill_prompts) if fill
-                                                 else (self.insert_rows, self.prompts_per_insert))
+                rows_at_most, prompts_at_most = self.insert_rows, self.prompts_per_insert
                 rows, keys = [], set()
                 while self._queue and len(rows) < min(rows_at_most, len(free)):
                     head = self._queue[0]
@@ -772,7 +765,6 @@ class ContinuousSampler(SamplerBase):
         engine = Engine(self.model, slots=slots, prompt_len=prompt_len, max_new_tokens=self.max_new_tokens,
                         eos_token_ids=self.stop_ids, pad_token_id=self.pad_id, mesh=self.mesh,
                         insert_rows=rows, prompts_per_insert=min(rows, prompts_per_insert),
-                        fill_prompts=prompts_per_rows(slots, n, self._dp),
                         round_steps=self.round_steps or self.max_new_tokens,
                         shrink_sizes=shrink_ladder(slots, self._dp) if shrink else (),
                         stop_width=len(self._stop_array), fuse_adapters=self.fuse_adapters)

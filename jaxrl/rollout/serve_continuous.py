@@ -307,7 +307,7 @@ class ContinuousServeEngine:
             lane = self.lanes[key] = Engine(self.model, slots=self.slots, prompt_len=prompt_len,
                                             max_new_tokens=cap, pad_token_id=self.pad_id,
                                             insert_rows=self.insert_rows, prompts_per_insert=self.insert_rows,
-                                            fill_prompts=self.insert_rows, round_steps=self.round_steps,
+                                            round_steps=self.round_steps,
                                             shrink_sizes=(), stop_width=width)
             if self._weights is not None:
                 lane.share_params(self._weights)
