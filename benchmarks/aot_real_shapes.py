@@ -19,6 +19,9 @@ Programs (bf16 base weights, LoRA r16 / alpha 32 on all 12 projections, fp32 ada
 
 `--scan_layers=both` compiles each train step with the layers scanned (`Qwen35Config.scan_layers`: one
 compiled block of three Gated DeltaNet layers and one attention layer) and unrolled; decode is never scanned.
+`--num_layers=N` compiles the programs at the model's widths with N layers of its block (what scanning saves at
+a given depth); each train step's object says what `scan_layers`' default (None) would choose for it, with the
+remat policy it runs (`default_scan_decision`).
 
 What each object holds:
   compile_s, lower_s    seconds to lower (trace + StableHLO) and to compile on this machine's CPU (`llvm_opt`:
@@ -87,9 +90,14 @@ TINY = {
 }
 
 
-def model_config(name: str, shape: str, scan: Optional[bool]):
+def model_config(name: str, shape: str, scan: Optional[bool], num_layers: Optional[int] = None):
     from jaxrl.models import qwen35
+    from jaxrl.models.qwen35.config import default_layer_types
     cfg = qwen35.tiny() if shape == "tiny" else {"4b": qwen35.qwen35_4b, "9b": qwen35.qwen35_9b}[name]()
+    if num_layers is not None:  # the same widths and layer block, another depth
+        interval = next(i + 1 for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+        cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers,
+                                  layer_types=default_layer_types(num_layers, interval))
     if scan is not None:
         cfg = dataclasses.replace(cfg, scan_layers=scan)
     return cfg
@@ -349,17 +357,18 @@ def formula_flops(cfg, kind: str, rows: int, seq_len: int, dpo_reference: str, c
 
 def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_reference: str, capacity: float,
                 limit: float, llvm_opt: Optional[int], emulate: bool = True, dump_dir: Optional[str] = None,
-                analysis_only: bool = False) -> dict:
+                analysis_only: bool = False, num_layers: Optional[int] = None) -> dict:
     import contextlib
 
     import jax
 
     spec = dict(PROGRAMS[name], **(TINY[name] if shape == "tiny" else {}))
-    cfg = model_config(spec["model"], shape, scan)
+    cfg = model_config(spec["model"], shape, scan, num_layers)
     options = {} if llvm_opt is None else {"xla_backend_optimization_level": llvm_opt}
     result = {"program": name, "shape": shape, "kind": spec["kind"], "model": spec["model"] if shape == "real"
               else "tiny", "spec": spec, "scan_layers": scan, "backend": jax.default_backend(),
-              "jax": jax.__version__, "llvm_opt": llvm_opt, "emulated_h200": emulate}
+              "jax": jax.__version__, "llvm_opt": llvm_opt, "emulated_h200": emulate,
+              "num_layers": cfg.num_hidden_layers}
     with H200(limit) if emulate else contextlib.nullcontext():
         t0, c0 = time.perf_counter(), time.process_time()
         if spec["kind"] == "decode":
@@ -374,7 +383,10 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
                                                                                        dpo_reference, limit)
             lowered = None if analysis_only else jitted.lower(*args)
             result["remat"] = remat_info
-        result["layer_cycle"] = list(model.layer_cycle()) if hasattr(model, "layer_cycle") else None
+        policy = result["remat"].get("chosen")  # the train step's remat policy; decode: none chosen
+        result["layer_cycle"] = list(model.layer_cycle(policy)) if hasattr(model, "layer_cycle") else None
+        if spec["kind"] != "decode" and hasattr(cfg, "scan_decision"):  # what scan_layers=None would do here
+            result["default_scan_decision"] = list(dataclasses.replace(cfg, scan_layers=None).scan_decision(policy))
         result["lower_s"] = round(time.perf_counter() - t0, 1)
         result["lower_cpu_s"] = round(time.process_time() - c0, 1)
         del args
@@ -419,7 +431,7 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
 def run(programs: str = ",".join(PROGRAMS), shape: str = "real", scan_layers: str = "both", remat: str = "auto",
         dpo_reference: str = "adapters_off", device_memory_gib: float = 139.0, mem_fraction: float = 0.75,
         llvm_opt: Optional[int] = None, out: Optional[str] = None, dump_dir: Optional[str] = None,
-        analysis_only: bool = False) -> dict:
+        analysis_only: bool = False, num_layers: Optional[int] = None) -> dict:
     """Every program of `programs` (comma list) at each scan setting; {"programs": [result, ...], ...}. On a GPU
     (benchmarks/gpu_all.py's `aot_real_shapes`) the programs are the GPU's, nothing is emulated, and the
     allocator limit is the device's own."""
@@ -448,7 +460,7 @@ def run(programs: str = ",".join(PROGRAMS), shape: str = "real", scan_layers: st
                   flush=True)
             try:
                 result = run_program(name, shape, scan, remat, dpo_reference, capacity, limit, llvm_opt, emulate,
-                                     dump_dir, analysis_only)
+                                     dump_dir, analysis_only, num_layers)
             except Exception as e:  # noqa: BLE001 - a program that does not compile is a result too
                 result = {"program": name, "shape": shape, "scan_layers": scan,
                           "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
@@ -483,6 +495,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="also append each JSON object as one line to this file")
     ap.add_argument("--dump_dir", default=None, help="XLA's dumps of the compiled programs go here (HLO, buffer "
                     "assignment, memory report); adds largest_temporaries to each object")
+    ap.add_argument("--num_layers", type=int, default=None, help="the model's widths and layer block at this "
+                    "depth (a multiple of the block; default: the model's own)")
     ap.add_argument("--analysis_only", action="store_true", help="only what needs no compile: remat's choice and "
                     "the kept activations (seconds per program)")
     args = ap.parse_args(argv)

@@ -200,3 +200,20 @@ def test_run_training_fills_a_bare_config_and_writes_it_to_config_json(tmp_path)
     assert (written["dtype"], written["max_consecutive_nonfinite"], written["keep_checkpoints"]) == ("bfloat16",
                                                                                                      10, 2)
     assert result.state.params and all(str(v.dtype) == "float32" for v in result.state.params.values())
+
+
+def test_scan_layers_is_none_by_default_and_true_or_false_from_the_command_line():
+    """`scan_layers` defaults to None (the model decides: `Qwen35Config.scan_decision`); the command line sets it
+    to true or false (a typed placeholder: ml_collections refuses to override a plain None); anything else is
+    refused naming the key."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    for argv, want in (([], None), (["--config.scan_layers=false"], False), (["--config.scan_layers=true"], True)):
+        flag_values = flags.FlagValues()
+        holder = config_flags.DEFINE_config_dict("config", base.get_config("sft"), flag_values=flag_values,
+                                                 sys_argv=["train", *argv])
+        flag_values(["train", *argv])
+        assert resolve_config(holder.value).scan_layers is want
+    with pytest.raises(ValueError, match="scan_layers"):
+        resolve_config({"algorithm": "sft", "scan_layers": "auto"})

@@ -2,11 +2,15 @@
 repeats of the layer block gives the unrolled model's logits and LoRA gradients within fp32 rounding (dk != dv,
 grouped heads, Qwen3.5's three-linear-one-full block, the remat policies inside the scanned body, LoRA dropout,
 the sharded train step on a mesh); an irregular pattern runs the unrolled layers and says so once in the log;
-prefill and decode stay unrolled. The tiny train step's compile times scanned vs unrolled are printed (and, in
-the heavy tier, a 16-layer model's, with XLA's memory analysis: what benchmarks/RESULTS.md records)."""
+prefill and decode stay unrolled. The default (`scan_layers=None`) scans a pass that rematerialises its layers
+and unrolls one that keeps every activation (the tests of the scanned path force it with `scan_layers=True`).
+The tiny train step's compile times scanned vs unrolled are printed (and, in the heavy tier, a 16-layer model's,
+with XLA's memory analysis: what benchmarks/RESULTS.md records)."""
 
+import dataclasses
 import functools
 import logging
+import os
 import time
 
 import numpy as np
@@ -20,7 +24,7 @@ from flax import nnx
 from jaxrl.algorithms.sft_task import synthetic_batch
 from jaxrl.models import lora, qwen35
 from jaxrl.models.qwen35 import model as model_module
-from jaxrl.models.qwen35.config import default_layer_types
+from jaxrl.models.qwen35.config import default_layer_types, parse_hf_config, repeat_cycle
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.train.objective import NextToken
 from jaxrl.train.state import ParamCodec, create_train_state
@@ -43,7 +47,7 @@ CASES = {
 }
 
 
-def build(cfg, scan: bool, remat: str = "none", targets="all-linear", dropout: float = 0.0):
+def build(cfg, scan, remat: str = "none", targets="all-linear", dropout: float = 0.0):
     model = qwen35.init_model(cfg, seed=3, remat=remat)
     model.set_compute(scan_layers=scan)
     lora.apply_lora(model, targets, rank=4, alpha=8, dropout=dropout, seed=5)
@@ -127,7 +131,7 @@ def run_both(cfg, remat: str, dropout: float, scan_calls) -> dict:
 
 
 def repeat(types) -> int:
-    return model_module.repeat_cycle(types)
+    return repeat_cycle(types)
 
 
 @pytest.mark.parametrize("remat,dropout", [("matmuls", 0.1),
@@ -226,7 +230,7 @@ def test_irregular_patterns_fall_back(scan_calls, monkeypatch, caplog):
 
 def test_prefill_and_decode_stay_unrolled(scan_calls):
     """With scanning on, the training pass scans; a prefill and a cached step trace the unrolled loop."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen35.init_model(qwen35.tiny(), seed=1)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen35.init_model(qwen35.tiny(scan_layers=True), seed=1)))
     ids = batch()["input_ids"][:, :8]
 
     def hidden(state, ids, **kw):
@@ -239,6 +243,65 @@ def test_prefill_and_decode_stay_unrolled(scan_calls):
     per_row = jax.eval_shape(lambda state: nnx.merge(graphdef, state).init_cache(2, 8, per_row=True), state)
     jax.eval_shape(lambda state, cache: hidden(state, ids[:, 7:], cache=cache), state, per_row)
     assert scan_calls == [2]
+
+
+def test_default_scans_the_passes_that_rematerialise(monkeypatch):
+    """`scan_layers=None` (the default) decides from the config and the pass's remat policy (no weight allocated):
+    the train-step benchmark's model (benchmarks.common.SMALL_TEXT_CONFIG, loaded with remat "none") and the tiny
+    preset run unrolled without remat and scan with it; the 4B and 9B train steps of the AOT benchmark at the
+    users' shapes (remat "auto" against an H200's allocator limit: "matmuls" or "attention") scan in blocks of
+    four, the programs they compiled before the default changed; True and False force it whatever the policy."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # aot_real_shapes edits it on import
+    from benchmarks import aot_real_shapes
+    from benchmarks.common import SMALL_TEXT_CONFIG
+
+    bench = parse_hf_config(dict(SMALL_TEXT_CONFIG, model_type="qwen3_5_text"))[0]
+    for cfg in (bench, qwen35.tiny()):
+        assert cfg.scan_layers is None and repeat(cfg.layer_types) == 2
+        cycle, why = cfg.scan_decision("none")
+        assert cycle is None and "remat policy none" in why, why
+        for policy in ("matmuls", "attention", "full", "dots", None):  # None: not yet resolved
+            assert cfg.scan_decision(policy) == (2, "")
+        assert dataclasses.replace(cfg, scan_layers=True).scan_decision("none") == (2, "")
+        assert dataclasses.replace(cfg, scan_layers=False).scan_decision("full") == (None, "scan_layers is off")
+    chosen = {}
+    with aot_real_shapes.H200(0.75 * 139 * 2**30):
+        for name, spec in aot_real_shapes.PROGRAMS.items():
+            if spec["kind"] == "decode":
+                continue
+            cfg = aot_real_shapes.model_config(spec["model"], "real", None)
+            assert cfg.scan_layers is None and cfg.num_hidden_layers == 32
+            model = aot_real_shapes.abstract_model(cfg, "auto")  # shapes only: nothing allocated
+            rows, seq_len = ((2 * spec["micro_batch"], spec["seq_len"]) if spec["kind"] == "dpo"
+                             else (spec["micro_batch"], spec["prompt_len"] + spec["new_tokens"]))
+            # the AOT programs run on one device; `remat_policy` splits the rows over this process's devices
+            chosen[name] = model.remat_policy(rows * jax.device_count(), seq_len)
+            assert cfg.scan_decision(chosen[name]) == (4, "") and model.layer_cycle(chosen[name]) == (4, "")
+            assert dataclasses.replace(cfg, scan_layers=False).scan_decision(chosen[name])[0] is None
+    assert chosen == {"dpo_4b": "matmuls", "dpo_9b_mb1": "attention", "dpo_9b_mb2": "attention",
+                      "grpo_4b": "attention"}
+
+
+def test_default_rule_traces_the_unrolled_layers_and_says_why(scan_calls, monkeypatch, caplog):
+    """The tiny preset under the default: without remat its training forward is the same program as with
+    scan_layers=False (equal jaxprs), and the log says why once; with remat "full" it takes the scanned path,
+    as it does without remat when scan_layers=True."""
+    monkeypatch.setattr(model_module, "_FALLBACKS_LOGGED", set())
+    caplog.set_level(logging.INFO, logger=model_module.__name__)
+    data = batch()
+    jaxprs = {}
+    for scan, remat in ((None, "none"), (False, "none"), (True, "none"), (None, "full")):
+        model = nnx.eval_shape(functools.partial(build, qwen35.tiny(), scan, remat))
+        graphdef, state = nnx.split(model)
+
+        def forward(state, ids, mask, graphdef=graphdef):
+            return nnx.merge(graphdef, state)(ids, mask)
+
+        jaxprs[scan, remat] = str(jax.make_jaxpr(forward)(state, data["input_ids"], data["attention_mask"]))
+    assert jaxprs[None, "none"] == jaxprs[False, "none"] != jaxprs[True, "none"]
+    assert scan_calls == [2, 2]  # (True, "none") and (None, "full")
+    said = [r.getMessage() for r in caplog.records if "scan_layers" in r.getMessage()]
+    assert len(said) == 1 and "remat policy none" in said[0] and "unrolled" in said[0], said
 
 
 def measure_compile(num_layers: int) -> list[str]:

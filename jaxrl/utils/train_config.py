@@ -471,10 +471,14 @@ class TrainConfig:
                          "recomputation whose estimated activations fit half the device memory after the weights) | "
                          "none | matmuls (keep projection outputs) | attention (keep attention / GDN outputs) | full "
                          "| dots | dots_no_batch")
-    scan_layers: bool = setting(True, doc="training forward: jax.lax.scan over the repeating block of layers "
-                                "(Qwen3.5: three Gated DeltaNet, one attention), one compiled body instead of every "
-                                "layer unrolled; a model whose layers do not repeat (or LoRA on some layers only) "
-                                "runs unrolled, with one log line; decode is always unrolled")
+    scan_layers: Optional[bool] = setting(None, (bool, type(None)), "training forward: jax.lax.scan over the "
+                                          "repeating block of layers (Qwen3.5: three Gated DeltaNet, one attention), "
+                                          "one compiled body instead of every layer unrolled. None: scan when the "
+                                          "pass rematerialises its layers (the remat policy, after auto's choice, is "
+                                          "not none: the 4B and 9B at their training shapes), unrolled when it keeps "
+                                          "every activation (remat none: the tiny and benchmark models); True | "
+                                          "False: always | never. Layers that do not repeat (or LoRA on some layers "
+                                          "only) run unrolled, with one log line; decode is always unrolled")
     gdn_chunk_size: int = setting(0, doc="tokens per chunk of the chunked Gated DeltaNet form (training, prefill); "
                                   "0: auto, the key head dim within 16..64 (64 for the 4B and 9B; 16 for a tiny "
                                   "model)")
@@ -655,7 +659,7 @@ def default_config(algorithm: str = "sft") -> ml_collections.ConfigDict:
     """Every key a run of the built-in `algorithm` reads, at its default (what configs/base.py returns)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"default_config: algorithm={algorithm!r}; built-in algorithms: {sorted(ALGORITHMS)}")
-    values = {k: to_plain(v.default) if isinstance(v.default, dict) else v.default
+    values = {k: to_plain(v.default) if isinstance(v.default, dict) else _config_value(v)
               for k, v in keys_of(TrainConfig).items()
               if k in _TOP_KEYS or k in ALGORITHM_LABELS.get(algorithm, ())}
     values["algorithm"] = algorithm
@@ -665,8 +669,9 @@ def default_config(algorithm: str = "sft") -> ml_collections.ConfigDict:
 
 
 def _config_value(key) -> Any:
-    """A key's default as a ConfigDict holds it: a None default of an optional float (`ema.decay`) as a typed
-    placeholder, so that `--config.ema.decay=0.99` can set it (ml_collections refuses to override a plain None)."""
+    """A key's default as a ConfigDict holds it: a None default of an optional float (`ema.decay`) or bool
+    (`scan_layers`) as a typed placeholder, so that `--config.ema.decay=0.99` can set it (ml_collections refuses to
+    override a plain None)."""
     types = key.types if isinstance(key.types, tuple) else (key.types,)
     given = [t for t in types if t is not type(None)]
     if key.default is None and len(given) == 1 and given[0] in (int, float, str, bool):

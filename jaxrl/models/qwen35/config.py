@@ -70,7 +70,8 @@ class Qwen35Config:
     # Full-attention kernel of training and prefill (jaxrl.ops.attention.resolve_implementation).
     attention_implementation: str = run_default("attention_implementation")
     # Training forward: scan the repeating block of layers instead of unrolling them (Qwen35.hidden_states).
-    scan_layers: bool = run_default("scan_layers")
+    # None: when the pass rematerialises its layers (`scan_decision`); True / False: always / never.
+    scan_layers: Optional[bool] = run_default("scan_layers")
 
     def __post_init__(self):
         if not self.layer_types:
@@ -140,10 +141,35 @@ class Qwen35Config:
                                             f"{ATTENTION_IMPLEMENTATIONS}")
         if not isinstance(self.gdn_chunk_size, int) or self.gdn_chunk_size < 0:
             bad("gdn_chunk_size", f"must be a positive integer or 0 (auto), got {self.gdn_chunk_size!r}")
-        if not isinstance(self.scan_layers, bool):
-            bad("scan_layers", f"must be true or false, got {self.scan_layers!r}")
+        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+            bad("scan_layers", f"must be true, false or None (scan when the training pass rematerialises its "
+                               f"layers), got {self.scan_layers!r}")
         if not (self.rms_norm_eps > 0):
             bad("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+
+    def scan_decision(self, remat_policy: Optional[str] = None) -> tuple[Optional[int], str]:
+        """(cycle, "") when a training forward under `remat_policy` (resolved: "auto" already chosen; None: not
+        known yet, any policy that recomputes) scans its layers in blocks of `cycle` layers, else (None, why they
+        run unrolled), from the config alone (`Qwen35.layer_cycle` adds what only the built layers tell: LoRA on
+        some layers only). Scanning needs a layer pattern that is a whole number (at least 2) of repeats of a
+        block, and `scan_layers` True, or None with a policy other than "none".
+
+        Why the policy decides the default: the scan is where remat takes effect. Unrolled, XLA:CPU's program
+        holds about as much with remat as without; scanned, what each layer saves is the loop's per-iteration
+        output, so the program holds what the policy says, and compiles one block. Without remat the scan has
+        nothing to gain and still costs step time and memory: it stacks every layer's activations for the
+        backward and copies the layer weights into the stack (benchmarks/RESULTS.md, 'CPU: when scanning pays
+        (issue 37)')."""
+        if self.scan_layers is False:
+            return None, "scan_layers is off"
+        types = self.layer_types
+        cycle = repeat_cycle(types)
+        if cycle is None:
+            return None, f"the pattern of the {len(types)} layers does not repeat"
+        if self.scan_layers is None and remat_policy == "none":
+            return None, ("the pass keeps every activation (remat policy none), where scanning only costs "
+                          "(scan_layers=True scans anyway)")
+        return cycle, ""
 
     # ----- serialisation of the *jaxrl* view (HF config.json is never regenerated from this) -----
     def to_dict(self) -> dict[str, Any]:
@@ -161,6 +187,15 @@ class Qwen35Config:
         if isinstance(d.get("eos_token_id"), list):
             d["eos_token_id"] = tuple(d["eos_token_id"])
         return cls(**d)
+
+
+def repeat_cycle(layer_types) -> Optional[int]:
+    """The shortest block the layer pattern is a whole number (at least 2) of repeats of, else None."""
+    n = len(layer_types)
+    for cycle in range(1, n // 2 + 1):
+        if n % cycle == 0 and all(layer_types[i] == layer_types[i % cycle] for i in range(n)):
+            return cycle
+    return None
 
 
 def default_layer_types(num_layers: int, full_attention_interval: int) -> tuple[str, ...]:

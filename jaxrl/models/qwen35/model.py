@@ -31,9 +31,12 @@ Rematerialisation (`remat`, training passes only: no cache): per-layer `jax.chec
 Scanned layers (`scan_layers`, training passes only): when the layer pattern repeats (Qwen3.5: three Gated
 DeltaNet layers then one attention layer, 8 times for the 4B and 9B) the layers run as one `jax.lax.scan` over
 the repeats of that block, so XLA compiles one block instead of every layer; remat stays per layer inside the
-block. The weights stay one module per layer (stacked only inside the traced program). A pattern that does not
-repeat, or layers of one block position built differently (LoRA on some layers only), run unrolled, said once
-in the log (`layer_cycle` says which and why).
+block. The weights stay one module per layer (stacked only inside the traced program). By default
+(`scan_layers=None`) a pass scans when it rematerialises its layers (a remat policy other than "none", as "auto"
+picks at the 4B and 9B training shapes) and runs unrolled when it keeps every activation
+(`Qwen35Config.scan_decision` says why); True / False force it. A pattern that does not repeat, or layers of one
+block position built differently (LoRA on some layers only), run unrolled, said once in the log (`layer_cycle`
+says which and why).
 """
 
 from __future__ import annotations
@@ -234,7 +237,7 @@ class Qwen35(nnx.Module):
         # (KVState / LinearState) that the engine and the decode loops index by layer; a scanned decode would
         # need them stacked per cycle position (a new cache layout for every cache user) or stacked and unstacked
         # around every call (a copy of every KV buffer per token).
-        cycle = self._scan_cycle() if training else None
+        cycle = self._scan_cycle(policy) if training else None
         if cycle is not None:
             h = _scan_layers(list(self.layers), cycle, h, ctx, policy)
         else:
@@ -267,25 +270,25 @@ class Qwen35(nnx.Module):
         what the weights leave, and with scanned layers also what their stack takes. Scanning feeds the layers'
         weights to the scan as stacked arrays, a copy of every layer weight in the step's temporaries (the AOT
         benchmark at the 9B shapes: 12.9 GiB, which took the kept activations from the 43.4 GiB estimated for
-        remat "matmuls" to 49.1 GiB against a 43.7 GiB budget)."""
+        remat "matmuls" to 49.1 GiB against a 43.7 GiB budget). The stack is reserved whenever a pass that
+        recomputes would scan (`layer_cycle()`, no policy given): "auto" is choosing among such passes, and
+        when it picks "none" (it fits even so) the pass runs unrolled by default and holds no stack."""
         reserved = self.weight_bytes()
         if self._scan_cycle() is not None:
             reserved += sum(int(x.size) * jnp.dtype(x.dtype).itemsize
                             for x in jax.tree.leaves(nnx.state(self.layers, nnx.Param)))
         return AUTO_ACTIVATION_FRACTION * (device_bytes - reserved)
 
-    def layer_cycle(self) -> tuple[Optional[int], str]:
-        """(cycle, "") when a training pass scans its layers in blocks of `cycle` (Qwen3.5: 4, three Gated
-        DeltaNet layers then one attention layer), else (None, why they run unrolled). Scanning needs the
-        `scan_layers` setting, a layer pattern that repeats at least twice over the whole stack, and every layer
-        built like the layer at its position in the first cycle (the same graphdef: not so with LoRA on some
-        layers only)."""
-        if not self.config.scan_layers:
-            return None, "scan_layers is off"
-        types = self.config.layer_types
-        cycle = repeat_cycle(types)
+    def layer_cycle(self, policy: Optional[str] = None) -> tuple[Optional[int], str]:
+        """(cycle, "") when a training pass under remat `policy` (resolved; None: any that recomputes) scans its
+        layers in blocks of `cycle` (Qwen3.5: 4, three Gated DeltaNet layers then one attention layer), else
+        (None, why they run unrolled). Scanning needs what the config decides (`Qwen35Config.scan_decision`: the
+        `scan_layers` setting, a layer pattern that repeats, and by default a policy other than "none") and every
+        layer built like the layer at its position in the first cycle (the same graphdef: not so with LoRA on
+        some layers only)."""
+        cycle, why = self.config.scan_decision(policy)
         if cycle is None:
-            return None, f"the pattern of the {len(types)} layers does not repeat"
+            return None, why
         graphdefs = [nnx.graphdef(layer) for layer in self.layers]
         for i in range(cycle, len(graphdefs)):
             if graphdefs[i] != graphdefs[i % cycle]:
@@ -293,10 +296,10 @@ class Qwen35(nnx.Module):
                               "LoRA on some layers only)")
         return cycle, ""
 
-    def _scan_cycle(self) -> Optional[int]:
+    def _scan_cycle(self, policy: Optional[str] = None) -> Optional[int]:
         """`layer_cycle`'s cycle; a fallback to unrolled layers is logged once per reason and process."""
-        cycle, why = self.layer_cycle()
-        if cycle is None and self.config.scan_layers and why not in _FALLBACKS_LOGGED:
+        cycle, why = self.layer_cycle(policy)
+        if cycle is None and self.config.scan_layers is not False and why not in _FALLBACKS_LOGGED:
             _FALLBACKS_LOGGED.add(why)
             logger.info("scan_layers: the training forward runs its layers unrolled: %s", why)
         return cycle
@@ -369,15 +372,6 @@ def segment_positions(counts: jax.Array, token_mask: jax.Array, segment_ids: jax
 
 def _layer_path(path) -> str:
     return "layers." + ".".join(str(p) for p in path)
-
-
-def repeat_cycle(layer_types) -> Optional[int]:
-    """The shortest block the layer pattern is a whole number (at least 2) of repeats of, else None."""
-    n = len(layer_types)
-    for cycle in range(1, n // 2 + 1):
-        if n % cycle == 0 and all(layer_types[i] == layer_types[i % cycle] for i in range(n)):
-            return cycle
-    return None
 
 
 def _scan_layers(layers: list, cycle: int, h: jax.Array, ctx: StepContext, policy: str) -> jax.Array:
