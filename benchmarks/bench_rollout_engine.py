@@ -263,7 +263,7 @@ def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 5
                  workdir: str = "") -> dict:
     """`python -m launchers.rollout` on the demo's random model (its pretrained/ folder and its 128 held-out
     prompts) with `samples` samples per prompt and cap `max_new_tokens`, the static sampler
-    (`--backend_kwargs={"batching": "static"}`) against the engine, each a fresh process, alternated: `cold` with
+    (benchmarks/rollout_with_batching.py) against the engine, each a fresh process, alternated: `cold` with
     no compilation cache (every program compiled in the run, what a first run pays), `warm` with a cache a first
     run of each side filled (what a rerun on the same machine pays). samples/s is the launcher's own (its
     meta.json: from the first sample drawn to the last written, compilation included)."""
@@ -285,11 +285,10 @@ def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 5
         for stale in (path, path + ".meta.json"):
             if os.path.exists(stale):
                 os.remove(stale)
-        cmd = [sys.executable, "-m", "launchers.rollout", f"--problems={demo.p['eval']}",
+        cmd = [sys.executable, "-m", "benchmarks.rollout_with_batching", side, f"--problems={demo.p['eval']}",
                f"--model={demo.p['pretrained']}", f"--out={path}", f"--num_samples={samples}",
                f"--max_new_tokens={max_new_tokens}", "--max_prompt_len=64", "--dtype=float32", "--reward=charset",
-               "--temperature=1.0", "--noprogress", f"--compilation_cache={cache}",
-               "--backend_kwargs=" + json.dumps({"batching": side})]
+               "--temperature=1.0", "--noprogress", f"--compilation_cache={cache}"]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "JAX_COMPILATION_CACHE_DIR": ""})
         meta = json.load(open(path + ".meta.json"))
@@ -297,9 +296,10 @@ def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 5
         return {"samples_per_s": round(meta["samples_per_s"], 1), "seconds": meta["seconds"],
                 "process_s": round(time.perf_counter() - t0, 2), "mean_length": round(
                     meta["generated_tokens"] / meta["samples_written"], 2),
-                "tokens": [r["token_ids"] for r in records]}
+                "tokens": [(r["completion"], r["finish_reason"]) for r in records]}
 
     sides = ("static", "continuous")
+    out["in_process"] = _launcher_in_process(demo, samples, max_new_tokens, repeats, root)
     caches = {side: os.path.join(root, f"cache_{side}") for side in sides}
     runs = {f"{side}_{kind}": [] for side in sides for kind in ("cold", "warm")}
     for side in sides:  # fills each side's cache (not measured)
@@ -318,6 +318,34 @@ def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 5
         s, c = (statistics.median(out[f"{side}_{kind}"]["samples_per_s"]) for side in sides)
         out[f"ratio_{kind}"] = round(c / s, 3)
     out["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
+def _launcher_in_process(demo, samples: int, max_new_tokens: int, repeats: int, root: str) -> dict:
+    """`jaxrl.rollout.runner.run_rollouts` (what the launcher calls) in this process, static then engine, each
+    warmed up once: the sampling loop's own seconds without a process's start, tracing and program loading."""
+    import functools
+
+    from jaxrl.rollout import runner
+    plain = runner.JaxBackend
+    seconds = {"static": [], "continuous": []}
+    try:
+        for r in range(repeats + 1):
+            for side in seconds:
+                runner.JaxBackend = functools.partial(plain, batching=side)
+                path = os.path.join(root, f"in_process_{side}_{r}.jsonl")
+                cfg = runner.RolloutConfig(problems=os.fspath(demo.p["eval"]), model=os.fspath(demo.p["pretrained"]),
+                                           out=path, num_samples=samples, max_new_tokens=max_new_tokens,
+                                           max_prompt_len=64, dtype="float32", reward="charset", temperature=1.0,
+                                           progress=False)
+                meta = runner.run_rollouts(cfg)
+                if r:  # the first round compiles
+                    seconds[side].append(meta["seconds"])
+    finally:
+        runner.JaxBackend = plain
+    out = {side: {"seconds": t, "samples_per_s_median": round(meta["samples_written"] / statistics.median(t), 1)}
+           for side, t in seconds.items()}
+    out["ratio"] = round(statistics.median(seconds["static"]) / statistics.median(seconds["continuous"]), 3)
     return out
 
 

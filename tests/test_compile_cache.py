@@ -37,7 +37,7 @@ def test_a_folder_that_cannot_be_written_is_named_without_creating_anything(tmp_
 def test_child_env_sets_what_jax_reads_and_keeps_an_inherited_folder(tmp_path):
     env = compile_cache.child_env(str(tmp_path / "c"), {"PATH": "/bin"})
     assert env == {"PATH": "/bin", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "c"),
-                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1.0",
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     inherited = {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}
     assert compile_cache.child_env(str(tmp_path / "c"), inherited) == inherited

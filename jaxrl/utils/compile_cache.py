@@ -29,10 +29,12 @@ from jaxrl.utils.dataclass_flags import flag_field
 
 ENV = "JAX_COMPILATION_CACHE_DIR"
 OFF = ("none", "")
-# Programs that compile faster than this are not written (jax's own default, stated here because it is the right
-# one for GPU jobs too): reading an entry back costs tens of milliseconds, and the many tiny programs of eager
-# operations would fill the folder for nothing. The train steps and decode programs take 10 s and more.
-MIN_COMPILE_TIME_S = 1.0
+# Programs that compile faster than this are not written: reading an entry back costs tens of milliseconds, and the
+# many tiny programs of eager operations (milliseconds each) would fill the folder for nothing. Below jax's own
+# default of 1 s because every process compiles the generation engine's small programs (its inserts and the
+# decode weight preparation: 0.1-1 s each at small shapes) again otherwise. The train steps and decode rounds
+# take 10 s and more at real shapes.
+MIN_COMPILE_TIME_S = 0.2
 # No size floor: a small program that took over a second to compile is worth keeping.
 MIN_ENTRY_BYTES = 0
 _THRESHOLDS = (("jax_persistent_cache_min_compile_time_secs", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",

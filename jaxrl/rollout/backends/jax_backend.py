@@ -19,7 +19,8 @@ from jaxrl.models.adapters import attach, attached_digest, detach
 from jaxrl.models import qwen35
 from jaxrl.parallel.sharding import batch_shards
 from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams, chunked_stream
-from jaxrl.rollout.engine import ContinuousSampler
+from jaxrl.generation import Sampler as ContinuousSampler
+from jaxrl.generation.programs import TRACE_COUNTS as ENGINE_TRACES
 from jaxrl.rollout.sampler import TRACE_COUNTS, Sampler, SamplerBase
 
 DTYPES = ("bfloat16", "float32")
@@ -29,7 +30,7 @@ BATCHING = ("continuous", "static")
 
 def sampler_programs() -> int:
     """Sampler programs traced in this process, all samplers together (each trace precedes one compilation)."""
-    return sum(TRACE_COUNTS.values())
+    return sum(TRACE_COUNTS.values()) + sum(ENGINE_TRACES.values())
 
 
 class JaxBackend:

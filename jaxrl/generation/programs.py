@@ -1,0 +1,183 @@
+"""The engine's device state and its compiled programs (jaxrl/generation/engine.py schedules them):
+
+  * prepare: the decode weight copies of a set of weights (`Qwen35.decode_weights`), once per weight version;
+  * prefill: the caches and last-position logits of U prompts (the training-style pass, fused attention over the
+    prompt alone and the chunked delta rule), kept by the engine for every row of those prompts;
+  * insert: K rows moved into free slots, each copying its prompt's prefill into its slot of the per-row cache
+    and sampling its first token from the prompt's last logits;
+  * round: a `lax.while_loop` of decode steps over every slot (free and finished slots ride along masked out,
+    fixed shapes), stopping after a step budget, when no slot runs, or once enough slots are free;
+  * shrink: the state of fewer slots (the running rows of a draining rollout).
+
+The cache is *per row* (`Qwen35.init_cache(per_row=True)`): slot b's prompt fills cache slots [0, P) left-padded
+and its n-th generated token goes to slot P + n, whatever the other slots do. Nothing happens in Python per
+token. `TRACE_COUNTS` counts the traces of each program (a trace precedes each compilation), so tests and logs
+can prove how many programs a workload compiles.
+"""
+
+from __future__ import annotations
+
+import collections
+from functools import partial
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl.generation.placement import Structure, constrain_rows, replicate_rows
+from jaxrl.generation.sampling import SamplingMode, row_keys, sample_tokens, token_keys
+from jaxrl.generation.stopping import hits_stop, running_after
+from jaxrl.models.qwen35.layers import KVState, write_rows
+from jaxrl.models.qwen35.model import Cache
+
+# (program, static key) -> number of times it was traced.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+PROGRAMS = ("engine_prepare", "engine_prefill", "engine_insert", "engine_round", "engine_shrink")
+
+
+def engine_programs() -> int:
+    """How many engine programs this process has traced (each trace precedes one compilation)."""
+    return sum(n for key, n in TRACE_COUNTS.items() if key[0] in PROGRAMS)
+
+
+class SlotState(NamedTuple):
+    """Everything the slots hold on the device (B slots, N = the cap, S = P + N cache slots, W stop ids)."""
+
+    cache: Cache  # per-row cache
+    token: jax.Array  # [B] int32: the last sampled token, the next model input
+    generated: jax.Array  # [B] int32: tokens generated so far (the index of the next one)
+    running: jax.Array  # [B] bool: the slot's row still decodes
+    stopped: jax.Array  # [B] bool: the row ended on a stop id
+    tokens: jax.Array  # [B, N] int32 (pad after the row's end)
+    logprobs: jax.Array  # [B, N] f32 (0 after the row's end)
+    keys: jax.Array  # [B, 2] uint32: the row's key (seed, group id, sample index)
+    cap: jax.Array  # [B] int32: the row's max_new_tokens
+    temperature: jax.Array  # [B] f32
+    top_p: jax.Array  # [B] f32
+    stop_ids: jax.Array  # [B, W] int32, padded with -1
+
+
+@partial(jax.jit, static_argnames=("graphdef", "slots", "cache_len", "max_new_tokens", "stop_width", "pad_id",
+                                   "mesh"))
+def init_state(graphdef: Structure, params: list, *, slots: int, cache_len: int, max_new_tokens: int,
+               stop_width: int, pad_id: int, mesh: Optional[Mesh]) -> SlotState:
+    model = graphdef.merge(params)
+    f32, i32 = jnp.float32, jnp.int32
+    state = SlotState(
+        model.init_cache(slots, cache_len, per_row=True), jnp.full((slots,), pad_id, i32), jnp.zeros((slots,), i32),
+        jnp.zeros((slots,), bool), jnp.zeros((slots,), bool), jnp.full((slots, max_new_tokens), pad_id, i32),
+        jnp.zeros((slots, max_new_tokens), f32), jnp.zeros((slots, 2), jnp.uint32), jnp.ones((slots,), i32),
+        jnp.ones((slots,), f32), jnp.ones((slots,), f32), jnp.full((slots, stop_width), -1, i32))
+    return constrain_rows(state, mesh)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "fuse_adapters"))
+def prepare(graphdef: Structure, params: list, *, fuse_adapters: bool) -> dict:
+    """The decode weight copies of these weights (`Qwen35.decode_weights`), made once per weight version."""
+    TRACE_COUNTS[("engine_prepare", fuse_adapters)] += 1
+    return graphdef.merge(params).decode_weights(fuse_adapters)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "mesh"))
+def prefill(graphdef: Structure, params: list, ids: jax.Array, mask: jax.Array, *, mesh: Optional[Mesh]
+            ) -> tuple[Cache, jax.Array]:
+    """The caches of the U prompts of ids / mask [U, P] (left-padded; P cache slots each) and the logits of their
+    last position [U, V] f32: what an insert copies into the slots of the rows that sample from them."""
+    TRACE_COUNTS[("engine_prefill", ids.shape)] += 1
+    model = graphdef.merge(params)
+    ids, mask = constrain_rows((ids, mask), mesh)
+    hidden, fresh = model.hidden_states(ids, mask, cache_length=ids.shape[1])
+    # Only the last position's logits are needed: never materialise [U, P, V].
+    logits = model.logits_from_hidden(hidden[:, -1]).astype(jnp.float32)
+    return constrain_rows((fresh, logits), mesh)
+
+
+@partial(jax.jit, static_argnames=("mode", "pad_id", "mesh"), donate_argnames=("state",))
+def insert(state: SlotState, fresh: Cache, logits: jax.Array, source: jax.Array, slots: jax.Array,
+           seeds: jax.Array, group_ids: jax.Array, sample_ids: jax.Array, caps: jax.Array, temperature: jax.Array,
+           top_p: jax.Array, stop_ids: jax.Array, *, mode: SamplingMode, pad_id: int, mesh: Optional[Mesh]
+           ) -> SlotState:
+    """Moves K rows into the slots: row k takes the prefilled prompt source[k] (of `fresh` / `logits`, U prompts
+    of `prefill`) into slot slots[k] (slots[k] == B: padding, dropped) and samples its first token. seeds,
+    group_ids, sample_ids, caps, temperature, top_p [K]; stop_ids [K, W]."""
+    num_slots, max_new = state.tokens.shape
+    prompt_len = fresh.valid.shape[1]
+    TRACE_COUNTS[("engine_insert", num_slots, state.cache.max_length, logits.shape[0], source.shape[0],
+                  stop_ids.shape[1], mode)] += 1
+    take = lambda x: jnp.take(x, source, axis=0)  # noqa: E731  prompt rows -> the rows moving in
+    keys = row_keys(seeds, group_ids, sample_ids)
+    first, first_lp = sample_tokens(take(logits), token_keys(keys, 0), temperature[:, None], top_p[:, None], mode)
+    stopped = hits_stop(first, stop_ids)
+    put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
+    layers = []
+    for big, small in zip(state.cache.layers, fresh.layers):
+        if isinstance(big, KVState):  # the prompt's keys and values fill cache slots [0, P)
+            layers.append(KVState(*(b.at[slots, :, :prompt_len].set(take(x).astype(b.dtype), mode="drop")
+                                    for b, x in zip(big, small))))
+        else:
+            layers.append(jax.tree.map(lambda b, x: put(b, take(x)), big, small))
+    valid = jnp.pad(take(fresh.valid), ((0, 0), (0, state.cache.max_length - prompt_len)))
+    rows = len(first)
+    cache = Cache(tuple(layers), put(state.cache.valid, valid), put(state.cache.length, jnp.full((rows,), prompt_len)),
+                  put(state.cache.next_position, take(fresh.next_position)))
+    new = SlotState(
+        cache, put(state.token, first), put(state.generated, jnp.ones((rows,), jnp.int32)),
+        put(state.running, ~stopped & (caps > 1)), put(state.stopped, stopped),
+        put(state.tokens, jnp.full((rows, max_new), pad_id, jnp.int32).at[:, 0].set(first)),
+        put(state.logprobs, jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(first_lp)), put(state.keys, keys),
+        put(state.cap, caps), put(state.temperature, temperature), put(state.top_p, top_p),
+        put(state.stop_ids, stop_ids))
+    return constrain_rows(new, mesh)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh"), donate_argnames=("state",))
+def decode_round(graphdef: Structure, params: list, decode_weights: dict, state: SlotState, max_steps: jax.Array,
+                 want_free: jax.Array, *, mode: SamplingMode, pad_id: int, mesh: Optional[Mesh]) -> tuple:
+    """Up to max_steps decode steps over every slot; stops early when no slot runs or when at least want_free
+    slots are free. Returns the state and what the host reads after a round: [4, B] int32 (rows running,
+    generated, stopped, and the steps made in every column: one transfer) and, on a mesh, the token and log-prob
+    buffers replicated (every process of a mesh over several processes reads every row; None without a mesh)."""
+    num_slots, max_new = state.tokens.shape
+    TRACE_COUNTS[("engine_round", num_slots, state.cache.max_length, max_new, state.stop_ids.shape[1], mode)] += 1
+    model = graphdef.merge(params).use_decode_weights(decode_weights)
+
+    def cond(carry):
+        step, st = carry
+        running = jnp.sum(st.running.astype(jnp.int32))
+        return (step < max_steps) & (running > 0) & (num_slots - running < want_free)
+
+    def body(carry):
+        step, st = carry
+        run = st.running
+        # Free and finished slots run on a pad token, masked out (fixed shapes); nothing of theirs is kept.
+        inputs = jnp.where(run, st.token, pad_id)[:, None]
+        logits, cache = model(inputs, attention_mask=run[:, None].astype(jnp.int32), cache=st.cache)
+        new, lp = sample_tokens(logits[:, 0], token_keys(st.keys, st.generated), st.temperature[:, None],
+                                st.top_p[:, None], mode)
+        # Idle slots write their old value back (at a column inside the buffer): nothing of theirs changes.
+        column = jnp.minimum(st.generated, max_new - 1)
+        old_token = jnp.take_along_axis(st.tokens, column[:, None], axis=1)[:, 0]
+        old_lp = jnp.take_along_axis(st.logprobs, column[:, None], axis=1)[:, 0]
+        generated = st.generated + run.astype(jnp.int32)
+        running, hit = running_after(run, new, st.stop_ids, generated, st.cap)
+        st = st._replace(
+            cache=constrain_rows(cache, mesh), token=jnp.where(run, new, st.token), generated=generated,
+            running=running, stopped=st.stopped | hit,
+            tokens=write_rows(st.tokens, jnp.where(run, new, old_token)[:, None], column, axis=1),
+            logprobs=write_rows(st.logprobs, jnp.where(run, lp, old_lp)[:, None], column, axis=1))
+        return step + 1, st
+
+    steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    status = jnp.stack([state.running.astype(jnp.int32), state.generated, state.stopped.astype(jnp.int32),
+                        jnp.full((num_slots,), steps, jnp.int32)])
+    if mesh is None:
+        return state, status, None
+    return state, replicate_rows(status, mesh), replicate_rows((state.tokens, state.logprobs), mesh)
+
+
+@partial(jax.jit, static_argnames=("mesh",))
+def shrink(state: SlotState, keep: jax.Array, *, mesh: Optional[Mesh]) -> SlotState:
+    """The slots `keep` [B'] of state, in that order: a state of B' slots."""
+    TRACE_COUNTS[("engine_shrink", state.tokens.shape[0], keep.shape[0])] += 1
+    return constrain_rows(jax.tree.map(lambda x: jnp.take(x, keep, axis=0), state), mesh)
