@@ -14,7 +14,7 @@ Programs (bf16 base weights, LoRA r16 / alpha 32 on all 12 projections, fp32 ada
   grpo_4b      the GRPO train step (`GRPOObjective`, GRPOConfig's defaults: k3 KL to the reference log-probs in
                the batch, sequence_mean), 4B, 20 prompts x 8 samples = 160 rows of 2,048 prompt + 4,096
                completion tokens, micro-batch 4 rows x grad_accum 40 (configs/grpo.py's default split)
-  decode_4b    the continuous-batching engine's decode round (`jaxrl.rollout.engine._round`: a while loop of
+  decode_4b    the generation engine's decode round (`jaxrl.generation.programs.decode_round`: a while loop of
                decode steps) over 160 slots, 4B, cache 2,048 + 4,096 slots, LoRA fused, plain sampling
 
 `--scan_layers=both` compiles each train step with the layers scanned (`Qwen35Config.scan_layers`: one
@@ -261,21 +261,24 @@ def decode_program(spec: dict, cfg, limit: float):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.rollout import engine
-    from jaxrl.rollout.sampler import weights_of
-    from jaxrl.rollout.sampling import sampling_mode
+    from jaxrl.generation import programs
+    from jaxrl.generation.engine import STOP_WIDTH
+    from jaxrl.generation.placement import Weights
+    from jaxrl.generation.sampling import sampling_mode
 
     model = abstract_model(cfg, "none")
-    graphdef, params = weights_of(model, None, None)
-    decode_weights = jax.eval_shape(functools.partial(engine._prepare, graphdef, fuse_adapters=True), params)
+    weights = Weights.of(model)  # the structure and the flat (abstract) leaves the engine's programs take
+    decode_weights = jax.eval_shape(functools.partial(programs.prepare, weights.structure, fuse_adapters=True),
+                                    weights.leaves)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     state = jax.eval_shape(functools.partial(
-        engine._init_state, graphdef, slots=spec["slots"], cache_len=spec["prompt_len"] + spec["new_tokens"],
-        max_new_tokens=spec["new_tokens"], stop_width=8, pad_id=pad_id, mesh=None), params)
+        programs.init_state, weights.structure, slots=spec["slots"],
+        cache_len=spec["prompt_len"] + spec["new_tokens"], max_new_tokens=spec["new_tokens"],
+        stop_width=STOP_WIDTH, pad_id=pad_id, mesh=None), weights.leaves)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     mode = sampling_mode(1.0, 1.0, 0, cfg.vocab_size)
-    args = (graphdef, params, decode_weights, state, scalar, scalar)
-    return engine._round, args, dict(mode=mode, pad_id=pad_id, mesh=None), model, decode_weights
+    args = (weights.structure, weights.leaves, decode_weights, state, scalar, scalar)
+    return programs.decode_round, args, dict(mode=mode, pad_id=pad_id, mesh=None), model, decode_weights
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

@@ -1,4 +1,4 @@
-"""Decode throughput of the rollout engine against transformers `generate`, same config, batch and lengths.
+"""Decode throughput of the generation engine against transformers `generate`, same config, batch and lengths.
 
     python -m benchmarks.bench_decode [--batch 8 --prompt_len 64 --new_tokens 128]
 
@@ -12,11 +12,12 @@ greedy, no EOS (every row runs to the cap), torch given the same threads as XLA,
     compiled decode loop (no Python per token) differs most from an eager one.
 
 Decode time is measured between the same two points on both sides: from the first generated token (which comes
-out of prefill) to the last, i.e. N - 1 decode steps: the engine's decode program alone, and transformers'
-`generate` timed by a streamer that records when each token arrives. Decode tokens/s = batch * (N - 1) / that
-time; repeats are interleaved so load bursts on the shared machine hit both sides. The end-to-end ratio
-(prefill included) is reported too, and the greedy tokens of both sides are compared (they must agree: a fast
-wrong sampler is not a result).
+out of prefill) to the last, i.e. N - 1 decode steps: the engine's decode round alone (jaxrl/generation/programs.py
+`decode_round`, after its prefill and insert: `benchmarks.common.EngineBatch`), and transformers' `generate` timed
+by a streamer that records when each token arrives. Decode tokens/s = batch * (N - 1) / that time; repeats are
+interleaved so load bursts on the shared machine hit both sides. The end-to-end ratio (prefill included: a
+`jaxrl.generation.Sampler` call against `generate`) is reported too, and the greedy tokens of both sides are
+compared (they must agree: a fast wrong sampler is not a result).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def run_config(name: str, batch: int, prompt_len: int, new_tokens: int, repeats:
     import jax.numpy as jnp
     import torch
 
+    from benchmarks.common import EngineBatch
+    from jaxrl.generation import Sampler
     from jaxrl.models import qwen35
-    from jaxrl.rollout.sampler import Sampler
-    from jaxrl.rollout.sampling import sampling_mode
 
     threads = set_cpu_threads()
     config = CONFIGS[name]
@@ -72,17 +73,13 @@ def run_config(name: str, batch: int, prompt_len: int, new_tokens: int, repeats:
     prompts = np.random.default_rng(0).integers(2, vocab, size=(batch, prompt_len))
 
     sampler = Sampler(model, max_new_tokens=new_tokens, prompt_buckets=(prompt_len,), batch_size=batch)
-    params = sampler.resolve_params(None)
-    plan = sampler.plan([np.asarray(p, np.int32) for p in prompts], 1, list(range(batch)))[0]
-    mode = sampling_mode(0.0, 1.0, 0, vocab)
+    engine = EngineBatch(model, prompts, new_tokens)  # greedy, every row to the cap
 
     def ours_decode() -> float:
-        """The decode program alone: first token (from the prefill logits) to the last."""
-        cache, logits = sampler.prefill(params, plan)
-        jax.block_until_ready(logits)
+        """The decode round alone: first token (sampled by the insert from the prefill logits) to the last."""
+        state = engine.prefill()
         start = time.perf_counter()
-        jax.block_until_ready(sampler.decode(params, cache, logits, plan.row_valid, plan.group_ids,
-                                             plan.sample_ids, mode, 0, 0.0, 1.0))
+        engine.decode(state)
         return time.perf_counter() - start
 
     ids_t = torch.as_tensor(prompts)

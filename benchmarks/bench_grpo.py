@@ -3,7 +3,7 @@
     python -m benchmarks.bench_grpo                      # the small model (hidden 256, 4 layers, vocab 2048)
     python -m benchmarks.bench_grpo --model=tiny --steps=6 --max_new_tokens=16
 
-Runs the real GRPO trainer (`jaxrl.algorithms.grpo_task` on `jaxrl.train.Trainer`) on the token task
+Runs the real GRPO trainer (`jaxrl.algorithms.grpo_task` on `jaxrl.train.loop.Trainer`) on the token task
 (random prompts of `prompt_len` tokens, K samples each, reward `token_block`) with `num_iterations=2` and
 `recompute_old_logprobs=True`, so every other train step makes a rollout and every phase runs: the rollout steps
 report sample / score / reference pass / old-log-prob pass (the trainer's `time/*` metrics), the other steps are

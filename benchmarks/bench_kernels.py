@@ -13,7 +13,7 @@ ratio survives a shared machine), and on an accelerator against its roofline. Pr
                  vs the reference recurrence run for one token
   decode_projections  one decode step's projections and head (decode_batch rows against every weight of the
                  model, each weight distinct, so they come from memory as in decode): the `[in, out]` copies the
-                 decode program makes on a CPU (`Qwen35.transpose_for_decode`) vs the stored `[out, in]` layout
+                 decode program makes on a CPU (`Qwen35.decode_weights`) vs the stored `[out, in]` layout
 
 ratio = reference time / fast time (> 1: the fast path is faster). The roofline of each fast kernel is
 max(FLOPs / peak, bytes / bandwidth) with --peak_tflops and --bandwidth (H200 defaults; ignored on a CPU).
@@ -167,7 +167,7 @@ def run(shape: str = "small", batch: int = 4, seq_len: int = 1024, decode_batch:
     draw = lambda key, j, s: jax.random.normal(jax.random.fold_in(key, j), s, jnp.float32).astype(dt)  # noqa: E731
     stored = [draw(weight_key, j, s) for j, s in enumerate(weight_shapes(shape))]
     rows = [draw(row_key, j, (decode_batch, w.shape[1])) for j, w in enumerate(stored)]
-    copies = [w.T.copy() for w in stored]  # what transpose_for_decode makes once per decode program
+    copies = [w.T.copy() for w in stored]  # what decode_weights makes once per weight version
     project = lambda spec: jax.jit(lambda ws, xs: [jnp.einsum(spec, x, w) for x, w in zip(xs, ws)])  # noqa: E731
     fns = {"fast": (project("bi,io->bo"), copies)}
     if reference:

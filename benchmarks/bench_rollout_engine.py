@@ -2,10 +2,13 @@
 
     python -m benchmarks.bench_rollout_engine [--quick]
 
-The static path is `jaxrl.rollout.sampler.Sampler` (rows in batches of `slots`, each batch decoded until its
-longest row stops); the continuous one is `jaxrl.rollout.engine.ContinuousSampler` (the same `slots` kept busy:
-finished rows replaced by waiting ones between rounds, the last rows moved to fewer slots). Same model, prompts,
-keys and settings; every repeat runs static then continuous (a load burst on the shared machine hits both).
+The continuous path is the generation engine, `jaxrl.generation.Sampler` (`slots` kept busy: finished rows
+replaced by waiting ones between rounds, the last rows moved to fewer slots). The static path is the sampler the
+engine replaced, `jaxrl/rollout/sampler.py`'s `Sampler` (rows in batches of `slots`, each batch decoded until its
+longest row stops), which left the tree after STATIC_COMMIT: `jaxrl/` at that commit is extracted from git history
+and imported next to this tree's as `jaxrl_static` (`benchmarks.versus.import_revision`), with its own copy of the
+model holding the same weights. Same prompts, keys and settings; every repeat runs static then continuous (a load
+burst on the shared machine hits both).
 
 Workloads (fp32, sampled at temperature 1):
   * skewed: the demo's tiny model (vocab 48, hidden 64, a Gated DeltaNet and an attention layer, random weights
@@ -29,9 +32,14 @@ Two more sections (`run(sections=...)`), on the small shape:
 
 Counters that do not move with the machine's load: decode steps (model calls), slot-steps (slots x steps summed
 over the calls), slot utilisation = tokens produced by decode steps / slot-steps (a row's first token comes from
-its prefill), compiled sampler programs. Measured with the load: seconds per run (median), useful tokens/s (the
-generated tokens of all rows / seconds, prefill included) and the continuous / static ratio. `samples_identical`:
-every row's tokens equal (cut at its cap) on both sides.
+its prefill), compiled sampler programs (each side's own TRACE_COUNTS), and the engine's rounds, inserts, prompt
+prefills and shrinks. Measured with the load: seconds per run (median), useful tokens/s (the generated tokens of
+all rows / seconds, prefill included) and the continuous / static ratio. `samples_identical`: every row's tokens
+equal (cut at its cap) on both sides.
+
+`--launcher` (`run_launcher`) times whole `python -m launchers.rollout` runs instead: this tree's launcher (the
+engine) against STATIC_COMMIT's, run from a checkout of that commit's files with the jax backend's
+`batching="static"` (its benchmarks/rollout_with_batching.py).
 
 Prints one JSON object (also the return value of `run`).
 """
@@ -48,21 +56,34 @@ import numpy as np
 
 WORKLOADS = ("skewed", "truncation")
 TRUNCATED_FRACTION = 0.45
+# The last commit with the static sampler (jaxrl/rollout/sampler.py) and the jax backend's batching="static";
+# its jaxrl is imported as STATIC_PACKAGE for the static side.
+STATIC_COMMIT = "c7219bb"
+STATIC_PACKAGE = "jaxrl_static"
 
 
-def demo_model():
-    """The demo's tiny model as `launchers.demo` writes its pretrained/ folder (jaxrl.demo.Demo.make_model)."""
+def static_package():
+    """`jaxrl/` at STATIC_COMMIT, imported as STATIC_PACKAGE (once per process)."""
+    from benchmarks.versus import import_revision
+    return import_revision(STATIC_COMMIT, STATIC_PACKAGE)
+
+
+def _module(package: str, name: str):
+    import importlib
+    return importlib.import_module(f"{package}.{name}")
+
+
+def demo_model(package: str = "jaxrl"):
+    """The demo's tiny model as `launchers.demo` writes its pretrained/ folder (jaxrl.demo.Demo.make_model), built
+    by `package` (this tree's jaxrl or STATIC_PACKAGE)."""
     import jax.numpy as jnp
 
-    from jaxrl.demo import HEAD_SCALE
-    from jaxrl.models import qwen35
-    from jaxrl.models.qwen35.config import tiny
-    from jaxrl.models.qwen35.tiny_checkpoint import perturb_for_realism
-    cfg = tiny(vocab_size=48, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-               eos_token_id=1)
+    qwen35 = _module(package, "models.qwen35")
+    cfg = _module(package, "models.qwen35.config").tiny(
+        vocab_size=48, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), eos_token_id=1)
     model = qwen35.init_model(cfg, dtype=jnp.float32, seed=0)
-    perturb_for_realism(model, 0)
-    model.lm_head.weight[...] = model.lm_head.weight[...] * HEAD_SCALE
+    _module(package, "models.qwen35.tiny_checkpoint").perturb_for_realism(model, 0)
+    model.lm_head.weight[...] = model.lm_head.weight[...] * _module(package, "demo").HEAD_SCALE
     return model
 
 
@@ -85,29 +106,34 @@ def _side(stats: dict, rows: int, useful: int, seconds: list[float], programs: i
             "slot_utilisation": round((useful - rows) / slot_steps, 4) if slot_steps else None,
             "seconds_median": round(median, 4), "seconds": [round(s, 4) for s in seconds],
             "tokens_per_s": round(useful / median, 1), "compiled_programs": programs,
-            **{k: stats[k] for k in ("inserts", "shrinks", "rounds") if k in stats}}
+            **{k: stats[k] for k in ("inserts", "prefilled_prompts", "shrinks", "rounds") if k in stats}}
 
 
-def small_model(dtype="float32", seed: int = 0):
-    """benchmarks/common.py's SMALL_TEXT_CONFIG shape, random weights."""
+def small_model(dtype="float32", seed: int = 0, package: str = "jaxrl"):
+    """benchmarks/common.py's SMALL_TEXT_CONFIG shape, random weights, built by `package`."""
     import jax.numpy as jnp
 
     from benchmarks.common import SMALL_TEXT_CONFIG
-    from jaxrl.models import qwen35
-    from jaxrl.models.qwen35.config import parse_hf_config
-    cfg, _ = parse_hf_config(dict(SMALL_TEXT_CONFIG))
-    return qwen35.init_model(cfg, dtype=getattr(jnp, dtype), seed=seed)
+    cfg, _ = _module(package, "models.qwen35.config").parse_hf_config(dict(SMALL_TEXT_CONFIG))
+    return _module(package, "models.qwen35").init_model(cfg, dtype=getattr(jnp, dtype), seed=seed)
 
 
 MODELS = {"demo": demo_model, "small": small_model}
 
 
+def static_twin(model_name: str, model):
+    """The model `MODELS[model_name]` builds, built by STATIC_PACKAGE, holding `model`'s very weights."""
+    from flax import nnx
+    twin = MODELS[model_name](package=static_package().__name__)
+    nnx.update(twin, nnx.state(model))
+    return twin
+
+
 def run_workload(name: str, prompts: int, samples: int, slots: int, max_new_tokens: int, repeats: int,
                  seed: int = 0, model_name: str = "demo") -> dict:
-    from jaxrl.rollout import TRACE_COUNTS
-    from jaxrl.rollout.engine import ContinuousSampler
-    from jaxrl.rollout.sampler import Sampler
+    from jaxrl.generation import TRACE_COUNTS, Sampler
 
+    static = _module(static_package().__name__, "rollout.sampler")  # the static Sampler and its TRACE_COUNTS
     model = MODELS[model_name]()
     vocab = int(model.config.vocab_size)
     ids = _prompts(prompts, vocab, seed)
@@ -115,7 +141,9 @@ def run_workload(name: str, prompts: int, samples: int, slots: int, max_new_toke
     stops = (int(model.config.eos_token_id),) if name == "skewed" else ()
     caps = truncation_caps(rows, max_new_tokens, seed) if name == "truncation" else None
     settings = dict(max_new_tokens=max_new_tokens, prompt_buckets=(64,), batch_size=slots, eos_token_ids=stops)
-    samplers = {"static": Sampler(model, **settings), "continuous": ContinuousSampler(model, **settings)}
+    samplers = {"static": static.Sampler(static_twin(model_name, model), **settings),
+                "continuous": Sampler(model, **settings)}
+    counts = {"static": static.TRACE_COUNTS, "continuous": TRACE_COUNTS}
     call = dict(n=samples, temperature=1.0, seed=seed)
 
     def draw(side: str):
@@ -125,9 +153,9 @@ def run_workload(name: str, prompts: int, samples: int, slots: int, max_new_toke
 
     programs, outs = {}, {}
     for side in samplers:  # the first call compiles; not timed
-        before = sum(TRACE_COUNTS.values())
+        before = sum(counts[side].values())
         outs[side] = draw(side)
-        programs[side] = sum(TRACE_COUNTS.values()) - before
+        programs[side] = sum(counts[side].values()) - before
     seconds = {side: [] for side in samplers}
     load_before = os.getloadavg()
     for _ in range(repeats):
@@ -142,7 +170,7 @@ def run_workload(name: str, prompts: int, samples: int, slots: int, max_new_toke
     identical = static_tokens == cont.tokens
     useful = sum(len(t) for t in cont.tokens)
     result = {"workload": name, "model": model_name, "rows": rows, "prompts": prompts, "samples_per_prompt": samples,
-              "slots": slots,
+              "slots": slots, "static_commit": STATIC_COMMIT,
               "max_new_tokens": max_new_tokens, "useful_tokens": useful,
               "mean_length": round(useful / rows, 2), "longest": max(len(t) for t in cont.tokens),
               "truncated_rows": sum(r == "length" for r in cont.finish_reasons),
@@ -202,15 +230,15 @@ def teacher_forced_gap(model, prompts: list[list[int]], out, width: int) -> dict
 def run_adapter(rows: int = 32, max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> dict:
     """Decode speed of the engine with and without an adapter (every row to the cap), and the sampler-vs-teacher-
     forced gap of the adapted policy; fp32 and bf16."""
-    from jaxrl.rollout.engine import ContinuousSampler
+    from jaxrl.generation import Sampler
     out = {"rows": rows, "max_new_tokens": max_new_tokens, "lora": "rank 16, all-linear"}
     for dtype in ("float32", "bfloat16"):
         base, adapted = small_model(dtype), _attach_adapter(small_model(dtype))
         ids = _prompts(rows, int(base.config.vocab_size), seed)
         settings = dict(max_new_tokens=max_new_tokens, prompt_buckets=(64,), batch_size=rows)
-        samplers = {"base": ContinuousSampler(base, **settings),
-                    "adapter_fused": ContinuousSampler(adapted, **settings),
-                    "adapter_unfused": ContinuousSampler(adapted, fuse_adapters=False, **settings)}
+        samplers = {"base": Sampler(base, **settings),
+                    "adapter_fused": Sampler(adapted, **settings),
+                    "adapter_unfused": Sampler(adapted, fuse_adapters=False, **settings)}
         outs = {name: s.sample(ids, temperature=1.0, seed=seed) for name, s in samplers.items()}  # compiles
         seconds = {name: [] for name in samplers}
         for _ in range(repeats):
@@ -233,11 +261,11 @@ def run_adapter(rows: int = 32, max_new_tokens: int = 64, repeats: int = 3, seed
 
 def run_gdn_state(rows: int = 16, max_new_tokens: int = 128, repeats: int = 3, seed: int = 0) -> dict:
     """gdn_state_dtype bfloat16 vs float32 in a bf16 model: greedy divergence, log-prob drift, decode speed."""
-    from jaxrl.rollout.engine import ContinuousSampler
+    from jaxrl.generation import Sampler
     models = {dt: small_model("bfloat16").set_compute(gdn_state_dtype=dt) for dt in ("float32", "bfloat16")}
     ids = _prompts(rows, int(models["float32"].config.vocab_size), seed)
     settings = dict(max_new_tokens=max_new_tokens, prompt_buckets=(64,), batch_size=rows)
-    samplers = {dt: ContinuousSampler(m, **settings) for dt, m in models.items()}
+    samplers = {dt: Sampler(m, **settings) for dt, m in models.items()}
     outs = {dt: s.sample(ids) for dt, s in samplers.items()}
     seconds = {dt: [] for dt in samplers}
     for _ in range(repeats):
@@ -259,18 +287,31 @@ def run_gdn_state(rows: int = 16, max_new_tokens: int = 128, repeats: int = 3, s
             "tokens_per_s": {dt: round(tokens / statistics.median(t), 1) for dt, t in seconds.items()}}
 
 
+def static_tree(folder: str) -> str:
+    """What `python -m benchmarks.rollout_with_batching` needs at STATIC_COMMIT (jaxrl/, launchers/, configs/ and
+    that script, as they were) extracted into folder/static_tree; its path."""
+    from benchmarks.versus import extract_tree
+    tree = os.path.join(folder, "static_tree")
+    os.makedirs(tree, exist_ok=True)
+    extract_tree(STATIC_COMMIT, tree, ("jaxrl", "launchers", "configs", "benchmarks/__init__.py",
+                                       "benchmarks/rollout_with_batching.py"))
+    return tree
+
+
 def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 512, repeats: int = 2,
                  workdir: str = "") -> dict:
     """`python -m launchers.rollout` on the demo's random model (its pretrained/ folder and its 128 held-out
-    prompts) with `samples` samples per prompt and cap `max_new_tokens`, the static sampler
-    (benchmarks/rollout_with_batching.py) against the engine, each a fresh process, alternated: `cold` with
-    no compilation cache (every program compiled in the run, what a first run pays), `warm` with a cache a first
-    run of each side filled (what a rerun on the same machine pays). samples/s is the launcher's own (its
-    meta.json: from the first sample drawn to the last written, compilation included)."""
+    prompts) with `samples` samples per prompt and cap `max_new_tokens`, the static sampler (STATIC_COMMIT's
+    launcher with the jax backend's `batching="static"`: its benchmarks/rollout_with_batching.py, run from a
+    checkout of that commit's files, `static_tree`) against this tree's launcher (the engine), each a fresh process,
+    alternated: `cold` with no compilation cache (every program compiled in the run, what a first run pays), `warm`
+    with a cache a first run of each side filled (what a rerun on the same machine pays). samples/s is the
+    launcher's own (its meta.json: from the first sample drawn to the last written, compilation included)."""
     import subprocess
     import sys
     import tempfile
 
+    from benchmarks.versus import ROOT
     from jaxrl.demo import Demo
     root = workdir or tempfile.mkdtemp(prefix="bench_rollout_launcher_")
     demo = Demo(os.path.join(root, "demo"), log=lambda _: None)
@@ -278,19 +319,27 @@ def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 5
     demo.make_model()
     demo.make_tasks()
     out = {"problems": problems, "samples_per_prompt": samples, "max_new_tokens": max_new_tokens,
-           "repeats": repeats, "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+           "repeats": repeats, "static_commit": STATIC_COMMIT,
+           "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+    # each side's source tree (its folder is the subprocess's working directory and only entry of PYTHONPATH, so
+    # `jaxrl` is that tree's) and module
+    trees = {"static": static_tree(root), "continuous": ROOT}
+    modules = {"static": ["benchmarks.rollout_with_batching", "static"], "continuous": ["launchers.rollout"]}
 
     def launch(side: str, cache: str, tag: str) -> dict:
         path = os.path.join(root, f"{side}_{tag}.jsonl")
         for stale in (path, path + ".meta.json"):
             if os.path.exists(stale):
                 os.remove(stale)
-        cmd = [sys.executable, "-m", "benchmarks.rollout_with_batching", side, f"--problems={demo.p['eval']}",
+        cmd = [sys.executable, "-m", *modules[side], f"--problems={demo.p['eval']}",
                f"--model={demo.p['pretrained']}", f"--out={path}", f"--num_samples={samples}",
                f"--max_new_tokens={max_new_tokens}", "--max_prompt_len=64", "--dtype=float32", "--reward=charset",
                "--temperature=1.0", "--noprogress", f"--compilation_cache={cache}"]
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "JAX_COMPILATION_CACHE_DIR": ""})
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=trees[side],
+                              env={**os.environ, "JAX_COMPILATION_CACHE_DIR": "", "PYTHONPATH": trees[side]})
+        if done.returncode:
+            raise RuntimeError(f"{side} launcher failed ({done.returncode}):\n{done.stderr[-3000:]}")
         meta = json.load(open(path + ".meta.json"))
         records = [json.loads(line) for line in open(path)]
         return {"samples_per_s": round(meta["samples_per_s"], 1), "seconds": meta["seconds"],
@@ -322,28 +371,33 @@ def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 5
 
 
 def _launcher_in_process(demo, samples: int, max_new_tokens: int, repeats: int, root: str) -> dict:
-    """`jaxrl.rollout.runner.run_rollouts` (what the launcher calls) in this process, static then engine, each
-    warmed up once: the sampling loop's own seconds without a process's start, tracing and program loading."""
+    """`run_rollouts` (what the launcher calls) in this process: STATIC_PACKAGE's with its jax backend's
+    `batching="static"`, then this tree's `jaxrl.rollout.runner.run_rollouts` (the engine), each warmed up once:
+    the sampling loop's own seconds without a process's start, tracing and program loading."""
     import functools
 
     from jaxrl.rollout import runner
-    plain = runner.JaxBackend
-    seconds = {"static": [], "continuous": []}
+    static = _module(static_package().__name__, "rollout.runner")
+    runners = {"static": static, "continuous": runner}
+    plain = static.JaxBackend
+    seconds = {side: [] for side in runners}
+    written = {}
     try:
+        static.JaxBackend = functools.partial(plain, batching="static")
         for r in range(repeats + 1):
-            for side in seconds:
-                runner.JaxBackend = functools.partial(plain, batching=side)
+            for side, module in runners.items():
                 path = os.path.join(root, f"in_process_{side}_{r}.jsonl")
-                cfg = runner.RolloutConfig(problems=os.fspath(demo.p["eval"]), model=os.fspath(demo.p["pretrained"]),
+                cfg = module.RolloutConfig(problems=os.fspath(demo.p["eval"]), model=os.fspath(demo.p["pretrained"]),
                                            out=path, num_samples=samples, max_new_tokens=max_new_tokens,
                                            max_prompt_len=64, dtype="float32", reward="charset", temperature=1.0,
                                            progress=False)
-                meta = runner.run_rollouts(cfg)
+                meta = module.run_rollouts(cfg)
+                written[side] = meta["samples_written"]
                 if r:  # the first round compiles
                     seconds[side].append(meta["seconds"])
     finally:
-        runner.JaxBackend = plain
-    out = {side: {"seconds": t, "samples_per_s_median": round(meta["samples_written"] / statistics.median(t), 1)}
+        static.JaxBackend = plain
+    out = {side: {"seconds": t, "samples_per_s_median": round(written[side] / statistics.median(t), 1)}
            for side, t in seconds.items()}
     out["ratio"] = round(statistics.median(seconds["static"]) / statistics.median(seconds["continuous"]), 3)
     return out
@@ -374,8 +428,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sections", default="adapter,gdn_state")
     parser.add_argument("--truncation_model", default="small", choices=sorted(MODELS))
-    parser.add_argument("--launcher", action="store_true", help="only launchers.rollout, static vs engine "
-                        "(run_launcher: 128 prompts x 32 samples, cap 512, the demo's random model)")
+    parser.add_argument("--launcher", action="store_true", help="only launchers.rollout, static (STATIC_COMMIT) vs "
+                        "engine (run_launcher: 128 prompts x 32 samples, cap 512, the demo's random model)")
     args = parser.parse_args(argv)
     if args.launcher:
         result = run_launcher(repeats=args.repeats)

@@ -71,6 +71,74 @@ def save_small_hf(folder: str, seed: int = 0):
     return model
 
 
+class EngineBatch:
+    """One full batch of equal-length prompts through the generation engine's own programs
+    (jaxrl/generation/programs.py), timed in the two parts a decode benchmark separates:
+
+        batch = EngineBatch(model, prompts, new_tokens)         # prompts [B, P]; the weights' decode copies made
+        state = batch.prefill()     # the slots' caches, every prompt prefilled, each row's first token sampled from
+                                    # its prompt's last logits and moved into its slot (init_state, prefill, insert)
+        state, steps = batch.decode(state)   # one round of decode steps until every row reaches the cap (no stop
+                                             # ids): new_tokens - 1 steps
+        batch.tokens(state)         # [B, new_tokens] generated ids
+
+    The same programs and arguments the engine (jaxrl/generation/engine.py) runs for a pool of B slots whose rows
+    all move in with one insert; `prefill` and `decode` block until their results are ready."""
+
+    def __init__(self, model, prompts, new_tokens: int, temperature: float = 0.0, seed: int = 0, mesh=None):
+        import numpy as np
+
+        from jaxrl.generation import programs
+        from jaxrl.generation.engine import STOP_WIDTH
+        from jaxrl.generation.placement import Weights
+        from jaxrl.generation.sampling import sampling_mode
+
+        self.programs, self.mesh = programs, mesh
+        self.weights = Weights.of(model, None, mesh)
+        self.decode_weights = programs.prepare(self.weights.structure, self.weights.leaves, fuse_adapters=True)
+        self.ids = np.asarray(prompts, np.int32)
+        self.mask = np.ones_like(self.ids)
+        self.rows, self.prompt_len = self.ids.shape
+        self.new_tokens = int(new_tokens)
+        self.mode = sampling_mode(float(temperature), 1.0, 0, int(model.config.vocab_size))
+        pad = model.config.pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        rows = np.arange(self.rows, dtype=np.int32)
+        # the insert's operands: row r takes prompt r into slot r, keyed (seed, group r, sample 0), capped at
+        # new_tokens, no stop ids (-1); greedy rows carry temperature 1 as the engine's do (unused)
+        self.insert_args = (rows, rows, np.full(self.rows, seed, np.uint32), rows.astype(np.uint32),
+                            np.zeros(self.rows, np.uint32), np.full(self.rows, self.new_tokens, np.int32),
+                            np.full(self.rows, temperature if temperature > 0 else 1.0, np.float32),
+                            np.ones(self.rows, np.float32), np.full((self.rows, STOP_WIDTH), -1, np.int32))
+        self.stop_width = STOP_WIDTH
+
+    def prefill(self):
+        import jax
+
+        p, w = self.programs, self.weights
+        state = p.init_state(w.structure, w.leaves, slots=self.rows, cache_len=self.prompt_len + self.new_tokens,
+                             max_new_tokens=self.new_tokens, stop_width=self.stop_width, pad_id=self.pad_id,
+                             mesh=self.mesh)
+        fresh, logits = p.prefill(w.structure, w.leaves, self.ids, self.mask, mesh=self.mesh)
+        state = p.insert(state, fresh, logits, *self.insert_args, mode=self.mode, pad_id=self.pad_id, mesh=self.mesh)
+        return jax.block_until_ready(state)
+
+    def decode(self, state):
+        """(the state after the round, the decode steps it made)."""
+        import numpy as np
+
+        w = self.weights
+        state, status, _ = self.programs.decode_round(
+            w.structure, w.leaves, self.decode_weights, state, np.int32(self.new_tokens), np.int32(self.rows + 1),
+            mode=self.mode, pad_id=self.pad_id, mesh=self.mesh)
+        status = np.asarray(status)  # waits for the round
+        return state, int(status[3, 0])
+
+    def tokens(self, state):
+        import numpy as np
+        return np.asarray(state.tokens)
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"

@@ -1,12 +1,14 @@
-"""Decode throughput of the rollout engine at the Qwen3.5-4B shape, 160 concurrent sequences (the users' 20 prompts
-x 8 samples), against the memory-bandwidth bound. Prints one JSON object.
+"""Decode throughput of the generation engine at the Qwen3.5-4B shape, 160 concurrent sequences (the users' 20
+prompts x 8 samples), against the memory-bandwidth bound. Prints one JSON object.
 
     python -m benchmarks.gpu_decode                      # on a GPU: 4B shape, bf16, random weights
     python -m benchmarks.gpu_decode --tiny               # CPU smoke test of the same code path
 
 Random weights are enough: decode cost does not depend on their values, and no EOS is configured, so every row
-runs all `--new_tokens` steps. Prefill and decode are timed separately (separate compiled programs); compile
-time is excluded by a warm-up call of the same shapes.
+runs all `--new_tokens` steps. The generation engine's programs run as for one pool of `--batch` slots
+(`benchmarks.common.EngineBatch`): prefill (the slots' caches allocated, the prompts prefilled, each row's first
+token sampled and moved into its slot) and decode (one round of decode steps to the cap) are timed separately;
+compile time is excluded by a warm-up call of the same shapes.
 
 The bound: one decode step must read every weight once (the tied embedding is the output head, read in full;
 an untied input embedding is only gathered), and read + write the recurrent state of each Gated DeltaNet layer
@@ -57,10 +59,9 @@ def run(tiny: bool = False, batch: int = 160, prompt_len: int = 512, new_tokens:
     import jax.numpy as jnp
     from flax import nnx
 
+    from benchmarks.common import EngineBatch
     from jaxrl.models import qwen35
     from jaxrl.models.qwen35.config import qwen35_4b, tiny as tiny_config
-    from jaxrl.rollout.sampler import Sampler
-    from jaxrl.rollout.sampling import sampling_mode
 
     if tiny:
         cfg, dtype = tiny_config(), jnp.float32
@@ -75,40 +76,29 @@ def run(tiny: bool = False, batch: int = 160, prompt_len: int = 512, new_tokens:
     init_s = time.perf_counter() - t0
     _log(f"initialised {cfg.num_hidden_layers}-layer model on {jax.devices()[0].device_kind} in {init_s:.1f} s")
 
-    sampler = Sampler(model, max_new_tokens=new_tokens, prompt_buckets=(prompt_len,), batch_size=batch)
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, min(cfg.vocab_size, 240_000), size=(batch, prompt_len)).astype(np.int32)
-    params = sampler.resolve_params(None)
-    plan = sampler.plan(list(prompts), 1, list(range(batch)))[0]
-    mode = sampling_mode(1.0, 1.0, 0, cfg.vocab_size)  # plain sampling at temperature 1 (the rollout setting)
-
-    def prefill():
-        out = sampler.prefill(params, plan)
-        jax.block_until_ready(out)
-        return out
-
-    def decode(cache, logits):
-        out = sampler.decode(params, cache, logits, plan.row_valid, plan.group_ids, plan.sample_ids, mode, 0, 1.0,
-                             1.0)
-        jax.block_until_ready(out)
-        return out
 
     t0 = time.perf_counter()
-    result = decode(*prefill())  # compiles both programs
+    # plain sampling at temperature 1 (the rollout setting); the engine's programs for one pool of `batch` slots
+    engine = EngineBatch(model, prompts, new_tokens, temperature=1.0)  # compiles and runs the weight preparation
+    params = engine.weights.leaves
+    state, steps = engine.decode(engine.prefill())  # compiles the others
     compile_s = time.perf_counter() - t0
     _log(f"compiled and ran prefill + decode once in {compile_s:.1f} s")
     prefill_times, decode_times = [], []
     for _ in range(repeats):
+        del state  # the caches of the last run go before the next run's are allocated
         t0 = time.perf_counter()
-        cache, logits = prefill()
+        state = engine.prefill()
         t1 = time.perf_counter()
-        result = decode(cache, logits)
+        state, steps = engine.decode(state)
         t2 = time.perf_counter()
         prefill_times.append(t1 - t0)
         decode_times.append(t2 - t1)
         _log(f"prefill {t1 - t0:.3f} s, decode {t2 - t1:.3f} s")
-    steps = int(result["steps"])  # model calls in the loop (new_tokens - 1: the first token comes from prefill)
-    generated = int(np.asarray(result["lengths"]).sum())
+    # steps: model calls in the round (new_tokens - 1: the first token comes from the prefill's logits)
+    generated = int(np.asarray(state.generated).sum())
     decode_s = float(np.median(decode_times))
     prefill_s = float(np.median(prefill_times))
 

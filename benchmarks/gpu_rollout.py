@@ -1,10 +1,11 @@
-"""One GRPO rollout through the continuous-batching engine at the Qwen3.5-4B shape with a LoRA adapter on: the
-users' 20 prompts x 8 samples x 4,096 new tokens, against the HBM-bandwidth bound. Prints one JSON object.
+"""One GRPO rollout through the generation engine (continuous batching) at the Qwen3.5-4B shape with a LoRA
+adapter on: the users' 20 prompts x 8 samples x 4,096 new tokens, against the HBM-bandwidth bound. Prints one JSON
+object.
 
     python -m benchmarks.gpu_rollout                     # on a GPU: 4B shape, bf16, random weights + adapter
     python -m benchmarks.gpu_rollout --tiny              # CPU smoke test of the same code path
 
-What runs is what online GRPO runs (`jaxrl.rollout.engine.ContinuousSampler`, `JaxBackend`'s defaults): 160 slots
+What runs is what online GRPO runs (`jaxrl.generation.Sampler`, `JaxBackend`'s defaults): 160 slots
 (rollout_batch_size 0: one per row), one prompt length, the adapter (rank 16, all-linear, random B) fused into its
 projections for decoding (`Qwen35.decode_weights`), rows moving to fewer slots as the rollout drains. Random
 weights do not give the users' lengths, so each row gets its own cap in their truncation pattern: 45% run to
@@ -65,7 +66,7 @@ def run(tiny: bool = False, prompts: int = 20, samples: int = 8, prompt_len: int
     from benchmarks.bench_rollout_engine import truncation_caps
     from jaxrl.models import lora, qwen35
     from jaxrl.models.qwen35.config import qwen35_4b, tiny as tiny_config
-    from jaxrl.rollout.engine import ContinuousSampler, engine_programs
+    from jaxrl.generation import Sampler, engine_programs
 
     compile_events: list[float] = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -89,7 +90,7 @@ def run(tiny: bool = False, prompts: int = 20, samples: int = 8, prompt_len: int
     rng = np.random.default_rng(seed)
     ids = [rng.integers(10, min(cfg.vocab_size, 240_000), size=prompt_len).tolist() for _ in range(prompts)]
     caps = truncation_caps(rows, new_tokens, seed)
-    sampler = ContinuousSampler(model, max_new_tokens=new_tokens, prompt_buckets=(prompt_len,), batch_size=rows)
+    sampler = Sampler(model, max_new_tokens=new_tokens, prompt_buckets=(prompt_len,), batch_size=rows)
     programs_before, compiled_before = engine_programs(), len(compile_events)
     t0 = time.perf_counter()
     out = sampler.sample(ids, n=samples, temperature=1.0, seed=seed, row_caps=caps)

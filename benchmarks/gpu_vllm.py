@@ -95,7 +95,7 @@ def agreement(a, b) -> dict:
 def run(args) -> dict:
     from jaxrl.export.peft import export_peft
     from jaxrl.models.qwen35.config import load_hf_config
-    from jaxrl.rollout.backends import JaxBackend, ModelSpec, SamplingParams, make_backend
+    from jaxrl.backends import JaxBackend, ModelSpec, SamplingParams, make_backend
     from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
     from jaxrl.rollout.keys import problem_key
 
@@ -118,7 +118,8 @@ def run(args) -> dict:
             os.remove(ready)
         server_proc = subprocess.Popen([sys.executable, "-m", "launchers.serve", f"--base={base}", "--port=0",
                                         f"--ready_file={ready}", f"--max_prompt_len={args.max_prompt_len}",
-                                        f"--batch_size={args.batch_size}"], cwd=ROOT)
+                                        f"--batch_size={args.batch_size}",
+                                        f"--allowed_lora_roots={os.path.abspath(args.out)}"], cwd=ROOT)
         while not os.path.exists(ready):
             if server_proc.poll() is not None:
                 raise RuntimeError("launchers.serve exited")

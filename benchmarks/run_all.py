@@ -83,7 +83,7 @@ BENCHES: dict[str, dict] = {
         quick=dict(requests=64, concurrency=16, prompt_len=32, max_tokens=16)),
     "rollout_engine": dict(
         module="benchmarks.bench_rollout_engine",
-        peer="the static-batch sampler (jaxrl, same process, interleaved)",
+        peer="the static-batch sampler (jaxrl at c7219bb, from git history; same process, interleaved)",
         full=dict(prompts=32, samples=8, slots=64, max_new_tokens=256, truncation_prompts=20, repeats=3),
         quick=dict(prompts=16, samples=8, slots=32, max_new_tokens=128, truncation_prompts=10, repeats=2,
                    sections=())),

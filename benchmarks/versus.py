@@ -9,16 +9,20 @@ The base revision's `jaxrl/` is extracted with `git archive` into a temporary fo
 name (`jaxrl_base`, its imports rewritten), so both versions live in one interpreter. Both build the same
 checkpoint (benchmarks/common.py:SMALL_TEXT_CONFIG, hidden 256, 4 layers, vocab 2048, fp32) and run the same
 inputs; each repeat runs the base, then the working tree, and the ratio is base time / new time of the medians
-(> 1: the working tree is faster). Prints JSON.
+(> 1: the working tree is faster). Decode is a greedy `sample` call of each tree's own sampler, whichever layout
+the tree has (`sampler_class`: jaxrl/generation's engine from c7219bb on, the jaxrl/rollout samplers before it).
+Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,20 +36,69 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_NAME = "jaxrl_base"
 
 
-def extract_base(revision: str, folder: str) -> None:
-    """`jaxrl/` at `revision` -> folder/jaxrl_base, every `jaxrl` import renamed."""
-    archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "jaxrl"], check=True, capture_output=True)
+def extract_tree(revision: str, folder: str, paths=("jaxrl",)) -> None:
+    """`paths` (folders or files of the repository) at `revision` -> folder, as they are (`git archive`)."""
+    archive = subprocess.run(["git", "-C", ROOT, "archive", revision, *paths], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
-    os.rename(os.path.join(folder, "jaxrl"), os.path.join(folder, BASE_NAME))
-    pattern = re.compile(r"\bjaxrl(?=[. ]|$)", re.M)
-    for dirpath, _, files in os.walk(os.path.join(folder, BASE_NAME)):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
+
+
+def rename_imports(text: str, name: str) -> str:
+    """Python source with every `jaxrl` module name (`jaxrl.models`, `import jaxrl`) replaced by `name`."""
+    return re.sub(r"\bjaxrl(?=[. ]|$)", name, text, flags=re.M)
+
+
+def extract_base(revision: str, folder: str, name: str = BASE_NAME) -> None:
+    """`jaxrl/` at `revision` -> folder/<name>, every `jaxrl` import renamed."""
+    extract_tree(revision, folder)
+    os.rename(os.path.join(folder, "jaxrl"), os.path.join(folder, name))
+    for dirpath, _, files in os.walk(os.path.join(folder, name)):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(dirpath, file)
                 with open(path) as f:
                     text = f.read()
                 with open(path, "w") as f:
-                    f.write(pattern.sub(BASE_NAME, text))
+                    f.write(rename_imports(text, name))
+
+
+_IMPORTED: dict = {}  # package name -> the revision it was extracted from (one per name and process)
+
+
+def import_revision(revision: str, name: str):
+    """`jaxrl/` at `revision` imported as the package `name` next to this tree's jaxrl (`extract_base` into a
+    temporary folder removed when the process exits); a second call with the same name returns the same package.
+    What another benchmark uses to run code that left the tree (benchmarks/bench_rollout_engine.py's static
+    sampler, benchmarks/bench_server.py's older servers)."""
+    if name in _IMPORTED:
+        if _IMPORTED[name] != revision:
+            raise ValueError(f"{name} is already jaxrl at {_IMPORTED[name]}, not {revision}")
+        return importlib.import_module(name)
+    folder = tempfile.mkdtemp(prefix=f"{name}_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    extract_base(revision, folder, name)
+    sys.path.insert(0, folder)
+    _IMPORTED[name] = revision
+    return importlib.import_module(name)
+
+
+# Where a jaxrl tree's sampler lives, newest layout first: the generation engine (jaxrl/generation, c7219bb on),
+# the rollout engine before it, and the static sampler before that. The first that imports is the tree's sampler.
+SAMPLERS = ("generation.sampler.Sampler", "rollout.engine.ContinuousSampler", "rollout.sampler.Sampler")
+
+
+def sampler_class(pkg) -> tuple[type, str]:
+    """(the sampler class a jaxrl tree samples with, its path under the package), whichever layout the tree has:
+    each takes (model, max_new_tokens=, prompt_buckets=, batch_size=) and has `sample(prompts, temperature=...)`."""
+    for path in SAMPLERS:
+        module, _, cls = path.rpartition(".")
+        try:
+            found = importlib.import_module(f"{pkg.__name__}.{module}")
+        except ModuleNotFoundError as e:  # this layout's module is not in the tree (a missing dependency is raised)
+            if e.name and e.name.split(".")[0] == pkg.__name__:
+                continue
+            raise
+        return getattr(found, cls), path
+    raise ImportError(f"{pkg.__name__} has none of the samplers {SAMPLERS}")
 
 
 def _median_ms(times):
@@ -118,40 +171,26 @@ def bench_train_step(pkgs: dict, folder: str, batch: int, seq_len: int, repeats:
 
 
 def bench_decode(pkgs: dict, folder: str, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
-    import jax
+    """Greedy `sample` of `batch` prompts to the cap (no EOS: every row runs `new_tokens`), prefill and decode,
+    through each tree's own sampler (`sampler_class`: the engine's Sampler in the new layout, the static or the
+    rollout-engine sampler in an older one)."""
     import jax.numpy as jnp
 
-    prompts = [p.astype(np.int32) for p in
-               np.random.default_rng(0).integers(2, SMALL_TEXT_CONFIG["vocab_size"], size=(batch, prompt_len))]
-    fns, tokens = {}, {}
+    prompts = np.random.default_rng(0).integers(2, SMALL_TEXT_CONFIG["vocab_size"], size=(batch, prompt_len)).tolist()
+    fns, tokens, which = {}, {}, {}
     for name, pkg in pkgs.items():
-        sampler_mod = importlib.import_module(f"{pkg.__name__}.rollout.sampler")
-        mode = importlib.import_module(f"{pkg.__name__}.rollout.sampling").sampling_mode(0.0, 1.0, 0, 2048)
+        cls, which[name] = sampler_class(pkg)
         model = pkg.models.qwen35.from_pretrained(folder, dtype=jnp.float32)
-        sampler = sampler_mod.Sampler(model, max_new_tokens=new_tokens, prompt_buckets=(prompt_len,),
-                                      batch_size=batch)
-        params = sampler.resolve_params(None)
-        plan = sampler.plan(prompts, 1, list(range(batch)))[0]
-        if name == "base" and not hasattr(plan, "source"):  # before prefill-once: prefill(params, ids, mask)
-            prefill = lambda s=sampler, p=plan, params=params: s.prefill(params, p.ids, p.mask)  # noqa: E731
-        else:
-            prefill = lambda s=sampler, p=plan, params=params: s.prefill(params, p)  # noqa: E731
-        box = {}
+        sampler = cls(model, max_new_tokens=new_tokens, prompt_buckets=(prompt_len,), batch_size=batch)
+        box = tokens[name] = {}
 
-        def run(s=sampler, p=plan, params=params, prefill=prefill, box=box):
-            cache, logits = prefill()
-            jax.block_until_ready(logits)
-            t0 = time.perf_counter()
-            out = s.decode(params, cache, logits, p.row_valid, p.group_ids, p.sample_ids, mode, 0, 0.0, 1.0)
-            jax.block_until_ready(out)
-            box["decode_s"] = time.perf_counter() - t0
-            box["tokens"] = np.asarray(out["tokens"])
+        def run(s=sampler, box=box):
+            box["tokens"] = s.sample(prompts, temperature=0.0).tokens  # host lists: every row is done
 
         fns[name] = run
-        tokens[name] = box
-    result = _interleave(fns, repeats)  # whole prefill + decode; the decode-only time of the last repeat below
-    result.update(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                  greedy_tokens_equal=bool(np.array_equal(tokens["base"]["tokens"], tokens["new"]["tokens"])))
+    result = _interleave(fns, repeats)  # whole calls: prefill + decode + the host's part
+    result.update(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, samplers=which,
+                  greedy_tokens_equal=tokens["base"]["tokens"] == tokens["new"]["tokens"])
     return result
 
 

@@ -6,5 +6,5 @@ Packages, bottom to top (`LAYERS`). A package imports only packages below it, at
 `launchers/` and `configs/` sit above them all.
 """
 
-LAYERS = ("utils", "ops", "parallel", "models", "data", "rewards", "export", "rollout", "train", "algorithms",
-          "evaluation", "diagnostics", "sweep")
+LAYERS = ("utils", "ops", "parallel", "models", "data", "rewards", "export", "generation", "serve", "backends",
+          "rollout", "train", "algorithms", "evaluation", "diagnostics", "sweep")

@@ -60,7 +60,7 @@ _USAGE_TYPES = {"ConfigKeyError", "UnknownAlgorithm", "PluginError", "SweepError
                 "MeshConfigError", "DistributedConfigError", "LoRAError", "ConfigError", "UsageError",
                 "RewardChoiceError"}
 # Modules whose errors never end a launcher: the OpenAI server answers them as HTTP statuses.
-_ANSWERED_INSIDE = ("jaxrl.rollout.server", "jaxrl.rollout.serve_")
+_ANSWERED_INSIDE = ("jaxrl.serve.",)
 # Project error classes with a status of their own, by name.
 _OWN_STATUS = {"NonFiniteError": EXIT_NONFINITE}
 

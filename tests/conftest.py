@@ -32,9 +32,19 @@ def first_batch(trainer, step: int = 0):
     when one is due, batch."""
     task = trainer.task
     task.setup(trainer.context())
-    if hasattr(task, "needs_rollout") and task.needs_rollout(step):
+    if task.needs_rollout(step):
         task.rollout(step, trainer.current_model())
     return task.batch(step)
+
+
+def make_rollout(task, model, rollout: int = 0, workdir: str = ""):
+    """(buffer, metrics) of an online task's rollout `rollout` sampled from `model` outside a Trainer: opens the
+    task's rollouts on `model` (what its setup does; the in-process backend needs no workdir), samples, closes."""
+    task.rollouts.open(workdir, model)
+    try:
+        return task.make_rollout(rollout, model)
+    finally:
+        task.rollouts.close()
 
 
 def jitted_forward(model, fn=None):

@@ -69,3 +69,17 @@ def check_rows(name: str, tokens, logprobs, finish_reasons) -> None:
     LOGPROB_ATOL."""
     assert len(tokens) == len(logprobs) == len(finish_reasons)
     check_json(name, rows(tokens, logprobs, finish_reasons))
+
+
+def load(name: str):
+    """The golden value `name` (as check_json stored it)."""
+    return json.loads(_path(name).read_text())
+
+
+def keyed_rows(name: str, keys) -> dict:
+    """Golden rows stored for samples keyed by (problem id, sample index), in `sorted(keys, key=str)` order, back
+    under their keys: {key: {"tokens", "logprobs", "finish_reason"}}."""
+    rows = load(name)
+    ordered = sorted(keys, key=str)
+    assert len(rows) == len(ordered), (name, len(rows), len(ordered))
+    return dict(zip(ordered, rows))

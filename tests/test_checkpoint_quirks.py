@@ -18,7 +18,7 @@ from jaxrl.models.qwen35.checkpoint import CheckpointError
 from jaxrl.models.qwen35.config import ENDOFTEXT, IM_END, ConfigError, load_hf_config
 from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
 from jaxrl.ops import attention
-from jaxrl.rollout import generate
+from jaxrl.generation import generate
 
 TWO_LAYERS = qwen35.config.tiny(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
 

@@ -22,7 +22,7 @@ from jaxrl.data import dpo_data
 from jaxrl.data.pairs import CohortError, freeze_cohort
 from jaxrl.models.lora import LoRAParam, iter_lora
 from jaxrl.parallel.mesh import mesh_from_config
-from jaxrl.rollout import generate
+from jaxrl.generation import generate
 from jaxrl.models.adapters import load_adapter
 from jaxrl.train.checkpoints import RunCheckpoints
 from jaxrl.algorithms.run import build_model, load_run_plugins, resolve_config, run_training

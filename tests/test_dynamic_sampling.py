@@ -10,9 +10,10 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import make_rollout, tiny_config
 from jaxrl.algorithms.grpo_task import GRPOTask, take_groups
-from jaxrl.algorithms.online_rollouts import Sampled, TokenTaskPrompts
+from jaxrl.algorithms.online.prompts import TokenTaskPrompts
+from jaxrl.algorithms.online.rollouts import Sampled
 from jaxrl.algorithms.run import build_model, resolve_config, run_training
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.rewards.base import RewardResult
@@ -123,7 +124,7 @@ def test_the_cap_is_honoured_and_a_rollout_with_extra_draws_is_reproducible():
     task made from the same config and weights (what a resumed run is) gives the same rollout bit for bit."""
     cfg = resolve_config(_config(coin_every=8, max_extra_draws=1))
     model = build_model(cfg)
-    buffer, metrics = GRPOTask(cfg, model, make_mesh(MESH)).make_rollout(0, model)
+    buffer, metrics = make_rollout(GRPOTask(cfg, model, make_mesh(MESH)), model)
     print({k: v for k, v in metrics.items() if k.startswith("dynamic_sampling/")})
     assert metrics["dynamic_sampling/extra_draws"] == 1 and metrics["dynamic_sampling/drawn_groups"] == 16
     assert metrics["dynamic_sampling/cap_reached"] == 1
@@ -133,13 +134,13 @@ def test_the_cap_is_honoured_and_a_rollout_with_extra_draws_is_reproducible():
     adv = buffer["advantages"].reshape(8, 8)
     assert np.all(np.abs(adv[:have]).max(1) > 0) and np.all(adv[have:] == 0)
     assert metrics["zero_variance_groups"] == pytest.approx((8 - have) / 8)
-    again, metrics2 = GRPOTask(cfg, model, make_mesh(MESH)).make_rollout(0, model)
+    again, metrics2 = make_rollout(GRPOTask(cfg, model, make_mesh(MESH)), model)
     for k in buffer:
         np.testing.assert_array_equal(again[k], buffer[k], err_msg=k)
     assert {k: v for k, v in metrics2.items() if not k.startswith("time/")} == \
         {k: v for k, v in metrics.items() if not k.startswith("time/")}
     # without dynamic sampling the same rollout's groups are draw 0's, signal or not
     plain = resolve_config(_config(coin_every=8, max_extra_draws=1, dynamic_sampling=False))
-    _, m0 = GRPOTask(plain, model, make_mesh(MESH)).make_rollout(0, model)
+    _, m0 = make_rollout(GRPOTask(plain, model, make_mesh(MESH)), model)
     assert "dynamic_sampling/extra_draws" not in m0 and m0["zero_variance_groups"] > (8 - have) / 8
     assert m0["reward/mean"] == metrics["reward/mean"]  # reward/* describe draw 0 either way

@@ -225,7 +225,7 @@ def test_fixed_completions_give_hand_computed_numbers(env, tmp_path):
     import dataclasses
 
     from jaxrl.data import formats
-    from jaxrl.rollout.backends import Generation
+    from jaxrl.backends import Generation
     from jaxrl.evaluation.runner import summarize
     ev = env["ev"]
     tok, stop = env["tokenizer"], ev.stop_ids[0]
@@ -478,8 +478,8 @@ def test_killed_evaluation_resumes_without_redoing_finished_samples(env, tmp_pat
 def test_vllm_backend_without_its_environment_fails_before_any_work(env, tmp_path):
     """vLLM runs from its own environment (docs/guides/vllm.md); without one, the evaluator refuses to start with the two
     lines that make it, and nothing is written."""
-    from jaxrl.rollout.backends import ServerError
-    from jaxrl.rollout.backends.vllm_backend import ENV_RECIPE
+    from jaxrl.backends import ServerError
+    from jaxrl.backends.vllm_backend import ENV_RECIPE
     out = tmp_path / "eval_vllm"
     with pytest.raises(ServerError, match="no vLLM environment at") as e:
         evaluator(env, out, backend="vllm", backend_kwargs={"python": str(tmp_path / "no_venv")})

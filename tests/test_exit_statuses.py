@@ -23,7 +23,7 @@ def test_the_exit_status_table_in_interfaces_md_is_the_one_the_code_renders():
 
 def test_the_statuses_the_issue_found_wrong_are_the_documented_ones():
     from jaxrl.rollout.runner import RewardChoiceError, check_reward_choice
-    from jaxrl.rollout.writer import ResumeError
+    from jaxrl.utils.io import ResumeError
     from jaxrl.train.loop import NonFiniteError
     from launchers._main import EXIT_NONFINITE, EXIT_REFUSED, EXIT_USAGE, exit_status_of, project_error_types
 

@@ -20,8 +20,8 @@ from jaxrl.ops import attention as attn
 from jaxrl.ops.gated_delta import (apply_pending, gated_delta_decode_step, gated_delta_decode_step_deferred,
                                    no_pending_update)
 from jaxrl.ops.matmul import project
-from jaxrl.rollout.sampler import Sampler, _decode, default_batch_buckets, prefill_sizes
-from jaxrl.rollout.sampling import sampling_mode
+from jaxrl.generation import Engine, Request
+from jaxrl.generation.buckets import batch_buckets
 
 from test_qwen35_cache import chunk_rule, random_inputs, recurrence
 
@@ -366,15 +366,21 @@ def test_auto_remat_budgets_the_weight_stack_of_scanned_layers():
 # Rollouts: each distinct prompt prefilled once
 
 def test_each_distinct_prompt_is_prefilled_once_and_copied_to_its_samples(model):
-    sampler = Sampler(model, max_new_tokens=4, prompt_buckets=(64,), batch_size=16)
+    """Two prompts x 8 samples move into 16 slots in one insert: two prompts prefilled, and every slot's cache is
+    what prefilling its prompt alone gives."""
+    engine = Engine(model, slots=16, prompt_buckets=(64,), generation_buckets=(4,), insert_rows=16,
+                    prompts_per_insert=2)
+    engine.set_params(None)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(2, 250, size=n).astype(np.int32) for n in (40, 9)]
-    batch = sampler.plan(prompts, 8, [0, 1])[0]
-    assert batch.num_prompts == 2 and list(batch.source) == [0] * 8 + [1] * 8
-    assert prefill_sizes(16) == (2, 8, 16) and prefill_sizes(16, multiple=4) == (8, 16)
-    assert default_batch_buckets(128) == (2, 8, 32, 128) and default_batch_buckets(128, multiple=8) == (8, 32, 128)
-    params = sampler.resolve_params(None)
-    cache, logits = sampler.prefill(params, batch)
+    for j, prompt in enumerate(prompts):
+        for i in range(8):
+            engine.submit(Request(prompt, group_id=j, sample_index=i, prompt_key=j))
+    (pool,) = engine.pools.values()
+    engine._admit(pool)
+    assert (engine.stats["inserts"], engine.stats["prefilled_prompts"]) == (1, 2)
+    assert batch_buckets(128) == (2, 8, 32, 128) and batch_buckets(128, multiple=8) == (8, 32, 128)
+    cache = pool.state.cache
     # every row's cache is what prefilling that row's prompt alone gives
     prefill_alone = jitted_forward(model, lambda m, ids, mask: m.hidden_states(ids, mask, cache_length=68))
     for j, prompt in enumerate(prompts):
@@ -382,28 +388,27 @@ def test_each_distinct_prompt_is_prefilled_once_and_copied_to_its_samples(model)
         mask = np.zeros((1, 64), np.int32)
         ids[0, 64 - len(prompt):] = prompt
         mask[0, 64 - len(prompt):] = 1
-        hidden, alone = prefill_alone(jnp.asarray(ids), jnp.asarray(mask))
-        ref_logits = model.logits_from_hidden(hidden[:, -1])
+        _, alone = prefill_alone(jnp.asarray(ids), jnp.asarray(mask))
+        valid = np.asarray(alone.valid[0])[None, :, None]
         for row in range(8 * j, 8 * j + 8):
-            np.testing.assert_allclose(np.asarray(logits[row]), np.asarray(ref_logits[0]), atol=1e-4)
-            valid = np.asarray(alone.valid[0])[None, :, None]
+            assert (np.asarray(cache.valid[row]) == np.asarray(alone.valid[0])).all()
             for copied, own in zip(cache.layers, alone.layers):
                 for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(own)):
                     a, b = np.asarray(a[row]), np.asarray(b[0])
                     if isinstance(own, KVState):
                         a, b = a * valid, b * valid
-                    # a 16-row and a 1-row prefill sum in other orders: fp32 rounding, relative to values ~1
+                    # a 2-prompt and a 1-prompt prefill sum in other orders: fp32 rounding, relative to values ~1
                     np.testing.assert_allclose(a, b, atol=1e-5, rtol=2e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Decode: the weights transposed to [in, out] once per decode program (CPU)
+# Decode: the weights transposed to [in, out] once per weight version (CPU), adapters fused
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_with_transposed_weights_equals_the_plain_step(dtype):
-    """Two decode steps with `transpose_for_decode` (LoRA attached and fused into its projection, untied head)
-    give the logits and caches of the plain model; the copies are really used (behind one barrier: every
-    projection's weight, each adapter's B, the head) and stay inside the trace."""
+    """Two decode steps with the decode weight copies (`decode_weights`: LoRA attached and fused into its
+    projection, untied head) give the logits and caches of the plain model; the copies are really used (every
+    projection's weight, each adapter's B, the head) and only inside the trace."""
     m = qwen35.init_model(tiny(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
                                tie_word_embeddings=False), dtype=dtype)
     lora.apply_lora(m, ["q_proj", "in_proj_qkv", "down_proj"], rank=4, alpha=8.0)
@@ -413,45 +418,42 @@ def test_decode_with_transposed_weights_equals_the_plain_step(dtype):
     ids = jnp.asarray(np.random.default_rng(8).integers(2, 250, size=(3, 12)), jnp.int32)
     _, cache = jitted_forward(m, lambda m, ids: m.hidden_states(ids, cache_length=16))(ids)
 
-    def two_steps(model, cache, transposed):
-        if transposed:
-            model.transpose_for_decode()
+    copies = jitted_forward(m, lambda m: m.decode_weights())()
+
+    def two_steps(model, cache, weights):
+        if weights is not None:
+            model.use_decode_weights(weights)
         first, cache = model(ids[:, :1], cache=cache)
         second, cache = model(ids[:, 1:2], cache=cache)
         return jnp.concatenate([first, second], 1), cache
 
-    plain = jitted_forward(m, lambda m, c: two_steps(m, c, False))(cache)
-    fast = jitted_forward(m, lambda m, c: two_steps(m, c, True))(cache)
+    plain = jitted_forward(m, lambda m, c: two_steps(m, c, None))(cache)
+    fast = jitted_forward(m, lambda m, c, w: two_steps(m, c, w))(cache, copies)
     tol = 1e-5 if dtype == jnp.float32 else 0.05  # bf16: a different summation order, then one bf16 rounding
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(plain)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
     graphdef, state = nnx.split(m)
-    jaxpr = jax.make_jaxpr(lambda s, c: two_steps(nnx.merge(graphdef, s), c, True))(state, cache).jaxpr
+    jaxpr = jax.make_jaxpr(lambda s, c, w: two_steps(nnx.merge(graphdef, s), c, w))(state, cache, copies).jaxpr
     linears = [mod for path, mod in lora.linears(m) if path != "lm_head"]
     adapted = [mod for mod in linears if mod.lora is not None]
-    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-    assert len(barriers) == 1 and len(barriers[0].invars) == len(linears) + len(adapted) + 1
-    assert all(mod.decode is None for mod in linears) and m.head_in_out is None
+    # on the CPU a copy per projection (A stacked under the weight where adapted) and the head
+    assert len(copies) == len(linears) + 1 and all(mod.decode is None for mod in linears) and m.head_in_out is None
     # one product per projection and one per adapter's B, instead of three per adapted projection
     two_step_dots = len(_dot_eqns(jaxpr))
-    plain = jax.make_jaxpr(lambda s, c: two_steps(nnx.merge(graphdef, s), c, False))(state, cache).jaxpr
+    plain = jax.make_jaxpr(lambda s, c: two_steps(nnx.merge(graphdef, s), c, None))(state, cache).jaxpr
     assert len(_dot_eqns(plain)) - two_step_dots == 2 * len(adapted)
 
 
-def test_the_sampler_decodes_with_transposed_weights(model):
-    """The static decode program makes the [in, out] copies (behind one barrier: every projection and the head)
-    before its loop."""
-    sampler = Sampler(model, max_new_tokens=3, prompt_buckets=(16,), batch_size=2)
-    params = sampler.resolve_params(None)
-    batch = sampler.plan([np.arange(2, 9, dtype=np.int32)], 2, [0])[0]
-    cache, logits = sampler.prefill(params, batch)
-    jaxpr = _decode.trace(sampler.graphdef, params, cache, logits, batch.row_valid, batch.group_ids,
-                          batch.sample_ids, np.uint32(0), np.float32(1.0), np.float32(1.0), sampler._stop_array,
-                          max_new_tokens=3, mode=sampling_mode(0.0, 1.0, 0, sampler.vocab_size),
-                          pad_id=sampler.pad_id, mesh=None).jaxpr.jaxpr
-    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-    linears = [mod for path, mod in lora.linears(model) if path != "lm_head"]
-    assert len(barriers) == 1 and len(barriers[0].invars) == len(linears) + 1
+def test_the_engine_decodes_with_the_weight_copies(model):
+    """The engine prepares the copies once per weight version (one program) and its decode rounds read them: an
+    [in, out] copy of every projection and of the head on the CPU."""
+    engine = Engine(model, slots=2, prompt_buckets=(16,), generation_buckets=(3,))
+    engine.set_params(None)
+    linears = [path for path, _ in lora.linears(model) if path != "lm_head"]
+    assert len(engine._decode_weights) == len(linears) + 1 and "head" in engine._decode_weights
+    out = engine.submit(Request(list(range(2, 9)), max_new_tokens=3))
+    engine.run()
+    assert len(out.wait().tokens) == 3
 
 
 def test_weights_too_large_for_the_host_are_not_copied_for_decode(monkeypatch):
@@ -460,14 +462,13 @@ def test_weights_too_large_for_the_host_are_not_copied_for_decode(monkeypatch):
     m = qwen35.init_model(tiny(num_hidden_layers=2, layer_types=("linear_attention", "full_attention")))
     graphdef, state = nnx.split(m)
 
-    def barriers():
-        jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).transpose_for_decode().head_in_out)(state).jaxpr
-        return sum(e.primitive.name == "optimization_barrier" for e in jaxpr.eqns)
+    def copies():
+        return jax.eval_shape(lambda s: nnx.merge(graphdef, s).decode_weights(), state)
 
-    assert barriers() > 0
+    assert len(copies()) > 0
     monkeypatch.setattr(model_module, "_device_memory_bytes",
                         lambda: m.weight_bytes() / model_module.DECODE_COPY_FRACTION - 1)
-    assert barriers() == 0
+    assert copies() == {}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ import pytest
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny
 from jaxrl.rewards.base import RewardResult
-from jaxrl.rollout.backends import Generation, ModelSpec, SamplingParams
+from jaxrl.backends import Generation, ModelSpec, SamplingParams
 from jaxrl.data.chat import load_tokenizer
-from jaxrl.rollout.collect import Collector, decode_completion
+from jaxrl.generation.stopping import completion_text as decode_completion
+from jaxrl.rollout.collect import Collector
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
-from jaxrl.rollout.writer import ResumableJsonl, ResumeError
+from jaxrl.rollout.writer import ResumableJsonl
+from jaxrl.utils.io import ResumeError
 from test_evaluate import numpy_init
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +49,7 @@ def env(tmp_path_factory):
 def test_rollouts_online_and_evaluation_score_the_same_text(env):
     """The same samples (same keys: seed, problem key, sample index) through the three consumers: same tokens,
     same text, same reward, sample for sample."""
-    from jaxrl.algorithms.online_rollouts import RolloutEngine
+    from jaxrl.algorithms.online.rollouts import Rollouts
     from jaxrl.algorithms.run import resolve_config
     from jaxrl.evaluation.runner import EvalConfig, Evaluator
     from jaxrl.rollout.runner import RolloutConfig, run_rollouts
@@ -57,7 +59,8 @@ def test_rollouts_online_and_evaluation_score_the_same_text(env):
         "data": {"source": "problems", "problems": env["problems"], "max_prompt_len": 192},
         "grpo": {"max_new_tokens": CAP, "num_generations": N, "temperature": 1.0, "top_p": 1.0},
         "reward": {"name": REWARD, "score": "partial"}}))
-    engine = RolloutEngine(config, env["model"], None, prompts_per_rollout=len(env["ids"]), sampling=config.grpo)
+    engine = Rollouts(config, env["model"], None, prompts_per_rollout=len(env["ids"]), sampling=config.grpo)
+    engine.open(str(env["root"]), env["model"])
     sampled = engine.run(env["model"], 0)
     problems = engine.source.prompts(0, len(env["ids"]))[1]
     assert sorted(p.id for p in problems) == sorted(env["ids"])  # rollout 0 covers every problem once
@@ -125,7 +128,7 @@ class _FixedBackend:
     def __init__(self, gens):
         self.gens, self.closed = gens, False
 
-    def generate(self, prompts, group_ids, sampling, *, params=None):
+    def generate(self, prompts, group_ids, sampling):
         return list(self.gens)
 
     def close(self):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jaxrl.algorithms import grpo, kl
+from jaxrl.algorithms.online import correction
 
 # Skipped only where the test extra is not installed: with torch and trl present a failing import is an error,
 # never a silent skip.
@@ -389,13 +390,13 @@ def test_on_policy_gradient_is_advantage_weighted_logp():
     # old_logp=None: ratio 1, d loss / d logp = -A * weight (nothing clipped)
     logp, _, _, adv, mask = ragged_batch(4)
     norm = grpo.global_normalizers(jnp.asarray(mask))
-    g = jax.jit(jax.grad(lambda lp: grpo.grpo_loss(lp, None, jnp.asarray(adv), jnp.asarray(mask), norm)[0]))(
+    g = jax.jit(jax.grad(lambda lp: grpo.grpo_loss(lp, None, jnp.asarray(adv), jnp.asarray(mask), norm, aggregation="token_mean")[0]))(
         jnp.asarray(logp))
     np.testing.assert_allclose(np.asarray(g), -adv[:, None] * mask / mask.sum(), rtol=1e-6)
     # entropy bonus: minus coef * token-mean entropy, reported as a metric
     ent = np.abs(logp)
     loss, m = grpo.grpo_loss(jnp.asarray(logp), None, jnp.asarray(adv), jnp.asarray(mask), norm,
-                             entropies=jnp.asarray(ent), entropy_coef=0.01)
+                             entropies=jnp.asarray(ent), entropy_coef=0.01, aggregation="token_mean")
     np.testing.assert_allclose(float(m["entropy"]), (ent * mask).sum() / mask.sum(), rtol=1e-6)
     pg = (-adv[:, None] * mask).sum() / mask.sum()  # ratio 1: the surrogate's value is -A
     np.testing.assert_allclose(float(loss), pg - 0.01 * (ent * mask).sum() / mask.sum(), rtol=1e-5)
@@ -414,7 +415,7 @@ def test_kl_penalty_at_padded_positions_leaves_the_gradient_finite(estimator):
     ref = np.where(mask > 0, ref, 0.0).astype(np.float32)
     loss_and_grad = jax.jit(jax.value_and_grad(
         lambda lp: grpo.grpo_loss(lp, None, jnp.asarray(adv), jnp.asarray(mask), norm, ref_logp=jnp.asarray(ref),
-                                  beta=0.04, kl_estimator=estimator)[0]))
+                                  beta=0.04, kl_estimator=estimator, aggregation="token_mean")[0]))
     loss, grad = loss_and_grad(jnp.asarray(extreme))
     want_loss, want_grad = loss_and_grad(jnp.asarray(harmless))
     assert np.isfinite(np.asarray(grad)).all()
@@ -441,12 +442,12 @@ def test_rollout_importance_weights():
     old = jnp.array([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
     samp = jnp.array([[-1.5, -1.0, np.nan], [-1.0, -3.0, -1.0]])
     mask = jnp.array([[1, 1, 1], [1, 1, 0]])
-    tok = np.asarray(grpo.rollout_importance_weights(old, samp, mask, "token_truncate", None, 3.0))
+    tok = np.asarray(correction.rollout_importance_weights(old, samp, mask, "token_truncate", None, 3.0))
     np.testing.assert_allclose(tok, [[np.exp(0.5), np.exp(-1.0), 1.0], [1.0, 3.0, 1.0]], rtol=1e-6)
-    tm = np.asarray(grpo.rollout_importance_weights(old, samp, mask, "token_mask", 0.5, 3.0))
+    tm = np.asarray(correction.rollout_importance_weights(old, samp, mask, "token_mask", 0.5, 3.0))
     np.testing.assert_allclose(tm, [[np.exp(0.5), 0.0, 1.0], [1.0, 0.0, 1.0]], rtol=1e-6)
     # per sequence: the geometric mean of the token ratios (the NaN token counts as ratio 1)
-    seq = np.asarray(grpo.rollout_importance_weights(old, samp, mask, "sequence_mask", None, 2.5))
+    seq = np.asarray(correction.rollout_importance_weights(old, samp, mask, "sequence_mask", None, 2.5))
     np.testing.assert_allclose(seq, [[np.exp(-0.5 / 3)], [0.0]], rtol=1e-6)  # row 2: exp(2 / 2) > 2.5 -> masked
 
 

@@ -8,7 +8,7 @@ import pytest
 from configs import grpo as grpo_family
 from conftest import first_batch, tiny_config
 from jaxrl.algorithms import grpo as grpo_lib
-from jaxrl.algorithms import completion_passes
+from jaxrl.algorithms.online import passes as completion_passes
 from jaxrl.algorithms.grpo_task import GRPOObjective, GRPOTask
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.algorithms.run import build_model, resolve_config, run_training

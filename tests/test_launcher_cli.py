@@ -109,7 +109,7 @@ def test_user_errors_and_bugs_are_told_apart():
     from absl import app
 
     from launchers._main import EXIT_REFUSED, EXIT_USAGE, exit_status_of
-    from jaxrl.rollout.backends.base import SamplingParams
+    from jaxrl.backends.base import SamplingParams
     from jaxrl.utils.typed_config import ConfigKeyError
     from jaxrl.utils.io import JsonlError, OutputExistsError, read_jsonl
 

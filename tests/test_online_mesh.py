@@ -25,8 +25,9 @@ def first_rollout(name, shape, tmp_path):
     model = build_model(cfg)
     task = get_task_factory(name)(cfg, model, mesh)
     trainer = Trainer(cfg, model, task, str(tmp_path / f"{name}_{mesh.devices.size}"), mesh=mesh)
-    sampled = task.engine.run(trainer.current_model(), 0)
-    backend = task.engine.collector.backend
+    task.setup(trainer.context())
+    sampled = task.rollouts.run(trainer.current_model(), 0)
+    backend = task.rollouts.collector.backend
     (sampler,) = backend._samplers.values()  # the one cap of this run
     return sampled, backend, sampler, mesh
 

@@ -305,5 +305,5 @@ def test_advantage_and_kl_plugins(plugin_file):
     np.testing.assert_allclose(np.asarray(rewards), [[-0.025, 0.9]], rtol=1e-6)
     norm = grpo.global_normalizers(jnp.ones((1, 2)))
     loss, _ = grpo.grpo_loss(lp, None, jnp.array([0.0]), jnp.ones((1, 2)), norm, ref_logp=rf, beta=1.0,
-                             kl_estimator="t_sq")
+                             kl_estimator="t_sq", aggregation="token_mean")
     np.testing.assert_allclose(float(loss), 0.625, rtol=1e-6)  # A = 0: only the KL term, mean(0.25, 1)

@@ -133,7 +133,7 @@ def test_grpo_clamps_the_log_ratio_too():
     norm = grpo.global_normalizers(jnp.asarray(mask))
 
     def loss_and_grad(lp, clamp):
-        f = lambda x: grpo.grpo_loss(x, old, adv, mask, norm, log_ratio_clamp=clamp)  # noqa: E731
+        f = lambda x: grpo.grpo_loss(x, old, adv, mask, norm, log_ratio_clamp=clamp, aggregation="token_mean")  # noqa: E731
         (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
         return loss, metrics, g
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import ppo as ppo_family
-from conftest import tiny_config
+from conftest import make_rollout, tiny_config
 from jaxrl.algorithms.ppo_task import PPOTask, ValueHead
 from jaxrl.models.qwen35.checkpoint import is_base_param
 from jaxrl.parallel.mesh import make_mesh
@@ -153,7 +153,7 @@ def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
     long completions do not dominate it). A real rollout with ragged completions (temperature 1 reaches the stop
     token early in some rows) and a policy away from its reference (random LoRA B)."""
     from jaxrl.algorithms import kl as kl_lib
-    from jaxrl.algorithms import completion_passes
+    from jaxrl.algorithms.online import passes as completion_passes
     from jaxrl.algorithms import ppo as ppo_lib
     from jaxrl.models.lora import iter_lora
 
@@ -171,7 +171,7 @@ def test_adaptive_kl_controller_sees_the_mean_of_per_sequence_kl(tmp_path):
             return super().update(coef, current_kl, n_steps)
 
     task.controller = Recording(*task.controller)
-    buffer, metrics = task.make_rollout(0, model)
+    buffer, metrics = make_rollout(task, model)
     ref = completion_passes.teacher_forced(model, buffer, max_new_tokens=cfg.ppo.max_new_tokens, adapters=False,
                                            batch_size=cfg.ppo.logprob_batch_size, temperature=1.0,
                                            chunk_size=cfg.logprob_chunk_size)["logp"]

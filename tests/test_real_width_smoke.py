@@ -31,7 +31,7 @@ def smoke(preset: str) -> dict:
 
     from jaxrl.models import lora, qwen35
     from jaxrl.ops.logprobs import token_logprobs
-    from jaxrl.rollout.sampler import Sampler
+    from jaxrl.generation import Sampler
 
     cfg = dataclasses.replace(qwen35.PRESETS[preset](), num_hidden_layers=2,
                               layer_types=("linear_attention", "full_attention"))

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from jaxrl.data.chat import PromptTooLongError, chat_stop_ids, encode_prompts, format_chat, load_tokenizer, \
     render_chat
-from jaxrl.rollout.generate import decode_texts
+from jaxrl.generation import completion_texts as decode_texts
 from jaxrl.data.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, check_encodable
 
 CORPUS = ["Read two integers a and b from standard input and print a + b.",

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import first_batch, tiny_config
+from conftest import first_batch, make_rollout, tiny_config
 from jaxrl.algorithms import grpo
+from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.grpo_task import GRPOObjective, GRPOTask
 from jaxrl.algorithms.run import build_model, resolve_config, run_training
 from jaxrl.parallel.mesh import make_mesh
@@ -46,7 +47,7 @@ def test_sequence_weights_are_the_geometric_mean_not_the_product():
     sampler = trainer - (1e-3 + rng.normal(0.0, 4e-3, (2, t))).astype(np.float32)  # trainer a bit above
     mask = np.ones((2, t), np.float32)
     mask[1, 100:] = 0  # a short completion, same threshold
-    w = np.asarray(grpo.rollout_importance_weights(trainer, sampler, mask, "sequence_truncate", None, None))[:, 0]
+    w = np.asarray(correction.rollout_importance_weights(trainer, sampler, mask, "sequence_truncate", None, None))[:, 0]
     d = (trainer - sampler).astype(np.float64)
     np.testing.assert_allclose(w, [np.exp(d[0].mean()), np.exp(d[1, :100].mean())], rtol=1e-5)
     product = np.exp(d[0].sum())
@@ -54,13 +55,13 @@ def test_sequence_weights_are_the_geometric_mean_not_the_product():
     assert product > 2.0  # the product would multiply this sequence's loss by e^(4000 * 1e-3)
 
 
-@pytest.mark.parametrize("mode", grpo.ROLLOUT_CORRECTIONS)
+@pytest.mark.parametrize("mode", correction.ROLLOUT_CORRECTIONS)
 def test_rollout_correction_weights_and_metrics_match_numpy(mode):
     trainer, sampler, mask = _gap_batch()
     sampler[0, 3] = np.nan  # a token the server gave no log-prob for: ratio 1, out of the gap statistics
     # bounds inside the spread of the weights: ~4e-3 per token, ~4e-3 / sqrt(length) per sequence
     lo, hi = (0.9997, 1.0003) if mode.startswith("sequence_") else (0.996, 1.004)
-    weights, m = grpo.rollout_correction(trainer, sampler, mask, mode, lo, hi)
+    weights, m = correction.rollout_correction(trainer, sampler, mask, mode, lo, hi)
     on = mask > 0
     known = on & ~np.isnan(sampler)
     d = np.where(known, trainer.astype(np.float64) - sampler, 0.0)
@@ -96,7 +97,7 @@ def test_rollout_correction_weights_and_metrics_match_numpy(mode):
 
 def test_rollout_correction_refuses_an_unknown_mode_and_bad_bounds():
     with pytest.raises(ValueError, match="rollout_correction='sequence'"):
-        grpo.rollout_correction(np.zeros((1, 2)), np.zeros((1, 2)), np.ones((1, 2)), "sequence")
+        correction.rollout_correction(np.zeros((1, 2)), np.zeros((1, 2)), np.ones((1, 2)), "sequence")
     with pytest.raises(ValueError, match="grpo.rollout_correction='tis'"):
         resolve_config(tiny_config("grpo", rollout_correction="tis"))
     with pytest.raises(ValueError, match=r"0 <= min < 1 < max"):
@@ -122,7 +123,7 @@ def test_weighted_loss_is_exact_for_micro_batch_splits():
     ref = (trainer + rng.normal(0.0, 0.2, trainer.shape)).astype(np.float32)
     norm = grpo.global_normalizers(jnp.asarray(mask), 12)
     for mode in ("token_truncate", "sequence_mask"):
-        w, _ = grpo.rollout_correction(trainer, sampler, mask, mode, 0.8, 1.25)
+        w, _ = correction.rollout_correction(trainer, sampler, mask, mode, 0.8, 1.25)
         assert mode != "sequence_mask" or (w[mask.sum(-1) > 0] == 0).any()  # some sequence is masked
         for agg in grpo.AGGREGATIONS:
             results = {}
@@ -148,7 +149,7 @@ def _rollout_metrics(dtype: str, mode: str):
     cfg = resolve_config(cfg)
     model = build_model(cfg)
     task = GRPOTask(cfg, model, make_mesh(MESH))
-    return task, task.make_rollout(0, model)
+    return task, make_rollout(task, model)
 
 
 @pytest.mark.heavy
@@ -248,3 +249,35 @@ def test_update_is_invariant_to_the_micro_batch_split_with_the_correction_on(tmp
             np.testing.assert_allclose(g4[name], g1[name], rtol=1e-4, atol=2e-5 * scale, err_msg=name)
         for metric in ("policy_loss", "kl", "ratio", "clip_fraction/region"):
             np.testing.assert_allclose(m4[metric], m1[metric], rtol=2e-5, atol=1e-7, err_msg=metric)
+
+
+@pytest.mark.slow
+def test_an_on_policy_step_at_temperature_1_is_its_own_mismatch_pass(tmp_path):
+    """On-policy (one update per rollout) at temperature 1: the trainer side of the rollout correction is the
+    step's own forward, so no separate teacher-forced pass runs (time/mismatch_logp_s 0) and the step logs the
+    mismatch: the same numbers as the host's correction over a separate pass of the same parameters (the metric
+    definitions agree at the token level), the gap below 1e-5 in float32, weights 1 to 1e-5."""
+    from jaxrl.algorithms.online.passes import Role, RolloutPasses
+    cfg = tiny_config("grpo", rollout_correction="token_truncate", temperature=1.0, beta=0.0)
+    cfg.steps = 2
+    cfg = resolve_config(cfg)
+    model = build_model(cfg)
+    task = GRPOTask(cfg, model, make_mesh(MESH))
+    assert task.mismatch_in_step and {"behaviour_logp", "rollout_mask"} <= set(task.train_keys)
+    assert "is_weights" not in task.train_keys
+    trainer = Trainer(cfg, model, task, str(tmp_path / "run"), mesh=make_mesh(MESH))
+    batch, host = first_batch(trainer)
+    assert host["time/mismatch_logp_s"] == 0.0 and not any(k.startswith("mismatch/") for k in host)
+    arrays = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    arrays["completion_mask"] = batch["rollout_mask"]
+    separate = RolloutPasses(trainer.current_model(), arrays, temperature=1.0, batch_size=64,
+                             chunk_size=cfg.logprob_chunk_size).logp(Role.MISMATCH)
+    _, want = correction.rollout_correction(separate, batch["behaviour_logp"], batch["rollout_mask"],
+                                            "token_truncate", None, cfg.grpo.rollout_correction_max)
+    records = trainer.run().records
+    got = records[0]
+    for key in ("mismatch/logp_abs_mean", "mismatch/kl_k3", "mismatch/is_weight_mean", "mismatch/is_weight_min",
+                "mismatch/is_weight_max", "mismatch/clipped_fraction"):
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    for r in records:
+        assert r["mismatch/logp_abs_max"] < 1e-5 and abs(r["mismatch/is_weight_min"] - 1) < 1e-5

@@ -1,13 +1,13 @@
-"""The continuous-batching engine (jaxrl.rollout.engine) against its reference, the static sampler: the same
-samples token for token for the same keys (fp32; greedy, top-p and top-k), through the sampler interface, the
-request API a server uses (requests joining between rounds, their own caps, stop ids and sampling modes) and
-every consumer (offline rollouts, evaluation, online GRPO/PPO rollouts, a resumed rollout); and its compiled
-programs, counted against their bound.
+"""The generation engine (jaxrl.generation) against the samples it drew when the static sampler it replaced was
+still there to compare with (tests/golden.py: the same tokens for the same keys, fp32; greedy, top-p and top-k),
+through the sampler interface (`sample` and `stream`), the request API a server uses (requests joining between
+rounds, their own caps, stop ids and sampling modes) and every consumer (offline rollouts, evaluation, online
+GRPO/PPO rollouts, a resumed rollout); and its compiled programs, counted against their bound.
 
 The tolerance: tokens and finish reasons must be identical. Log-probabilities agree to 1e-5: a decode step's
-attention reads a cache prefix sized by the longest row in flight, which differs between the two paths, so a sum
+attention reads a cache prefix sized by the longest row in flight, which differs between two schedules, so a sum
 may round differently in the last bit (a token choice could flip only at an exact near-tie of two logits; none
-occurs in these tests, and in bf16 the same holds up to bf16's rounding of the logits).
+occurs in these tests).
 """
 
 import json
@@ -22,8 +22,8 @@ from flax import nnx
 
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny  # not qwen35.tiny: the tiny.py submodule shadows it once imported
-from jaxrl.rollout import TRACE_COUNTS, ContinuousSampler, Engine, Request, Sampler
-from jaxrl.rollout.engine import engine_programs, insert_sizes, prompts_per_rows, shrink_ladder
+from jaxrl.generation import TRACE_COUNTS, Engine, Request, Sampler, engine_programs
+from jaxrl.generation.engine import insert_sizes, prompts_per_rows, shrink_ladder
 import golden
 # test_generation_path's fixture `env` (a tiny container, its tokenizer, four problems), here as `generation_env`
 from test_generation_path import env as generation_env  # noqa: F401
@@ -33,6 +33,7 @@ MAX_NEW = 24
 # so rows finish at very different steps and the engine refills and shrinks.
 STOPS = tuple(range(100, 124))
 SETTINGS = dict(max_new_tokens=MAX_NEW, prompt_buckets=(32,), batch_size=8, eos_token_ids=STOPS)
+ENGINE = dict(prompt_buckets=(32,), generation_buckets=(MAX_NEW,), eos_token_ids=STOPS)
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +47,17 @@ def prompts_of(lengths, seed=0):
     return [rng.integers(2, 250, size=n).tolist() for n in lengths]
 
 
-def assert_same_samples(out, ref):
-    assert out.tokens == ref.tokens
-    assert out.finish_reasons == ref.finish_reasons
-    for a, b in zip(out.logprobs, ref.logprobs):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-
-
 def test_insert_and_shrink_sizes():
-    """K = slots / 16 rows per insert (at least 4, or a quarter of fewer slots; at least slots * 32 / cap) and the
-    prompts K rows hold from a prompt's first sample on; halvings down to slots / 16; every size a multiple of the
-    data-parallel size."""
-    assert insert_sizes(64, 8) == (4, 1) and insert_sizes(64, 1) == (4, 4) and insert_sizes(8, 4) == (2, 1)
-    assert insert_sizes(160, 8) == (10, 2) and insert_sizes(160, 8, multiple=8) == (16, 8)
+    """K = slots / 16 rows per insert (at least 4, or a quarter of fewer slots; at least slots * 32 / cap); the
+    prompts its prefill holds: ceil(K / n) rounded up the ladder K / 8, K / 2, K (so calls of other n share the
+    programs); halvings down to slots / 16; every size a multiple of the data-parallel size."""
+    assert insert_sizes(64, 8) == (4, 2) and insert_sizes(64, 1) == (4, 4) and insert_sizes(8, 4) == (2, 1)
+    assert insert_sizes(160, 8) == (10, 5) and insert_sizes(160, 8, multiple=8) == (16, 8)
     assert insert_sizes(2, 1) == (1, 1) and insert_sizes(16, 3) == (4, 2)
-    assert insert_sizes(160, 8, cap=4096) == (10, 2) and insert_sizes(64, 8, cap=256) == (8, 1)
+    assert insert_sizes(160, 8, cap=4096) == (10, 5) and insert_sizes(64, 8, cap=256) == (8, 1)
     assert insert_sizes(64, 8, cap=8) == (64, 8)  # short generations: refilled all at once
-    assert prompts_per_rows(64, 8) == 8 and prompts_per_rows(12, 8) == 2 and prompts_per_rows(16, 8, multiple=8) == 8
+    assert prompts_per_rows(64, 8) == 8 and prompts_per_rows(12, 8) == 6 and prompts_per_rows(16, 8, multiple=8) == 8
+    assert prompts_per_rows(8, 4) == prompts_per_rows(8, 2) == 4 and prompts_per_rows(8, 1) == 8
     assert shrink_ladder(64) == (32, 16, 8, 4) and shrink_ladder(160) == (80, 40, 20, 10)
     assert shrink_ladder(64, multiple=8) == (32, 16, 8) and shrink_ladder(8, multiple=8) == ()
 
@@ -70,29 +65,34 @@ def test_insert_and_shrink_sizes():
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (1.0, 0.9, 0), (0.8, 1.0, 20)],
                          ids=["greedy", "top_p", "top_k"])
-def test_continuous_batching_samples_what_the_static_sampler_samples(model, temperature, top_p, top_k):
+def test_the_engine_samples_its_golden_rows(model, temperature, top_p, top_k):
     """24 rows through 8 slots: the engine refills finished slots and shrinks as the rollout drains; every sample
-    is the static sampler's, and it decodes fewer slot-steps for them."""
+    is the golden one, whether the rows are all submitted at once (`sample`) or fed as they go (`stream`)."""
     prompts = prompts_of([5, 30, 12, 17, 9, 25])
     sampling = dict(n=4, temperature=temperature, top_p=top_p, top_k=top_k, seed=5, group_ids=[3, 1, 4, 1, 5, 9])
-    ref = Sampler(model, **SETTINGS).sample(prompts, **sampling)
+    name = f"engine_t{temperature}_p{top_p}_k{top_k}"
     # 2 rows per refill (the default for so short a cap refills all 8 slots at once)
-    out = ContinuousSampler(model, shrink=True, insert_rows=2, **SETTINGS).sample(prompts, **sampling)
-    assert_same_samples(out, ref)
-    golden.check_rows(f"engine_t{temperature}_p{top_p}_k{top_k}", out.tokens, out.logprobs, out.finish_reasons)
-    lengths = [len(t) for t in ref.tokens]
-    assert min(lengths) < max(lengths) and "stop" in ref.finish_reasons  # rows end apart: the engine refills
+    out = Sampler(model, shrink=True, insert_rows=2, **SETTINGS).sample(prompts, **sampling)
+    golden.check_rows(name, out.tokens, out.logprobs, out.finish_reasons)
+    streamed = [c for _, rows in Sampler(model, insert_rows=2, **SETTINGS).stream(prompts, **sampling) for c in rows]
+    golden.check_rows(name, [c.tokens for c in streamed], [c.logprobs for c in streamed],
+                      [c.finish_reason for c in streamed])
+    lengths = [len(t) for t in out.tokens]
+    assert min(lengths) < max(lengths) and "stop" in out.finish_reasons  # rows end apart: the engine refills
     assert out.stats["inserts"] > 3 and out.stats["shrinks"] >= 1
     assert out.stats["generated_tokens"] == sum(lengths)
-    assert out.stats["slot_steps"] < ref.stats["slot_steps"]
+    # each prompt prefilled once for its 4 samples, though they move in 2 at a time
+    assert out.stats["prefilled_prompts"] == len(prompts)
+    # shrinking: fewer slot-steps than the decode steps at all 8 slots would take
+    assert out.stats["slot_steps"] < 8 * out.stats["decode_steps"]
 
 
 @pytest.mark.slow
 def test_requests_join_free_slots_with_their_own_settings(model):
     """The server-facing API: requests submitted while others are in flight join at the next round, from another
     thread too (`serve_forever`); a request's own cap, stop ids and sampling mode (a greedy one waits until the
-    sampled rows drain) give exactly what the static sampler gives for its key."""
-    engine = Engine(model, slots=4, prompt_len=32, max_new_tokens=MAX_NEW, eos_token_ids=STOPS, insert_rows=1)
+    sampled rows drain) give exactly what a sampler call gives for its key, and the golden rows."""
+    engine = Engine(model, slots=4, insert_rows=1, **ENGINE)
     prompts = prompts_of([7, 19, 30, 4, 11], seed=3)
     sampled = dict(seed=11, temperature=1.0, top_p=0.9)
     first = [engine.submit(Request(p, group_id=j, sample_index=1, **sampled)) for j, p in enumerate(prompts)]
@@ -147,7 +147,7 @@ def test_row_caps_cut_each_row_where_its_cap_says(model):
     caps = [1, 3, 24, 7, 12, 24, 2, 9]
     sampling = dict(n=4, temperature=1.0, seed=2)
     ref = Sampler(model, **SETTINGS).sample(prompts, **sampling)
-    out = ContinuousSampler(model, **SETTINGS).sample(prompts, row_caps=caps, **sampling)
+    out = Sampler(model, **SETTINGS).sample(prompts, row_caps=caps, **sampling)
     golden.check_rows("engine_row_caps", out.tokens, out.logprobs, out.finish_reasons)
     for tokens, reason, full, full_reason, cap in zip(out.tokens, out.finish_reasons, ref.tokens,
                                                       ref.finish_reasons, caps):
@@ -158,74 +158,58 @@ def test_row_caps_cut_each_row_where_its_cap_says(model):
 @pytest.mark.slow
 def test_programs_compile_once_and_stay_within_the_bound():
     """A call compiles at most `program_bound()` programs; later calls with new prompts (same prompt length),
-    seeds, sampling values and weights trace no new insert or weight preparation, and stay within the bound."""
+    seeds, sampling values and weights trace no new prefill, insert or weight preparation, and stay within the
+    bound."""
     # a model structure of its own: the jit caches hold nothing of it yet
     model = qwen35.init_model(tiny(vocab_size=255, num_hidden_layers=2,
                                    layer_types=("linear_attention", "full_attention")), seed=0)
-    sampler = ContinuousSampler(model, shrink=True, **SETTINGS)
+    sampler = Sampler(model, shrink=True, **SETTINGS)
     before = engine_programs()
     sampler.sample(prompts_of([5, 9, 30]), n=4, temperature=1.0, top_p=0.9, seed=1)
     assert 0 < engine_programs() - before <= sampler.program_bound()
-    once = {k: v for k, v in TRACE_COUNTS.items() if k[0] in ("engine_insert", "engine_prepare")}
+    once = {k: v for k, v in TRACE_COUNTS.items() if k[0] in ("engine_prefill", "engine_insert", "engine_prepare")}
     new_weights = jax.tree.map(lambda x: x * 1.01, nnx.state(model))
     sampler.sample(prompts_of([12, 3, 31], seed=9), n=4, temperature=0.6, top_p=0.5, seed=8, params=new_weights)
-    assert {k: v for k, v in TRACE_COUNTS.items() if k[0] in ("engine_insert", "engine_prepare")} == once
+    assert {k: v for k, v in TRACE_COUNTS.items() if k[0] in ("engine_prefill", "engine_insert",
+                                                               "engine_prepare")} == once
     assert engine_programs() - before <= sampler.program_bound()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Every consumer samples what the static path samples
+# Every consumer samples the golden rows
 
 
-def _static_reference(env, prompts, group_ids, problems, sampling, stop_ids, prompt_len, pad_id):
-    from jaxrl.rollout.backends import JaxBackend
-    from jaxrl.rollout.collect import Collector
-    backend = JaxBackend(model=env["model"], dtype=None, batch_size=8, max_prompt_len=prompt_len,
-                         prompt_buckets=(prompt_len,), stop_ids=stop_ids, pad_id=pad_id, batching="static")
-    samples = Collector(backend, _NoReward(), tokenizer=env["tokenizer"], stop_ids=stop_ids).collect(
-        prompts, group_ids, problems, sampling)
-    return {(problems[s.prompt_index].id if hasattr(problems[s.prompt_index], "id") else s.prompt_index,
-             s.sample_index): s for s in samples}
+class _Row:
+    """A golden row, as a consumer's samples are compared with it."""
+
+    def __init__(self, row: dict):
+        self.tokens, self.logprobs, self.finish_reason = row["tokens"], row["logprobs"], row["finish_reason"]
+        self.truncated = self.finish_reason == "length"
 
 
-def check_keyed(name, samples: dict):
-    """Samples keyed by (problem id, sample index) against their golden rows, in key order."""
-    keys = sorted(samples, key=str)
-    golden.check_rows(name, *zip(*[(samples[k].tokens, samples[k].logprobs, samples[k].finish_reason)
-                                   for k in keys]))
-
-
-class _NoReward:
-    def score(self, texts, problems, truncated=None):
-        from jaxrl.rewards.base import RewardResult
-        return [RewardResult(0.0, False, "") for _ in texts]
+def golden_samples(name: str, problems, n: int) -> dict:
+    """{(problem id, sample index): golden row} of `n` samples of each problem."""
+    rows = golden.keyed_rows(name, [(p.id, i) for p in problems for i in range(n)])
+    return {key: _Row(row) for key, row in rows.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_rollouts_evaluation_and_online_rollouts_sample_what_the_static_path_samples(generation_env, temperature):
-    """Offline rollouts, evaluation and online GRPO rollouts (all on the engine) against the static sampler with
-    the same keys (seed, problem key, sample index): the same tokens and finish reasons, sample for sample."""
+def test_rollouts_evaluation_and_online_rollouts_sample_the_golden_rows(generation_env, temperature):
+    """Offline rollouts, evaluation and online GRPO rollouts (all on the engine) against the golden rows of their
+    keys (seed, problem key, sample index): the same tokens and finish reasons, sample for sample."""
     env = generation_env
-    from jaxrl.algorithms.online_rollouts import RolloutEngine
+    from jaxrl.algorithms.online.rollouts import Rollouts
     from jaxrl.algorithms.run import resolve_config
-    from jaxrl.data.chat import chat_stop_ids, encode_prompts
     from jaxrl.data.problems import load_problems
     from jaxrl.evaluation.runner import EvalConfig, Evaluator
-    from jaxrl.rollout.backends import SamplingParams
-    from jaxrl.rollout.keys import problem_key
     from jaxrl.rollout.runner import RolloutConfig, run_rollouts
     from test_generation_path import CAP, N, REWARD
 
     tok = env["tokenizer"]
     problems = load_problems(env["problems"])
-    stop_ids = chat_stop_ids(tok, env["model"].config.eos_token_id)
-    prompts = encode_prompts(tok, [p.messages for p in problems], False, 192, on_overlong="error").ids
-    keys = [problem_key(p.id) for p in problems]
     seed = 17
-    sampling = SamplingParams(n=N, max_new_tokens=CAP, temperature=temperature, seed=seed)
-    ref = _static_reference(env, prompts, keys, problems, sampling, stop_ids, 192, tok.pad_token_id)
-    check_keyed(f"consumers_t{temperature}", ref)
+    ref = golden_samples(f"consumers_t{temperature}", problems, N)
     assert any(s.finish_reason == "stop" for s in ref.values())
     assert temperature == 0 or len({len(s.tokens) for s in ref.values()}) > 1  # sampled rows end apart
 
@@ -259,13 +243,11 @@ def test_rollouts_evaluation_and_online_rollouts_sample_what_the_static_path_sam
         "data": {"source": "problems", "problems": env["problems"], "max_prompt_len": 192},
         "grpo": {"max_new_tokens": CAP, "num_generations": N, "temperature": temperature, "top_p": 1.0},
         "reward": {"name": REWARD, "score": "partial"}}))
-    engine = RolloutEngine(config, env["model"], None, prompts_per_rollout=len(problems), sampling=config.grpo)
-    sampled = engine.run(env["model"], 0)
-    rollout_prompts, rollout_problems, rollout_keys = engine.source.prompts(0, len(problems))
-    online_ref = _static_reference(env, rollout_prompts, rollout_keys, rollout_problems,
-                                   engine.sampling.replace(seed=engine.sample_seed(0)), engine.stop_ids,
-                                   engine.prompt_length(), engine.pad_id)
-    check_keyed(f"online_t{temperature}", online_ref)
+    rollouts = Rollouts(config, env["model"], None, prompts_per_rollout=len(problems), sampling=config.grpo)
+    rollouts.open(str(env["root"]), env["model"])
+    sampled = rollouts.run(env["model"], 0)
+    _, rollout_problems, _ = rollouts.source.prompts(0, len(problems))
+    online_ref = golden_samples(f"online_t{temperature}", rollout_problems, N)
     for j, problem in enumerate(rollout_problems):
         for i in range(N):
             row, s = j * N + i, online_ref[(problem.id, i)]
@@ -282,12 +264,9 @@ class _Interrupted(Exception):
 @pytest.mark.slow
 def test_an_interrupted_rollout_resumes_to_the_same_samples(generation_env):
     """A rollout stopped after its first written batch, then rerun: the file holds every sample once, each the
-    static sampler's for its key (the resumed part is drawn by problem key, not by position)."""
+    golden one for its key (the resumed part is drawn by problem key, not by position)."""
     env = generation_env
-    from jaxrl.data.chat import chat_stop_ids, encode_prompts
     from jaxrl.data.problems import load_problems
-    from jaxrl.rollout.backends import SamplingParams
-    from jaxrl.rollout.keys import problem_key
     from jaxrl.rollout.runner import RolloutConfig, run_rollouts
     from test_generation_path import CAP, N, REWARD
 
@@ -308,14 +287,7 @@ def test_an_interrupted_rollout_resumes_to_the_same_samples(generation_env):
     meta = run_rollouts(cfg, model=env["model"], tokenizer=env["tokenizer"])
     assert meta["samples_resumed"] == written and meta["samples_written"] == 4 * N - written
 
-    tok = env["tokenizer"]
-    problems = load_problems(env["problems"])
-    prompts = encode_prompts(tok, [p.messages for p in problems], False, 192, on_overlong="error").ids
-    stop_ids = chat_stop_ids(tok, env["model"].config.eos_token_id)
-    ref = _static_reference(env, prompts, [problem_key(p.id) for p in problems], problems,
-                            SamplingParams(n=N, max_new_tokens=CAP, temperature=1.0, seed=23), stop_ids, 192,
-                            tok.pad_token_id)
-    check_keyed("resumed_rollout", ref)
+    ref = golden_samples("resumed_rollout", load_problems(env["problems"]), N)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted((r["problem_id"], r["sample_index"]) for r in records) == sorted(ref)
     for r in records:

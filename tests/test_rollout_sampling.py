@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import tiny  # not qwen35.tiny: the tiny.py submodule shadows it once imported
-from jaxrl.rollout import TRACE_COUNTS, Sampler, sample_tokens, sampling_mode
-from jaxrl.rollout.sampling import row_keys, step_keys
+from jaxrl.generation import TRACE_COUNTS, Sampler, sample_tokens, sampling_mode
+from jaxrl.generation.sampling import row_keys, token_keys
 
 MAX_NEW = 8
 
@@ -96,8 +96,9 @@ def test_finish_reasons_at_cap_and_at_eos(model):
 @pytest.mark.slow
 def test_compiles_once_per_bucket(model):
     """New prompts, lengths within a bucket, seeds, temperatures, top-p, stop ids and batch sizes within a batch
-    bucket reuse the compiled programs; a new prompt bucket compiles exactly one prefill and one decode.
-    (A prefill compiles per static size of distinct prompts it runs on: 4 rows for 2 prompts, 8 for 7.)"""
+    bucket reuse the compiled programs; a new prompt bucket compiles exactly its prefill, insert and round.
+    (A prefill and an insert compile per static count of distinct prompts they hold: 4 for n = 4 or 2, 8 for
+    n = 1.)"""
     sampler = make_sampler(model)
     sampler.sample(prompts_of([5, 6]), n=4, temperature=1.0, top_p=0.9, seed=0)  # warm (8 rows, bucket 32)
     sampler.sample(prompts_of([3, 4, 5, 6, 7, 8, 9], seed=3), n=1, temperature=1.0, top_p=0.9, seed=0)
@@ -109,15 +110,15 @@ def test_compiles_once_per_bucket(model):
     assert sum(TRACE_COUNTS.values()) == before
     sampler.sample(prompts_of([40, 50]), n=4, temperature=1.0, top_p=0.9, seed=0)  # prompt bucket 64
     new = sum(TRACE_COUNTS.values()) - before
-    assert new == 2, new
+    assert new == 3, new
     sampler.sample(prompts_of([33, 64], seed=8), n=4, temperature=0.3, top_p=0.8, seed=4)
-    assert sum(TRACE_COUNTS.values()) - before == 2
+    assert sum(TRACE_COUNTS.values()) - before == 3
 
 
 def _draw(logits, temperature, top_p, top_k, draws, seed=0):
     mode = sampling_mode(temperature, top_p, top_k, logits.shape[-1])
     tiled = jnp.tile(jnp.asarray(logits)[None], (draws, 1))
-    keys = step_keys(row_keys(jnp.uint32(seed), jnp.zeros(draws, jnp.uint32), jnp.arange(draws)), 0)
+    keys = token_keys(row_keys(jnp.full(draws, seed, jnp.uint32), jnp.zeros(draws, jnp.uint32), jnp.arange(draws)), 0)
     fn = jax.jit(lambda x, k: sample_tokens(x, k, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), mode))
     tokens, logprobs = fn(tiled, keys)
     return np.asarray(tokens), np.asarray(logprobs)
@@ -158,7 +159,7 @@ def test_sample_tokens_distribution(temperature, top_p, top_k):
 
 def test_greedy_is_argmax():
     logits = np.random.default_rng(1).normal(size=(6, 30)).astype(np.float32)
-    keys = step_keys(row_keys(jnp.uint32(0), jnp.arange(6), jnp.zeros(6)), 0)
+    keys = token_keys(row_keys(jnp.zeros(6, jnp.uint32), jnp.arange(6), jnp.zeros(6)), 0)
     tokens, logprobs = sample_tokens(jnp.asarray(logits), keys, jnp.float32(1), jnp.float32(1),
                                      sampling_mode(0.0, 1.0, 0, 30))
     np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(-1))

@@ -15,8 +15,7 @@ from jax.sharding import NamedSharding
 from jaxrl.models import lora, qwen35
 from jaxrl.models.qwen35.config import tiny  # not qwen35.tiny: the tiny.py submodule shadows it once imported
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.rollout import TRACE_COUNTS, ContinuousSampler, Sampler
-from jaxrl.rollout.sampling import sampling_mode
+from jaxrl.generation import TRACE_COUNTS, Engine, Request, Sampler, programs
 
 SETTINGS = dict(max_new_tokens=8, prompt_buckets=(32,), batch_size=8)
 SAMPLING = dict(n=2, temperature=1.0, top_p=0.95, seed=0)
@@ -88,31 +87,39 @@ def test_sharded_lora_generation_equals_unsharded(adapted):
     for a, b in zip(out.logprobs, ref.logprobs):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
-    # It really ran sharded: rows over 8 devices, base weights and LoRA factors split by the sharding rules.
-    params = sharded.resolve_params(None)
-    batch = sharded.plan([np.asarray(p, np.int32) for p in prompts], 2, range(4))[0]
-    tokens = sharded.run_batch(params, batch, sampling_mode(1.0, 0.95, 0, 256), 0, 1.0, 0.95)["tokens"]
-    assert isinstance(tokens.sharding, NamedSharding) and len(tokens.sharding.device_set) == 8
-    # the rows ran over data x fsdp; the result comes back replicated so that every process of a multi-process
-    # mesh can read the whole rollout (sampler.replicate_rows)
-    assert tokens.sharding.is_fully_replicated
-    up = params[0]["layers"][0]["mlp"]["up_proj"]
+    # It really ran sharded: slots over 8 devices, base weights and LoRA factors split by the sharding rules.
+    engine = Engine(adapted, slots=8, prompt_buckets=(32,), generation_buckets=(8,), mesh=mesh, round_steps=1)
+    engine.set_params(None)
+    for j, p in enumerate(prompts):
+        engine.submit(Request(p, group_id=j, temperature=1.0, top_p=0.95))
+    engine.step()
+    (pool,) = engine.pools.values()
+    assert isinstance(pool.state.tokens.sharding, NamedSharding) and len(pool.state.tokens.sharding.device_set) == 8
+    assert tuple(pool.state.tokens.sharding.spec)[0] == ("data", "fsdp")
+    # the rows run over data x fsdp; what a round hands the host comes back replicated, so that every process of a
+    # multi-process mesh can read the whole rollout (placement.replicate_rows)
+    weights = engine._weights
+    _, status, outputs = programs.decode_round(weights.structure, weights.leaves, engine._decode_weights,
+                                               pool.state, np.int32(1), np.int32(9), mode=pool.mode,
+                                               pad_id=engine.pad_id, mesh=mesh)
+    assert status.sharding.is_fully_replicated and outputs[0].sharding.is_fully_replicated
+    up = nnx.state(weights.structure.merge(weights.leaves))["layers"][0]["mlp"]["up_proj"]
     assert tuple(up["weight"][...].sharding.spec) == ("tensor", "fsdp")
     assert up["weight"][...].addressable_shards[0].data.shape == (128, 32)
     assert tuple(up["lora"]["lora_A"][...].sharding.spec) == (None, "fsdp")
 
 
 @pytest.mark.slow
-def test_sharded_continuous_batching_equals_the_unsharded_static_sampler(adapted):
+def test_sharded_continuous_batching_equals_the_unsharded_engine(adapted):
     """The engine on a mesh (slots over data x fsdp = 8, weights and fused adapters split by the sharding rules),
-    with more rows than slots so slots are refilled: the unsharded static sampler's samples."""
+    with more rows than slots so slots are refilled: the unsharded engine's samples."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (tests/conftest.py fakes 8 CPU devices)")
     mesh = make_mesh((4, 2, 1))
     prompts = prompts_of([3, 9, 17, 30, 12, 5, 22, 8], seed=3)
     sampling = dict(SAMPLING, n=2)
     ref = Sampler(adapted, **SETTINGS).sample(prompts, **sampling)
-    out = ContinuousSampler(adapted, mesh=mesh, **SETTINGS).sample(prompts, **sampling)
+    out = Sampler(adapted, mesh=mesh, **SETTINGS).sample(prompts, **sampling)
     assert out.stats["inserts"] > 1  # 16 rows through 8 slots
     assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons
     for a, b in zip(out.logprobs, ref.logprobs):

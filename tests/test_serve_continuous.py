@@ -1,11 +1,12 @@
-"""The serving engine of `launchers.serve` (jaxrl/rollout/serve_continuous.py: continuous batching) against the
-static engine it replaced (`BatchingEngine`, the reference): the same rows token for token for the same keys
-(fp32; greedy and seeded sampling; requests in flight together with different max_tokens, stop ids, prompt
-lengths, sampling modes and adapters, through the server's own adapter registry), and a request that arrives
-while others decode joins a free slot at the next round end instead of waiting for them.
+"""The serve loop of `launchers.serve` (jaxrl/serve/loop.py over the generation engine) against the rows it
+answered when the static engine it replaced was still there to compare with (tests/golden.py): the same rows token
+for token for the same keys (fp32; greedy and seeded sampling; requests in flight together with different
+max_tokens, stop ids, prompt lengths, sampling modes and adapters, through the server's own adapter registry),
+and a request that arrives while others decode joins a free slot at the next round end instead of waiting for
+them.
 
 Tolerance as tests/test_rollout_engine.py states it: tokens and finish reasons identical, log-probabilities within
-1e-5 (a decode step's attention reads a cache prefix whose length differs between the two paths).
+1e-5 (a decode step's attention reads a cache prefix whose length differs between two schedules).
 """
 
 import threading
@@ -50,17 +51,16 @@ def env(tmp_path_factory):
     return {"root": root, "base": base, "tok": load_tokenizer(base), "adapters": adapters}
 
 
-def completion_server(env, engine, prompt_buckets=(32,), **kwargs):
-    """A CompletionServer (no HTTP) with a model object of its own: each server attaches adapters to its model.
-    Continuous: 4 slots. Static: 2 rows per sampler call, its only batch bucket (a row does not depend on its
-    batch; one bucket compiles half the reference's programs)."""
+def completion_server(env, prompt_buckets=(32,), **kwargs):
+    """A CompletionServer (no HTTP) with a model object of its own (each server attaches adapters to its model),
+    4 slots per pool."""
     import jax.numpy as jnp
 
     from jaxrl.models import qwen35
-    from jaxrl.rollout.server import CompletionServer, ServeLimits
+    from jaxrl.serve.app import CompletionServer
+    from jaxrl.serve.settings import ServeLimits
     model = qwen35.from_pretrained(env["base"], dtype=jnp.float32)
-    return CompletionServer(env["base"], model=model, tokenizer=env["tok"], engine=engine,
-                            batch_size=4 if engine == "continuous" else 2, served_model_name="base",
+    return CompletionServer(env["base"], model=model, tokenizer=env["tok"], batch_size=4, served_model_name="base",
                             limits=ServeLimits(max_model_len=MAX_LEN, max_prompt_len=max(prompt_buckets)),
                             prompt_buckets=prompt_buckets, **{"generation_buckets": GEN_BUCKETS, **kwargs})
 
@@ -71,17 +71,20 @@ def prompts_of(lengths, seed=0):
 
 
 def rows(model, prompts, groups, samples, caps, stops=STOPS, temperature=1.0, top_p=1.0, top_k=0, seed=5):
-    from jaxrl.rollout.serve_engine import GenerateRows
-    return GenerateRows(model, prompts, groups, samples, caps, tuple(stops), temperature, top_p, top_k, seed)
+    """(model, the engine requests of one server request's rows)."""
+    from jaxrl.generation import Request
+    return model, [Request(p, group_id=g, sample_index=i, seed=seed, max_new_tokens=cap, temperature=temperature,
+                           top_p=top_p, top_k=top_k, stop_ids=tuple(stops))
+                   for p, g, i, cap in zip(prompts, groups, samples, caps)]
 
 
-def answers(engine, works):
+def answers(loop, works):
     """Every work submitted at once, from threads of their own (requests in flight together); their rows."""
     barrier = threading.Barrier(len(works))
 
     def one(work):
         barrier.wait()
-        return engine.submit(work).result(timeout=600)
+        return loop.generate(*work).result(timeout=600)
 
     with ThreadPoolExecutor(len(works)) as pool:
         return list(pool.map(one, works))
@@ -93,61 +96,47 @@ def check_golden(name, results):
     golden.check_rows(name, [r.tokens for r in flat], [r.logprobs for r in flat], [r.finish_reason for r in flat])
 
 
-def assert_same_rows(got, want):
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
-
-
 @pytest.mark.slow
 def test_a_request_arriving_while_others_decode_joins_a_free_slot_at_the_next_round_end(env):
-    """Two rows of 64 tokens decode in a lane of 4 slots; two requests (24 and 10 tokens) that arrive after their
+    """Two rows of 64 tokens decode in a pool of 4 slots; two requests (24 and 10 tokens) that arrive after their
     first round move into the free slots at that round's end (one insert, while the long rows are in flight) and
     are answered after 3 and 4 rounds, while the long rows still decode. The 10-token row's own generation bucket
-    is 16, but it joins the running lane of cap 64 rather than opening a lane of its own. The worker's turns
+    is 16, but it joins the running pool of cap 64 rather than opening a pool of its own. The loop's turns
     (`step`) are driven here one by one, so the counters say exactly where each row is."""
-    from jaxrl.rollout.serve_continuous import ContinuousServeEngine
     p = prompts_of([11, 25, 6, 19], seed=1)
     long_rows = rows("base", p[:2], [1, 2], [0, 0], [64, 64], stops=())
     later = [rows("base", p[2:3], [3], [0], [24], stops=()), rows("base", p[3:], [4], [0], [10], stops=())]
-    server = completion_server(env, "static")  # the reference; its model is the engine's too
-    engine = ContinuousServeEngine(server.model, activate=server.attach_model, version=server.served,
-                                   max_model_len=MAX_LEN, max_prompt_len=32, slots=4, prompt_buckets=(32,),
-                                   gen_buckets=(16, 64), round_steps=8, start=False)
+    server = completion_server(env, generation_buckets=(16, 64), round_steps=8, start=False)
+    loop = server.loop
     try:
-        long = engine.submit(long_rows)
-        engine.step()  # the long rows move in (one insert) and decode their first round
-        assert (engine.stats()["inserts"], engine.stats()["rounds"], engine.stats()["rows_running"]) == (1, 1, 2)
-        short = [engine.submit(w) for w in later]
+        long = loop.generate(*long_rows)
+        loop.step()  # the long rows move in (one insert) and decode their first round
+        assert (loop.stats()["inserts"], loop.stats()["rounds"], loop.stats()["rows_running"]) == (1, 1, 2)
+        short = [loop.generate(*w) for w in later]
         turn, answered_at = 1, [None, None]  # the turn (round) after which each was answered
         while not short[0].done():
-            engine.step()
+            loop.step()
             turn += 1
             answered_at = [t or (turn if f.done() else None) for t, f in zip(answered_at, short)]
-        stats = engine.stats()
+        stats = loop.stats()
         # in at the first round end (decode step 8); the last token of 24 at step 8 + 23, of 10 at step 8 + 9:
         # rounds 4 and 3; the long rows (64 tokens: decode step 63) are in flight
         assert not long.done() and answered_at == [4, 3]
         assert (stats["inserts"], stats["rounds"], stats["decode_steps"], stats["rows_running"]) == (2, 4, 32, 2)
-        assert list(engine.lanes) == [(32, 64, 16)]
+        assert list(loop.engine.pools) == [(32, 64, 16)]
         while not long.done():
-            engine.step()
-        assert engine.stats()["decode_steps"] == 63  # the long rows: their first token from the prefill, 63 decoded
-        want = [server.engine.submit(w).result(timeout=600) for w in [long_rows] + later]
+            loop.step()
+        assert loop.stats()["decode_steps"] == 63  # the long rows: their first token from the prefill, 63 decoded
     finally:
-        engine.close()
         server.close()
-    for got, ref in zip([long] + short, want):
-        assert_same_rows(got.result(), ref)
     check_golden("serve_join", [f.result() for f in [long] + short])
     assert [len(f.result()[0].tokens) for f in short] == [24, 10]
 
 
 @pytest.mark.slow
-def test_concurrent_requests_get_the_static_engines_rows_token_for_token(env):
-    """Greedy and seeded rows, caps from 1 to 64, stop ids or none, n > 1: all in flight at once in the
-    continuous engine, each row what the static engine gives for its key."""
+def test_concurrent_requests_get_their_golden_rows_token_for_token(env):
+    """Greedy and seeded rows, caps from 1 to 64, stop ids or none, n > 1: all in flight at once in the engine,
+    each row its golden one (what the static engine gave for its key)."""
     p = prompts_of([9, 30, 17, 4, 22, 12])
     works = [
         rows("base", [p[0], p[1]], [1, 2], [0, 3], [40, 40]),
@@ -158,28 +147,24 @@ def test_concurrent_requests_get_the_static_engines_rows_token_for_token(env):
         rows("base", [p[1]], [2], [1], [50], temperature=0.0),
         rows("base", [p[2], p[3]], [3, 4], [2, 5], [16, 16], stops=(7, 8, 9)),
     ]
-    static, continuous = completion_server(env, "static"), completion_server(env, "continuous")
+    server = completion_server(env)
     try:
-        want = [static.engine.submit(w).result(timeout=600) for w in works]
-        got = answers(continuous.engine, works)
-        stats = continuous.engine.stats()
+        got = answers(server.loop, works)
+        stats = server.loop.stats()
     finally:
-        static.close()
-        continuous.close()
-    for g, w in zip(got, want):
-        assert_same_rows(g, w)
+        server.close()
     check_golden("serve_concurrent", got)
     reasons = [r.finish_reason for g in got for r in g]
     assert "stop" in reasons and "length" in reasons
     assert [len(r.tokens) for r in got[3]] == [64] and [len(r.tokens) for r in got[4]] == [1, 1]
-    assert stats["rows_generated"] == sum(len(w) for w in works) and stats["lanes"] == 1
+    assert stats["rows_generated"] == sum(len(w[1]) for w in works) and stats["pools"] == 1
 
 
-@pytest.mark.heavy  # two prompt buckets, four sampling modes, three model structures' programs on both engines
-def test_adapters_prompt_buckets_and_sampling_modes_match_the_static_engine(env):
+@pytest.mark.heavy  # two prompt buckets, four sampling modes, three model structures' programs
+def test_adapters_prompt_buckets_and_sampling_modes_give_their_golden_rows(env):
     """Requests for the base and two adapters (one reloaded in place) in flight together, over two prompt buckets
-    and every sampling mode: the continuous engine switches its weights only between rows (the lanes drain, the
-    server attaches the adapter and checks its digest) and every row is the static engine's."""
+    and every sampling mode: the engine switches its weights only between rows (the pools drain, the server
+    attaches the adapter and checks its digest) and every row is its golden one."""
     p = prompts_of([9, 50, 17, 40, 22], seed=2)
     works = [
         rows("a1", [p[0], p[1]], [1, 2], [0, 3], [40, 40], top_p=0.9),
@@ -189,22 +174,16 @@ def test_adapters_prompt_buckets_and_sampling_modes_match_the_static_engine(env)
         rows("base", [p[1], p[0]], [6, 1], [0, 1], [20, 20], stops=(7,)),
         rows("a2", [p[2]], [2], [1], [50]),
     ]
-    buckets = dict(prompt_buckets=(32, 64), generation_buckets=(16, 64))  # a lane per prompt and cap bucket
-    static, continuous = completion_server(env, "static", **buckets), completion_server(env, "continuous", **buckets)
+    server = completion_server(env, prompt_buckets=(32, 64), generation_buckets=(16, 64))  # a pool per bucket
     try:
-        for server in (static, continuous):
-            for name, path in env["adapters"].items():
-                server.load_adapter(name, path, runtime=False)
-        want = [static.engine.submit(w).result(timeout=600) for w in works]
-        got = answers(continuous.engine, works)
-        for g, w in zip(got, want):
-            assert_same_rows(g, w)
+        for name, path in env["adapters"].items():
+            server.load_adapter(name, path, runtime=False)
+        got = answers(server.loop, works)
         # a1 reloaded in place with a2's weights: the next a1 rows are a2's rows (a fresh snapshot of the weights)
-        continuous.load_adapter("a1", env["adapters"]["a2"], load_inplace=True, runtime=False)
-        again = continuous.engine.submit(rows("a1", [p[2]], [2], [1], [50])).result(timeout=600)
-        assert_same_rows(again, want[5])
+        server.load_adapter("a1", env["adapters"]["a2"], load_inplace=True, runtime=False)
+        again = server.loop.generate(*rows("a1", [p[2]], [2], [1], [50])).result(timeout=600)
         check_golden("serve_adapters", got + [again])
-        assert continuous.models()["data"][1]["adapter_digest"] == continuous.models()["data"][2]["adapter_digest"]
+        assert [r.tokens for r in again] == [r.tokens for r in got[5]]
+        assert server.models()["data"][1]["adapter_digest"] == server.models()["data"][2]["adapter_digest"]
     finally:
-        static.close()
-        continuous.close()
+        server.close()

@@ -263,7 +263,7 @@ def test_oversized_and_malformed_bodies_are_refused_without_reading_them(env):
 
 
 def test_200_concurrent_requests_all_answer_200(env):
-    from jaxrl.rollout.backends.openai_client import http_json
+    from jaxrl.backends.openai_client import http_json
 
     def one(i):  # no retries here: every connection must be taken and answered
         return http_json("POST", env["url"] + "/v1/completions",

@@ -24,7 +24,7 @@ REWARD = "test_generation_path:text_reward"
 
 
 def post(url, path, body):
-    from jaxrl.rollout.backends.openai_client import http_json
+    from jaxrl.backends.openai_client import http_json
     return http_json("POST", url + path, body, timeout=600)
 
 
@@ -97,7 +97,7 @@ def env(tmp_path_factory):
 
 
 def jax_backend(env, adapter=None):
-    from jaxrl.rollout.backends import JaxBackend, ModelSpec
+    from jaxrl.backends import JaxBackend, ModelSpec
     backend = JaxBackend(env["base"], model=env["model"], dtype="float32", batch_size=BATCH,
                          max_prompt_len=PROMPT_LEN, prompt_buckets=(PROMPT_LEN,), stop_ids=env["stop_ids"],
                          pad_id=env["tok"].pad_token_id)
@@ -106,13 +106,13 @@ def jax_backend(env, adapter=None):
 
 
 def server_backend(env, **kw):
-    from jaxrl.rollout.backends import make_backend
+    from jaxrl.backends import make_backend
     return make_backend("server", base_dir=env["base"], url=env["url"], out_dir=str(env["root"] / "backend"),
                         stop_ids=env["stop_ids"], max_prompt_len=PROMPT_LEN, max_new_tokens=CAP, **kw)
 
 
 def sampling(**kw):
-    from jaxrl.rollout.backends import SamplingParams
+    from jaxrl.backends import SamplingParams
     return SamplingParams(**{"n": N, "max_new_tokens": CAP, "temperature": 1.0, "seed": 5, **kw})
 
 
@@ -129,7 +129,7 @@ def test_server_samples_equal_the_jax_backend_for_the_same_keys(env):
     """Base, an adapter served at start-up (--lora_modules) and one loaded at run time from a trainer checkpoint:
     the server's samples are the in-process jax backend's, token for token, and each adapter changes them."""
     from jaxrl.export.peft import read_adapter
-    from jaxrl.rollout.backends import ModelSpec
+    from jaxrl.backends import ModelSpec
     backend = server_backend(env)
     assert backend.description.startswith("jaxrl")
     outs, served_as = {}, {}
@@ -156,7 +156,7 @@ def test_server_samples_equal_the_jax_backend_for_the_same_keys(env):
 
 
 def backend_models(env):
-    from jaxrl.rollout.backends.openai_client import http_json
+    from jaxrl.backends.openai_client import http_json
     return http_json("GET", env["url"] + "/v1/models")[1]["data"]
 
 
@@ -169,7 +169,7 @@ def completion(env, **body):
 
 
 def test_seeds_same_request_same_tokens_and_samples_keyed_by_their_own_seed(env):
-    from jaxrl.rollout.backends.openai_client import request_seed, split_request_seed
+    from jaxrl.generation.sampling import request_seed, split_request_seed
     seed = request_seed(5, env["groups"][0])
     four = completion(env, n=4, seed=seed)
     assert [c["token_ids"] for c in completion(env, n=4, seed=seed)] == [c["token_ids"] for c in four]
@@ -191,7 +191,7 @@ def test_stop_ids_and_logprobs(env):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.rollout.backends.openai_client import request_seed
+    from jaxrl.generation.sampling import request_seed
     seed = request_seed(9, 1)
     free = completion(env, n=4, seed=seed, stop_token_ids=[], ignore_eos=True)
     full = max(free, key=lambda c: len(c["token_ids"]))["token_ids"]
@@ -218,7 +218,7 @@ def test_stop_ids_and_logprobs(env):
 
 def test_adapter_switching_and_refusals(env):
     """Load / unload through the endpoints; an unloaded adapter is gone; the server's refusals reach the user."""
-    from jaxrl.rollout.backends import ModelSpec, ServerError
+    from jaxrl.backends import ModelSpec, ServerError
     status, text = post(env["url"], "/v1/load_lora_adapter", {"lora_name": "x1", "lora_path": env["peft1"]})
     assert status == 200 and "added" in text
     card = next(m for m in backend_models(env) if m["id"] == "x1")
@@ -322,8 +322,8 @@ class _VersionServer:
 
 
 def test_missing_old_or_foreign_servers_and_vllm_environments_fail_clearly(env, tmp_path):
-    from jaxrl.rollout.backends import ServerError, make_backend
-    from jaxrl.rollout.backends.vllm_backend import ENV_RECIPE, VLLMServer, free_port
+    from jaxrl.backends import ServerError, make_backend
+    from jaxrl.backends.vllm_backend import ENV_RECIPE, VLLMServer, free_port
     with pytest.raises(ServerError, match="no server answers at http://127.0.0.1:"):
         make_backend("server", base_dir=env["base"], url=f"http://127.0.0.1:{free_port()}")
     old = _VersionServer("0.30.0")

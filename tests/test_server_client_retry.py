@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from jaxrl.rollout.backends.openai_client import ServerError, http_json
+from jaxrl.backends.openai_client import ServerError, http_json
 
 
 class FlakyServer:

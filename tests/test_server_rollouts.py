@@ -1,4 +1,4 @@
-"""Online GRPO with its rollouts sampled on servers (`grpo.rollout_backend='server'`, jaxrl.algorithms.server_rollouts)
+"""Online GRPO with its rollouts sampled on servers (`grpo.rollout_backend='server'`, jaxrl.backends.pool)
 over loopback, two real `launchers.serve` processes as the data-parallel set: the same rollouts, token for token, as
 the in-process jax backend for the same keys; the trainer's adapter fingerprint served at every rollout (and a
 replaced one refused by name); a SIGKILL plus resume bit-exact, with and without overlap (one rollout off-policy),
@@ -62,13 +62,13 @@ def metrics(workdir) -> list[dict]:
 
 
 def rollout_buffer(workdir, r: int) -> dict:
-    from jaxrl.algorithms.online_task import RolloutStore
+    from jaxrl.algorithms.online.buffer import RolloutStore
     arrays, meta = RolloutStore(str(workdir)).load(r)
     return {**arrays, "meta": meta}
 
 
 def served_adapters(url: str) -> list[str]:
-    from jaxrl.rollout.backends.openai_client import http_json
+    from jaxrl.backends.openai_client import http_json
     return [m["id"] for m in http_json("GET", url + "/v1/models")[1]["data"] if m.get("parent")]
 
 
@@ -90,19 +90,19 @@ def env(tmp_path_factory):
 
 @pytest.mark.heavy
 def test_server_rollouts_equal_the_jax_backend_and_serve_the_trainers_adapter(env, tmp_path):
-    """One RolloutEngine per backend on the same policy: the servers' rows are the jax backend's token for token
+    """One Rollouts per backend on the same policy: the servers' rows are the jax backend's token for token
     (log-probs to 1e-5), the rows split over both servers; each rollout serves the trainer's current adapter
     (digest read back by the server), a new adapter changes the rows on both backends alike, and a server whose
     adapter another process replaced fails the rollout naming that server."""
     import jax.numpy as jnp
 
-    from jaxrl.algorithms.online_rollouts import RolloutEngine
+    from jaxrl.algorithms.online.rollouts import Rollouts as RolloutEngine
     from jaxrl.algorithms.run import build_model, resolve_config
-    from jaxrl.algorithms.server_rollouts import AdapterSyncError, policy_adapter
+    from jaxrl.backends.pool import AdapterSyncError, policy_adapter
     from jaxrl.export.peft import export_peft
     from jaxrl.models.lora import iter_lora
     from jaxrl.parallel.mesh import make_mesh
-    from jaxrl.rollout.backends.openai_client import http_json
+    from jaxrl.backends.openai_client import http_json
     from conftest import tiny_config
 
     def config(backend, servers=()):
@@ -116,7 +116,8 @@ def test_server_rollouts_equal_the_jax_backend_and_serve_the_trainers_adapter(en
     jax_engine = RolloutEngine(cfg, model, mesh, prompts_per_rollout=8, sampling=cfg.grpo)
     server_engine = RolloutEngine(config("server", env["urls"]), model, mesh, prompts_per_rollout=8,
                                   sampling=config("server", env["urls"]).grpo)
-    server_engine.attach_workdir(str(env["root"] / "engine_run"))
+    jax_engine.open(str(env["root"] / "jax_run"), model)
+    server_engine.open(str(env["root"] / "engine_run"), model)
 
     def same(a, b):
         np.testing.assert_array_equal(a.input_ids, b.input_ids)
@@ -152,7 +153,7 @@ def test_server_rollouts_equal_the_jax_backend_and_serve_the_trainers_adapter(en
     assert status == 200
     with pytest.raises(AdapterSyncError, match=env["urls"][1].replace(".", r"\.")):
         server_engine.run(model, 1)
-    server_engine.release()
+    server_engine.close()
     assert served_adapters(env["urls"][0]) == served_adapters(env["urls"][1]) == []
 
 
@@ -245,7 +246,7 @@ def test_overlap_lags_one_rollout_and_resumes_bit_exact(runs, env):
     trains. Its rows are exactly what the plain engine samples for rollout r from those parameters, the first
     rollout's steps equal the plain run's, staleness is logged; and a SIGKILL plus resume is bit-exact (the
     rollout in flight at the checkpoint was written with it)."""
-    from jaxrl.algorithms.online_rollouts import RolloutEngine
+    from jaxrl.algorithms.online.rollouts import Rollouts as RolloutEngine
     from jaxrl.algorithms.run import build_model, resolve_config
     from jaxrl.models.adapters import load_adapter
     from jaxrl.models.lora import iter_lora
@@ -268,6 +269,7 @@ def test_overlap_lags_one_rollout_and_resumes_bit_exact(runs, env):
     cfg = resolve_config(c)
     model = build_model(cfg)
     engine = RolloutEngine(cfg, model, make_mesh((1, 1, 1)), prompts_per_rollout=8, sampling=cfg.grpo)
+    engine.open(str(env["root"] / "plain_engine"), model)
     np.testing.assert_array_equal(engine.run(model, 1).input_ids, rollout_buffer(straight, 1)["input_ids"])
     params = load_adapter(str(straight), 2)[0]  # the parameters of step 2, in place
     for path, lo in iter_lora(model):
@@ -301,13 +303,42 @@ def test_rollout_backend_settings_are_checked():
             (dict(rollout_servers=("http://127.0.0.1:8000",)), "rollout_backend is 'jax'"),
             (dict(rollout_backend="server", rollout_servers=("127.0.0.1:8000",)), "not base URLs"),
             (dict(overlap=True), "needs grpo.rollout_backend='server' or 'vllm'"),
-            (dict(rollout_backend="server", rollout_servers=("http://a:1",), rollout_backend_kwargs={"python": "x"}),
-             r"unknown \['python'\]")):
+            (dict(rollout_backend="server", rollout_servers=("http://a:1",), rollout_vllm={"python": "x"}),
+             r"grpo.rollout_vllm.python: launch options of the vLLM a run starts"),
+            (dict(rollout_server={"concurrency": 8}), r"grpo.rollout_server.concurrency are for rollout_backend"),
+            (dict(rollout_backend="vllm", rollout_server={"concurency": 8}),
+             r"unknown config key 'grpo.rollout_server.concurency'; did you mean 'grpo.rollout_server.concurrency'"),
+            (dict(rollout_backend="vllm", rollout_backend_kwargs={"gpu_util": 0.5}),
+             r"unknown config key 'grpo.rollout_backend_kwargs.gpu_util'"),
+            (dict(rollout_backend="vllm", rollout_backend_kwargs={"concurrency": 8}, rollout_server={"concurrency": 16}),
+             "disagree; set grpo.rollout_server.concurrency only")):
         with pytest.raises(ValueError, match=message):
             resolve(**block)
     ppo = tiny_config("ppo", rollout_backend="vllm", overlap=True,
-                      rollout_backend_kwargs={"data_parallel_size": 2, "concurrency": 8})
-    assert resolve_config(ppo).ppo.overlap
+                      rollout_vllm={"data_parallel_size": 2}, rollout_server={"concurrency": 8})
+    typed = resolve_config(ppo).ppo
+    assert typed.overlap and typed.rollout_vllm.data_parallel_size == 2 and typed.rollout_server.concurrency == 8
+    # the deprecated dict still works: its keys land in the typed blocks, with one warning naming their new keys
+    legacy = tiny_config("ppo", rollout_backend="vllm", overlap=True,
+                         rollout_backend_kwargs={"data_parallel_size": 2, "concurrency": 8})
+    with pytest.warns(FutureWarning, match=r"ppo.rollout_backend_kwargs is deprecated: set "
+                      r"ppo.rollout_server.concurrency, ppo.rollout_vllm.data_parallel_size instead"):
+        migrated = resolve_config(legacy)
+    assert migrated.ppo == typed
+    assert migrated.to_json()["ppo"]["rollout_backend_kwargs"] == {}  # config.json holds the typed form
+
+
+def test_a_config_json_written_with_rollout_backend_kwargs_resumes_with_the_same_options():
+    """A run started before the typed blocks wrote its options into rollout_backend_kwargs; reading that
+    config.json back gives the block a run with the typed keys gets."""
+    from jaxrl.utils import train_config
+    old = train_config.default_config("grpo").to_dict()
+    old["grpo"].update(rollout_backend="vllm", rollout_backend_kwargs={"request_timeout_s": 60, "max_loras": 2})
+    del old["grpo"]["rollout_server"], old["grpo"]["rollout_vllm"]  # keys its writer did not have
+    with pytest.warns(FutureWarning):
+        got = train_config.resolve(json.loads(json.dumps(old))).grpo
+    assert got.rollout_server.request_timeout_s == 60.0 and isinstance(got.rollout_server.request_timeout_s, float)
+    assert got.rollout_vllm.max_loras == 2 and got.rollout_backend_kwargs == {}
 
 
 def test_server_rollouts_need_a_base_folder():
@@ -324,13 +355,13 @@ def test_server_rollouts_need_a_base_folder():
 def test_vllm_rollout_servers_are_started_as_evaluation_starts_them(tmp_path):
     """rollout_backend='vllm' without URLs: one `vllm serve` of the base from the vLLM environment with LoRA of the
     run's rank, the run's seed and dtype, room for a prompt and its completion, and the launch options of
-    rollout_backend_kwargs; its log in the workdir. (vLLM itself does not run here: the command is checked.)"""
+    rollout_vllm; its log in the workdir. (vLLM itself does not run here: the command is checked.)"""
     from conftest import tiny_config
-    from jaxrl.algorithms import server_rollouts
+    from jaxrl.backends import pool as server_rollouts
     from jaxrl.algorithms.run import resolve_config
-    c = tiny_config("grpo", rollout_backend="vllm", rollout_backend_kwargs={
+    c = tiny_config("grpo", rollout_backend="vllm", rollout_server={"concurrency": 16}, rollout_vllm={
         "python": sys.executable, "data_parallel_size": 2, "gpu_memory_utilization": 0.5,
-        "extra_args": ["--enforce-eager"], "concurrency": 16})
+        "extra_args": ["--enforce-eager"]})
     c.model_path = str(tmp_path / "base")
     c.seed = 3
     cfg = resolve_config(c)

@@ -73,3 +73,41 @@ def test_aot_real_shapes_runs_every_program_at_the_tiny_shape():
     assert [r.get("error") for r in compiled] == [None, None]
     for r in compiled:
         assert r["compile_s"] > 0 and r["memory"]["peak_gib"] > 0 and r["flops"]["counted"] > 0
+
+
+def test_engine_batch_decodes_what_the_sampler_samples():
+    """benchmarks.common.EngineBatch (the programs bench_decode and gpu_decode time) runs the generation engine's
+    programs on one full batch: new_tokens - 1 decode steps, and the greedy tokens of `jaxrl.generation.Sampler`."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.common import EngineBatch
+    from jaxrl.generation import Sampler
+
+    model = qwen35.init_model(qwen35.tiny(), dtype=jnp.float32, seed=0)
+    prompts = np.random.default_rng(0).integers(2, model.config.vocab_size, size=(4, 16))
+    batch = EngineBatch(model, prompts, new_tokens=8)
+    state, steps = batch.decode(batch.prefill())
+    assert steps == 7
+    out = Sampler(model, max_new_tokens=8, prompt_buckets=(16,), batch_size=4).sample(prompts.tolist())
+    assert batch.tokens(state).tolist() == out.tokens
+
+
+def test_versus_finds_the_sampler_of_either_layout(tmp_path, monkeypatch):
+    """benchmarks.versus.sampler_class: this tree's engine Sampler (jaxrl/generation), and in a tree of the older
+    layout (no jaxrl/generation, no rollout engine) its static jaxrl/rollout/sampler.py."""
+    import importlib
+
+    import jaxrl
+    from benchmarks import versus
+
+    assert versus.sampler_class(jaxrl)[1] == "generation.sampler.Sampler"
+    old = tmp_path / "jaxrl_layout_test" / "rollout"
+    old.mkdir(parents=True)
+    (old.parent / "__init__.py").write_text("")
+    (old / "__init__.py").write_text("")
+    (old / "sampler.py").write_text("class Sampler:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = importlib.import_module("jaxrl_layout_test")
+    cls, path = versus.sampler_class(pkg)
+    assert path == "rollout.sampler.Sampler" and cls.__module__ == "jaxrl_layout_test.rollout.sampler"

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from jaxrl.export.peft import export_peft
 from jaxrl.models.lora import LoRAError, apply_lora_from_config, vllm_unpackable
-from jaxrl.rollout.backends.openai_client import LORA_RANKS, lora_rank_slot
+from jaxrl.backends.openai_client import LORA_RANKS, lora_rank_slot
 from test_export import random_adapter
 
 VLLM_033 = {

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.rollout.backends.openai_client import TARGET_VLLM
-from jaxrl.rollout.backends.vllm_backend import ENV_RECIPE, VLLM_REQUIREMENT, VLLM_VERSION
+from jaxrl.backends.openai_client import TARGET_VLLM
+from jaxrl.backends.vllm_backend import ENV_RECIPE, VLLM_REQUIREMENT, VLLM_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = "https://pypi.org/simple"

@@ -63,7 +63,7 @@ from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.train import batched_forward
 from jaxrl.train.objective import target_mask
-from jaxrl.train.task import TaskContext
+from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
 from jaxrl.utils.train_config import DPOConfig, DPODataConfig, TrainConfig
 REF_CACHE = "ref_logps.npz"
@@ -398,7 +398,7 @@ def build_objective(dpo: DPOConfig, chunk_size: int) -> DPOObjective:
 # ------------------------------------------------------------------------------------------------- task
 
 
-class DPOTask:
+class DPOTask(Task):
     """Batches of pairs for the Trainer, reference log-probs, held-out evaluation (module docstring)."""
 
     def __init__(self, config: TrainConfig, model, mesh):

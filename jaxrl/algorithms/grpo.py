@@ -4,7 +4,7 @@ Pure and jit-compatible; the trainer loop lives elsewhere. Definitions follow TR
 (``_generate_and_score_completions`` and ``_compute_loss``, trl 1.16) and ``docs/design/algorithms.md`` section 2.2.
 
 Shapes: ``N`` completions = prompts x ``num_generations``, laid out prompt-major (prompt j's samples are
-``j*G ... j*G+G-1``, as ``jaxrl.rollout.generate`` returns them). A micro-batch holds ``b`` completions padded
+``j*G ... j*G+G-1``, as ``jaxrl.generation.generate`` returns them). A micro-batch holds ``b`` completions padded
 to ``T`` tokens; ``mask [b, T]`` is 1 on completion tokens that count in the loss.
 
 Micro-batch contract (the trainer relies on it)
@@ -48,6 +48,7 @@ import numpy as np
 
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.utils.registry import Registry
+from jaxrl.utils.train_config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
 
 __all__ = [
     "SCALE_REWARDS",
@@ -62,9 +63,6 @@ __all__ = [
     "importance_log_weights",
     "clamp_log_ratio",
     "clipped_surrogate",
-    "ROLLOUT_CORRECTIONS",
-    "rollout_importance_weights",
-    "rollout_correction",
     "Normalizers",
     "global_normalizers",
     "token_weights",
@@ -79,8 +77,6 @@ __all__ = [
     "truncated_completions",
 ]
 
-SCALE_REWARDS = ("group", "batch", "none")
-AGGREGATIONS = ("sequence_mean", "token_mean", "dr_grpo")
 # TRL loss_type -> our aggregation. TRL's bnpo normalises by the *local* batch's tokens; made micro-batch exact it
 # is the same as dapo's global token mean.
 LOSS_TYPE_AGGREGATION = {"grpo": "sequence_mean", "dapo": "token_mean", "bnpo": "token_mean", "dr_grpo": "dr_grpo"}
@@ -214,7 +210,7 @@ def importance_log_weights(logp: jax.Array, old_logp: jax.Array, mask: jax.Array
         return lr
     if level == "sequence":
         return masked_mean(lr, mask, axis=-1)[:, None]
-    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}")
+    raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}; got {level!r}")
 
 
 def clamp_log_ratio(log_ratio: jax.Array, bound: float | None) -> jax.Array:
@@ -270,97 +266,6 @@ def clip_fraction(
     high = (rho > 1.0 + eh) & (a > 0)
     f = lambda x: x.astype(jnp.float32)  # noqa: E731
     return {"low": f(low), "high": f(high), "region": f(low | high)}
-
-
-ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def rollout_importance_weights(
-    old_logp: jax.Array,
-    sampling_logp: jax.Array,
-    mask: jax.Array,
-    mode: str = "sequence_mask",
-    clip_min: float | None = None,
-    clip_max: float | None = 3.0,
-) -> jax.Array:
-    """Correction for the rollout engine's numerics differing from the trainer's (TRL's vLLM IS correction).
-
-    w = exp(old_logp - sampling_logp) per token (``token_*``, ``[B, T]``) or, per sequence (``sequence_*``,
-    ``[B, 1]``), exp of the masked MEAN of the token log-ratios: the geometric mean of the token ratios. TRL and
-    verl's ``rollout_is=sequence`` take the product (exp of the sum), which a per-token gap of a few 1e-3 already
-    pulls far from 1 on long completions (TRL issues 5814 / 5815: mean weight 0.57 where 0.99 was expected), and
-    whose threshold would have to depend on the length; the geometric mean is the per-token gap of the sequence,
-    one threshold for every length (verl's ``rollout_rs=geometric``, OpenRLHF's seq-mask-tis). ``*_truncate``
-    clamps w to [clip_min, clip_max]; ``*_mask`` zeroes w outside it. NaN sampling log-probs count as ratio 1
-    (and in a sequence's mean). The result is a constant (no gradient); multiply the per-token policy loss by it
-    before adding KL.
-    """
-    m = jnp.asarray(mask) > 0
-    diff = jnp.where(m, _f32(old_logp) - _f32(sampling_logp), 0.0)
-    diff = jnp.where(jnp.isnan(diff), 0.0, diff)
-    if mode.startswith("sequence_"):
-        diff = jnp.sum(diff, axis=-1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=-1, keepdims=True), 1)
-    elif not mode.startswith("token_"):
-        raise ValueError(f"unknown mode {mode!r}: token_truncate, token_mask, sequence_truncate, sequence_mask")
-    w = jnp.exp(diff)
-    lo = -jnp.inf if clip_min is None else clip_min
-    hi = jnp.inf if clip_max is None else clip_max
-    if mode.endswith("_truncate"):
-        w = jnp.clip(w, lo, hi)
-    elif mode.endswith("_mask"):
-        w = jnp.where((w < lo) | (w > hi), 0.0, w)
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
-    return jax.lax.stop_gradient(w)
-
-
-def rollout_correction(
-    trainer_logp, sampling_logp, mask, mode: str = "none", clip_min: float | None = None,
-    clip_max: float | None = 3.0,
-):
-    """The rollout correction of one rollout and its mismatch metrics, on the host: ``(weights, metrics)``.
-
-    ``trainer_logp`` (a teacher-forced pass of the behaviour policy), ``sampling_logp`` (what the sampler
-    reported for the tokens it drew) and ``mask`` (1 on generated tokens) are ``[N, C]``. ``weights`` is None for
-    ``mode="none"``, else :func:`rollout_importance_weights` broadcast to ``[N, C]`` float32 (0 off the mask).
-    ``metrics`` (always; NaN sampler log-probs are left out of the gap):
-
-    - ``mismatch/logp_abs_mean``, ``mismatch/logp_abs_max``: token mean and max of |trainer - sampler|;
-    - ``mismatch/kl_k3``: token mean of the k3 estimate of KL(sampler || trainer) (the samples are the sampler's);
-    - ``mismatch/is_weight_mean|min|max``: the raw weights (before truncation / masking) at the mode's level: per
-      token, or per sequence for ``sequence_*`` (over sequences with a generated token);
-    - ``mismatch/clipped_fraction`` (``*_truncate``) or ``mismatch/masked_fraction`` (``*_mask``): the share of
-      those weights outside [clip_min, clip_max].
-    """
-    if mode not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"rollout_correction={mode!r}; choose one of {ROLLOUT_CORRECTIONS}")
-    m = np.asarray(mask) > 0
-    t, s = np.asarray(trainer_logp, np.float64), np.asarray(sampling_logp, np.float64)
-    known = m & ~np.isnan(s)
-    d = np.where(known, t - s, 0.0)  # log(pi_trainer / pi_sampler) per token
-    n = max(int(known.sum()), 1)
-    k3 = np.asarray(kl_lib.kl(np.where(known, s, 0.0), np.where(known, t, 0.0), "k3"), np.float64)
-    metrics = {"mismatch/logp_abs_mean": float(np.abs(d).sum() / n),
-               "mismatch/logp_abs_max": float(np.abs(d).max()) if known.any() else 0.0,
-               "mismatch/kl_k3": float(np.where(known, k3, 0.0).sum() / n)}
-    level = "sequence" if mode.startswith("sequence_") else "token"
-    if level == "token":
-        raw = np.exp(d)[m]
-    else:
-        rows = m.any(-1)
-        raw = np.exp(d.sum(-1) / np.maximum(m.sum(-1), 1))[rows]
-    if raw.size:
-        metrics.update({"mismatch/is_weight_mean": float(raw.mean()), "mismatch/is_weight_min": float(raw.min()),
-                        "mismatch/is_weight_max": float(raw.max())})
-    if mode == "none":
-        return None, metrics
-    lo = -np.inf if clip_min is None else clip_min
-    hi = np.inf if clip_max is None else clip_max
-    outside = float(((raw < lo) | (raw > hi)).mean()) if raw.size else 0.0
-    metrics["mismatch/clipped_fraction" if mode.endswith("_truncate") else "mismatch/masked_fraction"] = outside
-    w = np.asarray(rollout_importance_weights(trainer_logp, sampling_logp, mask, mode, clip_min, clip_max),
-                   np.float32)
-    return np.where(m, np.broadcast_to(w, m.shape), 0.0).astype(np.float32), metrics
 
 
 # ------------------------------------------------------------------------------------------------- aggregation
@@ -455,7 +360,7 @@ def grpo_loss(
     epsilon_high: float | None = None,
     delta: float | None = None,
     importance_sampling_level: str = "token",
-    aggregation: str = "token_mean",
+    aggregation: str,
     sampling_weights: jax.Array | None = None,
     entropies: jax.Array | None = None,
     entropy_coef: float = 0.0,
@@ -466,8 +371,8 @@ def grpo_loss(
     ``logp``, ``old_logp``, ``ref_logp``, ``mask``: ``[b, T]``; ``advantages``: ``[b]`` (or ``[b, T]``);
     ``old_logp=None`` means on-policy (``stop_gradient(logp)``: ratio 1, gradient of ``A * logp``).
     Per token: ``l = clipped_surrogate(...) * sampling_weights + beta * KL_estimator(logp, ref_logp)``, then
-    ``contribution = sum(l * token_weights(mask, aggregation, normalizers))``. TRL defaults: aggregation
-    token_mean (loss_type dapo), beta 0; TRL's loss_type maps through ``LOSS_TYPE_AGGREGATION``.
+    ``contribution = sum(l * token_weights(mask, aggregation, normalizers))``. ``aggregation`` has no default: a
+    run's is its config's (``grpo.aggregation``); TRL's loss_type maps through ``LOSS_TYPE_AGGREGATION``.
 
     ``beta`` must be a Python number (``beta == 0`` skips the reference entirely). ``entropies`` ``[b, T]``
     (per-token entropies of the policy) adds an ``entropy`` metric and, with ``entropy_coef``, the bonus

@@ -3,8 +3,8 @@
     python -m launchers.train --config=configs/grpo.py:model=4b,run=4b_base --workdir=runs/grpo_4b \
         --config.model_path=/models/Qwen3.5-4B --config.data.problems=problems.jsonl
 
-Each rollout (`jaxrl.algorithms.online`): `prompts_per_step` prompts -> `num_generations` samples each from the
-current policy (one held Sampler) -> rewards (`config.reward`) -> optional DAPO overlong penalty -> group-relative
+Each rollout (jaxrl/algorithms/online): `prompts_per_step` prompts -> `num_generations` samples each from the
+current policy (on its rollout backend) -> rewards (`config.reward`) -> optional DAPO overlong penalty -> group-relative
 advantages (`scale_rewards` group | batch | none, or a registered `advantage_estimator`) -> optional masking of
 truncated completions and of zero-variance groups -> reference log-probs with the adapters off (one jitted pass,
 skipped when beta = 0) -> old log-probs. The rollout is then trained on for `num_iterations` passes of
@@ -20,11 +20,14 @@ temperature right after sampling.
 
 Rollout correction (`rollout_correction`; TRL's vLLM importance-sampling correction, verl `rollout_correction`):
 the sampler and the trainer compute the same policy with different numerics (a KV-cache decode, or a serving
-engine, against a teacher-forced pass: rounding apart in float32, a real gap in bfloat16), so each rollout gets one
-teacher-forced pass of the behaviour parameters at temperature 1 (the sampler's log-probs are untempered) and
-w = exp(trainer - sampler) per token, or the geometric mean of those ratios per sequence, truncated to or masked
-outside [`rollout_correction_min`, `rollout_correction_max`], multiplies the policy term
-(`grpo.rollout_correction`). The pass runs whatever the mode, for the `mismatch/*` metrics.
+engine, against a teacher-forced pass: rounding apart in float32, a real gap in bfloat16), so each rollout compares
+the sampler's log-probs with the trainer's for the behaviour parameters at temperature 1 (the sampler's are
+untempered): w = exp(trainer - sampler) per token, or the geometric mean of those ratios per sequence, truncated
+to or masked outside [`rollout_correction_min`, `rollout_correction_max`], multiplies the policy term
+(jaxrl/algorithms/online/correction.py). The trainer side is the MISMATCH pass (jaxrl/algorithms/online/passes.py:
+the recomputed old log-probs when those are at temperature 1), or, in an on-policy step at temperature 1, the
+step's own forward (the weights and the `mismatch/*` metrics computed inside the step): never a second pass of
+the same parameters. The comparison is made whatever the mode, for the `mismatch/*` metrics.
 
 Dynamic sampling (`dynamic_sampling`, off by default): extra draws until `prompts_per_step` groups have reward
 signal, at most `max_extra_draws` (`GRPOTask.sample`).
@@ -52,8 +55,7 @@ them: update time = step_time_s - time/rollout_s).
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -62,49 +64,88 @@ from absl import logging
 
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
-from jaxrl.algorithms import completion_passes, online_rollouts, online_task
+from jaxrl.algorithms.online import correction
+from jaxrl.algorithms.online.buffer import Schedule, check_rows
+from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
+from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
+from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.utils.train_config import GRPOConfig, TrainConfig
+
+
+class StepNormalisers(NamedTuple):
+    """The global-batch constants of a GRPO step: the loss's, and the generated tokens of the batch's rows (the
+    in-step mismatch metrics' denominator; None when they are not computed in the step)."""
+
+    loss: grpo_lib.Normalizers
+    rollout_tokens: Optional[jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOObjective:
     """GRPO loss of one micro-batch. Batch keys: input_ids, attention_mask [b, P+C]; completion_mask (the loss
     mask), advantages [b]; sequence_mask [b] (1 = counts in num_sequences); ref_logp [b, C] when beta != 0;
-    old_logp [b, C] unless on-policy; is_weights [b, C] (the rollout correction) unless it is none."""
+    old_logp [b, C] unless on-policy; is_weights [b, C] (the rollout correction) unless it is none or computed in
+    the step; behaviour_logp [b, C] (the sampler's) with `mismatch_in_step`. Defaults are the `grpo` block's
+    (`of` builds one from a run's block)."""
 
     max_new_tokens: int  # the completion cap: Dr. GRPO's L_max
-    aggregation: str = "sequence_mean"
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: Optional[float] = None
-    log_ratio_clamp: Optional[float] = None
-    importance_sampling_level: str = "token"
-    temperature: float = 1.0
-    entropy: bool = True
-    entropy_coef: float = 0.0
+    aggregation: str = GRPOConfig.aggregation
+    beta: float = GRPOConfig.beta
+    kl_estimator: str = GRPOConfig.kl_estimator
+    epsilon_low: float = GRPOConfig.epsilon_low
+    epsilon_high: float = GRPOConfig.epsilon_high
+    delta: Optional[float] = GRPOConfig.delta or None  # 0 in the config: off
+    log_ratio_clamp: Optional[float] = GRPOConfig.log_ratio_clamp or None
+    importance_sampling_level: str = GRPOConfig.importance_sampling_level
+    temperature: float = GRPOConfig.temperature
+    entropy: bool = GRPOConfig.log_entropy
+    entropy_coef: float = GRPOConfig.entropy_coef
     chunk_size: int = 512
+    # An on-policy step at temperature 1: the rollout correction's trainer side is this step's own forward
+    # (module docstring), so its weights and the mismatch/* metrics are computed here.
+    mismatch_in_step: bool = False
+    rollout_correction: str = GRPOConfig.rollout_correction
+    rollout_correction_min: Optional[float] = GRPOConfig.rollout_correction_min or None
+    rollout_correction_max: float = GRPOConfig.rollout_correction_max
+
+    @classmethod
+    def of(cls, grpo: GRPOConfig, *, chunk_size: int, mismatch_in_step: bool = False) -> "GRPOObjective":
+        return cls(max_new_tokens=grpo.max_new_tokens, aggregation=grpo.aggregation, beta=grpo.beta,
+                   kl_estimator=grpo.kl_estimator, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
+                   delta=grpo.delta or None, log_ratio_clamp=grpo.log_ratio_clamp or None,
+                   importance_sampling_level=grpo.importance_sampling_level, temperature=grpo.temperature,
+                   entropy=grpo.log_entropy, entropy_coef=grpo.entropy_coef, chunk_size=chunk_size,
+                   mismatch_in_step=mismatch_in_step, rollout_correction=grpo.rollout_correction,
+                   rollout_correction_min=grpo.rollout_correction_min or None,
+                   rollout_correction_max=grpo.rollout_correction_max)
 
     def normalisers(self, batch):
-        return grpo_lib.global_normalizers(batch["completion_mask"], self.max_new_tokens,
+        loss = grpo_lib.global_normalizers(batch["completion_mask"], self.max_new_tokens,
                                            sequence_mask=batch["sequence_mask"])
+        rollout_tokens = (jnp.sum(jnp.asarray(batch["rollout_mask"]) > 0).astype(jnp.float32)
+                          if self.mismatch_in_step else None)
+        return StepNormalisers(loss, rollout_tokens)
 
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
-        h, logp, ent = completion_passes.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
-                                                        temperature=self.temperature,
-                                                        entropy=self.entropy or bool(self.entropy_coef))
+        h, logp, ent = policy_forward(model, micro_batch, chunk_size=self.chunk_size, temperature=self.temperature,
+                                      entropy=self.entropy or bool(self.entropy_coef))
+        weights, mismatch = micro_batch.get("is_weights"), {}
+        if self.mismatch_in_step:
+            weights, mismatch = correction.in_step(
+                logp, micro_batch["behaviour_logp"], micro_batch["rollout_mask"], normalisers.rollout_tokens,
+                self.rollout_correction, self.rollout_correction_min, self.rollout_correction_max)
         loss, metrics = grpo_lib.grpo_loss(
-            logp, micro_batch.get("old_logp"), micro_batch["advantages"], mask, normalisers,
+            logp, micro_batch.get("old_logp"), micro_batch["advantages"], mask, normalisers.loss,
             ref_logp=micro_batch.get("ref_logp"), beta=self.beta, kl_estimator=self.kl_estimator,
             epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta,
             importance_sampling_level=self.importance_sampling_level, aggregation=self.aggregation,
-            sampling_weights=micro_batch.get("is_weights"), entropies=ent, entropy_coef=self.entropy_coef,
+            sampling_weights=weights, entropies=ent, entropy_coef=self.entropy_coef,
             log_ratio_clamp=self.log_ratio_clamp)
+        metrics.update(mismatch)
         old = jax.lax.stop_gradient(logp) if micro_batch.get("old_logp") is None else micro_batch["old_logp"]
         dev = jnp.abs(jnp.exp(grpo_lib.clamp_log_ratio(jax.lax.stop_gradient(logp) - old, self.log_ratio_clamp)) - 1.0)
-        metrics.update(grpo_lib.token_metric_contributions({"ratio_abs_dev": dev}, mask, normalisers))
+        metrics.update(grpo_lib.token_metric_contributions({"ratio_abs_dev": dev}, mask, normalisers.loss))
         return loss, metrics
 
 
@@ -117,7 +158,7 @@ def advantages_of(rewards: np.ndarray, num_generations: int, estimator: str, sca
     return np.asarray(grpo_lib.compute_advantages(rewards, num_generations, estimator), np.float32)
 
 
-class GRPOTask(online_task.OnlineTask):
+class GRPOTask(OnlineTask):
     def __init__(self, config: TrainConfig, model, mesh):
         grpo: GRPOConfig = config.grpo
         self.grpo = grpo
@@ -125,9 +166,10 @@ class GRPOTask(online_task.OnlineTask):
         if grpo.num_generations < 2:
             logging.warning("grpo.num_generations=1: every group has zero variance and zero advantage")
         global_batch = config.batch.global_batch
-        online_task.check_rows(grpo.rows_per_rollout, global_batch, "grpo.prompts_per_step x grpo.num_generations")
-        super().__init__(config, online_task.Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations,
-                                                      config.seed))
+        check_rows(grpo.rows_per_rollout, global_batch, "grpo.prompts_per_step x grpo.num_generations")
+        rollouts = Rollouts(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo)
+        super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed),
+                         rollouts, grpo)
         self.on_policy = self.schedule.steps_per_rollout == 1
         # The sampler's log-probs match a teacher-forced pass to ~1e-6 in float32 only; in bf16 its KV-cache
         # decode drifts, so the first update's ratio would not be 1.
@@ -146,22 +188,16 @@ class GRPOTask(online_task.OnlineTask):
             logging.warning("grpo.rollout_correction=%s at temperature %s: the sampler reports untempered log-probs "
                             "(as vLLM does by default), so the weights are those of the untempered distributions",
                             grpo.rollout_correction, grpo.temperature)
+        # An on-policy step at temperature 1 is the MISMATCH pass itself: the correction happens in the step.
+        self.mismatch_in_step = self.on_policy and grpo.temperature == 1.0
         self.chunk_size = config.logprob_chunk_size
-        self.objective = GRPOObjective(
-            max_new_tokens=grpo.max_new_tokens, aggregation=grpo.aggregation, beta=grpo.beta,
-            kl_estimator=grpo.kl_estimator, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
-            delta=grpo.delta or None, log_ratio_clamp=grpo.log_ratio_clamp or None,
-            importance_sampling_level=grpo.importance_sampling_level,
-            temperature=grpo.temperature, entropy=grpo.log_entropy, entropy_coef=grpo.entropy_coef,
-            chunk_size=self.chunk_size)
+        self.objective = GRPOObjective.of(grpo, chunk_size=self.chunk_size, mismatch_in_step=self.mismatch_in_step)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (
             ("ref_logp",) if grpo.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",)) + (
-            ("is_weights",) if corrected else ())
-        self.engine = online_rollouts.RolloutEngine(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step,
-                                                    sampling=grpo)
+            ("behaviour_logp", "rollout_mask") if self.mismatch_in_step else ("is_weights",) if corrected else ())
         self.mesh = mesh
 
-    def shaped_rewards(self, s: online_rollouts.Sampled) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    def shaped_rewards(self, s: Sampled) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """(rewards the advantages come from, DAPO overlong penalty or None): the reward plus that penalty."""
         grpo = self.grpo
         if grpo.overlong_buffer <= 0:
@@ -175,20 +211,20 @@ class GRPOTask(online_task.OnlineTask):
 
         Without dynamic sampling: the rollout's prompt groups. With it (DAPO; verl `filter_groups`, OpenRLHF
         `dynamic_filtering`): groups whose rewards all agree carry no signal, so up to `max_extra_draws` extra draws
-        of `prompts_per_step` prompts each (`RolloutEngine.run(.., draw=d)`, seeded by (seed, rollout, d): a resumed
+        of `prompts_per_step` prompts each (`Rollouts.run(.., draw=d)`, seeded by (seed, rollout, d): a resumed
         run redraws them) are made until `prompts_per_step` groups have signal. The step trains on the first
         `prompts_per_step` of those in draw order; when the cap is reached first, the rest of its groups are the
         earliest groups without signal (advantage 0), so the rollout keeps its shape.
         """
         grpo, group, wanted = self.grpo, self.grpo.num_generations, self.grpo.prompts_per_step
-        s = self.engine.run(policy, rollout)
+        s = self.rollouts.run(policy, rollout)
         rewards, pen = self.shaped_rewards(s)
         if not grpo.dynamic_sampling:
             return s, rewards, pen, {}
         draws = [(s, rewards, pen)]
         signal = [~np.asarray(grpo_lib.zero_variance_groups(rewards, group)).reshape(-1, group)[:, 0]]
         while sum(int(x.sum()) for x in signal) < wanted and len(draws) <= grpo.max_extra_draws:
-            extra = self.engine.run(policy, rollout, draw=len(draws))
+            extra = self.rollouts.run(policy, rollout, draw=len(draws))
             r, p = self.shaped_rewards(extra)
             draws.append((extra, r, p))
             signal.append(~np.asarray(grpo_lib.zero_variance_groups(r, group)).reshape(-1, group)[:, 0])
@@ -211,13 +247,13 @@ class GRPOTask(online_task.OnlineTask):
                             wanted, len(draws) - 1, wanted - have)
         # reward/* and completion/* describe the rollout's own prompts (draw 0), as without dynamic sampling: the
         # groups trained on are chosen by their rewards
-        metrics.update(online_rollouts.sample_metrics(s, grpo.max_new_tokens))
+        metrics.update(sample_metrics(s, grpo.max_new_tokens))
         return picked, rewards, pen, metrics
 
     def make_rollout(self, rollout: int, policy):
         grpo, group = self.grpo, self.grpo.num_generations
         s, rewards, pen, metrics = self.sample(rollout, policy)
-        metrics = {**online_rollouts.sample_metrics(s, grpo.max_new_tokens), **metrics}
+        metrics = {**sample_metrics(s, grpo.max_new_tokens), **metrics}
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         if pen is not None:
             metrics["reward/overlong_penalty"] = float(pen.mean())
@@ -241,41 +277,32 @@ class GRPOTask(online_task.OnlineTask):
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
         buffer = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": mask,
                   "advantages": adv, "sequence_mask": seq}
-        common = dict(max_new_tokens=grpo.max_new_tokens, batch_size=grpo.logprob_batch_size,
-                      chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options,
-                      temperature=grpo.temperature)
-        t0 = time.perf_counter()
+        passes = RolloutPasses(policy, arrays, temperature=grpo.temperature, batch_size=grpo.logprob_batch_size,
+                               chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options)
         if grpo.beta != 0.0:  # the reference at the sampling temperature, like the policy's log-probs
-            buffer["ref_logp"] = completion_passes.teacher_forced(policy, arrays, adapters=False, **common)["logp"]
-        t1 = time.perf_counter()
-        metrics["time/ref_logp_s"] = t1 - t0
+            buffer["ref_logp"] = passes.logp(Role.REFERENCE)
         old = s.behaviour_logp if grpo.temperature == 1.0 else None  # the sampler's are untempered
-        recomputed = not self.on_policy and self.recompute
-        if recomputed:
-            old = completion_passes.teacher_forced(policy, arrays, adapters=True, **common)["logp"]
-        t2 = time.perf_counter()
-        metrics["time/old_logp_s"] = t2 - t1
+        if not self.on_policy and self.recompute:
+            old = passes.logp(Role.OLD)
         if not self.on_policy:
             buffer["old_logp"] = old
         if grpo.beta != 0.0 and old is not None:
             kl = np.asarray(kl_lib.kl(old, buffer["ref_logp"], grpo.kl_estimator, mask=s.completion_mask))
             metrics["rollout/kl_ref"] = float((kl * s.completion_mask).sum() / max(s.completion_mask.sum(), 1.0))
-        # The sampler-trainer gap, every rollout: the sampler reports untempered log-probs, so the trainer's side is
-        # a teacher-forced pass of the same (behaviour) parameters at temperature 1 (the old log-probs when they
-        # are that pass).
-        trainer_logp = old if recomputed and grpo.temperature == 1.0 else completion_passes.teacher_forced(
-            policy, arrays, adapters=True, **{**common, "temperature": 1.0})["logp"]
-        weights, mismatch = grpo_lib.rollout_correction(
-            trainer_logp, s.behaviour_logp, s.completion_mask, grpo.rollout_correction,
-            grpo.rollout_correction_min or None, grpo.rollout_correction_max)
-        metrics.update(mismatch)
-        metrics["time/mismatch_logp_s"] = time.perf_counter() - t2
-        if weights is not None:
-            buffer["is_weights"] = weights
+        if self.mismatch_in_step:  # the step's own forward is the trainer side (module docstring)
+            buffer["behaviour_logp"], buffer["rollout_mask"] = s.behaviour_logp, s.completion_mask
+        else:
+            weights, mismatch = correction.rollout_correction(
+                passes.logp(Role.MISMATCH), s.behaviour_logp, s.completion_mask, grpo.rollout_correction,
+                grpo.rollout_correction_min or None, grpo.rollout_correction_max)
+            metrics.update(mismatch)
+            if weights is not None:
+                buffer["is_weights"] = weights
+        metrics.update(passes.timings())
         return buffer, metrics
 
 
-def take_groups(draws: list, order: list, group: int) -> online_rollouts.Sampled:
+def take_groups(draws: list, order: list, group: int) -> Sampled:
     """The `Sampled` holding groups `order` = [(draw, group index), ...] of `draws` in that order (rows
     prompt-major); per-row arrays are taken, `times` summed over every draw (all of them were sampled)."""
     first, out = draws[0], {}
@@ -287,7 +314,7 @@ def take_groups(draws: list, order: list, group: int) -> online_rollouts.Sampled
             out[f.name] = {k: sum(float(getattr(d, f.name).get(k, 0.0)) for d in draws) for k in value}
         else:
             out[f.name] = value
-    return online_rollouts.Sampled(**out)
+    return Sampled(**out)
 
 
 def build_grpo(config: TrainConfig, model, mesh) -> GRPOTask:

@@ -7,7 +7,7 @@ The value function is `ValueHead` (Linear H -> 1, zero-initialised) on the polic
 as `model.value_head` and trained alongside the LoRA factors (the task's `trainable` filter); it is part of the
 training state (checkpoints, resume) but not of the adapter artifacts or the PEFT export.
 
-Each rollout (`jaxrl.algorithms.online`): `prompts_per_rollout` prompts x `num_generations` samples from the
+Each rollout (jaxrl/algorithms/online): `prompts_per_rollout` prompts x `num_generations` samples from the
 current policy -> scores (`config.reward`) -> one teacher-forced pass with the adapters on (old log-probs at the
 sampling temperature, old values) and one with them off (reference log-probs) -> per-token rewards
 `-kl_coef * KL_t` (`kl_estimator` k1 | k3) plus the score at the last completion token -> optional reward
@@ -41,7 +41,6 @@ the rollout's first step `time/{sample_s,score_s,policy_pass_s,ref_logp_s,mismat
 from __future__ import annotations
 
 import dataclasses
-import time
 from functools import partial
 from typing import Optional
 
@@ -53,8 +52,12 @@ from flax import nnx
 
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
-from jaxrl.algorithms import completion_passes, online_rollouts, online_task
 from jaxrl.algorithms import ppo as ppo_lib
+from jaxrl.algorithms.online import correction
+from jaxrl.algorithms.online.buffer import Schedule
+from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
+from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
+from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.models.lora import LoRAParam
 from jaxrl.utils.train_config import PPOConfig, TrainConfig
 
@@ -104,27 +107,34 @@ TRAINABLE = nnx.Any(LoRAParam, nnx.PathContains("value_head"))
 class PPOObjective:
     """PPO loss of one micro-batch. Batch keys: input_ids, attention_mask [b, P+C]; completion_mask, old_logp,
     old_values, advantages (whitened), returns [b, C]; is_weights [b, C] (the rollout correction) unless it is
-    none; policy_on [b] (0 in the critic warm-up steps, else 1) when ppo.critic_warmup_steps > 0."""
+    none; policy_on [b] (0 in the critic warm-up steps, else 1) when ppo.critic_warmup_steps > 0. Defaults are the
+    `ppo` block's (`of` builds one from a run's block)."""
 
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    temperature: float = 1.0
-    value_head_detach: bool = False
-    entropy: bool = True
-    entropy_coef: float = 0.0
+    cliprange: float = PPOConfig.cliprange
+    cliprange_value: float = PPOConfig.cliprange_value
+    vf_coef: float = PPOConfig.vf_coef
+    temperature: float = PPOConfig.temperature
+    value_head_detach: bool = PPOConfig.value_head_detach
+    entropy: bool = PPOConfig.log_entropy
+    entropy_coef: float = PPOConfig.entropy_coef
     chunk_size: int = 512
-    log_ratio_clamp: Optional[float] = 20.0
-    dual_clip: Optional[float] = None
+    log_ratio_clamp: Optional[float] = PPOConfig.log_ratio_clamp or None  # 0 in the config: off
+    dual_clip: Optional[float] = PPOConfig.dual_clip or None
+
+    @classmethod
+    def of(cls, ppo: PPOConfig, *, chunk_size: int) -> "PPOObjective":
+        return cls(cliprange=ppo.cliprange, cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
+                   temperature=ppo.temperature, value_head_detach=ppo.value_head_detach, entropy=ppo.log_entropy,
+                   entropy_coef=ppo.entropy_coef, chunk_size=chunk_size, log_ratio_clamp=ppo.log_ratio_clamp or None,
+                   dual_clip=ppo.dual_clip or None)
 
     def normalisers(self, batch):
         return grpo_lib.global_normalizers(batch["completion_mask"])
 
     def loss(self, model, micro_batch, normalisers, rng):
         mask = micro_batch["completion_mask"]
-        h, logp, ent = completion_passes.policy_forward(model, micro_batch, chunk_size=self.chunk_size,
-                                                        temperature=self.temperature,
-                                                        entropy=self.entropy or bool(self.entropy_coef))
+        h, logp, ent = policy_forward(model, micro_batch, chunk_size=self.chunk_size, temperature=self.temperature,
+                                      entropy=self.entropy or bool(self.entropy_coef))
         sg = jax.lax.stop_gradient
         if "policy_on" in micro_batch:  # critic warm-up: the same values, but no gradient reaches the LoRA factors
             on = micro_batch["policy_on"] > 0
@@ -153,7 +163,7 @@ def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, *,
     return white, adv, ret, kl
 
 
-class PPOTask(online_task.OnlineTask):
+class PPOTask(OnlineTask):
     trainable = TRAINABLE
 
     def __init__(self, config: TrainConfig, model, mesh):
@@ -167,7 +177,8 @@ class PPOTask(online_task.OnlineTask):
             raise ValueError(f"ppo.prompts_per_rollout x ppo.num_generations = {rows} rows must equal ppo.minibatches "
                              f"({ppo.minibatches}) x the global batch batch.micro_batch_size x batch.grad_accum "
                              f"({global_batch})")
-        super().__init__(config, online_task.Schedule(rows, global_batch, ppo.epochs, config.seed))
+        rollouts = Rollouts(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo)
+        super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo)
         lr = config.optimizer.learning_rate
         value_lr = ppo.value_learning_rate or lr
         if not (value_lr > 0 and lr > 0):
@@ -178,11 +189,7 @@ class PPOTask(online_task.OnlineTask):
                            if ppo.adaptive_kl else ppo_lib.FixedKLController(ppo.init_kl_coef))
         self.kl_coef = float(self.controller.init())
         self.chunk_size = config.logprob_chunk_size
-        self.objective = PPOObjective(
-            cliprange=ppo.cliprange, cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
-            temperature=ppo.temperature, value_head_detach=ppo.value_head_detach, entropy=ppo.log_entropy,
-            entropy_coef=ppo.entropy_coef, chunk_size=self.chunk_size, log_ratio_clamp=ppo.log_ratio_clamp or None,
-            dual_clip=ppo.dual_clip or None)
+        self.objective = PPOObjective.of(ppo, chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
                            "returns") + (("is_weights",) if ppo.rollout_correction != "none" else ())
         if ppo.critic_warmup_steps and config.optimizer.weight_decay:
@@ -193,8 +200,6 @@ class PPOTask(online_task.OnlineTask):
             logging.warning("ppo.rollout_correction=%s at temperature %s: the sampler reports untempered log-probs "
                             "(as vLLM does by default), so the weights are those of the untempered distributions",
                             ppo.rollout_correction, ppo.temperature)
-        self.engine = online_rollouts.RolloutEngine(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout,
-                                                    sampling=ppo)
         self.mesh = mesh
 
     # host state: the KL coefficient -------------------------------------------------------------------------
@@ -215,28 +220,23 @@ class PPOTask(online_task.OnlineTask):
 
     def make_rollout(self, rollout: int, policy):
         ppo = self.ppo
-        s = self.engine.run(policy, rollout)
-        metrics = online_rollouts.sample_metrics(s, ppo.max_new_tokens)
+        s = self.rollouts.run(policy, rollout)
+        metrics = sample_metrics(s, ppo.max_new_tokens)
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
-        common = dict(max_new_tokens=ppo.max_new_tokens, batch_size=ppo.logprob_batch_size,
-                      chunk_size=self.chunk_size, temperature=ppo.temperature, mesh=self.mesh,
-                      compile_options=self.compile_options)
-        t0 = time.perf_counter()
+        passes = RolloutPasses(policy, arrays, temperature=ppo.temperature, batch_size=ppo.logprob_batch_size,
+                               chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options,
+                               values=True)
         # Old log-probs from a teacher-forced pass (the same numerics as the loss) in the pass the values need.
-        cur = completion_passes.teacher_forced(policy, arrays, adapters=True, values=True, **common)
-        t1 = time.perf_counter()
-        ref = completion_passes.teacher_forced(policy, arrays, adapters=False, **common)["logp"]
-        t2 = time.perf_counter()
-        metrics.update({"time/policy_pass_s": t1 - t0, "time/ref_logp_s": t2 - t1})
-        # The sampler-trainer gap (grpo_task's module docstring): the sampler's log-probs are untempered.
-        trainer_logp = cur["logp"] if ppo.temperature == 1.0 else completion_passes.teacher_forced(
-            policy, arrays, adapters=True, **{**common, "temperature": 1.0})["logp"]
-        is_weights, mismatch = grpo_lib.rollout_correction(
-            trainer_logp, s.behaviour_logp, s.completion_mask, ppo.rollout_correction,
+        cur = {"logp": passes.logp(Role.OLD), "values": passes.values()}
+        ref = passes.logp(Role.REFERENCE)
+        # The sampler-trainer gap (grpo_task's module docstring): at temperature 1 the OLD pass itself.
+        is_weights, mismatch = correction.rollout_correction(
+            passes.logp(Role.MISMATCH), s.behaviour_logp, s.completion_mask, ppo.rollout_correction,
             ppo.rollout_correction_min or None, ppo.rollout_correction_max)
         metrics.update(mismatch)
-        metrics["time/mismatch_logp_s"] = time.perf_counter() - t2
+        timings = passes.timings()
+        metrics.update({"time/policy_pass_s": timings.pop("time/old_logp_s"), **timings})
 
         masked = np.isnan(s.rewards)  # the reward masked these samples (truncation policy "mask"): no loss
         mask = s.completion_mask * (~masked)[:, None].astype(np.float32)

@@ -27,6 +27,7 @@ import numpy as np
 from jaxrl.data import packing
 from jaxrl.data.stream import epoch_stream
 from jaxrl.train.objective import NextToken
+from jaxrl.train.task import Task
 from jaxrl.utils.train_config import TrainConfig
 
 
@@ -112,7 +113,7 @@ class JsonlTokens:
                 "loss_mask": self.loss_mask[index]}
 
 
-class SFTTask:
+class SFTTask(Task):
     """Next-token objective over synthetic or JSON Lines token data."""
 
     def __init__(self, config: TrainConfig, vocab_size: int, pad_id: int = 0):

@@ -53,7 +53,7 @@ from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
 from jaxrl.diagnostics.flags import DRIFT_MAX_NEW_TOKENS, DiagnoseSettings
 from jaxrl.models import qwen35
-from jaxrl.rollout import generate
+from jaxrl.generation import generate
 
 __all__ = ["Adapter", "lora_delta_norm", "update_norms", "token_kl", "checkpoint_drift", "parse_peft_tensors",
            "load_peft_adapter", "find_peft_checkpoints", "ModelLogprobs", "model_checkpoint_drift",
@@ -362,7 +362,7 @@ def model_checkpoint_drift(model_dir: Optional[str], adapters: AdapterSource, se
     """:func:`checkpoint_drift` with :class:`ModelLogprobs`.
 
     Give ``sequences`` ``[(prompt_ids, continuation_ids)]``, or ``prompts`` (token ids) whose continuations are
-    generated greedily from the base with ``jaxrl.rollout.generate`` (``max_new_tokens``, ``eos_token_ids``).
+    generated greedily from the base with ``jaxrl.generation.generate`` (``max_new_tokens``, ``eos_token_ids``).
     ``steps`` defaults to the keys of a mapping ``adapters``.
     """
     if steps is None:

@@ -20,7 +20,7 @@ from jaxrl.evaluation import protocol
 from jaxrl.evaluation.analysis import sampling_warning
 from jaxrl.evaluation.runner import BASE, EvalConfig, ModelSpec, checkpoint_specs, default_reward_kwargs
 from jaxrl.parallel.distributed import FLAGS as DISTRIBUTED_FLAGS
-from jaxrl.rollout.backends.flags import SERVER_FLAGS, backend_options
+from jaxrl.backends.flags import SERVER_FLAGS, backend_options
 from jaxrl.rollout.runner import check_reward_choice
 from jaxrl.utils import dataclass_flags
 

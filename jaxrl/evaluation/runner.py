@@ -82,14 +82,15 @@ from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.parallel import distributed
 from jaxrl.parallel.mesh import local_mesh
 from jaxrl.rewards import get_reward
-from jaxrl.rollout.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
-from jaxrl.rollout.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
-from jaxrl.rollout.backends.jax_backend import DTYPES
+from jaxrl.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
+from jaxrl.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
+from jaxrl.backends.jax_backend import DTYPES
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.runner import REWARD_HELP, check_model_folder
 from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
-from jaxrl.rollout.writer import ResumableJsonl, ResumeError
+from jaxrl.rollout.writer import ResumableJsonl
+from jaxrl.utils.io import ResumeError
 from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
 from jaxrl.utils.io import (OutputExistsError, atomic_write_json, atomic_write_text, folder_lock_file, sha256_file,
                             writer_lock)
@@ -373,7 +374,7 @@ class Evaluator:
         if got != want:
             raise RuntimeError(f"model {name!r}: the backend carries adapter digest {got}, expected {want} "
                                "(the evaluation would score other weights than the ones named)")
-        served = getattr(self.backend, "served_fingerprint", lambda: None)()
+        served = self.backend.served_fingerprint()
         expected = self.run_audit()["fingerprints"][name]
         if served is not None and served != expected:
             raise RuntimeError(f"model {name!r}: the backend serves weights with fingerprint {served[:12]}, the "
@@ -391,7 +392,7 @@ class Evaluator:
                 "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                 "max_new_tokens": cfg.max_new_tokens, "enable_thinking": cfg.enable_thinking,
                 "reward": cfg.reward, "reward_kwargs": self.reward_kwargs, "seed": cfg.seed,
-                "backend": getattr(self.backend, "name", cfg.backend),
+                "backend": self.backend.name or cfg.backend,
                 "dtype": cfg.dtype, "tokenizer": self.tokenizer_digest}
 
     def cache_path(self, name: str) -> Path:
@@ -458,7 +459,7 @@ class Evaluator:
         def report(counts: Counts) -> None:
             on_batch({"model": name, "problems_done": counts.batch_problems})
 
-        loop.run(self.collector, self.sampling, record, batch_size=cfg.batch_size,
+        loop.run(self.collector, self.sampling, record,
                  stop_message=lambda counts: self._stop_message(name), prepare=lambda: self.load(name),
                  progress=ProgressBar(name, unit="problem") if cfg.progress else None,
                  on_batch=report if on_batch is not None else None)

@@ -29,7 +29,7 @@ every merged export measures it and records it as `merge_fidelity` in `jaxrl_exp
 A warning is logged when update_rel_error exceeds FIDELITY_WARN. `merge_dtype="float32"` keeps the update (the
 adapted tensors are stored in fp32, the rest as in the base); a server must then compute in fp32 (`vllm serve
 --dtype float32`, `qwen35.from_pretrained(dtype=float32)`), since loading fp32 tensors into a bf16 model rounds
-them again. Serving the PEFT adapter unmerged (`jaxrl.rollout.backends`, docs/guides/vllm.md) avoids the question.
+them again. Serving the PEFT adapter unmerged (`jaxrl.backends`, docs/guides/vllm.md) avoids the question.
 """
 
 from __future__ import annotations

@@ -100,12 +100,14 @@ def shrink_ladder(slots: int, multiple: int = 1) -> tuple[int, ...]:
 
 
 def prompts_per_rows(rows: int, samples_per_prompt: int, multiple: int = 1) -> int:
-    """The prompts of an insert of `rows` rows whose prompts have n samples each, in a row: ceil(rows / n) (and one
-    more: K rows may start in the middle of a prompt's samples), rounded up to a multiple of `multiple` (the
-    data-parallel size), at most `rows`. An insert whose rows would need more stops at a prompt boundary; the
-    next one takes the rest."""
-    prompts = -(-rows // max(1, samples_per_prompt))
-    return min(-(-rows // multiple) * multiple, -(-prompts // multiple) * multiple)
+    """The prompts of an insert of `rows` rows whose prompts have n samples each: ceil(rows / n), rounded up to the
+    smallest of rows / 8, rows / 2 and rows that holds it (a static size of the prefill and insert programs: a
+    ladder, so calls of other n reuse them) and is a multiple of `multiple` (the data-parallel size). An insert
+    whose rows would need more prompts stops at a prompt boundary; the next one takes the rest."""
+    need = -(-rows // max(1, samples_per_prompt))
+    ladder = sorted({rows} | {rows // d for d in (8, 2) if rows % d == 0 and (rows // d) % multiple == 0})
+    fits = [u for u in ladder if u >= need and u % multiple == 0]
+    return fits[0] if fits else -(-rows // multiple) * multiple
 
 
 def insert_sizes(slots: int, samples_per_prompt: int, multiple: int = 1, cap: Optional[int] = None

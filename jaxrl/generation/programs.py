@@ -162,13 +162,14 @@ def decode_round(graphdef: Structure, params: list, decode_weights: dict, state:
         generated = st.generated + run.astype(jnp.int32)
         running, hit = running_after(run, new, st.stop_ids, generated, st.cap)
         st = st._replace(
-            cache=constrain_rows(cache, mesh), token=jnp.where(run, new, st.token), generated=generated,
-            running=running, stopped=st.stopped | hit,
+            cache=cache, token=jnp.where(run, new, st.token), generated=generated, running=running,
+            stopped=st.stopped | hit,
             tokens=write_rows(st.tokens, jnp.where(run, new, old_token)[:, None], column, axis=1),
             logprobs=write_rows(st.logprobs, jnp.where(run, lp, old_lp)[:, None], column, axis=1))
-        return step + 1, st
+        return step + 1, constrain_rows(st, mesh)  # every slot's arrays stay on the devices of its rows
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    state = constrain_rows(state, mesh)  # the state stays split by rows; what the host reads is gathered below
     status = jnp.stack([state.running.astype(jnp.int32), state.generated, state.stopped.astype(jnp.int32),
                         jnp.full((num_slots,), steps, jnp.int32)])
     if mesh is None:

@@ -1,4 +1,4 @@
-"""THE generation path: token-id prompts -> a generation backend -> one decoding of texts -> scoring -> samples.
+"""THE generation path of every consumer: token-id prompts -> a backend -> one decoding of texts -> scoring.
 
     collector = Collector(backend, reward, tokenizer=tok, stop_ids=stop_ids)
     samples = collector.collect(prompt_ids, [problem_key(p.id) for p in problems], problems,
@@ -7,10 +7,8 @@
 
 Offline rollouts (`jaxrl.rollout.runner`), online GRPO/PPO (`jaxrl.algorithms.online`) and evaluation
 (`jaxrl.evaluation.runner`) all go through `Collector`, so training and evaluation score the same text for the
-same tokens. The text of a completion is `decode_completion`: the final token is dropped when it is a stop id
-(EOS / <|im_end|>; it is not part of the answer), special tokens are skipped, and `<think>`/`</think>` stay (they
-are ordinary added tokens in Qwen3.5 tokenizers; the rewards strip reasoning themselves). Without a tokenizer
-(token-id tasks) the text is the ids joined by spaces ("17 42 9").
+same tokens. The text of a completion is the stopping rule's (`jaxrl.generation.stopping.completion_text`: the
+final stop id dropped, special tokens skipped; the rewards strip reasoning themselves).
 """
 
 from __future__ import annotations
@@ -19,19 +17,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from jaxrl.backends.base import Generation, RolloutBackend, SamplingParams
+from jaxrl.generation.stopping import completion_text
 from jaxrl.rewards.base import RewardResult
-from jaxrl.rewards.toy import token_text
-from jaxrl.rollout.backends.base import Generation, GenerationBackend, SamplingParams
-
-
-def decode_completion(tokenizer: Any, tokens: Sequence[int], stop_ids: Sequence[int]) -> str:
-    """The text of one completion (module docstring); tokenizer None = token-id text."""
-    body = list(tokens)
-    if body and body[-1] in stop_ids:
-        body = body[:-1]
-    if tokenizer is None:
-        return token_text(body)
-    return tokenizer.decode(body, skip_special_tokens=True)
 
 
 @dataclasses.dataclass
@@ -42,7 +30,7 @@ class Sample:
     sample_index: int
     tokens: list[int]  # generated ids, up to and including the stop token
     finish_reason: str  # "stop" | "length"
-    text: str  # decode_completion(tokens)
+    text: str  # completion_text(tokens)
     result: RewardResult
     logprobs: Optional[list[float]] = None  # per generated token under the sampled model (when the backend has them)
 
@@ -57,21 +45,21 @@ class Collector:
     `last_times` holds the seconds of the last `collect` call: {"sample_s", "score_s"}.
     """
 
-    def __init__(self, backend: GenerationBackend, reward, *, tokenizer: Any = None, stop_ids: Sequence[int] = ()):
+    def __init__(self, backend: RolloutBackend, reward, *, tokenizer: Any = None, stop_ids: Sequence[int] = ()):
         self.backend, self.reward, self.tokenizer = backend, reward, tokenizer
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.last_times: dict[str, float] = {}
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return decode_completion(self.tokenizer, tokens, self.stop_ids)
+        return completion_text(self.tokenizer, tokens, self.stop_ids)
 
-    def generate(self, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], sampling: SamplingParams, *,
-                 params=None) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], group_ids: Sequence[int],
+                 sampling: SamplingParams) -> list[Generation]:
         if len(prompts) != len(group_ids):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
         if not prompts:
             return []
-        return self.backend.generate(prompts, group_ids, sampling, params=params)
+        return self.backend.generate(prompts, group_ids, sampling)
 
     def score(self, generations: Sequence[Generation], problems: Sequence[Any]) -> list[Sample]:
         """Decodes and scores generations; `problems[g.prompt_index]` is what generation g answers."""
@@ -82,19 +70,18 @@ class Collector:
                        g.logprobs) for g, text, result in zip(generations, texts, results)]
 
     def collect(self, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], problems: Sequence[Any],
-                sampling: SamplingParams, *, params=None,
+                sampling: SamplingParams, *,
                 wanted: Optional[Callable[[int, int], bool]] = None) -> list[Sample]:
         """Samples `sampling.n` completions of every prompt, decodes and scores them; prompt-major order.
 
         group_ids: the key of each prompt's random stream (`jaxrl.rollout.keys.problem_key` of its problem id).
-        params: weights to sample with (online training; the jax backend only).
         wanted(prompt_index, sample_index): keep only these samples (a resumed run skips what is on disk;
           the others are still drawn, since all of a prompt's samples are decoded together, but not scored).
         """
         if len(problems) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(problems)} problems")
         t0 = time.perf_counter()
-        gens = self.generate(prompts, group_ids, sampling, params=params)
+        gens = self.generate(prompts, group_ids, sampling)
         if wanted is not None:
             gens = [g for g in gens if wanted(g.prompt_index, g.sample_index)]
         t1 = time.perf_counter()
@@ -126,7 +113,7 @@ class Collector:
             gens, start, t0 = [], j + 1, time.perf_counter()
 
     def close(self) -> None:
-        """Closes the reward (its sandboxes) and the backend."""
+        """Closes the reward (its sandboxes: a plug-in reward may hold none) and the backend."""
         close = getattr(self.reward, "close", None)
         if close is not None:
             close()

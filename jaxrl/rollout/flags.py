@@ -12,7 +12,7 @@ from __future__ import annotations
 from absl import flags
 
 from jaxrl.parallel.distributed import FLAGS as DISTRIBUTED_FLAGS
-from jaxrl.rollout.backends.flags import SERVER_FLAGS, backend_options
+from jaxrl.backends.flags import SERVER_FLAGS, backend_options
 from jaxrl.rollout.runner import RolloutConfig
 from jaxrl.utils import dataclass_flags
 

@@ -55,12 +55,13 @@ from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.parallel.mesh import local_mesh
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.rewards import REWARDS, get_reward
-from jaxrl.rollout.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
-from jaxrl.rollout.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
-from jaxrl.rollout.backends.jax_backend import DTYPES
+from jaxrl.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
+from jaxrl.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
+from jaxrl.backends.jax_backend import DTYPES
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
-from jaxrl.rollout.writer import ResumableJsonl, ResumeError
+from jaxrl.rollout.writer import ResumableJsonl
+from jaxrl.utils.io import ResumeError
 from jaxrl.utils.dataclass_flags import flag_field
 from jaxrl.utils.io import sibling_lock_file, writer_lock
 
@@ -145,7 +146,7 @@ class RolloutConfig:
                                           "+ADAPTER with --adapter).")
     save_logprobs: bool = flag_field(False, help="Also write token_ids and per-token logprobs.")
     progress: bool = flag_field(True, help="Show a progress bar.")
-    backend: str = backend_field()  # jax | vllm | server (jaxrl.rollout.backends)
+    backend: str = backend_field()  # jax | vllm | server (jaxrl.backends)
     backend_kwargs: dict = backend_kwargs_field()  # e.g. {"url": ...}, vLLM's parallel sizes
     mesh_shape: Optional[tuple[int, ...]] = mesh_shape_field()  # jax backend: (data, fsdp, tensor) over this
     #                                     process's devices; None = one device without a mesh
@@ -311,7 +312,7 @@ def _sample(cfg: RolloutConfig, problems, skipped, loop: SamplingLoop, out: Path
                 "rerun the same command to resume")
 
     try:
-        counts = loop.run(collector, sampling, record, batch_size=cfg.batch_size, stop_message=stop_message,
+        counts = loop.run(collector, sampling, record, stop_message=stop_message,
                           progress=ProgressBar("rollouts", unit="sample") if cfg.progress else None,
                           on_batch=report if on_batch is not None else None)
     finally:

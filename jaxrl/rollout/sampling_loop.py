@@ -5,7 +5,7 @@ processes the parts merged into the file one process would have written.
 
     done = ... keys of the records in on_disk(log) ...      # the file and its part files: what is drawn already
     loop = SamplingLoop(log, work, num_samples, done, label="rollouts out.jsonl")   # this process's share
-    counts = loop.run(collector, sampling, record, batch_size=64, stop_message=lambda counts: "...")
+    counts = loop.run(collector, sampling, record, stop_message=lambda counts: "...")
     meta = loop.finish(summary=...)                          # several processes: barrier, process 0 merges, barrier
 
 work: (problem, prompt token ids) of every problem, in the file's order; done: the (problem id, sample index)
@@ -27,7 +27,7 @@ import jax
 from tqdm import tqdm
 
 from jaxrl.parallel import distributed
-from jaxrl.rollout.backends import SamplingParams
+from jaxrl.backends.base import SamplingParams
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.writer import ResumableJsonl
@@ -95,13 +95,14 @@ class SamplingLoop:
         return self._position[str(record["problem_id"])], int(record["sample_index"])
 
     def run(self, collector: Collector, sampling: SamplingParams, record: Callable[[Sample, Any, Sequence[int]], dict],
-            *, batch_size: int, stop_message: Callable[[Counts], str], prepare: Optional[Callable[[], None]] = None,
+            *, stop_message: Callable[[Counts], str], prepare: Optional[Callable[[], None]] = None,
             progress: Optional[ProgressBar] = None, on_batch: Optional[Callable[[Counts], None]] = None) -> Counts:
         """Draws and appends what this process's share lacks; returns the counts.
 
-        record(sample, problem, prompt ids): the line written for a sample. batch_size: samples per collect call
-        when the backend has no batch size of its own. prepare(): called once before the first batch, only when
-        there is something to draw (e.g. loading the model). on_batch(counts): after each written batch."""
+        record(sample, problem, prompt ids): the line written for a sample. A batch written together is the
+        problems of the backend's `batch_size` samples (the stream goes on past it). prepare(): called once before
+        the first batch, only when there is something to draw (e.g. loading the model). on_batch(counts): after
+        each written batch."""
         counts = self.counts
         self.writer.start()
         bar = None
@@ -110,8 +111,7 @@ class SamplingLoop:
                 prepare()
             if progress is not None and (self.todo or progress.unit == "sample"):
                 bar = self._open_bar(progress)
-            # problems per collect call: the jax backend's compiled batch, a server's requests in flight
-            per_batch = max(1, getattr(collector.backend, "batch_size", batch_size) // self.num_samples)
+            per_batch = max(1, collector.backend.batch_size // self.num_samples)
             counts.started = time.perf_counter()
             todo = self.todo
             stream = collector.stream([prompt for _, prompt in todo], [problem_key(p.id) for p, _ in todo],

@@ -34,15 +34,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from jaxrl.utils.io import JsonlError, append_whole, atomic_write_json, repair_tail
+from jaxrl.utils.io import JsonlError, ResumeError, append_whole, atomic_write_json, repair_tail
 
 logger = logging.getLogger(__name__)
 
 PARTS = ".parts"  # <path>.parts/: the part files of several processes, until they are merged into <path>
-
-
-class ResumeError(ValueError):
-    """An existing output this run cannot continue (other settings, foreign or duplicate records)."""
 
 
 def meta_path_of(path: str | os.PathLike) -> Path:

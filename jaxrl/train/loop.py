@@ -42,18 +42,18 @@ from absl import logging
 from flax import nnx
 
 from jaxrl.data.formats import CONFIG_FILE
-from jaxrl.models.lora import LoRAParam, lora_targets_report
+from jaxrl.models.lora import lora_targets_report
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import barrier, is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
-from jaxrl.rollout.writer import ResumeError
+from jaxrl.utils.io import ResumeError
 from jaxrl.train import checkpoints as ckpt_lib
 from jaxrl.train.metrics import CONFIG_HISTORY, MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.wandb_log import open_mirror
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import ParamCodec, TrainState, adapter_params, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
-from jaxrl.train.task import TaskContext
+from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils import interrupt
 from jaxrl.utils.io import check_not_locked, folder_lock_file, iter_json_lines, writer_lock
 from jaxrl.utils.train_config import TrainConfig
@@ -87,14 +87,6 @@ class RunResult:
     final_step: int
     state: TrainState
     records: list  # the metrics records written by this process in this run
-
-
-def _default_num_tokens(batch: dict) -> int:
-    if "attention_mask" in batch:
-        return int(np.sum(np.asarray(batch["attention_mask"]) != 0))
-    if "input_ids" in batch:
-        return int(np.asarray(batch["input_ids"]).size)
-    return 0
 
 
 def _nonfinite_reason(m: dict, groups: list[str]) -> str:
@@ -168,7 +160,10 @@ class Trainer:
         self.max_nonfinite = config.max_consecutive_nonfinite
         self.compile_options = dict(config.compile_options)
 
-        trainable = getattr(task, "trainable", LoRAParam)
+        if not isinstance(task, Task):
+            raise TypeError(f"the algorithm's factory returned a {type(task).__name__}, not a jaxrl.train.task.Task "
+                            "subclass (the phases the Trainer calls)")
+        trainable = task.trainable
         self.graphdef, trainable_state, frozen = nnx.split(model, trainable, ...)
         self.codec = ParamCodec(trainable_state)
         if not self.codec.names:
@@ -241,7 +236,9 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """Checkpoint after `step` train steps (asynchronous when checkpoint_async)."""
-        data_state = (self.task.state_dict() if hasattr(self.task, "state_dict") else {"position": step})
+        data_state = self.task.state_dict()
+        if data_state is None:  # the step count is the task's position
+            data_state = {"position": step}
         meta = {"step": step, "data_state": data_state, "config": self.config.to_json()}
         ema_meta = None
         if self.state.ema:  # its own adapter: the adapter's meta plus what it averages
@@ -261,8 +258,7 @@ class Trainer:
             logging.warning("%s: corrupted checkpoint (%s); moved it to %s and resumed from the newest intact step, %d",
                             err.path, err.reason, moved, latest)
         self.state = state
-        if hasattr(self.task, "load_state_dict"):
-            self.task.load_state_dict(meta.get("data_state", {}))
+        self.task.load_state_dict(meta.get("data_state", {}))
         stale = self.ckpt.drop_adapters_after(latest)
         logging.info("resumed from %s/%d (step %d)%s", self.ckpt.state_dir, latest, latest,
                      f"; removed adapter folders of unfinished steps {stale}" if stale else "")
@@ -332,12 +328,12 @@ class Trainer:
         progress = Progress(self.steps, initial=start, log_every=self.config.log_every, enabled=self.main)
         records = []
         try:
-            if start < self.steps and hasattr(self.task, "setup"):
+            if start < self.steps:
                 self.task.setup(self.context())
             for step in range(start, self.steps):
                 interrupt.check(lambda: self._stop_message(start, saved=False))  # a signal before any step ran
                 t0 = time.perf_counter()
-                if hasattr(self.task, "needs_rollout") and self.task.needs_rollout(step):
+                if self.task.needs_rollout(step):
                     self.task.rollout(step, self.current_model())
                 out = self.task.batch(step)
                 batch, host_metrics = out if isinstance(out, tuple) else (out, {})
@@ -347,8 +343,7 @@ class Trainer:
                     if v.shape[:1] != (expected,):
                         raise ValueError(f"task batch[{k!r}] has shape {v.shape}; the global batch is "
                                          f"batch.micro_batch_size x batch.grad_accum = {expected} rows")
-                num_tokens = (self.task.num_tokens(batch) if hasattr(self.task, "num_tokens")
-                              else _default_num_tokens(batch))
+                num_tokens = self.task.num_tokens(batch)
                 split = put_batch(split_batch(batch, self.grad_accum), self.mesh)
                 fn, compile_s = self._step_callable(split)
                 args = (self.state, self.frozen, split)
@@ -378,10 +373,9 @@ class Trainer:
                         f"{self.ckpt.state_dir}/{done}; see {writer.path} (nonfinite_reason, nonfinite_groups).")
                 if done % self.checkpoint_every == 0 or done == self.steps:
                     # the checkpoint's record first, then the state (module docstring): no kill loses the record
-                    if hasattr(self.task, "on_checkpoint"):
-                        extra = self.task.on_checkpoint(done, self.current_model())
-                        if extra:
-                            writer.write({"step": done, **extra})
+                    extra = self.task.on_checkpoint(done, self.current_model())
+                    if extra:
+                        writer.write({"step": done, **extra})
                     self.save(done)
                 if self.on_step_end is not None:
                     self.on_step_end(done, self)

@@ -19,7 +19,8 @@ Inside one step (all on device, no host round trip):
 Metrics (device scalars, replicated): loss, grad_norm (before clipping), update_norm (0 when skipped),
 lora_norm (after the step), learning_rate (of this step's update), update_skipped, loss_finite,
 nonfinite_total, nonfinite_consecutive, finite/<group> per parameter group, plus the objective's metric sums
-(its metrics named `.../max` or `..._max` are maxima over the micro-batches instead: `is_max_metric`).
+(its metrics named `.../max` or `..._max` are maxima over the micro-batches instead, `..._min` minima:
+`reduction_of`).
 
 Fault injection (tests): with `fault_injection=True` the step takes a 4th argument `fault = {"loss": f32[],
 "grad": f32[]}` added to the loss and to the gradients of `fault_group` (all groups when None) right after
@@ -91,6 +92,16 @@ def is_max_metric(name: str) -> bool:
     return name == "max" or name.endswith(("/max", "_max"))
 
 
+def is_min_metric(name: str) -> bool:
+    """An objective metric reduced with min over micro-batches (its name ends in `min`; the accumulator starts at
+    +inf, so a step whose micro-batches all report +inf, nothing to take the minimum of, reports +inf)."""
+    return name == "min" or name.endswith(("/min", "_min"))
+
+
+def _reduce(name: str):
+    return jnp.maximum if is_max_metric(name) else jnp.minimum if is_min_metric(name) else jnp.add
+
+
 def accumulate_gradients(micro_loss: Callable, objective, params: dict, frozen, batch, step_rng):
     """(loss, grads, metric_sums): sums over the micro-batches of `batch` (leaves [n_micro, mb, ...])."""
     normalisers = objective.normalisers(merge_micro(batch))
@@ -105,11 +116,11 @@ def accumulate_gradients(micro_loss: Callable, objective, params: dict, frozen, 
         (loss, metrics), grads = grad_fn(params, frozen, micro_batch, normalisers,
                                          jax.random.fold_in(step_rng, index))
         grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
-        metric_acc = {k: (jnp.maximum if is_max_metric(k) else jnp.add)(metric_acc[k], v) for k, v in metrics.items()}
+        metric_acc = {k: _reduce(k)(metric_acc[k], v) for k, v in metrics.items()}
         return (loss_acc + loss, grad_acc, metric_acc), None
 
     init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-            jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes))
+            {k: jnp.full(m.shape, jnp.inf if is_min_metric(k) else 0.0, jnp.float32) for k, m in metric_shapes.items()})
     (loss, grads, metrics), _ = jax.lax.scan(body, init, (jnp.arange(n_micro), batch))
     return loss, grads, metrics
 

@@ -96,6 +96,11 @@ class JsonlError(ValueError):
         super().__init__(f"{self.path}:{line}: {message}")
 
 
+class ResumeError(ValueError):
+    """An existing output (a rollouts file, an evaluation, a training run) this run cannot continue: other
+    settings, foreign or duplicate records."""
+
+
 class OutputExistsError(FileExistsError):
     """An output that already holds results a command would replace (or extend inconsistently); the message names
     it and says what to do (resume with the same settings, another output, or --overwrite). Raised before

@@ -20,22 +20,28 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import warnings
 from typing import Any, Mapping, Optional
 
 import ml_collections
 
-from jaxrl.utils.typed_config import (ConfigKeyError, build_block, complete_block, defaults_of, keys_of, setting,
-                                      to_plain, unknown_key_error)
+from jaxrl.utils.typed_config import (ConfigKeyError, block, build_block, complete_block, defaults_of, keys_of,
+                                      setting, to_plain, unknown_key_error)
 
 __all__ = ["ALGORITHMS", "AGGREGATIONS", "BatchConfig", "DPOConfig", "DPODataConfig", "EMAConfig", "GRPOConfig",
            "LoggingConfig", "LoRAConfig", "MeshConfig", "OnlineDataConfig", "OptimizerConfig", "OptimizerConfigError",
            "PPOConfig", "RewardConfig", "SCALE_REWARDS", "SCHEDULES", "SFTDataConfig", "TrainConfig", "complete",
            "default_config", "default_of", "resolve"]
 
+# The choices of the keys that take one of a fixed set, in one place (the code that acts on them imports them).
 SCHEDULES = ("linear", "constant_with_warmup", "cosine", "constant")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sequence_mean", "token_mean", "dr_grpo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 REWARD_SCORES = ("partial", "strict")
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ROLLOUT_BACKENDS = ("jax", "server", "vllm")
+WANDB_MODES = ("", "online", "offline", "disabled")
 
 
 class OptimizerConfigError(ValueError):
@@ -47,74 +53,6 @@ def _at_least(where: str, keys: Mapping[str, int], obj) -> None:
         value = getattr(obj, key)
         if value < minimum:
             raise ValueError(f"{where}.{key} must be >= {minimum}, got {value}")
-
-
-ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def _check_rollout_correction(where: str, block) -> None:
-    if block.rollout_correction not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"{where}.rollout_correction={block.rollout_correction!r}; choose one of "
-                         f"{ROLLOUT_CORRECTIONS}")
-    lo, hi = block.rollout_correction_min, block.rollout_correction_max
-    if not (0.0 <= lo < 1.0 < hi):  # a weight of 1 (no mismatch) is always kept as it is
-        raise ValueError(f"{where}.rollout_correction_min={lo} and rollout_correction_max={hi} must satisfy "
-                         f"0 <= min < 1 < max")
-
-
-ROLLOUT_BACKENDS = ("jax", "server", "vllm")
-SERVER_BACKEND_OPTIONS = ("concurrency", "request_timeout_s")
-# what a `vllm serve` this run starts takes (jaxrl.rollout.backends.vllm_backend.VLLMServer)
-VLLM_LAUNCH_OPTIONS = ("python", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
-                       "extra_args", "startup_timeout_s", "max_loras")
-
-
-# The rollout-backend keys GRPO and PPO share: (default, types, meaning), one home for both blocks.
-SERVER_ROLLOUT_KEYS = {
-    "rollout_backend": ("jax", (), "where rollouts are sampled: jax (this process) | server (the OpenAI-compatible "
-                        "servers at rollout_servers, e.g. launchers.serve) | vllm (vLLM 0.33 from its own "
-                        "environment: started by the run, or the running servers at rollout_servers); before each "
-                        "rollout the adapter goes to every server"),
-    "rollout_servers": ((), tuple, "base URLs of the rollout servers (server: one or more; vllm: none = start one); "
-                        "each rollout's prompts are split over them"),
-    "rollout_backend_kwargs": ({}, dict, "server / vllm options: concurrency (requests in flight per server), "
-                               "request_timeout_s; a vllm the run starts also python, tensor_parallel_size, "
-                               "data_parallel_size, gpu_memory_utilization, extra_args, startup_timeout_s, max_loras"),
-    "overlap": (False, (), "sample rollout r+1 on the servers while rollout r trains (one rollout off-policy, "
-                "corrected with the behaviour policy's log-probs); needs rollout_backend server | vllm"),
-}
-
-
-def server_rollout_setting(name: str):
-    """The dataclass field of one of SERVER_ROLLOUT_KEYS (a fresh field per class: dataclasses bind it)."""
-    default, types, doc = SERVER_ROLLOUT_KEYS[name]
-    return setting(default, types, doc)
-
-
-def _check_rollout_backend(where: str, block) -> None:
-    """rollout_backend / rollout_servers / rollout_backend_kwargs / overlap of a GRPO or PPO block."""
-    backend, servers = block.rollout_backend, tuple(str(u).rstrip("/") for u in block.rollout_servers)
-    object.__setattr__(block, "rollout_servers", servers)  # a list from config.json is a tuple here
-    if backend not in ROLLOUT_BACKENDS:
-        raise ValueError(f"{where}.rollout_backend={backend!r}; choose one of {ROLLOUT_BACKENDS}")
-    bad = [u for u in servers if not re.match(r"https?://[^/]+", u)]
-    if bad:
-        raise ValueError(f"{where}.rollout_servers: {bad} are not base URLs (http://host:port)")
-    if len(set(servers)) != len(servers):
-        raise ValueError(f"{where}.rollout_servers lists a server twice: {list(servers)}")
-    if backend == "jax" and (servers or block.rollout_backend_kwargs):
-        raise ValueError(f"{where}.rollout_servers / rollout_backend_kwargs are for rollout_backend='server' or "
-                         f"'vllm'; {where}.rollout_backend is 'jax'")
-    if backend == "server" and not servers:
-        raise ValueError(f"{where}.rollout_backend='server' needs {where}.rollout_servers: the base URLs of running "
-                         "servers (e.g. python -m launchers.serve --allowed_lora_roots=<workdir>)")
-    valid = SERVER_BACKEND_OPTIONS + (VLLM_LAUNCH_OPTIONS if backend == "vllm" and not servers else ())
-    unknown = sorted(set(block.rollout_backend_kwargs) - set(valid))
-    if unknown:
-        raise ValueError(f"{where}.rollout_backend_kwargs: unknown {unknown}; valid here: {list(valid)}")
-    if block.overlap and backend == "jax":
-        raise ValueError(f"{where}.overlap samples the next rollout on the servers while this one trains: it needs "
-                         f"{where}.rollout_backend='server' or 'vllm' (the jax sampler shares the trainer's devices)")
 
 
 # ------------------------------------------------------------------------------------------------ the core
@@ -174,9 +112,6 @@ class MeshConfig:
     shape: tuple = setting((1, -1, 1), tuple, "(data, fsdp, tensor); -1 takes the remaining devices")
 
 
-WANDB_MODES = ("", "online", "offline", "disabled")
-
-
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """Where a run's metrics go besides metrics.jsonl (and TensorBoard): Weights & Biases (jaxrl.train.wandb_log)."""
@@ -188,12 +123,9 @@ class LoggingConfig:
     wandb_group: str = setting("", doc="W&B group of the run")
     wandb_tags: tuple = setting((), tuple, "W&B tags of the run")
     wandb_mode: str = setting("", doc="'' (WANDB_MODE, else online) | online | offline (local files; `wandb sync` "
-                              "uploads them) | disabled")
+                              "uploads them) | disabled", choices=WANDB_MODES)
     wandb_dir: str = setting("", doc="folder of the W&B run files ('' = the workdir)")
 
-    def __post_init__(self):
-        if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"logging.wandb_mode={self.wandb_mode!r}; choose one of {WANDB_MODES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +141,8 @@ class EMAConfig:
         "mean of checkpoints' updates use launchers.export --average. d = 0 is the last checkpoint itself")
 
     def __post_init__(self):
-        if self.decay is not None:
-            object.__setattr__(self, "decay", float(self.decay))  # 0 from a command line is the float 0.0
-            if not 0.0 <= self.decay < 1.0:
-                raise ValueError(f"ema.decay must be in [0, 1) (or None: off), got {self.decay}")
+        if self.decay is not None and not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"ema.decay must be in [0, 1) (or None: off), got {self.decay}")
 
 
 CORE_BLOCKS = {"optimizer": OptimizerConfig, "lora": LoRAConfig, "batch": BatchConfig, "mesh": MeshConfig,
@@ -299,36 +229,201 @@ class RewardConfig:
 
     EXTRA_KEYS = "options"
     name: str = setting("code", doc="jaxrl.rewards.get_reward name or 'module:function'")
-    score: str = setting("partial", doc="the RewardResult field that is the scalar reward: partial | strict")
+    score: str = setting("partial", doc="the RewardResult field that is the scalar reward: partial | strict",
+                         choices=REWARD_SCORES)
     options: dict = dataclasses.field(default_factory=dict)  # the reward's constructor arguments
 
-    def __post_init__(self):
-        if self.score not in REWARD_SCORES:
-            raise ValueError(f"reward.score={self.score!r}; choose 'partial' or 'strict'")
+
+# ------------------------------------------------------------------ the blocks online algorithms share
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    num_generations: int = setting(8, doc="K samples per prompt (a group)")
-    prompts_per_step: int = setting(20, doc="prompts per rollout (= per optimizer step when N = B_global)")
-    max_new_tokens: int = setting(4096, doc="the completion cap")
+class ServerOptions:
+    """How a run talks to its rollout servers (`<algorithm>.rollout_server.*`; rollout_backend server | vllm)."""
+
+    concurrency: int = setting(64, doc="requests in flight per server (the server batches them)")
+    request_timeout_s: float = setting(3600.0, doc="seconds one request may take before it is retried")
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMLaunchOptions:
+    """The `vllm serve` a run starts (`<algorithm>.rollout_vllm.*`; rollout_backend vllm without rollout_servers),
+    as evaluation's launcher starts it (jaxrl.backends.vllm_backend.VLLMServer)."""
+
+    python: str = setting("", doc="the vLLM environment: an interpreter or a venv folder; '' = $JAXRL_VLLM_PYTHON, "
+                          "else ~/.venvs/vllm")
+    tensor_parallel_size: int = setting(1)
+    data_parallel_size: int = setting(1, doc="engine replicas behind one API server")
+    gpu_memory_utilization: float = setting(0.90)
+    extra_args: tuple = setting((), tuple, "more `vllm serve` arguments, appended verbatim")
+    startup_timeout_s: float = setting(1800.0, doc="seconds to wait for the server to answer")
+    max_loras: int = setting(1, doc="adapters resident at once")
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingsBlock:
+    """Base of blocks composed from shared parts: each part checks its keys in `__post_init__` and hands on to the
+    next (cooperative), naming them under the block's `NAME`."""
+
+    NAME = ""
+
+    def __post_init__(self):
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings(SettingsBlock):
+    """How rollouts are sampled and scored in batches."""
+
     temperature: float = setting(1.0)
     top_p: float = setting(1.0)
     top_k: int = setting(0)
+    rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
+    logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass (reference, old log-probs, values)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSettings(SettingsBlock):
+    """The parts of a clipped policy loss every online algorithm has."""
+
+    entropy_coef: float = setting(0.0)
+    log_entropy: bool = setting(True, doc="the `entropy` metric (one more reduction over the vocab per chunk)")
+    log_ratio_clamp: float = setting(20.0, doc="the policy log-ratio is clamped to +-this before exp (verl), so an "
+                                     "off-policy ratio (overlap, several passes) cannot overflow; 0 = off")
+
+    def __post_init__(self):
+        if self.log_ratio_clamp < 0:
+            raise ValueError(f"{self.NAME}.log_ratio_clamp must be >= 0 (0 = off), got {self.log_ratio_clamp}")
+        super().__post_init__()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionSettings(SettingsBlock):
+    """Importance weights for the sampler's numerics differing from the trainer's
+    (jaxrl.algorithms.online.correction)."""
+
+    rollout_correction: str = setting("none", doc="none | token_truncate | token_mask | sequence_truncate | "
+                                      "sequence_mask (sequence: the geometric mean of the token ratios); weights the "
+                                      "policy loss only", choices=ROLLOUT_CORRECTIONS)
+    rollout_correction_min: float = setting(0.0, doc="lower bound of the weights; 0 = none")
+    rollout_correction_max: float = setting(3.0, doc="upper bound of the weights (TRL's vLLM IS default)")
+
+    def __post_init__(self):
+        lo, hi = self.rollout_correction_min, self.rollout_correction_max
+        if not (0.0 <= lo < 1.0 < hi):  # a weight of 1 (no mismatch) is always kept as it is
+            raise ValueError(f"{self.NAME}.rollout_correction_min={lo} and rollout_correction_max={hi} must satisfy "
+                             f"0 <= min < 1 < max")
+        super().__post_init__()
+
+
+def _server_url(url: Any) -> str:
+    return str(url).rstrip("/")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBackendSettings(SettingsBlock):
+    """Where rollouts are sampled (jaxrl.backends): this process, or OpenAI-compatible servers."""
+
+    rollout_backend: str = setting("jax", doc="where rollouts are sampled: jax (this process) | server (the "
+                                   "OpenAI-compatible servers at rollout_servers, e.g. launchers.serve) | vllm (vLLM "
+                                   "0.33 from its own environment: started by the run, or the running servers at "
+                                   "rollout_servers); before each rollout the adapter goes to every server",
+                                   choices=ROLLOUT_BACKENDS)
+    rollout_servers: tuple = setting((), tuple, "base URLs of the rollout servers (server: one or more; vllm: none = "
+                                     "start one); each rollout's prompts are split over them")
+    rollout_server: ServerOptions = block(ServerOptions, "server | vllm: how requests go to the servers")
+    rollout_vllm: VLLMLaunchOptions = block(VLLMLaunchOptions, "vllm without rollout_servers: the server the run "
+                                            "starts")
+    rollout_backend_kwargs: dict = setting({}, dict, "deprecated: its keys go to rollout_server (concurrency, "
+                                           "request_timeout_s) and rollout_vllm (the launch options), with a warning")
+    overlap: bool = setting(False, doc="sample rollout r+1 on the servers while rollout r trains (one rollout "
+                            "off-policy, corrected with the behaviour policy's log-probs); needs rollout_backend "
+                            "server | vllm")
+
+    @classmethod
+    def migrate(cls, values: dict, where: str) -> dict:
+        """A completed block with server URLs normalised (no trailing '/') and the deprecated
+        `rollout_backend_kwargs` moved into the typed blocks (an option set both ways must agree)."""
+        values = dict(values, rollout_servers=tuple(_server_url(u) for u in values["rollout_servers"]))
+        legacy = values["rollout_backend_kwargs"]
+        if not legacy:
+            return values
+        homes = {name: "rollout_server" for name in keys_of(ServerOptions)}
+        homes.update({name: "rollout_vllm" for name in keys_of(VLLMLaunchOptions)})
+        for name in legacy:
+            if name not in homes:
+                raise unknown_key_error(f"{where}.rollout_backend_kwargs", name, homes)
+        warnings.warn(f"{where}.rollout_backend_kwargs is deprecated: set "
+                      + ", ".join(f"{where}.{homes[k]}.{k}" for k in legacy) + " instead", FutureWarning,
+                      stacklevel=2)
+        moved = {home: dict(values[home]) for home in ("rollout_server", "rollout_vllm")}
+        for name, value in legacy.items():
+            block_class = ServerOptions if homes[name] == "rollout_server" else VLLMLaunchOptions
+            typed = complete_block(block_class, {name: value}, f"{where}.{homes[name]}")[name]
+            current, default = moved[homes[name]][name], defaults_of(block_class)[name]
+            if current != default and current != typed:
+                raise ValueError(f"{where}.rollout_backend_kwargs.{name}={value!r} and {where}.{homes[name]}.{name}="
+                                 f"{current!r} disagree; set {where}.{homes[name]}.{name} only")
+            moved[homes[name]][name] = typed
+        return dict(values, **moved, rollout_backend_kwargs={})
+
+    def __post_init__(self):
+        where, backend, servers = self.NAME, self.rollout_backend, self.rollout_servers
+        bad = [u for u in servers if not re.match(r"https?://[^/]+", u)]
+        if bad:
+            raise ValueError(f"{where}.rollout_servers: {bad} are not base URLs (http://host:port)")
+        if len(set(servers)) != len(servers):
+            raise ValueError(f"{where}.rollout_servers lists a server twice: {list(servers)}")
+        changed = [f"{where}.{name}.{key}" for name, cls in (("rollout_server", ServerOptions),
+                                                             ("rollout_vllm", VLLMLaunchOptions))
+                   for key in keys_of(cls) if getattr(getattr(self, name), key) != getattr(cls, key)]
+        if backend == "jax" and (servers or changed):
+            raise ValueError(f"{where}.rollout_servers / {', '.join(changed) or 'rollout_server / rollout_vllm'} are "
+                             f"for rollout_backend='server' or 'vllm'; {where}.rollout_backend is 'jax'")
+        if backend == "server" and not servers:
+            raise ValueError(f"{where}.rollout_backend='server' needs {where}.rollout_servers: the base URLs of "
+                             "running servers (e.g. python -m launchers.serve --allowed_lora_roots=<workdir>)")
+        launch = [key for key in changed if ".rollout_vllm." in key]
+        if launch and (backend != "vllm" or servers):
+            raise ValueError(f"{', '.join(launch)}: launch options of the vLLM a run starts (rollout_backend='vllm' "
+                             f"without rollout_servers); {where}.rollout_backend is {backend!r}"
+                             + (f" with rollout_servers {list(servers)}" if servers else ""))
+        if self.overlap and backend == "jax":
+            raise ValueError(f"{where}.overlap samples the next rollout on the servers while this one trains: it needs "
+                             f"{where}.rollout_backend='server' or 'vllm' (the jax sampler shares the trainer's "
+                             "devices)")
+        super().__post_init__()
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSettings(RolloutBackendSettings, RolloutCorrectionSettings, PolicyLossSettings, SamplingSettings):
+    """The keys GRPO and PPO share, each declared once in its part (sampling, policy loss, rollout correction,
+    rollout backend); an online algorithm's block adds its own keys after them."""
+
+
+# ------------------------------------------------------------------ the online algorithms
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(OnlineSettings):
+    NAME = "grpo"
+    num_generations: int = setting(8, doc="K samples per prompt (a group)")
+    prompts_per_step: int = setting(20, doc="prompts per rollout (= per optimizer step when N = B_global)")
+    max_new_tokens: int = setting(4096, doc="the completion cap")
     num_iterations: int = setting(1, doc="passes over each rollout (TRL num_iterations, 'mu')")
-    scale_rewards: str = setting("group", doc="group | batch | none (Dr. GRPO)")
+    scale_rewards: str = setting("group", doc="group | batch | none (Dr. GRPO)", choices=SCALE_REWARDS)
     advantage_estimator: str = setting("grpo", doc="grpo (honours scale_rewards) | rloo | dr_grpo | "
                                        "grpo_batch_std | a plug-in")
     epsilon_low: float = setting(0.2)
     epsilon_high: float = setting(0.2, doc="DAPO clip-higher: 0.28")
     delta: float = setting(0.0, doc="> 0: two-sided clipping, the ratio is also capped at delta (INTELLECT-2; e.g. "
                            "4.0)")
-    log_ratio_clamp: float = setting(20.0, doc="the policy log-ratio is clamped to +-this before exp (verl), so an "
-                                     "off-policy ratio (overlap, num_iterations > 1) cannot overflow; 0 = off")
-    importance_sampling_level: str = setting("token", doc="token | sequence (GSPO)")
+    importance_sampling_level: str = setting("token", doc="token | sequence (GSPO)",
+                                             choices=IMPORTANCE_SAMPLING_LEVELS)
     beta: float = setting(0.04, doc="KL coefficient; 0 skips the reference pass")
     kl_estimator: str = setting("k3", doc="k1 | k2 | k3 | low_var_kl | abs | k3+ | a plug-in")
-    aggregation: str = setting("sequence_mean", doc="sequence_mean (grpo) | token_mean (dapo) | dr_grpo")
+    aggregation: str = setting("sequence_mean", doc="sequence_mean (grpo) | token_mean (dapo) | dr_grpo",
+                               choices=AGGREGATIONS)
     mask_truncated: bool = setting(False, doc="truncated completions give no gradient (still counted as "
                                    "sequences)")
     drop_zero_variance_groups: bool = setting(False, doc="groups whose rewards are all equal leave the loss and its "
@@ -338,37 +433,17 @@ class GRPOConfig:
     overlong_penalty: float = setting(1.0, doc="its maximum")
     recompute_old_logprobs: bool = setting(False, doc="teacher-forced old log-probs instead of the sampler's "
                                            "(forced when the compute dtype is not float32 or temperature != 1)")
-    entropy_coef: float = setting(0.0)
-    log_entropy: bool = setting(True, doc="the `entropy` metric (one more reduction over the vocab per chunk)")
-    rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
-    logprob_batch_size: int = setting(8, doc="rows per reference / old-log-prob pass")
-    rollout_correction: str = setting("none", doc="importance weights for the sampler's numerics differing from the "
-                                      "trainer's: none | token_truncate | token_mask | sequence_truncate | "
-                                      "sequence_mask (sequence: the geometric mean of the token ratios)")
-    rollout_correction_min: float = setting(0.0, doc="lower bound of the weights; 0 = none")
-    rollout_correction_max: float = setting(3.0, doc="upper bound of the weights (TRL's vLLM IS default)")
     dynamic_sampling: bool = setting(False, doc="draw more prompt groups until prompts_per_step of them have "
                                      "rewards that differ (DAPO / verl filter_groups)")
     max_extra_draws: int = setting(4, doc="dynamic_sampling: at most this many extra draws of prompts_per_step "
                                    "prompts per rollout; then the step trains on what it has")
-    rollout_backend: str = server_rollout_setting("rollout_backend")
-    rollout_servers: tuple = server_rollout_setting("rollout_servers")
-    rollout_backend_kwargs: dict = server_rollout_setting("rollout_backend_kwargs")
-    overlap: bool = server_rollout_setting("overlap")
 
     def __post_init__(self):
         _at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1,
                            "max_extra_draws": 0}, self)
-        _check_rollout_correction("grpo", self)
-        _check_rollout_backend("grpo", self)
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"grpo.scale_rewards={self.scale_rewards!r}; choose one of {SCALE_REWARDS}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"grpo.aggregation={self.aggregation!r}; choose one of {AGGREGATIONS}")
         if self.delta and self.delta <= 1.0 + self.epsilon_high:
             raise ValueError(f"grpo.delta={self.delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
-        if self.log_ratio_clamp < 0:
-            raise ValueError(f"grpo.log_ratio_clamp must be >= 0 (0 = off), got {self.log_ratio_clamp}")
+        super().__post_init__()
 
     @property
     def rows_per_rollout(self) -> int:
@@ -376,13 +451,11 @@ class GRPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig:
+class PPOConfig(OnlineSettings):
+    NAME = "ppo"
     prompts_per_rollout: int = setting(32)
     num_generations: int = setting(1, doc="samples per prompt")
     max_new_tokens: int = setting(1024)
-    temperature: float = setting(1.0)
-    top_p: float = setting(1.0)
-    top_k: int = setting(0)
     init_kl_coef: float = setting(0.05)
     adaptive_kl: bool = setting(False, doc="TRL: fixed; True: Ziegler et al. (verl / OpenRLHF)")
     kl_target: float = setting(0.1, doc="KL the adaptive controller steers to: the mean over sequences of their "
@@ -403,34 +476,18 @@ class PPOConfig:
                                       "LoRA factors)")
     value_learning_rate: float = setting(0.0, doc="the value head's (peak) learning rate; 0 = "
                                          "optimizer.learning_rate")
-    entropy_coef: float = setting(0.0)
-    log_entropy: bool = setting(True)
-    rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
-    logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass")
-    rollout_correction: str = setting("none", doc="as grpo.rollout_correction (weights the policy loss only)")
-    rollout_correction_min: float = setting(0.0, doc="lower bound of the weights; 0 = none")
-    rollout_correction_max: float = setting(3.0, doc="upper bound of the weights")
-    log_ratio_clamp: float = setting(20.0, doc="the policy log-ratio is clamped to +-this before exp (verl), so no "
-                                     "ratio overflows; 0 = off")
     dual_clip: float = setting(0.0, doc="> 1: for A < 0 the policy loss is capped at -A * dual_clip (verl "
                                "clip_ratio_c = 3); 0 = off")
     critic_warmup_steps: int = setting(0, doc="train steps at the start in which only the value head trains")
-    rollout_backend: str = server_rollout_setting("rollout_backend")
-    rollout_servers: tuple = server_rollout_setting("rollout_servers")
-    rollout_backend_kwargs: dict = server_rollout_setting("rollout_backend_kwargs")
-    overlap: bool = server_rollout_setting("overlap")
 
     def __post_init__(self):
         _at_least("ppo", {"prompts_per_rollout": 1, "num_generations": 1, "max_new_tokens": 1, "epochs": 1,
                           "minibatches": 1, "critic_warmup_steps": 0}, self)
         if self.init_kl_coef < 0:
             raise ValueError(f"ppo.init_kl_coef must be >= 0, got {self.init_kl_coef}")
-        if self.log_ratio_clamp < 0:
-            raise ValueError(f"ppo.log_ratio_clamp must be >= 0 (0 = off), got {self.log_ratio_clamp}")
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ValueError(f"ppo.dual_clip={self.dual_clip} must exceed 1 (or be 0 = off)")
-        _check_rollout_correction("ppo", self)
-        _check_rollout_backend("ppo", self)
+        super().__post_init__()
 
     @property
     def rows_per_rollout(self) -> int:
@@ -671,7 +728,9 @@ def default_config(algorithm: str = "sft") -> ml_collections.ConfigDict:
 def _config_value(key) -> Any:
     """A key's default as a ConfigDict holds it: a None default of an optional float (`ema.decay`) or bool
     (`scan_layers`) as a typed placeholder, so that `--config.ema.decay=0.99` can set it (ml_collections refuses to
-    override a plain None)."""
+    override a plain None); a nested block as the dict of its keys."""
+    if key.block:
+        return {k: _config_value(sub) for k, sub in keys_of(key.block).items()}
     types = key.types if isinstance(key.types, tuple) else (key.types,)
     given = [t for t in types if t is not type(None)]
     if key.default is None and len(given) == 1 and given[0] in (int, float, str, bool):

@@ -7,6 +7,10 @@ is checked against them key by key and turned into the dataclass once.
         learning_rate: float = setting(1e-6, doc="peak learning rate")
         schedule: str = setting("linear", doc="linear | cosine | ...")
 
+    @dataclasses.dataclass(frozen=True)
+    class GRPOConfig(SamplingSettings):          # shared keys are inherited: declared once, in one block
+        rollout_server: ServerOptions = block(ServerOptions, "...")   # a nested block: grpo.rollout_server.*
+
     OptimizerConfig.learning_rate                # the default, as on any dataclass
     keys_of(OptimizerConfig)                     # {name: Key}: default, accepted types, meaning
     defaults_of(OptimizerConfig)                 # {name: default}
@@ -16,8 +20,10 @@ is checked against them key by key and turned into the dataclass once.
 A wrong key is a `ConfigKeyError` naming it and the nearest valid one ("unknown config key 'dpo.betta'; did you
 mean 'dpo.beta'?"); a value of the wrong type one naming the key and the type expected. Types are checked
 loosely where configs legitimately differ: an int is a float, a list is a tuple (JSON has no tuples), a
-ConfigDict is a dict. A block whose class names an `EXTRA_KEYS` field keeps the keys it does not declare there
-(the reward's constructor arguments). No jax here: configs import this module.
+ConfigDict is a dict. A key made with `choices=` takes one of them (the one home of those choices). A block whose
+class names an `EXTRA_KEYS` field keeps the keys it does not declare there (the reward's constructor arguments); one
+with a `migrate(values, where)` classmethod has its completed values passed through it before they are used (a
+deprecated key moved to its new home). No jax here: configs import this module.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 from jaxrl.utils.registry import nearest
 
-__all__ = ["ANY", "ConfigKeyError", "Key", "build_block", "complete_block", "defaults_of", "is_block", "keys_of",
-           "setting", "to_plain", "unknown_key_error"]
+__all__ = ["ANY", "ConfigKeyError", "Key", "block", "build_block", "complete_block", "defaults_of", "is_block",
+           "keys_of", "setting", "to_plain", "unknown_key_error"]
 
 ANY = None  # setting(types=ANY): any value
 _KEY = "jaxrl_key"  # dataclasses.field metadata: the field's Key
@@ -73,6 +79,8 @@ class Key:
     default: Any
     types: Any = ()  # a type, a tuple of types, ANY; () = the type of the default
     doc: str = ""
+    choices: tuple = ()  # the values it may take; () = any of its types
+    block: Any = None  # a nested block's class (its value is that block's keys)
 
     def accepted(self) -> Optional[tuple]:
         types = self.types
@@ -102,25 +110,36 @@ class Key:
             names = sorted({getattr(t, "__name__", str(t)) for t in accepted})
             raise ConfigKeyError(f"config key {name}={value!r}: expected {' or '.join(names)}, got "
                                  f"{type(value).__name__}")
+        if self.choices and value not in self.choices:
+            raise ConfigKeyError(f"{name}={value!r}; choose one of {self.choices}")
 
     def convert(self, value: Any) -> Any:
         """`value` (already checked) in the form the dataclass holds: plain Python, a float where the default is
         a float, a tuple where the default is a tuple."""
         value = to_plain(value)
-        if isinstance(self.default, float) and isinstance(value, int) and not isinstance(value, bool):
+        types = self.types if isinstance(self.types, tuple) else (self.types,)
+        floats = isinstance(self.default, float) or float in types
+        if floats and isinstance(value, int) and not isinstance(value, bool):  # 0 from a command line is 0.0
             return float(value)
         if isinstance(self.default, tuple) and isinstance(value, list):
             return tuple(value)
         return value
 
 
-def setting(default: Any, types: Any = (), doc: str = "") -> Any:
+def setting(default: Any, types: Any = (), doc: str = "", choices: tuple = ()) -> Any:
     """A dataclass field that is a config key: its one default, accepted types (() = the default's type, ANY =
-    any) and meaning. Mutable defaults (dicts, lists) are copied for every instance."""
-    key = Key(default, types, doc)
+    any), meaning, and the values it may take (`choices`, () = any). Mutable defaults (dicts, lists) are copied
+    for every instance."""
+    key = Key(default, types, doc, tuple(choices))
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={_KEY: key})
     return dataclasses.field(default=default, metadata={_KEY: key})
+
+
+def block(cls, doc: str = "") -> Any:
+    """A dataclass field that is a nested block of keys (`grpo.rollout_server.concurrency`): `cls`, a config
+    block class, at its defaults unless the config sets some of its keys."""
+    return dataclasses.field(default_factory=cls, metadata={_KEY: Key(None, cls, doc, block=cls)})
 
 
 def is_block(cls: Any) -> bool:
@@ -144,7 +163,8 @@ def keys_of(cls) -> dict[str, Key]:
 
 
 def defaults_of(cls) -> dict:
-    return {k: copy.deepcopy(v.default) for k, v in keys_of(cls).items()}
+    """{key: default} of a block class; a nested block's default is the dict of its own defaults."""
+    return {k: defaults_of(v.block) if v.block else copy.deepcopy(v.default) for k, v in keys_of(cls).items()}
 
 
 def _items(value: Any, where: str) -> list:
@@ -167,14 +187,17 @@ def complete_block(cls, value: Any, where: str) -> dict:
     extra = getattr(cls, "EXTRA_KEYS", None)
     out = defaults_of(cls)
     for key, v in _items(value, where):
-        if key in keys:
+        if key in keys and keys[key].block:
+            out[key] = complete_block(keys[key].block, v, f"{where}.{key}")
+        elif key in keys:
             keys[key].check(f"{where}.{key}", v)
             out[key] = keys[key].convert(v)
         elif extra:
             out[key] = to_plain(v)
         else:
             raise unknown_key_error(where, key, keys)
-    return out
+    migrate = getattr(cls, "migrate", None)
+    return migrate(out, where) if migrate else out
 
 
 def build_block(cls, value: Any, where: str):
@@ -182,7 +205,8 @@ def build_block(cls, value: Any, where: str):
     values = complete_block(cls, value, where)
     extra = getattr(cls, "EXTRA_KEYS", None)
     keys = keys_of(cls)
-    kwargs = {k: v for k, v in values.items() if k in keys}
+    kwargs = {k: build_block(keys[k].block, v, f"{where}.{k}") if keys[k].block else v
+              for k, v in values.items() if k in keys}
     if extra:
         kwargs[extra] = {k: v for k, v in values.items() if k not in keys}
     return cls(**kwargs)

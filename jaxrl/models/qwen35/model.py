@@ -74,7 +74,7 @@ REMAT_CHOICES = tuple(REMAT_POLICIES) + ("auto",)
 _AUTO_ORDER = ("none", "matmuls", "attention", "full")
 # Fraction of the device memory (after the weights) that activations may take under "auto".
 AUTO_ACTIVATION_FRACTION = 0.5
-# `transpose_for_decode` copies the weights only when they take at most this fraction of the host's memory.
+# `decode_weights` copies the weights only when they take at most this fraction of the host's memory.
 DECODE_COPY_FRACTION = 0.125
 # Reasons a training forward fell back to unrolled layers that this process has logged (`Qwen35._scan_cycle`).
 _FALLBACKS_LOGGED: set = set()
@@ -105,7 +105,7 @@ class Qwen35(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (nnx.data(None) if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
-        self.head_in_out = nnx.data(None)  # the head as [H, V]: set only by `transpose_for_decode`
+        self.head_in_out = nnx.data(None)  # the head as [H, V]: set only by `use_decode_weights`
 
     # ------------------------------------------------------------------------------------------------------------
     def head_weight(self) -> jax.Array:
@@ -122,8 +122,8 @@ class Qwen35(nnx.Module):
 
     def decode_weights(self, fuse_adapters: bool = True) -> dict:
         """The weight copies a decode program multiplies with, {module path: arrays} ("head" for the output
-        head): made once before a decode loop (`transpose_for_decode`), or once per rollout by the engine, which
-        passes them to its decode rounds (`use_decode_weights`). Per projection (`Linear.decode_weights`):
+        head): made once per weight version by the generation engine, which passes them to its decode rounds
+        (`use_decode_weights`). Per projection (`Linear.decode_weights`):
           * an enabled LoRA adapter's A stacked under the base weight (one product for both) and its s * B, in
             the operand dtype the unfused adapter rounds them to: the same numbers as the unfused layer;
           * on the CPU, every projection and the head transposed to [in, out]: a decode step's dots (a few rows
@@ -131,9 +131,8 @@ class Qwen35(nnx.Module):
             same greedy tokens (measured in benchmarks/RESULTS.md, section 'A Zen 5 VM, 2026-12-02'); a GPU's
             GEMM takes either layout at one speed.
         Empty when nothing needs a copy (an accelerator without adapters), and when the weights take more than
-        DECODE_COPY_FRACTION of a device's memory: the copies double the weights' memory while they live (the
-        9B-width smoke model, 5 GB of bf16 weights, would not fit its test's memory bound); then every layer
-        runs unfused. The copies hold the weights of the moment they were made: made again when weights change.
+        DECODE_COPY_FRACTION of a device's memory: the copies double the weights' memory while they live; then
+        every layer runs unfused. The copies hold the weights of the moment they were made: made again when weights change.
         fuse_adapters: False leaves adapters unfused (to measure what fusing saves)."""
         if self.weight_bytes() > DECODE_COPY_FRACTION * _device_memory_bytes():
             return {}
@@ -155,13 +154,6 @@ class Qwen35(nnx.Module):
                 module.use_decode_weights(weights.get(_layer_path(path)))
         self.head_in_out = weights.get("head")
         return self
-
-    def transpose_for_decode(self) -> "Qwen35":
-        """Inside a decode program, before its loop: make `decode_weights` and use them for the rest of the
-        trace. The barrier keeps XLA from folding a transpose back into its dot. Weights must not change for the
-        rest of the trace (the copies would go stale). Returns self."""
-        weights = self.decode_weights()
-        return self.use_decode_weights(jax.lax.optimization_barrier(weights) if weights else weights)
 
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None, cache: Optional[Cache] = None, *,
@@ -268,9 +260,8 @@ class Qwen35(nnx.Module):
     def activation_budget(self, device_bytes: float) -> float:
         """Bytes "auto" lets a training pass keep for its backward on a device of `device_bytes`: a fraction of
         what the weights leave, and with scanned layers also what their stack takes. Scanning feeds the layers'
-        weights to the scan as stacked arrays, a copy of every layer weight in the step's temporaries (the AOT
-        benchmark at the 9B shapes: 12.9 GiB, which took the kept activations from the 43.4 GiB estimated for
-        remat "matmuls" to 49.1 GiB against a 43.7 GiB budget). The stack is reserved whenever a pass that
+        weights to the scan as stacked arrays, a copy of every layer weight in the step's temporaries (at the 9B
+        shapes enough to change auto's choice: benchmarks/RESULTS.md, the AOT section). The stack is reserved whenever a pass that
         recomputes would scan (`layer_cycle()`, no policy given): "auto" is choosing among such passes, and
         when it picks "none" (it fits even so) the pass runs unrolled by default and holds no stack."""
         reserved = self.weight_bytes()

@@ -15,7 +15,7 @@ from typing import Any
 
 from absl import app, flags
 
-from jaxrl.rollout.backends import BACKENDS
+from jaxrl.backends import BACKENDS
 from jaxrl.utils.dataclass_flags import flag_field
 
 __all__ = ["SERVER_FLAGS", "backend_field", "backend_kwargs_field", "backend_options", "mesh_shape_field",

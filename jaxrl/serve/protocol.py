@@ -1,5 +1,6 @@
-"""The OpenAI API of `launchers.serve` as vLLM speaks it: request models, the error shape, and the text rules
-(stop strings on decoded text, per-token texts for log-probs and streaming). jaxrl/rollout/server.py serves them.
+"""The OpenAI API of `launchers.serve` as vLLM speaks it: request models, the error shape and the pieces of a
+response (jaxrl/serve/handlers.py answers with them; the stopping rule is jaxrl/generation/stopping.py, the
+per-token texts jaxrl/serve/text.py).
 
 Request models are validated by FastAPI (pydantic): a field of the wrong type or out of range is HTTP 422 with
 the OpenAI error shape, naming the field. Unknown fields are ignored, as vLLM does. Fields this server cannot
@@ -13,13 +14,14 @@ import json
 import time
 import uuid
 from http import HTTPStatus
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
                413: "RequestEntityTooLarge", 422: "UnprocessableEntityError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
+JAXRL_SERVER = "jaxrl"  # the "server" field of /version (vLLM's has only "version"): how a client tells them apart
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any number. Each is searched in every completion's text.
 
 
@@ -184,54 +186,6 @@ def message_text(content) -> str:
             raise ApiError(f"content parts of type {part.type!r} are not supported (text only)", param="messages")
         parts.append(part.text or "")
     return "".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Text: per-token pieces, stop strings
-
-
-def token_pieces(tokenizer, tokens: Sequence[int], skip_special_tokens: bool = True) -> list[str]:
-    """The text each token adds to the decoded sequence, so that "".join(pieces) is the sequence's text (up to
-    a trailing incomplete character). vLLM's incremental detokenisation: each token's text is read off a short
-    window of the tokens before it; a token that ends inside a multi-byte character adds "" until one completes."""
-    tokens = [int(t) for t in tokens]
-    out, prefix, read = [], 0, 0
-    for k in range(1, len(tokens) + 1):
-        before = tokenizer.decode(tokens[prefix:read], skip_special_tokens=skip_special_tokens)
-        now = tokenizer.decode(tokens[prefix:k], skip_special_tokens=skip_special_tokens)
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            out.append(now[len(before):])
-            prefix, read = read, k
-        else:
-            out.append("")
-    return out
-
-
-def token_strings(tokenizer, tokens: Sequence[int], as_ids: bool = False) -> list[str]:
-    """The `token` strings of log-prob entries: each token decoded alone (as vLLM), or "token_id:N"."""
-    if as_ids:
-        return [f"token_id:{int(t)}" for t in tokens]
-    return [tokenizer.decode([int(t)]) for t in tokens]
-
-
-def cut_at_stop_string(tokenizer, tokens: list[int], text: str, stops: Sequence[str], include: bool,
-                       skip_special_tokens: bool) -> Optional[tuple[list[int], str, str]]:
-    """(tokens, text, the stop string) of a completion cut at the first occurrence of any stop string in its
-    decoded `text` (the text before it, or through it with `include`; the tokens up to the one that completes it),
-    or None when none occurs."""
-    found = [(text.find(s), s) for s in stops if s in text]
-    if not found:
-        return None
-    at, stop = min(found, key=lambda x: (x[0], -len(x[1])))
-    end = at + len(stop)
-    lo, hi = 1, len(tokens)  # the shortest token prefix whose text reaches `end` (binary search: texts grow)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(tokenizer.decode(tokens[:mid], skip_special_tokens=skip_special_tokens)) >= end:
-            hi = mid
-        else:
-            lo = mid + 1
-    return tokens[:lo], text[:end] if include else text[:at], stop
 
 
 # ---------------------------------------------------------------------------------------------------------------

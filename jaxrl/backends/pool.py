@@ -1,18 +1,18 @@
-"""Online GRPO / PPO rollouts sampled on servers (`grpo.rollout_backend` / `ppo.rollout_backend` = server | vllm).
+"""A pool of servers as one backend: what online GRPO / PPO sample on with `rollout_backend` = server | vllm.
 
     pool = make_pool(config.grpo, model_path=..., dtype="bfloat16", seed=0, workdir=run_dir, stop_ids=(1,),
                      max_prompt_len=64, max_new_tokens=512, lora_rank=16)
-    sync = pool.sync(policy_adapter(policy), "r7")   # {"rollout/adapter_digest": ..., "rollout/served_digest": ...}
+    served = pool.update_weights(Policy("r7", params, lambda: policy_adapter(policy)))   # every server checked
     gens = pool.generate(prompts, group_ids, SamplingParams(n=8, max_new_tokens=512, temperature=1.0, seed=s))
 
 The servers are a data-parallel set of engines that serve the run's base model (`model_path`): `launchers.serve`
 processes or vLLM 0.33 (`rollout_servers`, or with `rollout_backend="vllm"` and no URLs one `vllm serve` the run
-starts from its own environment, exactly as evaluation starts it: `jaxrl.rollout.backends.vllm_backend`). A
+starts from its own environment, exactly as evaluation starts it: `jaxrl.backends.vllm_backend`). A
 rollout's prompts are split over them in contiguous blocks; every sample's key is (seed, group id, sample index)
 (the request seed packs it: `openai_client.request_seed`), so the split does not change a sample, and the JAX
 server draws the very tokens the in-process jax backend draws for the same keys.
 
-Adapter sync, before every rollout (`sync`): the trainer's current LoRA factors are written as a PEFT folder in the
+Adapter sync, before every rollout (`update_weights`): the trainer's current LoRA factors are written as a PEFT folder in the
 base's layout to `<workdir>/rollout_adapters/<version>` (a rename of the fp32 factors: the digest survives), loaded
 on every server as a new model `<run tag>-<version>` (POST /v1/load_lora_adapter), the previous version unloaded,
 and the digest each server reports serving under the new name (GET /v1/models: the JAX server's `adapter_digest`,
@@ -29,10 +29,10 @@ as the jax backend reports them); a server that returns none fails the rollout.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import os
 import shutil
-import time
 from typing import Optional, Sequence
 
 import jax
@@ -42,9 +42,10 @@ from absl import logging
 from jaxrl.export.peft import export_peft
 from jaxrl.models import lora
 from jaxrl.models.adapters import Adapter
-from jaxrl.rollout.backends.base import Generation, SamplingParams
-from jaxrl.rollout.backends.openai_client import ServerBackend, ServerError
-from jaxrl.rollout.backends.vllm_backend import VLLMBackend, VLLMServer
+from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
+from jaxrl.backends.openai_client import ServerBackend, ServerError
+from jaxrl.backends.vllm_backend import VLLMBackend, VLLMServer
+from jaxrl.utils.train_config import VLLMLaunchOptions
 
 ADAPTER_DIR = "rollout_adapters"  # <workdir>/rollout_adapters/<version>: the PEFT folder of the version served now
 
@@ -77,9 +78,10 @@ def _parallel(fn, items: Sequence) -> list:
         return list(pool.map(fn, items))
 
 
-class ServerPool:
-    """The generation backend of server rollouts (module docstring): `sync` an adapter, `generate` over every
-    server, `close` (unloads this run's adapter; stops a vLLM it started)."""
+class ServerPool(RolloutBackend):
+    """Several servers as one backend (module docstring): `update_weights` serves the trainer's adapter on every
+    server, `generate` splits the prompts over them, `load` makes every server serve one model (evaluation),
+    `close` unloads this run's adapter and stops a vLLM it started."""
 
     name = "server"
 
@@ -87,6 +89,7 @@ class ServerPool:
         if not backends:
             raise ValueError("ServerPool needs at least one server")
         self.backends = list(backends)
+        self.batch_size = sum(b.batch_size for b in self.backends)
         self.base_dir = os.path.abspath(base_dir)
         self.adapter_dir = os.path.join(os.path.abspath(workdir), ADAPTER_DIR)
         self.tag = run_tag(workdir)
@@ -95,12 +98,12 @@ class ServerPool:
     def urls(self) -> list[str]:
         return [b.url or f"(a {b.name} server not started yet)" for b in self.backends]
 
-    def sync(self, adapter: Adapter, version: str) -> dict:
-        """Serves `adapter` on every server as model `<tag>-<version>` and checks each server's digest (module
-        docstring); returns the metrics of the sync. The same adapter as the last sync is only re-checked."""
+    def update_weights(self, policy: Policy) -> str:
+        """Serves the policy's adapter on every server as model `<tag>-<version>` and checks each server's digest
+        (module docstring); returns the digest they serve. The same adapter as the last time is only re-checked."""
+        adapter, version = policy.adapter(), policy.version
         want = adapter.digest()
         name = f"{self.tag}-{version}"
-        t0 = time.perf_counter()
         if want == self.synced:
             served = _parallel(lambda b: b.loaded_digest(), self.backends)
         else:
@@ -118,8 +121,18 @@ class ServerPool:
         if self.synced is None:
             self.synced = want
             self._prune(keep=version)
-        return {"rollout/adapter_digest": want, "rollout/served_digest": served[0],
-                "rollout/servers": float(len(self.backends)), "time/adapter_sync_s": time.perf_counter() - t0}
+        return served[0]
+
+    def load(self, spec: ModelSpec, adapter=None) -> None:
+        """Every server serves `spec` (each checked by its backend)."""
+        _parallel(lambda b: b.load(spec, adapter), self.backends)
+        self.synced = None
+
+    def loaded_digest(self) -> Optional[str]:
+        digests = set(_parallel(lambda b: b.loaded_digest(), self.backends))
+        if len(digests) > 1:
+            raise AdapterSyncError(f"the rollout servers serve different adapters: {sorted(map(str, digests))}")
+        return digests.pop()
 
     def _prune(self, keep: str) -> None:
         """Removes the PEFT folders of versions no server serves any more (every one but `keep`)."""
@@ -129,12 +142,8 @@ class ServerPool:
             if name != keep:
                 shutil.rmtree(os.path.join(self.adapter_dir, name), ignore_errors=True)
 
-    def generate(self, prompts, group_ids, sampling: SamplingParams, *, params=None) -> list[Generation]:
+    def generate(self, prompts, group_ids, sampling: SamplingParams) -> list[Generation]:
         """Prompts split over the servers in contiguous blocks; rows back in prompt-major order."""
-        if params is not None:
-            raise ValueError("server rollouts sample on the servers; in-memory weights (params=) cannot be used")
-        if self.synced is None:
-            raise RuntimeError("ServerPool.generate before sync(): the servers serve no adapter of this run yet")
         blocks = [b for b in np.array_split(np.arange(len(prompts)), len(self.backends)) if len(b)]
 
         def run(k: int) -> list[Generation]:
@@ -162,31 +171,27 @@ class ServerPool:
 # ---------------------------------------------------------------------------------------------------- building
 
 
-def vllm_server(options: dict, *, model_path: str, dtype: str, seed: int, log_path: str, check_install: bool = True):
+def vllm_server(options: VLLMLaunchOptions, *, model_path: str, dtype: str, seed: int, log_path: str,
+                check_install: bool = True):
     """The `vllm serve` a run with rollout_backend='vllm' and no rollout_servers starts (evaluation's launcher,
-    `jaxrl.rollout.backends.vllm_backend.VLLMServer`); `options`: the launch keys of rollout_backend_kwargs."""
-    keys = ("python", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "extra_args",
-            "startup_timeout_s", "max_loras")
-    kwargs = {k: options[k] for k in keys if k in options}
+    `jaxrl.backends.vllm_backend.VLLMServer`), with the block's `rollout_vllm` options."""
     return VLLMServer(tokenizer=os.path.abspath(model_path), dtype=dtype, seed=seed, log_path=log_path,
-                      check_install=check_install, **kwargs)
+                      check_install=check_install, **dataclasses.asdict(options))
 
 
 def make_pool(block, *, model_path: str, dtype: str, seed: int, workdir: str, stop_ids: Sequence[int],
               max_prompt_len: int, max_new_tokens: int, lora_rank: int, check_install: bool = True) -> ServerPool:
-    """The ServerPool of an algorithm block (GRPOConfig / PPOConfig: rollout_backend, rollout_servers,
-    rollout_backend_kwargs) for a run in `workdir` on the base `model_path`."""
-    options = dict(block.rollout_backend_kwargs)
+    """The ServerPool of an algorithm block (its RolloutBackendSettings: rollout_backend, rollout_servers,
+    rollout_server, rollout_vllm) for a run in `workdir` on the base `model_path`."""
     common = dict(stop_ids=stop_ids, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
-                  concurrency=int(options.get("concurrency", 64)),
-                  request_timeout_s=float(options.get("request_timeout_s", 3600.0)))
+                  **dataclasses.asdict(block.rollout_server))
     servers = tuple(block.rollout_servers)
     if block.rollout_backend == "server":
         backends = [ServerBackend(model_path, url=url, **common) for url in servers]
     elif block.rollout_backend == "vllm" and servers:
         backends = [VLLMBackend(model_path, url=url, **common) for url in servers]
     elif block.rollout_backend == "vllm":
-        launcher = vllm_server(options, model_path=model_path, dtype=dtype, seed=seed,
+        launcher = vllm_server(block.rollout_vllm, model_path=model_path, dtype=dtype, seed=seed,
                                log_path=os.path.join(workdir, "vllm_server.log"), check_install=check_install)
         backend = ServerBackend(model_path, launcher=launcher, out_dir=workdir, **common)
         backend.name = "vllm"

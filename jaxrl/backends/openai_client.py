@@ -10,11 +10,12 @@ template, our stop ids), `n` samples, `max_tokens`, the sampling controls, `stop
 sampled token's log-probability; vLLM 0.33's default logprobs mode is raw_logprobs, vllm/config/model.py:291,
 i.e. temperature 1 and unfiltered, as ours) and `return_token_ids: true`.
 
-Seeds: a request's `seed` packs (seed, group id, sample index 0) into one int64 (`request_seed`). vLLM gives
-sample i of a request the seed `seed + i` (vllm/v1/engine/parallel_sampling.py:69-81), which is the packed seed of
-(seed, group id, i): so sample i of a prompt is drawn from a seed that depends on (seed, group id, i) only, never
-on its batch or on n. The JAX server reads the same packing back and samples with the jax backend's own keys
-(`fold_in(fold_in(key(seed), group id), sample index)`), so its samples equal the in-process jax backend's.
+Seeds: a request's `seed` packs (seed, group id, sample index 0) into one int64
+(`jaxrl.generation.sampling.request_seed`). vLLM gives sample i of a request the seed `seed + i`
+(vllm/v1/engine/parallel_sampling.py:69-81), which is the packed seed of (seed, group id, i): so sample i of a
+prompt is drawn from a seed that depends on (seed, group id, i) only, never on its batch or on n. The JAX server
+reads the same packing back and samples with the jax backend's own keys, so its samples equal the in-process jax
+backend's.
 
 Adapters are served unmerged, as LoRA: a PEFT folder (the given one when it is a PEFT export in the base's
 layout, else exported once under `<out_dir>/peft/<name>`) loaded through POST /v1/load_lora_adapter (vLLM needs
@@ -23,7 +24,7 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) unless the server already lists it (e.g. 
 JAX server reads back from its parameters). A full HF folder (`kind="hf"`, e.g. a merged export) needs a server of
 that folder: a launched vLLM is restarted on it; a server given by URL must already serve it. Online training sends
 every new version of its adapter with `serve_adapter_version` (new version loaded, then the old one unloaded; the
-served digest returned for the trainer to check: `jaxrl.algorithms.server_rollouts`).
+served digest returned for the trainer to check: `jaxrl.backends.pool`).
 
 Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
 serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
@@ -46,42 +47,19 @@ from typing import Optional, Sequence
 
 from jaxrl.export.merge import read_provenance
 from jaxrl.export.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
-from jaxrl.rollout.backends.base import Generation, ModelSpec, SamplingParams, chunked_stream
+from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
+from jaxrl.generation.sampling import request_seed
+from jaxrl.generation.stopping import with_stop_token
+from jaxrl.serve.protocol import JAXRL_SERVER
+from jaxrl.utils.train_config import ServerOptions
 
 logger = logging.getLogger(__name__)
 
 TARGET_VLLM = (0, 33)  # the vLLM version this module's requests, seeds and LoRA handling are written against
-# packed seed: group id (32 bits) | seed (SEED_BITS) | sample index (SAMPLE_BITS), 63 bits: always a non-negative
-# int64 (vLLM reads seed -1 as "no seed", vllm/sampling_params.py:570-571)
-SEED_BITS, SAMPLE_BITS = 19, 12
-JAXRL_SERVER = "jaxrl"  # the "server" field of the JAX server's /version (vLLM's has only "version")
 
 
 class ServerError(RuntimeError):
     """A server that is missing, too old, serving something else, or refusing a request; says what to do."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Seeds
-
-def request_seed(seed: int, group_id: int, sample_index: int = 0) -> int:
-    """The int64 `seed` of a request whose sample 0 is sample `sample_index` of (seed, group id): bits
-    group id (32) | seed (SEED_BITS) | sample index (SAMPLE_BITS), in [0, 2**63)."""
-    seed, group_id, sample_index = int(seed), int(group_id) % 2 ** 32, int(sample_index)
-    if not 0 <= seed < 2 ** SEED_BITS:
-        raise ValueError(f"seed {seed}: server backends pack the seed into {SEED_BITS} bits of the request seed "
-                         f"(with the problem key and the sample index), so it must be in [0, {2 ** SEED_BITS})")
-    if not 0 <= sample_index < 2 ** SAMPLE_BITS:
-        raise ValueError(f"sample index {sample_index}: server backends draw at most {2 ** SAMPLE_BITS} samples "
-                         "per prompt (SAMPLE_BITS of the request seed)")
-    return (group_id << (SEED_BITS + SAMPLE_BITS)) | (seed << SAMPLE_BITS) | sample_index
-
-
-def split_request_seed(value: int) -> tuple[int, int, int]:
-    """(seed, group id, sample index) of a request seed (`request_seed` inverted; any integer maps to one)."""
-    value = int(value) % 2 ** 63
-    return ((value >> SAMPLE_BITS) & (2 ** SEED_BITS - 1), value >> (SEED_BITS + SAMPLE_BITS),
-            value & (2 ** SAMPLE_BITS - 1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,11 +157,11 @@ def same_folder(a: Optional[str], b: Optional[str]) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # The backend
 
-class ServerBackend:
+class ServerBackend(RolloutBackend):
     """See the module docstring.
 
     url: a running server; or `launcher` (an object with `start(model_dir, max_model_len, max_lora_rank) -> url`,
-      `stop()`, `max_model_len`, `max_lora_rank`, `model_dir`: `jaxrl.rollout.backends.vllm_backend.VLLMServer`),
+      `stop()`, `max_model_len`, `max_lora_rank`, `model_dir`: `jaxrl.backends.vllm_backend.VLLMServer`),
       which the backend starts on first use and restarts when a model needs another folder or more room.
     out_dir: where trainer checkpoints are exported as PEFT folders for the server (`<out_dir>/peft/<name>`).
     concurrency: requests in flight at once (the server batches them).
@@ -193,7 +171,8 @@ class ServerBackend:
 
     def __init__(self, base_dir: str, *, url: Optional[str] = None, launcher=None, out_dir: Optional[str] = None,
                  stop_ids: Sequence[int] = (), max_prompt_len: int = 4096, max_new_tokens: int = 4096,
-                 concurrency: int = 64, request_timeout_s: float = 3600.0, **_unused):
+                 concurrency: int = ServerOptions.concurrency,
+                 request_timeout_s: float = ServerOptions.request_timeout_s, **_unused):
         if (url is None) == (launcher is None):
             raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
         self.base_dir = os.path.abspath(base_dir)
@@ -203,6 +182,7 @@ class ServerBackend:
         self.stop_ids = tuple(int(t) for t in stop_ids)
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.concurrency, self.request_timeout_s = max(1, int(concurrency)), float(request_timeout_s)
+        self.batch_size = self.concurrency  # prompts in flight at once (each its n samples)
         self.description: Optional[str] = None  # "vllm 0.33.0" / "jaxrl 0.1.0", once connected
         self._base_name: Optional[str] = None  # the server's base model id
         self._served_root: Optional[str] = None  # the folder the server's base model was loaded from
@@ -351,6 +331,18 @@ class ServerBackend:
                                status, error_message(payload))
         return self.loaded_digest()
 
+    def update_weights(self, policy: Policy) -> str:
+        """Serves `policy`'s adapter (a PEFT folder written under `<out_dir>/peft/<version>`) as the model requests
+        name, by `serve_adapter_version`; returns the digest the server reports serving (a pool of servers writes
+        the folder once for all of them: jaxrl.backends.pool)."""
+        if self.out_dir is None:
+            raise ServerError("update_weights needs the backend's out_dir (where the adapter's PEFT folder is "
+                              "written for the server to read)")
+        adapter = policy.adapter()
+        folder = os.path.join(self.out_dir, "peft", policy.version)
+        export_peft(adapter, folder, self.base_dir, overwrite=True)
+        return self.serve_adapter_version(policy.version, folder, adapter)
+
     def loaded_digest(self) -> Optional[str]:
         """Digest of the adapter the server serves under the model id requests name, from what the server reports
         (/v1/models: the digest the JAX server reads back from its parameters, else the folder it loaded)."""
@@ -394,10 +386,7 @@ class ServerBackend:
             raise ServerError(f"{self.url}: prompt {j}: asked for {body['n']} completions, got {len(choices)}")
         return choices
 
-    def generate(self, prompts, group_ids, sampling: SamplingParams, *, params=None) -> list[Generation]:
-        if params is not None:
-            raise ValueError(f"the {self.name} backend samples on a server; it cannot use in-memory weights "
-                             "(params=)")
+    def generate(self, prompts, group_ids, sampling: SamplingParams) -> list[Generation]:
         if self._model is None:
             raise RuntimeError(f"{type(self).__name__}.generate before load()")
         request_seed(sampling.seed, 0, int(sampling.n) - 1)  # bad seed / n fail before any request
@@ -417,10 +406,6 @@ class ServerBackend:
                 rows.append(self._generation(choice, j, i))
         return rows
 
-    def stream(self, prompts, group_ids, sampling: SamplingParams, *, prompts_per_call: int):
-        """`generate` a call of `prompts_per_call` prompts at a time, yielded prompt by prompt."""
-        yield from chunked_stream(self, prompts, group_ids, sampling, prompts_per_call)
-
     def _generation(self, choice: dict, j: int, i: int) -> Generation:
         tokens = choice.get("token_ids")
         if tokens is None:
@@ -432,15 +417,8 @@ class ServerBackend:
             raise ServerError(f"{self.url}: prompt {j} sample {i} ended with finish_reason {reason!r}")
         lp = (choice.get("logprobs") or {}).get("token_logprobs")
         logprobs = None if lp is None else [float(x) for x in lp]
-        if reason == "stop" and (not tokens or tokens[-1] not in self.stop_ids):
-            # both vLLM and the JAX server keep the stop token; a server that drops it gets it back here, so
-            # completion lengths count it on every backend
-            stop = choice.get("stop_reason")
-            stop = stop if isinstance(stop, int) else (self.stop_ids or (None,))[0]
-            if stop is not None:
-                tokens.append(int(stop))
-                logprobs = None  # its log-probability is unknown
-        if logprobs is not None and len(logprobs) != len(tokens):
+        tokens, restored = with_stop_token(tokens, reason, choice.get("stop_reason"), self.stop_ids)
+        if restored or (logprobs is not None and len(logprobs) != len(tokens)):
             logprobs = None
         return Generation(tokens, reason, j, i, logprobs)
 

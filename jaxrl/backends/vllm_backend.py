@@ -3,7 +3,7 @@
 vLLM cannot share jaxrl's environment: vLLM 0.31-0.33 pin `torch==2.14` and `transformers<5.21`, jaxrl needs
 `transformers>=5.24`, so `pip install vllm` next to jaxrl resolves to vLLM 0.30 (no Qwen3.5 text-layout LoRA
 remap). So vLLM lives in a venv of its own (ENV_RECIPE, docs/guides/vllm.md) and runs as a server, as TRL and verl run it
-beside a trainer; this process only speaks HTTP to it (`jaxrl.rollout.backends.openai_client.ServerBackend`).
+beside a trainer; this process only speaks HTTP to it (`jaxrl.backends.openai_client.ServerBackend`).
 
     backend = VLLMBackend(BASE, out_dir="run/eval", python="~/.venvs/vllm", stop_ids=stop_ids,
                           tensor_parallel_size=1, data_parallel_size=8)
@@ -42,8 +42,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxrl.rollout.backends.openai_client import (TARGET_VLLM, ServerBackend, ServerError, http_json,
+from jaxrl.backends.openai_client import (TARGET_VLLM, ServerBackend, ServerError, http_json,
                                                   lora_rank_slot, parse_version)
+from jaxrl.utils.train_config import VLLMLaunchOptions as _LAUNCH  # the launch options' one set of defaults
 
 VLLM_VERSION = "0.33.0"
 VLLM_REQUIREMENT = f"vllm=={VLLM_VERSION}"
@@ -90,10 +91,13 @@ class VLLMServer:
     """One `vllm serve` process at a time, started from the vLLM environment (module docstring)."""
 
     def __init__(self, *, python: Optional[str] = None, tokenizer: Optional[str] = None, dtype: str = "bfloat16",
-                 seed: int = 0, host: str = "127.0.0.1", port: int = 0, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, gpu_memory_utilization: float = 0.90, max_loras: int = 1,
-                 extra_args: Sequence[str] = (), env: Optional[dict] = None, log_path: Optional[str] = None,
-                 startup_timeout_s: float = 1800.0, check_install: bool = True):
+                 seed: int = 0, host: str = "127.0.0.1", port: int = 0,
+                 tensor_parallel_size: int = _LAUNCH.tensor_parallel_size,
+                 data_parallel_size: int = _LAUNCH.data_parallel_size,
+                 gpu_memory_utilization: float = _LAUNCH.gpu_memory_utilization, max_loras: int = _LAUNCH.max_loras,
+                 extra_args: Sequence[str] = _LAUNCH.extra_args, env: Optional[dict] = None,
+                 log_path: Optional[str] = None, startup_timeout_s: float = _LAUNCH.startup_timeout_s,
+                 check_install: bool = True):
         self.python = resolve_python(python)
         self.version = installed_vllm(self.python) if check_install else None
         self.tokenizer, self.dtype, self.seed = tokenizer, dtype, int(seed)
@@ -210,9 +214,11 @@ class VLLMBackend(ServerBackend):
 
     def __init__(self, base_dir: str, *, out_dir: Optional[str] = None, url: Optional[str] = None,
                  python: Optional[str] = None, dtype: str = "bfloat16", seed: int = 0,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, gpu_memory_utilization: float = 0.90,
-                 extra_args: Sequence[str] = (), startup_timeout_s: float = 1800.0, max_lora_rank: int = 16,
-                 **kwargs):
+                 tensor_parallel_size: int = _LAUNCH.tensor_parallel_size,
+                 data_parallel_size: int = _LAUNCH.data_parallel_size,
+                 gpu_memory_utilization: float = _LAUNCH.gpu_memory_utilization,
+                 extra_args: Sequence[str] = _LAUNCH.extra_args, startup_timeout_s: float = _LAUNCH.startup_timeout_s,
+                 max_lora_rank: int = 16, **kwargs):
         launcher = None
         if url is None:
             log = os.path.join(out_dir, "vllm_server.log") if out_dir else None

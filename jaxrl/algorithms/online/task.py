@@ -1,13 +1,9 @@
-"""The task base of online GRPO and PPO: the mapping of rollouts onto train steps, the rollout buffer on disk, and
-its Task phases over them (jaxrl.train.task: setup, needs_rollout / rollout, batch, on_checkpoint).
+"""The task base of online GRPO and PPO: its Task phases (jaxrl.train.task: setup, needs_rollout / rollout, batch,
+on_checkpoint) over the rollouts (jaxrl/algorithms/online/rollouts.py) and the schedule and buffer that map them
+onto train steps (jaxrl/algorithms/online/buffer.py). The policy the Trainer holds at a rollout's first step is
+the behaviour policy.
 
-Rollouts and train steps (the Trainer's unit is one optimizer update per step): a rollout of N rows is made when
-one is due and then served as U = N / B_global minibatches (B_global = batch.micro_batch_size x
-batch.grad_accum), `iterations` times over (GRPO num_iterations, PPO epochs), so rollout r covers train steps
-[r*S, (r+1)*S) with S = iterations x U. Within a rollout, pass i serves its rows in a permutation seeded by
-(seed, r, i). The policy the Trainer holds at the rollout's first step is the behaviour policy.
-
-Resume: a rollout made from the same parameters is bit-identical (`jaxrl.algorithms.online_rollouts`). A run
+Resume: a rollout made from the same parameters is bit-identical (jaxrl/algorithms/online/rollouts.py). A run
 resumed at a rollout boundary therefore regenerates it from the restored parameters; a run resumed in the middle
 of a rollout (S > 1) needs the rollout as it was: each rollout with S > 1 is written atomically to
 `<workdir>/rollouts/<r>.npz` before it is trained on, and buffers no kept checkpoint can need are deleted at each
@@ -30,11 +26,6 @@ between those and the ones it updates: 0 on the first step of a rollout without 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import io
-import json
-import os
-import re
 import threading
 import time
 from typing import Optional
@@ -45,119 +36,22 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxrl.models.lora import LoRAParam
-from jaxrl.parallel.distributed import is_main_process
-from jaxrl.train.task import TaskContext
-from jaxrl.utils.io import atomic_write_bytes
+from jaxrl.algorithms.online.buffer import RolloutStore, Schedule
+from jaxrl.algorithms.online.rollouts import Rollouts
+from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils.train_config import TrainConfig
 
-ROLLOUT_DIR = "rollouts"
-
-# ------------------------------------------------------------------------------------------------- schedule
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """Rollout r serves train steps [r*S, (r+1)*S), S = iterations x minibatches (module docstring)."""
-
-    rows: int  # N per rollout
-    global_batch: int  # B_global per train step
-    iterations: int  # passes over each rollout (GRPO num_iterations, PPO epochs)
-    seed: int
-
-    def __post_init__(self):
-        if self.iterations < 1:
-            raise ValueError(f"the number of passes over a rollout must be >= 1, got {self.iterations}")
-
-    @property
-    def minibatches(self) -> int:
-        return self.rows // self.global_batch
-
-    @property
-    def steps_per_rollout(self) -> int:
-        return self.iterations * self.minibatches
-
-    def locate(self, step: int) -> tuple[int, int, int]:
-        """(rollout, pass, minibatch) of 0-based train step `step`."""
-        r, within = divmod(step, self.steps_per_rollout)
-        i, u = divmod(within, self.minibatches)
-        return r, i, u
-
-    def rows_of(self, rollout: int, iteration: int, minibatch: int) -> np.ndarray:
-        """Row indices of one minibatch: rows in a permutation seeded by (seed, rollout, pass)."""
-        if self.minibatches == 1:
-            return np.arange(self.rows)
-        perm = np.random.default_rng([self.seed, rollout, iteration, 3571]).permutation(self.rows)
-        return perm[minibatch * self.global_batch:(minibatch + 1) * self.global_batch]
-
-
-def check_rows(rows: int, global_batch: int, what: str) -> None:
-    if rows % global_batch:
-        raise ValueError(f"{what} = {rows} rows per rollout is not a multiple of the global batch "
-                         f"batch.micro_batch_size x batch.grad_accum = {global_batch}; each rollout is served as "
-                         f"whole global batches")
-
-
-# ------------------------------------------------------------------------------------------------- the buffer
-
-
-def _npz_bytes(arrays: dict, meta: dict) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays, __meta__=np.asarray(json.dumps(meta)))
-    return buf.getvalue()
-
-
-class RolloutStore:
-    """`<workdir>/rollouts/<r>.npz`: written atomically (temp file + rename, fsync'd) by the main process."""
-
-    def __init__(self, workdir: str):
-        self.dir = os.path.join(workdir, ROLLOUT_DIR)
-
-    def path(self, rollout: int) -> str:
-        return os.path.join(self.dir, f"{rollout}.npz")
-
-    def save(self, rollout: int, arrays: dict, meta: dict) -> str:
-        if is_main_process():
-            atomic_write_bytes(self.path(rollout), _npz_bytes(arrays, meta))
-        return os.path.basename(self.path(rollout))
-
-    def load(self, rollout: int) -> Optional[tuple[dict, dict]]:
-        path = self.path(rollout)
-        if not os.path.exists(path):
-            return None
-        with np.load(path) as f:
-            arrays = {k: np.asarray(f[k]) for k in f.files if k != "__meta__"}
-            meta = json.loads(str(f["__meta__"]))
-        return arrays, meta
-
-    def prune(self, keep_from: int) -> list[int]:
-        """Delete buffers of rollouts < keep_from; returns them."""
-        if not is_main_process() or not os.path.isdir(self.dir):
-            return []
-        gone = []
-        for name in os.listdir(self.dir):
-            m = re.fullmatch(r"(\d+)\.npz", name)
-            if m and int(m.group(1)) < keep_from:
-                os.remove(os.path.join(self.dir, name))
-                gone.append(int(m.group(1)))
-        return sorted(gone)
-
-
-# ------------------------------------------------------------------------------------------------- the task base
-
-
-class OnlineTask:
+class OnlineTask(Task):
     """Task base of GRPO and PPO (the phases of jaxrl.train.task), see the module docstring. Subclasses implement
     `make_rollout(rollout, policy) -> (buffer: {key: [N, ...]}, metrics)` and `train_keys` (the buffer keys a train
     batch carries), and may keep host state in `host_state()` / `load_host_state(d)` (e.g. PPO's KL
-    coefficient)."""
+    coefficient). `rollouts` samples them; `block` is the algorithm's config block (its `overlap`)."""
 
     train_keys: tuple[str, ...] = ()
 
-    def __init__(self, config: TrainConfig, schedule: Schedule):
-        self.config, self.schedule = config, schedule
-        block = config.block(config.algorithm) if config.algorithm in ("grpo", "ppo") else None
-        self.overlap = bool(getattr(block, "overlap", False))
+    def __init__(self, config: TrainConfig, schedule: Schedule, rollouts: Rollouts, block):
+        self.config, self.schedule, self.rollouts = config, schedule, rollouts
+        self.overlap = bool(block.overlap)
         self._on_policy = False
         self._pending: Optional[tuple[int, concurrent.futures.Future]] = None  # (rollout, its background work)
         self.compile_options = dict(config.compile_options) or None
@@ -195,9 +89,7 @@ class OnlineTask:
     def setup(self, context: TaskContext) -> None:
         self.context = context
         self.store = RolloutStore(context.workdir)
-        engine = getattr(self, "engine", None)
-        if engine is not None and hasattr(engine, "attach_workdir"):  # server rollouts keep adapters below it
-            engine.attach_workdir(context.workdir)
+        self.rollouts.open(context.workdir, context.current_policy())
 
     def needs_rollout(self, step: int) -> bool:
         """Whether train step `step` trains on a rollout this task does not hold yet."""
@@ -233,9 +125,7 @@ class OnlineTask:
         if self.overlap and first and (rollout + 1) * self.schedule.steps_per_rollout < self.config.steps:
             self._start(rollout + 1, step, policy)
         if (rollout + 1) * self.schedule.steps_per_rollout >= self.config.steps and self._pending is None:
-            release = getattr(getattr(self, "engine", None), "release", None)
-            if release is not None:  # the run's last rollout: servers unload our adapter, a vLLM we started stops
-                release()
+            self.rollouts.close()  # the run's last rollout: servers unload our adapter, a vLLM we started stops
 
     # rollouts: made now, or in the background (overlap) ------------------------------------------------------
     def _make(self, rollout: int, step: int, policy) -> tuple[dict, dict, dict]:
@@ -244,8 +134,7 @@ class OnlineTask:
         t0 = time.perf_counter()
         buffer, metrics = self.make_rollout(rollout, policy)
         metrics = {k: v if isinstance(v, str) else float(v) for k, v in metrics.items()}
-        engine = getattr(self, "engine", None)
-        metrics.update({k: v for k, v in getattr(engine, "last_sync", {}).items() if not k.startswith("time/")})
+        metrics.update(self.rollouts.last_sync)
         metrics["rollout/policy_step"] = float(step)
         timing = {k: v for k, v in metrics.items() if k.startswith("time/")}
         kept = {k: v for k, v in metrics.items() if not k.startswith("time/")}
@@ -261,7 +150,7 @@ class OnlineTask:
     def _snapshot(self, policy):
         """`policy` with copies of its trained variables: the train step donates the state those arrays belong
         to, and the background rollout must keep the parameters it samples from."""
-        graphdef, trained, rest = nnx.split(policy, getattr(self, "trainable", LoRAParam), ...)
+        graphdef, trained, rest = nnx.split(policy, self.trainable, ...)
         return nnx.merge(graphdef, jax.tree.map(jnp.copy, trained), rest)
 
     def _start(self, rollout: int, step: int, policy) -> None:

@@ -1,0 +1,124 @@
+"""The teacher-forced passes of online GRPO / PPO over a rollout's completions, by role, each computed once:
+
+    passes = RolloutPasses(policy, arrays, temperature=1.0, batch_size=8, chunk_size=512, mesh=mesh)
+    passes.logp(Role.REFERENCE)   # adapters off, at the sampling temperature (the KL penalty's reference)
+    passes.logp(Role.OLD)         # the behaviour policy (adapters on) at the sampling temperature: the ratio's
+                                  # denominator when it is recomputed, and PPO's values (`passes.values()`)
+    passes.logp(Role.MISMATCH)    # the behaviour policy at temperature 1, what the sampler's log-probs are
+                                  # compared with (rollout correction, `mismatch/*`); at temperature 1 it IS the
+                                  # OLD pass, never computed twice
+
+All are the one pass of jaxrl.models.teacher_forced over the sequence layout of jaxrl/algorithms/online/
+rollouts.py (completion token t, column P + t, is predicted by the hidden state of column P + t - 1, so every
+per-token array is [N, C] and nothing is computed over the prompt), run by one jitted program `batch_size` rows a
+call (jaxrl.train.batched_forward). `policy_forward` is the same pass inside the losses' jitted step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.teacher_forced import next_token_logprobs
+from jaxrl.train import batched_forward
+
+
+class Role(enum.Enum):
+    REFERENCE = "ref"
+    OLD = "old"
+    MISMATCH = "mismatch"
+
+
+def completion_pass(model, input_ids, attention_mask, max_new_tokens: int, *, chunk_size: int, temperature: float,
+                    entropy: bool = False, adapters: bool = True):
+    """The teacher-forced pass over the completion columns: (hidden [b, C, H], logp [b, C], entropy or None)."""
+    out = next_token_logprobs(model, input_ids, attention_mask, start=input_ids.shape[1] - max_new_tokens - 1,
+                              temperature=temperature, chunk_size=chunk_size, entropy=entropy, adapters=adapters)
+    return out.hidden, out.logp, out.entropy
+
+
+def policy_forward(model, micro_batch, *, chunk_size: int, temperature: float, entropy: bool):
+    """(hidden [b, C, H], logp [b, C], entropy or None) of a GRPO/PPO micro-batch's completion tokens: the
+    forward both objectives start from (PPO's value head reads the same hidden states)."""
+    return completion_pass(model, micro_batch["input_ids"], micro_batch["attention_mask"],
+                           micro_batch["completion_mask"].shape[1], chunk_size=chunk_size, temperature=temperature,
+                           entropy=entropy)
+
+
+def _pass(graphdef, state, input_ids, attention_mask, *, max_new_tokens, adapters, temperature, chunk_size,
+          values):
+    model = nnx.merge(graphdef, state)
+    hidden, logp, _ = completion_pass(model, input_ids, attention_mask, max_new_tokens, chunk_size=chunk_size,
+                                      temperature=temperature, adapters=adapters)
+    out = {"logp": logp}
+    if values:
+        out["values"] = model.value_head(hidden)
+    return out
+
+
+class RolloutPasses:
+    """The passes of one rollout by role (module docstring). `values`: the OLD pass also reads the value head
+    (PPO). Results are [N, C] float32, zero off the completion mask. `timings()`: `time/<role>_logp_s` of every
+    role, the seconds its pass took (0 for a pass not run, or one another role's run served)."""
+
+    def __init__(self, policy, arrays: dict, *, temperature: float, batch_size: int, chunk_size: int = 512,
+                 mesh=None, compile_options: Optional[dict] = None, values: bool = False):
+        self.policy, self.arrays = policy, arrays
+        self.temperature, self.batch_size, self.chunk_size = float(temperature), int(batch_size), int(chunk_size)
+        self.mesh, self.compile_options, self.with_values = mesh, compile_options, bool(values)
+        self._done: dict[tuple, dict] = {}
+        self.seconds = {role: 0.0 for role in Role}
+
+    def _key(self, role: Role) -> tuple:
+        """(adapters, temperature) of a role: the pass's identity (MISMATCH at temperature 1 is OLD's)."""
+        if role is Role.REFERENCE:
+            return False, self.temperature
+        return True, (1.0 if role is Role.MISMATCH else self.temperature)
+
+    def _run(self, role: Role) -> dict:
+        key = self._key(role)
+        if key not in self._done:
+            t0 = time.perf_counter()
+            adapters, temperature = key
+            self._done[key] = teacher_forced(self.policy, self.arrays, adapters=adapters, temperature=temperature,
+                                             batch_size=self.batch_size, chunk_size=self.chunk_size, mesh=self.mesh,
+                                             compile_options=self.compile_options,
+                                             values=self.with_values and adapters)
+            self.seconds[role] = time.perf_counter() - t0
+        return self._done[key]
+
+    def timings(self) -> dict[str, float]:
+        return {f"time/{role.value}_logp_s": seconds for role, seconds in self.seconds.items()}
+
+    def logp(self, role: Role) -> np.ndarray:
+        return self._run(role)["logp"]
+
+    def values(self) -> np.ndarray:
+        """The value head over the OLD pass's hidden states (PPO)."""
+        return self._run(Role.OLD)["values"]
+
+
+def teacher_forced(model, arrays: dict, *, adapters: bool, batch_size: int, temperature: float = 1.0,
+                   chunk_size: int = 512, values: bool = False, mesh=None, compile_options: Optional[dict] = None,
+                   max_new_tokens: Optional[int] = None) -> dict[str, np.ndarray]:
+    """{"logp": [N, C] (+ "values": [N, C])} of every row of `arrays` (input_ids, attention_mask, completion_mask)
+    under `model` with its adapters on or off: one jitted program, `batch_size` rows per call. C: the completion
+    mask's width (`max_new_tokens`, when given, must be it)."""
+    program = batched_forward.jit_program(_pass, ("graphdef", "max_new_tokens", "adapters", "temperature",
+                                                  "chunk_size", "values"), compile_options, mesh)
+    graphdef, state = nnx.split(model)
+    width = np.asarray(arrays["completion_mask"]).shape[1]
+    if max_new_tokens is not None and int(max_new_tokens) != width:
+        raise ValueError(f"max_new_tokens={max_new_tokens}, but the completion mask is {width} wide")
+    max_new_tokens = width
+    out = batched_forward.map_batches(
+        lambda b: program(graphdef, state, b["input_ids"], b["attention_mask"], max_new_tokens=max_new_tokens,
+                          adapters=adapters, temperature=float(temperature), chunk_size=chunk_size, values=values),
+        arrays, ("input_ids", "attention_mask"), batch_size=batch_size, mesh=mesh)
+    mask = np.asarray(arrays["completion_mask"]) > 0
+    # Padding positions hold whatever the model computed there; zero them so buffers are clean.
+    return {k: np.where(mask, v, 0.0).astype(np.float32) for k, v in out.items()}

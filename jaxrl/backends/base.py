@@ -1,0 +1,129 @@
+"""The interface every generation backend implements (`RolloutBackend`) and the types they share: one completion,
+one servable model, one version of a trainer's policy.
+
+    backend.load(ModelSpec("step_28", "adapter", path), adapter)   # evaluation: a model by its files
+    backend.update_weights(policy)                                  # online training: the trainer's current policy
+    gens = backend.generate(prompts, group_ids, SamplingParams(n=8, max_new_tokens=4096, temperature=1.0))
+    for j, gens_j in backend.stream(prompts, group_ids, sampling, prompts_per_call=8): ...
+    backend.close()
+
+Rows are prompt-major (prompt j -> rows j*n ... j*n+n-1). `tokens` are the generated ids up to and including the
+stop token; `finish_reason` is "stop" (a stop id ended it) or "length" (the cap did). Sample keys derive from
+(seed, group id, sample index) on every backend (jaxrl.generation.sampling), so a sample does not depend on its
+batch, its server or the backend that drew it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from jaxrl.generation.sampling import SamplingParams
+
+MODEL_KINDS = ("base", "adapter", "hf")
+
+
+@dataclasses.dataclass
+class Generation:
+    """One completion: generated ids (up to and including the stop token) and "stop" | "length".
+
+    logprobs: log-probability of each generated token under the sampled model (temperature 1, unfiltered) when
+    the backend provides them (the jax backend always does), else None.
+    """
+
+    tokens: list[int]
+    finish_reason: str
+    prompt_index: int
+    sample_index: int
+    logprobs: Optional[list[float]] = None
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """One model a backend can serve.
+
+    kind: "base" (the base folder), "adapter" (base + a trainer adapter checkpoint or a PEFT folder at `path`),
+      "hf" (a full HF folder at `path`, e.g. a merged export).
+    step: optimizer step of a checkpoint (results.json "step"; the name is usually `step_<step>`).
+    """
+
+    name: str
+    kind: str
+    path: Optional[str] = None
+    step: Optional[int] = None
+
+    def __post_init__(self):
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"model {self.name!r}: kind must be one of {MODEL_KINDS}, got {self.kind!r}")
+        if self.kind != "base" and not self.path:
+            raise ValueError(f"model {self.name!r}: kind {self.kind!r} needs a path")
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"model name {self.name!r} is not usable as a file name")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A trainer's policy at one version, as backends take it: the in-memory weights (the jax backend samples
+    with these very arrays) and its LoRA adapter (a host copy, made only for a backend that sends it to servers;
+    its digest is what they must report serving)."""
+
+    version: str  # names the served adapter (e.g. "r7": the weights of rollout 7)
+    params: Any  # nnx.State of the policy model (trained and frozen variables)
+    adapter: Callable[[], Any]  # -> jaxrl.models.adapters.Adapter
+
+
+class RolloutBackend(abc.ABC):
+    """What every backend provides (module docstring). `batch_size`: rows a caller hands one `generate` call (the
+    engine's slots several times over, a server's requests in flight); `name`: jax | server | vllm."""
+
+    name: str = ""
+    batch_size: int = 64
+
+    @abc.abstractmethod
+    def load(self, spec: ModelSpec, adapter=None) -> None:
+        """Makes `spec` (base, base + adapter, or an HF folder) the model `generate` samples from."""
+
+    @abc.abstractmethod
+    def update_weights(self, policy: Policy) -> Optional[str]:
+        """Makes `policy` what `generate` samples from; returns the adapter digest the backend reports serving (a
+        server's, read back from it), or None where the backend samples with the given arrays themselves."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], group_ids: Sequence[int],
+                 sampling: SamplingParams) -> list[Generation]:
+        """`sampling.n` generations of every prompt, prompt-major."""
+
+    def stream(self, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], sampling: SamplingParams, *,
+               prompts_per_call: int) -> Iterator[tuple[int, list[Generation]]]:
+        """(prompt index, its generations) for every prompt, in order: by default `generate` calls of
+        `prompts_per_call` prompts; the jax backend streams every prompt through one engine."""
+        yield from chunked_stream(self, prompts, group_ids, sampling, prompts_per_call)
+
+    def loaded_digest(self) -> Optional[str]:
+        """Digest of the LoRA adapter the loaded model carries, read back from where it is served (None: none)."""
+        return None
+
+    def served_fingerprint(self) -> Optional[str]:
+        """The fingerprint of a served merged export (jaxrl_export.json), where the backend serves one."""
+        return None
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Frees what the backend holds (a server it started stops; an adapter it loaded is unloaded)."""
+
+
+
+def chunked_stream(backend, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], sampling: SamplingParams,
+                   prompts_per_call: int) -> Iterator[tuple[int, list[Generation]]]:
+    """`stream` for a backend that generates a call at a time: `prompts_per_call` prompts per `generate` call,
+    yielded prompt by prompt in order."""
+    for start in range(0, len(prompts), max(1, prompts_per_call)):
+        gens = backend.generate(prompts[start:start + prompts_per_call], group_ids[start:start + prompts_per_call],
+                                sampling)
+        by_prompt: list[list[Generation]] = [[] for _ in prompts[start:start + prompts_per_call]]
+        for g in gens:
+            by_prompt[g.prompt_index].append(g)
+            g.prompt_index += start
+        for k, rows in enumerate(by_prompt):
+            yield start + k, rows

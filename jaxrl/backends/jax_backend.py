@@ -1,0 +1,141 @@
+"""The default backend: our JAX model and the generation engine (`jaxrl.generation`), with adapters attached
+unmerged (fused into the base projections for decoding, `Qwen35.decode_weights`).
+
+Two ways to hold a model:
+  * from folders (`base_dir`): `load(spec, adapter)` loads the base once and swaps LoRA factors in place when the
+    checkpoint changes (no reload); a model given as a full HF folder (`spec.kind == "hf"`) is loaded on its own;
+  * a model object (`model=`): an already built base (tests, the demo) or the live policy of online training,
+    whose current weights each `update_weights(policy)` hands over (the engine samples with those very arrays;
+    nothing recompiles).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax.numpy as jnp
+from absl import logging
+
+from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
+from jaxrl.generation import Sampler
+from jaxrl.generation.programs import engine_programs
+from jaxrl.models import qwen35
+from jaxrl.models.adapters import attach, attached_digest, detach
+from jaxrl.parallel.sharding import batch_shards
+
+DTYPES = ("bfloat16", "float32")
+
+
+class JaxBackend(RolloutBackend):
+    name = "jax"
+
+    def __init__(self, base_dir: Optional[str] = None, *, dtype: Optional[str] = "bfloat16", batch_size: int = 64,
+                 max_prompt_len: int = 4096, prompt_buckets: Optional[Sequence[int]] = None,
+                 stop_ids: Sequence[int] = (), pad_id: Optional[int] = None, model=None, mesh=None,
+                 collect_factor: int = 4, shrink: Optional[bool] = None, **_unused):
+        """dtype: compute dtype of models loaded from folders; None with `model=` (take the model's own).
+        mesh: rows split over its data x fsdp axes, weights placed by the sharding rules; `batch_size` (rows decoded
+        at once: the engine's slots) is rounded up to a multiple of data x fsdp.
+        prompt_buckets: the prompt lengths the engine's programs are compiled for (default 32, 64, ... up to
+        max_prompt_len); a call uses the smallest that holds its longest prompt. One length (a rollout's prompts
+        chosen from its data) means one set of programs.
+        collect_factor: rows a caller should hand to one `generate` call, in slots (`batch_size`): finished slots
+        are refilled only from rows of the same call (`stream` has no such limit). shrink: let a draining call move
+        its last rows to fewer slots (more programs, cheaper steps; None: when the cap is at least
+        `jaxrl.generation.sampler.SHRINK_MIN_CAP`)."""
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if int(collect_factor) < 1:
+            raise ValueError(f"collect_factor must be >= 1, got {collect_factor}")
+        if base_dir is None and model is None:
+            raise ValueError("JaxBackend needs a base_dir or a model")
+        if model is not None and dtype is not None and jnp.dtype(model.dtype) != jnp.dtype(dtype):
+            # the cache settings record `dtype`: a model of another dtype would be misdescribed
+            raise ValueError(f"the given base model computes in {jnp.dtype(model.dtype).name}, not {dtype}")
+        self.base_dir, self.dtype = base_dir, dtype
+        self.slots, self.max_prompt_len = int(batch_size), int(max_prompt_len)
+        if self.slots < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if mesh is not None:  # every compiled batch splits evenly over the data-parallel devices
+            dp = batch_shards(mesh)
+            self.slots = -(-self.slots // dp) * dp
+        self.shrink = shrink
+        self.batch_size = self.slots * int(collect_factor)
+        self.prompt_buckets = tuple(prompt_buckets) if prompt_buckets else None
+        self.stop_ids, self.pad_id, self.mesh = tuple(int(t) for t in stop_ids), pad_id, mesh
+        self._base = model
+        self._model = model  # a given model is ready to sample from without load()
+        self._params = None  # the weights of `update_weights` (None: the held model's own)
+        self._samplers: dict[int, Sampler] = {}
+        self.compiled_programs = 0  # engine programs traced by this process when the last call returned
+
+    def _load_folder(self, folder: str):
+        return qwen35.from_pretrained(folder, dtype=getattr(jnp, self.dtype or "bfloat16"), mesh=self.mesh)
+
+    def load(self, spec: ModelSpec, adapter=None) -> None:
+        """Make `spec` (base, base + adapter, or an HF folder) the model that `generate` samples from."""
+        if spec.kind == "hf":
+            if adapter is not None:
+                raise ValueError(f"model {spec.name!r}: an HF folder takes no adapter")
+            self._model = self._load_folder(spec.path)
+        else:
+            if self._base is None:
+                self._base = self._load_folder(self.base_dir)
+            detach(self._base)
+            if adapter is not None:
+                attach(self._base, adapter)
+            self._model = self._base
+        self._params = None
+        self._samplers = {}
+
+    def update_weights(self, policy: Policy) -> None:
+        """Samples with `policy.params` from now on (the held model must be the policy's structure: online training
+        builds this backend on the live policy). Nothing is copied or checked: these are the arrays sampled with."""
+        self._params = policy.params
+        return None
+
+    def loaded_digest(self) -> Optional[str]:
+        """Digest of the LoRA factors the loaded model carries (read back from its parameters)."""
+        return attached_digest(self._model)
+
+    def sampler(self, max_new_tokens: int) -> Sampler:
+        """The sampler of this cap (built once per cap; its programs compile once per shape)."""
+        if self._model is None:
+            raise RuntimeError("JaxBackend: no model loaded (call load() first)")
+        if max_new_tokens not in self._samplers:
+            self._samplers[max_new_tokens] = Sampler(
+                self._model, shrink=self.shrink, max_new_tokens=max_new_tokens, max_prompt_len=self.max_prompt_len,
+                prompt_buckets=self.prompt_buckets, batch_size=self.slots, eos_token_ids=self.stop_ids,
+                pad_token_id=self.pad_id, mesh=self.mesh)
+        return self._samplers[max_new_tokens]
+
+    def _log_programs(self, sampler: Sampler, what: str) -> None:
+        programs = engine_programs()
+        if programs > self.compiled_programs:
+            logging.info("jax backend: %d engine programs compiled in this process (%d by this %s; at most %d per "
+                         "model structure, sampling mode and cap)", programs, programs - self.compiled_programs,
+                         what, sampler.program_bound())
+        self.compiled_programs = programs
+
+    def generate(self, prompts, group_ids, sampling: SamplingParams) -> list[Generation]:
+        sampler = self.sampler(int(sampling.max_new_tokens))
+        out = sampler.sample(prompts, params=self._params, n=sampling.n, temperature=sampling.temperature,
+                             top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, group_ids=group_ids)
+        self._log_programs(sampler, "call")
+        return [Generation(list(out.tokens[i]), out.finish_reasons[i], out.prompt_indices[i], out.sample_indices[i],
+                           [float(x) for x in out.logprobs[i]]) for i in range(len(out))]
+
+    def stream(self, prompts, group_ids, sampling: SamplingParams, *, prompts_per_call: int):
+        """(prompt index, its `sampling.n` generations) for every prompt, in order, from one engine fed as it goes
+        (`Sampler.stream`: one tail for the whole run instead of one per call of `prompts_per_call`)."""
+        sampler = self.sampler(int(sampling.max_new_tokens))
+        for j, completions in sampler.stream(prompts, params=self._params, n=sampling.n,
+                                             temperature=sampling.temperature, top_p=sampling.top_p,
+                                             top_k=sampling.top_k, seed=sampling.seed, group_ids=group_ids):
+            yield j, [Generation(list(c.tokens), c.finish_reason, j, i, [float(x) for x in c.logprobs])
+                      for i, c in enumerate(completions)]
+        self._log_programs(sampler, "stream")
+
+    def close(self) -> None:
+        self._model = self._base = self._params = None
+        self._samplers = {}

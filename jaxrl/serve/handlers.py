@@ -1,0 +1,336 @@
+"""What the server answers to completions and chat requests: the prompts' token ids, the rows a request asks for
+(one `jaxrl.generation.Request` each), the stopping rule applied to every finished row
+(`jaxrl.generation.stopping.StopRule`), the log-prob entries, and the response, whole or streamed.
+
+Semantics as vLLM's: `stop` strings are matched on the decoded text and left out of it (finish_reason "stop",
+stop_reason the string); a stop id is kept in token_ids, left out of the text, and named in stop_reason unless it
+is an EOS id. Log-probs are at temperature 1 and unfiltered (vLLM's raw_logprobs): with `logprobs: 0` the
+sampler's own, with k > 0 or `echo` the teacher-forced pass of the trainer over prompt + completion (a top-k dict
+holds the k most likely tokens and the token itself). `usage` is in every response. `stream` sends a completion's
+chunks (one per token) once it is done.
+
+Seeds: choice i of a request with seed R is sampled with the key of `split_request_seed(R + i)` = (seed, group id,
+sample index) (`jaxrl.generation.sampling`), as vLLM seeds choice i with R + i; a request without a seed gets a
+random group id under the server's own seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Optional, Sequence
+
+from fastapi.responses import StreamingResponse
+
+from jaxrl.data.chat import chat_stop_ids, render_chat
+from jaxrl.generation.engine import Request
+from jaxrl.generation.sampling import SEED_BITS, request_seed, split_request_seed
+from jaxrl.generation.stopping import Finished, StopRule
+from jaxrl.serve.loop import Overloaded, ServeLoop, ShuttingDown
+from jaxrl.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, message_text, new_id, now,
+                                  refuse_unsupported, sse, stop_strings, usage)
+from jaxrl.serve.registry import AdapterRegistry, Served
+from jaxrl.serve.settings import ServeLimits
+from jaxrl.serve.text import clip_pieces, token_pieces, token_strings
+
+NORMALISATION_SLACK = 4  # a text prompt may shrink this much in characters under Unicode normalisation
+
+
+class Handlers:
+    """Completions and chat over a serve loop (module docstring)."""
+
+    def __init__(self, tokenizer, registry: AdapterRegistry, loop: ServeLoop, limits: ServeLimits, *,
+                 eos_ids: Sequence[int], vocab_size: int):
+        self.tokenizer, self.registry, self.loop, self.limits = tokenizer, registry, loop, limits
+        self.eos_ids = tuple(eos_ids)
+        self.chat_stop_ids = chat_stop_ids(tokenizer, list(eos_ids))
+        self.vocab_size = int(vocab_size)
+        self.max_model_len, self.max_prompt_len = limits.max_model_len, limits.max_prompt_len
+        # the most characters one token stands for: a text longer than max_prompt_len of them (with slack for
+        # normalisation) has more than max_prompt_len tokens, whatever they are
+        self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
+        self.server_seed = secrets.randbelow(2 ** SEED_BITS)  # unseeded requests: random group ids under it
+
+    # ---------------------------------------------------------------------------------------------- prompts
+    def encode_text(self, text: str, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt; a text too long to fit max_prompt_len tokens is refused before tokenizing."""
+        if len(text) > NORMALISATION_SLACK * self.max_token_chars * self.max_prompt_len:
+            raise ApiError(f"{what} has {len(text)} characters: more than {self.max_prompt_len} tokens (this "
+                           f"server's max_prompt_len) could hold", param="prompt")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def prompt_ids(self, prompt) -> tuple[list[list[int]], list[Optional[str]]]:
+        """(token ids, text or None) of each prompt of a completions request."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise ApiError("prompt is empty", param="prompt")
+        if len(prompt) > self.limits.max_prompts:
+            raise ApiError(f"{len(prompt)} prompts in one request; at most {self.limits.max_prompts}",
+                           param="prompt")
+        ids, texts = [], []
+        for j, p in enumerate(prompt):
+            if isinstance(p, str):
+                texts.append(p)
+                p = self.encode_text(p, f"prompt {j}")
+            else:
+                texts.append(None)
+            if not p:
+                raise ApiError(f"prompt {j} is empty", param="prompt")
+            ids.append(self.check_prompt(p, j))
+        return ids, texts
+
+    def check_prompt(self, ids: Sequence[int], j: int = 0) -> list[int]:
+        if len(ids) > self.max_prompt_len:
+            raise ApiError(f"prompt {j} has {len(ids)} tokens, over this server's max_prompt_len "
+                           f"{self.max_prompt_len} (launchers.serve --max_prompt_len)", param="prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ApiError(f"prompt {j} has token ids outside [0, {self.vocab_size})", param="prompt")
+        return [int(t) for t in ids]
+
+    def max_tokens(self, requested: Optional[int], prompts: list[list[int]], field: str = "max_tokens") -> int:
+        """The completion cap: as requested (None: the rest of the context, as vLLM), within max_model_len."""
+        longest = max(len(p) for p in prompts)
+        room = self.max_model_len - longest
+        if requested is None:
+            return max(room, 0)
+        if int(requested) > room:
+            raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {longest + int(requested)} tokens ({longest} in the prompt, {int(requested)} "
+                           f"in the completion). Please reduce the prompt or {field}.", param=field)
+        return int(requested)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
+        text = render_chat(self.tokenizer, messages, bool(kwargs.get("enable_thinking", False)),
+                           req.add_generation_prompt)
+        return self.check_prompt(self.encode_text(text, "the templated conversation", add_special_tokens=False))
+
+    # -------------------------------------------------------------------------------------------- generation
+    def stop_rule(self, req, default_ids: Sequence[int]) -> StopRule:
+        requested = [int(t) for t in (req.stop_token_ids or [])]
+        bad = [t for t in requested if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids")
+        return StopRule.of_request(self.tokenizer, eos_ids=self.eos_ids, stop_token_ids=requested,
+                                   strings=stop_strings(req.stop), ignore_eos=req.ignore_eos, default_ids=default_ids,
+                                   include_stop_str=req.include_stop_str_in_output)
+
+    def _check_counts(self, req, prompts: list) -> None:
+        if req.n > self.limits.max_n:
+            raise ApiError(f"n={req.n} is over this server's bound {self.limits.max_n} (launchers.serve --max_n)",
+                           param="n")
+        if len(prompts) * req.n > self.limits.max_pending_rows:
+            raise ApiError(f"{len(prompts)} prompts x n={req.n} rows exceed what this server queues "
+                           f"({self.limits.max_pending_rows})", param="n")
+
+    def rows(self, req, prompts: list[list[int]], max_tokens: int, rule: StopRule) -> list[Request]:
+        """The rows of a request, prompt-major (n per prompt), each keyed by its seed (module docstring)."""
+        seed = req.seed if req.seed is not None else request_seed(self.server_seed, secrets.randbits(32))
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        top_p = 1.0 if req.top_p is None else float(req.top_p)
+        top_k = 0 if req.top_k in (None, -1) else int(req.top_k)
+        out = []
+        for p in prompts:
+            for i in range(req.n):
+                s, group, sample = split_request_seed(int(seed) + i)
+                out.append(Request(p, group_id=group, sample_index=sample, seed=s, max_new_tokens=max_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=rule.stop_ids))
+        return out
+
+    async def generate(self, req, served: Served, prompts: list[list[int]], max_tokens: int,
+                       default_ids: Sequence[int]) -> list[Finished]:
+        """The finished rows of a request (prompt-major), the stopping rule applied."""
+        rule = self.stop_rule(req, default_ids)
+        if max_tokens == 0:
+            return [Finished([], [], "", "length", None) for _ in range(len(prompts) * req.n)]
+        try:
+            future = self.loop.generate(served.name, self.rows(req, prompts, max_tokens, rule))
+        except (Overloaded, ShuttingDown) as e:
+            raise ApiError(str(e), 503) from None
+        try:
+            completions = await asyncio.wrap_future(future)
+        except ShuttingDown as e:
+            raise ApiError(str(e), 503) from None
+        return [rule.finish(self.tokenizer, c.tokens, [float(x) for x in c.logprobs], c.finish_reason,
+                            req.skip_special_tokens) for c in completions]
+
+    async def score(self, served: Served, sequences: list[list[int]], top_k: int) -> list:
+        try:
+            future = self.loop.score(served.name, sequences, top_k)
+        except (Overloaded, ShuttingDown) as e:
+            raise ApiError(str(e), 503) from None
+        try:
+            return await asyncio.wrap_future(future)
+        except ShuttingDown as e:
+            raise ApiError(str(e), 503) from None
+
+    # ------------------------------------------------------------------------------------------- completions
+    def _logprob_entries(self, ids: Sequence[int], values: Sequence, top_ids, top_values, as_ids: bool) -> tuple:
+        """(token strings, token log-probs, top-log-prob dicts) of tokens whose scores are given."""
+        strings = token_strings(self.tokenizer, ids, as_ids)
+        tops = []
+        for k, (t, v) in enumerate(zip(ids, values)):
+            if top_ids is None:
+                tops.append({strings[k]: float(v)})
+                continue
+            entry: dict = {}
+            for s, x in zip(token_strings(self.tokenizer, top_ids[k], as_ids), top_values[k]):
+                entry.setdefault(s, float(x))  # two ids of one text: the likelier one's value (greedy checks)
+            entry.setdefault(strings[k], float(v))  # the token itself, as vLLM, when outside the top k
+            tops.append(entry)
+        return strings, [float(v) for v in values], tops
+
+    async def completions(self, req: CompletionRequest):
+        refuse_unsupported(req)
+        served = self.registry.served(req.model)
+        if req.logprobs is not None and req.logprobs > self.limits.max_logprobs:
+            raise ApiError(f"logprobs={req.logprobs} is over this server's bound {self.limits.max_logprobs}",
+                           param="logprobs")
+        prompts, texts = self.prompt_ids(req.prompt)
+        self._check_counts(req, prompts)
+        max_tokens = self.max_tokens(req.max_tokens, prompts)
+        if req.stream and req.echo and req.n > 1:
+            raise ApiError("echo with stream and n > 1 is not supported", param="echo")
+        choices = await self.generate(req, served, prompts, max_tokens, ())
+        of_choice = [k // req.n for k in range(len(choices))]  # choice -> its prompt
+        k = req.logprobs
+        scores = None
+        if k is not None and (req.echo or k > 0):  # teacher-forced: the prompt's log-probs, every token's top k
+            scores = await self.score(served, [prompts[j] + c.tokens for j, c in zip(of_choice, choices)], k or 0)
+        out = []
+        for idx, (j, c) in enumerate(zip(of_choice, choices)):
+            p = prompts[j]
+            prompt_text = (texts[j] if texts[j] is not None else
+                           self.tokenizer.decode(p, skip_special_tokens=False)) if req.echo else ""
+            choice = {"index": idx, "text": prompt_text + c.text, "logprobs": None, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if k is not None:
+                choice["logprobs"] = self._completion_logprobs(req, p, c, scores[idx] if scores else None)
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.tokens)
+                choice["prompt_token_ids"] = list(p)
+            out.append(choice)
+        body = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": served.name,
+                "choices": out, "usage": usage(sum(len(p) for p in prompts), sum(len(c.tokens) for c in choices))}
+        if req.stream:
+            return StreamingResponse(self._stream_completion(req, body, choices, [prompts[j] for j in of_choice]),
+                                     media_type="text/event-stream")
+        return body
+
+    def _completion_logprobs(self, req, prompt: list, c: Finished, score) -> dict:
+        as_ids = req.return_tokens_as_token_ids
+        if score is None:  # logprobs=0 without echo: the sampler's log-prob of each sampled token
+            strings, values, tops = self._logprob_entries(c.tokens, c.logprobs, None, None, as_ids)
+        else:
+            start = 0 if req.echo else len(prompt) - 1  # score position t-1 holds token t
+            ids = (prompt + c.tokens)[start + 1:] if not req.echo else (prompt + c.tokens)[1:]
+            values = score.logprobs[start:]
+            top_ids = score.top_ids[start:] if req.logprobs else None
+            strings, values, tops = self._logprob_entries(ids, values, top_ids, score.top_logprobs[start:], as_ids)
+            if req.echo:  # the first prompt token has no log-prob
+                strings = token_strings(self.tokenizer, prompt[:1], as_ids) + strings
+                values, tops = [None] + values, [None] + tops
+        if not req.logprobs and score is not None:
+            tops = [None if t is None else {s: v} for t, s, v in zip(tops, strings, values)]
+        pieces = (token_pieces(self.tokenizer, prompt, False) if req.echo else []) + token_pieces(
+            self.tokenizer, c.tokens, req.skip_special_tokens)
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _stream_completion(self, req, body: dict, choices: list[Finished], prompts: list):
+        head = {k: body[k] for k in ("id", "object", "created", "model")}
+        for idx, c in enumerate(choices):
+            full = body["choices"][idx]
+            lp = full["logprobs"]
+            echo_len = len(prompts[idx]) if req.echo else 0
+            if req.echo:
+                prompt_text = full["text"][:len(full["text"]) - len(c.text)]
+                chunk_lp = None if lp is None else {key: lp[key][:echo_len] for key in lp}
+                yield sse({**head, "choices": [{"index": idx, "text": prompt_text, "logprobs": chunk_lp,
+                                                "finish_reason": None, "stop_reason": None}]})
+            for k, piece in enumerate(clip_pieces(token_pieces(self.tokenizer, c.tokens, req.skip_special_tokens),
+                                                  c.text)):
+                chunk_lp = None if lp is None else {key: lp[key][echo_len + k:echo_len + k + 1] for key in lp}
+                yield sse({**head, "choices": [{"index": idx, "text": piece, "logprobs": chunk_lp,
+                                                "finish_reason": None, "stop_reason": None}]})
+            yield sse({**head, "choices": [{"index": idx, "text": "", "logprobs": None,
+                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": body["usage"]})
+        yield sse("[DONE]")
+
+    # -------------------------------------------------------------------------------------------------- chat
+    async def chat_completions(self, req: ChatCompletionRequest):
+        refuse_unsupported(req)
+        if req.echo:
+            raise ApiError("echo is not supported for chat completions (use /v1/completions with echo)",
+                           param="echo")
+        served = self.registry.served(req.model)
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if top > self.limits.max_logprobs:
+            raise ApiError(f"top_logprobs={top} is over this server's bound {self.limits.max_logprobs}",
+                           param="top_logprobs")
+        prompt = self.chat_prompt(req)
+        self._check_counts(req, [prompt])
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None
+                                     else req.max_tokens, [prompt], field)
+        choices = await self.generate(req, served, [prompt], max_tokens, self.chat_stop_ids)
+        scores = await self.score(served, [prompt + c.tokens for c in choices], top) if top else None
+        out = []
+        for idx, c in enumerate(choices):
+            choice = {"index": idx, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.logprobs:
+                choice["logprobs"] = {"content": self._chat_logprobs(req, prompt, c, scores[idx] if scores else None)}
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.tokens)
+            out.append(choice)
+        body = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": served.name,
+                "choices": out, "usage": usage(len(prompt), sum(len(c.tokens) for c in choices))}
+        if req.stream:
+            return StreamingResponse(self._stream_chat(req, body, choices), media_type="text/event-stream")
+        return body
+
+    def _chat_logprobs(self, req, prompt: list, c: Finished, score) -> list:
+        as_ids = req.return_tokens_as_token_ids
+        strings = token_strings(self.tokenizer, c.tokens, as_ids)
+        start = len(prompt) - 1
+        values = c.logprobs if score is None else score.logprobs[start:start + len(c.tokens)]
+        entries = []
+        for k, (s, v) in enumerate(zip(strings, values)):
+            top = []
+            if score is not None:
+                for t, x in zip(score.top_ids[start + k], score.top_logprobs[start + k]):
+                    ts = token_strings(self.tokenizer, [t], as_ids)[0]
+                    top.append({"token": ts, "logprob": float(x), "bytes": list(ts.encode("utf-8"))})
+            entries.append({"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8")), "top_logprobs": top})
+        return entries
+
+    async def _stream_chat(self, req, body: dict, choices: list[Finished]):
+        head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
+                "model": body["model"]}
+        for idx, c in enumerate(choices):
+            yield sse({**head, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+            entries = (body["choices"][idx]["logprobs"] or {}).get("content")
+            for k, piece in enumerate(clip_pieces(token_pieces(self.tokenizer, c.tokens, req.skip_special_tokens),
+                                                  c.text)):
+                lp = None if entries is None else {"content": entries[k:k + 1]}
+                yield sse({**head, "choices": [{"index": idx, "delta": {"content": piece}, "logprobs": lp,
+                                                "finish_reason": None}]})
+            yield sse({**head, "choices": [{"index": idx, "delta": {}, "logprobs": None,
+                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": body["usage"]})
+        yield sse("[DONE]")

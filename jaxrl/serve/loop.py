@@ -1,0 +1,373 @@
+"""The serve loop: the one thread of a server that touches the device. It takes the requests' rows to the engine
+(jaxrl/generation/engine.py, which places, admits and decodes them: serving adds no scheduling of its own),
+switches the model the engine generates with when an adapter is asked for, and scores sequences (`echo`, top-k
+log-probs) between rounds.
+
+    loop = ServeLoop(model, registry, slots=32, prompt_buckets=..., generation_buckets=..., max_pending_rows=8192)
+    future = loop.generate("dpo28", [Request(...), ...])     # concurrent.futures.Future -> [Completion], in order
+    future = loop.score("base", [ids, ...], top_k=5)         # -> [Scores]
+    loop.stats(), loop.close()
+
+Models: one model (the base or one adapter) generates at a time. A job names its model; when the oldest waiting
+job names another one, or the same name now holds other weights (an adapter reloaded in place: another registry
+entry), no more rows go to the engine until it drains; then the registry attaches the adapter to the held model
+(its digest read back from the parameters) and the engine takes a snapshot of the held model's weights
+(`Engine.set_params`: the decode copies made once). Scoring runs with the adapter it names attached to the held
+model; the engine decodes with its snapshot, whatever the held model carries meanwhile.
+
+What stays bounded: `max_pending_rows` rows admitted and not answered (`Overloaded` beyond, HTTP 503; a lone
+request is always admitted), the engine's programs by its buckets.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.generation.buckets import batch_buckets, length_buckets, pick_bucket
+from jaxrl.generation.engine import DEFAULT_ROUND_STEPS, Completion, Engine, Request, Ticket
+from jaxrl.generation.programs import TRACE_COUNTS
+from jaxrl.models.teacher_forced import next_token_logprobs
+from jaxrl.serve.registry import AdapterRegistry
+
+logger = logging.getLogger(__name__)
+
+# Rows moved into free slots per insert (the engine's K; also the prompts its prefill holds): an insert is padded
+# to K rows, and a server's requests arrive a few at a time, so a rollout-sized K would copy mostly padding at every
+# round end. More rows waiting take several inserts at one round end.
+INSERT_ROWS = 4
+# Stop ids per row: 16 hold EOS, the chat stop ids and a few one-token stop strings; more go to a pool 4x as wide.
+MIN_STOP_WIDTH = 16
+TOP_K_BUCKETS = (1, 5, 20)  # top-k log-probs compile one scoring program per bucket; a request's k is rounded up
+# (program, static key) -> traces of the scoring program
+SCORE_TRACES: collections.Counter = collections.Counter()
+COUNTERS = ("rounds", "inserts", "decode_steps", "slot_steps", "generated_tokens")
+
+
+class Overloaded(RuntimeError):
+    """More rows wait than the server admits (`max_pending_rows`): HTTP 503, retry later."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is closing: HTTP 503."""
+
+
+@dataclasses.dataclass
+class Scores:
+    """Teacher-forced log-probs of one sequence: log p(x_t | x_<t) for t = 1 .. L-1, and each position's top k."""
+
+    logprobs: np.ndarray  # [L - 1] fp32
+    top_ids: np.ndarray  # [L - 1, k] int32, most likely first
+    top_logprobs: np.ndarray  # [L - 1, k] fp32
+
+
+def compiled_programs() -> int:
+    """Distinct engine and scoring programs traced in this process."""
+    return len(TRACE_COUNTS) + len(SCORE_TRACES)
+
+
+def top_k_bucket(k: int) -> int:
+    return 0 if not k else pick_bucket(int(k), TOP_K_BUCKETS, "top log-probs")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scoring: the one teacher-forced pass (jaxrl.models.teacher_forced) with the top k of each position
+
+
+def _score(graphdef, params, ids: jax.Array, mask: jax.Array, *, top_k: int, chunk_size: int):
+    """ids, mask [B, T] (right-padded) -> logp [B, T-1] of ids[:, 1:], top values / ids [B, T-1, top_k]."""
+    SCORE_TRACES[("score", ids.shape, top_k)] += 1
+    out = next_token_logprobs(nnx.merge(graphdef, params), ids, mask, top_k=top_k, chunk_size=chunk_size)
+    if not top_k:
+        empty = jnp.zeros(out.logp.shape + (0,))
+        return out.logp, empty, empty.astype(jnp.int32)
+    return out.logp, out.top_logp, out.top_ids
+
+
+_score_program = jax.jit(_score, static_argnames=("graphdef", "top_k", "chunk_size"))
+
+
+def score_sequences(model, sequences: Sequence[Sequence[int]], top_k: int, *, pad_id: int, batch_size: int,
+                    lengths: Sequence[int], batch_sizes: Sequence[int], chunk_size: int) -> list[Scores]:
+    """The scores of `sequences` with the held model's current weights: grouped by length bucket, `batch_size` rows
+    per call (padded to a batch bucket), the top k of a bucket (`top_k` rounded up) and cut back to `top_k`."""
+    k = top_k_bucket(top_k)
+    arrays = [np.asarray(s, np.int32) for s in sequences]
+    graphdef, params = nnx.split(model)
+    scored: list = [None] * len(arrays)
+    by_length: dict = collections.defaultdict(list)
+    for i, s in enumerate(arrays):
+        by_length[pick_bucket(len(s), lengths, "sequence length")].append(i)
+    for length, members in sorted(by_length.items()):
+        for start in range(0, len(members), batch_size):
+            chunk = members[start:start + batch_size]
+            size = pick_bucket(len(chunk), batch_sizes, "batch")
+            ids = np.full((size, length), pad_id, np.int32)
+            mask = np.zeros((size, length), np.int32)
+            mask[:, 0] = 1  # padding rows hold one token so no row is empty
+            for r, i in enumerate(chunk):
+                ids[r, :len(arrays[i])] = arrays[i]
+                mask[r, :len(arrays[i])] = 1
+            logp, values, idx = jax.device_get(_score_program(graphdef, params, ids, mask, top_k=k,
+                                                              chunk_size=chunk_size))
+            for r, i in enumerate(chunk):
+                n = len(arrays[i]) - 1
+                scored[i] = Scores(np.asarray(logp[r, :n], np.float32), np.asarray(idx[r, :n, :top_k], np.int32),
+                                   np.asarray(values[r, :n, :top_k], np.float32))
+    return scored
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclasses.dataclass
+class _Job:
+    model: str
+    rows: int
+    future: concurrent.futures.Future
+    requests: Sequence[Request] = ()  # a generation job's rows
+    sequences: Sequence[Sequence[int]] = ()  # a scoring job's
+    top_k: int = 0
+    results: list = dataclasses.field(default_factory=list)
+    left: int = 0  # rows not answered
+    over: bool = False  # answered (result or error): later rows of it are dropped
+
+
+class ServeLoop:
+    """The worker thread of a server (module docstring).
+
+    slots: rows decoded at once per engine pool (the server's --batch_size); also rows per scoring call.
+    round_steps: decode steps per round at most: a request that arrives while every slot of its pool decodes
+      waits up to this many steps for a round end.
+    start: run the worker thread (False: the caller calls `step()`, which is what the worker calls).
+    """
+
+    def __init__(self, model, registry: AdapterRegistry, *, max_model_len: int, prompt_buckets: Sequence[int],
+                 generation_buckets: Sequence[int], slots: int = 32, pad_id: Optional[int] = None,
+                 max_pending_rows: int = 8192, round_steps: int = DEFAULT_ROUND_STEPS, score_chunk_size: int = 512,
+                 start: bool = True):
+        self.model, self.registry = model, registry
+        self.slots = int(slots)
+        self.pad_id = int(pad_id if pad_id is not None else (model.config.pad_token_id or 0))
+        self.engine = Engine(model, slots=self.slots, prompt_buckets=prompt_buckets,
+                             generation_buckets=generation_buckets, pad_token_id=self.pad_id,
+                             insert_rows=min(INSERT_ROWS, self.slots), prompts_per_insert=min(INSERT_ROWS, self.slots),
+                             round_steps=round_steps, min_stop_width=MIN_STOP_WIDTH)
+        self.score_lengths = length_buckets(max_model_len)
+        self.score_batch_sizes = batch_buckets(self.slots)
+        self.score_chunk_size = int(score_chunk_size)
+        self.max_pending_rows = int(max_pending_rows)
+        self._generating = None  # the registry entry the engine's weights are a snapshot of
+        self._tickets: dict[Ticket, tuple[_Job, int]] = {}
+        self._generate: collections.deque[_Job] = collections.deque()
+        self._score: collections.deque[_Job] = collections.deque()
+        self._pending_rows = 0  # admitted and not yet answered (queued, in the engine, scoring)
+        self._cond = threading.Condition()
+        self._stop = False
+        self._served = collections.Counter()
+        self._worker = None
+        if start:
+            self._worker = threading.Thread(target=self._work, name="jaxrl-serve-loop", daemon=True)
+            self._worker.start()
+
+    # ------------------------------------------------------------------------------------------------ the API
+    def generate(self, model: str, requests: Sequence[Request]) -> concurrent.futures.Future:
+        """Queues a request's rows; its Future resolves to their Completions in order. Raises Overloaded or
+        ShuttingDown at once (nothing queued) when it cannot be taken."""
+        return self._queue(_Job(model, len(requests), concurrent.futures.Future(), requests=list(requests)),
+                           self._generate)
+
+    def score(self, model: str, sequences: Sequence[Sequence[int]], top_k: int) -> concurrent.futures.Future:
+        """Queues sequences to score; the Future resolves to their Scores in order."""
+        top_k_bucket(top_k)  # a k over the largest bucket fails here, not on the worker
+        return self._queue(_Job(model, len(sequences), concurrent.futures.Future(), sequences=list(sequences),
+                                top_k=int(top_k)), self._score)
+
+    def _queue(self, job: _Job, queue: collections.deque) -> concurrent.futures.Future:
+        if not job.rows:  # nothing to queue (no row would ever answer it)
+            job.future.set_result([])
+            return job.future
+        with self._cond:
+            if self._stop:
+                raise ShuttingDown("the server is shutting down")
+            if self._pending_rows and self._pending_rows + job.rows > self.max_pending_rows:
+                raise Overloaded(f"the server is overloaded: {self._pending_rows} rows are waiting or running, and "
+                                 f"this request adds {job.rows} (launchers.serve --max_pending_rows="
+                                 f"{self.max_pending_rows}); retry later")
+            self._pending_rows += job.rows
+            queue.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def stats(self) -> dict:
+        engine = self.engine
+        with self._cond:
+            queued = sum(j.rows for j in self._generate) + sum(j.rows for j in self._score)
+            waiting = queued + engine.queued
+            out = {"rows_waiting": waiting, "rows_running": self._pending_rows - waiting,
+                   "requests_waiting": len(self._generate) + len(self._score),
+                   "compiled_programs": compiled_programs(), "pools": len(engine.pools),
+                   "rows_generated": self._served["generate"], "rows_scored": self._served["score"]}
+        out.update({name: engine.stats[name] for name in COUNTERS})
+        return out
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Refuses queued work (ShuttingDown), lets the rows in the engine finish (up to `timeout_s`), stops the
+        worker."""
+        with self._cond:
+            self._stop = True
+            refused = list(self._generate) + list(self._score)
+            self._generate.clear()
+            self._score.clear()
+            self._cond.notify_all()
+        for job in refused:
+            self._fail(job, ShuttingDown("the server is shutting down"))
+        if self._worker is not None and self._worker.is_alive() and threading.current_thread() is not self._worker:
+            self._worker.join(timeout_s)
+
+    # --------------------------------------------------------------------------------------------- the worker
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._generate and not self._score and self.engine.idle:
+                    self._cond.wait()
+                if self._stop and self.engine.idle:
+                    return
+            try:
+                self.step()
+            except BaseException as e:  # noqa: BLE001 - a bug of this loop: answer everyone, keep serving
+                logger.exception("the serve loop's turn failed")
+                self._fail_everything(e)
+
+    def step(self) -> None:
+        """One turn: the waiting scoring requests (up to `slots` rows), the waiting rows handed to the engine (as
+        far as the generating model allows), one engine step (a round of every pool with rows)."""
+        self._run_scoring()
+        self._admit()
+        if self.engine.idle:
+            return
+        try:
+            done = self.engine.step()
+        except BaseException as e:  # noqa: BLE001 - the rows in the engine get the error; the loop goes on
+            logger.exception("the generation engine's step failed")
+            self.engine.fail_all(e)
+            done = []
+            for ticket in list(self._tickets):
+                if ticket.done:
+                    done.append(ticket)
+        for ticket in done:
+            self._deliver(ticket)
+
+    def _run_scoring(self) -> None:
+        with self._cond:
+            if not self._score:
+                return
+            head = self._score[0]
+            key = (head.model, top_k_bucket(head.top_k))
+            taken, rows, rest = [], 0, collections.deque()
+            for job in self._score:
+                if (job.model, top_k_bucket(job.top_k)) == key and (not taken or rows + job.rows <= self.slots):
+                    taken.append(job)
+                    rows += job.rows
+                else:
+                    rest.append(job)
+            self._score = rest
+        try:
+            self.registry.attach(head.model)
+            scored = score_sequences(self.model, [s for job in taken for s in job.sequences], key[1],
+                                     pad_id=self.pad_id, batch_size=self.slots, lengths=self.score_lengths,
+                                     batch_sizes=self.score_batch_sizes, chunk_size=self.score_chunk_size)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting requests
+            logger.exception("scoring %d requests failed", len(taken))
+            for job in taken:
+                self._fail(job, e)
+            return
+        at = 0
+        for job in taken:  # each job's own k of the bucket's
+            mine = scored[at:at + job.rows]
+            at += job.rows
+            self._answer(job, [Scores(s.logprobs, s.top_ids[:, :job.top_k], s.top_logprobs[:, :job.top_k])
+                               for s in mine], "score")
+
+    def _admit(self) -> None:
+        """Hands the waiting generation requests' rows to the engine, oldest first, while the generating model is
+        theirs; a request of another model waits until the engine is idle, then the model switches."""
+        while True:
+            with self._cond:
+                if not self._generate:
+                    return
+                job = self._generate[0]
+            try:
+                served = self.registry.served(job.model)
+                if served is not self._generating:
+                    if not self.engine.idle:
+                        return  # the engine drains first: one model per snapshot
+                    self._generating = None
+                    self.registry.attach(job.model)
+                    self.engine.set_params(None)  # a snapshot of what the held model carries now
+                    self._generating = served
+                with self._cond:
+                    self._generate.popleft()
+                job.results, job.left = [None] * job.rows, job.rows
+                for r, request in enumerate(job.requests):
+                    self._tickets[self.engine.submit(request)] = (job, r)
+            except BaseException as e:  # noqa: BLE001 - this request's error (unknown model, a bad row)
+                with self._cond:
+                    if self._generate and self._generate[0] is job:
+                        self._generate.popleft()
+                self._fail(job, e)
+
+    def _deliver(self, ticket: Ticket) -> None:
+        job, r = self._tickets.pop(ticket)
+        if job.over:
+            return
+        if ticket.error is not None:
+            self._fail(job, ticket.error)
+            return
+        job.results[r] = ticket.completion
+        job.left -= 1
+        if job.left == 0:
+            self._answer(job, job.results, "generate")
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._cond:
+            jobs = list(self._generate) + list(self._score)
+            self._generate.clear()
+            self._score.clear()
+        jobs += [entry[0] for entry in self._tickets.values()]
+        self._tickets.clear()
+        self.engine.fail_all(error)
+        self._generating = None
+        for job in jobs:
+            self._fail(job, error)
+
+    def _answer(self, job: _Job, result: list, kind: str) -> None:
+        with self._cond:
+            if job.over:
+                return
+            job.over = True
+            self._pending_rows -= job.rows
+            self._served[kind] += job.rows
+        job.future.set_result(result)
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        with self._cond:
+            if job.over:
+                return
+            job.over = True
+            self._pending_rows -= job.rows
+        job.future.set_exception(error)
+
+
+__all__ = ["Completion", "Overloaded", "Scores", "ServeLoop", "ShuttingDown", "compiled_programs", "score_sequences",
+           "top_k_bucket"]
