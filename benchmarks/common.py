@@ -129,7 +129,8 @@ class EngineBatch:
 
         w = self.weights
         state, status, _ = self.programs.decode_round(
-            w.structure, w.leaves, self.decode_weights, state, np.int32(self.new_tokens), np.int32(self.rows + 1),
+            w.structure, w.leaves, self.decode_weights, state, np.ones((self.rows,), bool), np.int32(self.new_tokens),
+            np.int32(self.rows + 1),
             mode=self.mode, pad_id=self.pad_id, mesh=self.mesh)
         status = np.asarray(status)  # waits for the round
         return state, int(status[3, 0])

@@ -40,6 +40,7 @@ def held_out_steps(workdir: Path) -> list[int]:
 
 
 @pytest.mark.slow  # a DPO run of the tiny model killed at its first checkpoint, then resumed
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_a_sigkill_right_after_a_state_commit_loses_no_held_out_record(tmp_path):
     workdir = tmp_path / "dpo"
     cache = tmp_path / "xla"
@@ -78,6 +79,7 @@ def test_a_sweep_averages_only_complete_records_and_says_which_are_not():
 
 
 @pytest.mark.slow  # three short trainings of the tiny model in this process
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_a_resume_with_other_settings_keeps_the_settings_of_the_steps_already_trained(tmp_path):
     from configs import sft_tiny
     from jaxrl.algorithms.run import run_training

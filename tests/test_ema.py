@@ -54,6 +54,7 @@ SFT = ("--config=configs/sft_tiny.py", "--config.steps=8", "--config.checkpoint_
 
 
 @pytest.mark.slow  # three training processes of the tiny model (one compile, shared through the XLA cache)
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_a_killed_run_resumes_bit_identical_ema_included(tmp_path):
     from jaxrl.train.metrics import read_metrics
     cache = tmp_path / "xla"
@@ -116,6 +117,7 @@ def test_decay_zero_writes_the_checkpoint_itself_as_its_ema(ema0_run):
 
 
 @pytest.mark.slow  # an evaluation (the sampler's compile) of the tiny model in this process
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_ema_and_averaged_adapters_are_candidates_counted_in_the_family_and_drawn_in_the_report(ema0_run, tmp_path):
     from jaxrl.data.problems import load_problems
     from jaxrl.data.splits import freeze_splits

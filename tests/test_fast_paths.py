@@ -285,6 +285,7 @@ def test_bf16_decode_state_drift_is_small_and_does_not_grow(model):
 
 
 @pytest.mark.slow  # one gradient per remat policy
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_remat_policies_give_the_same_gradients():
     """none / matmuls / attention / full: the same LoRA gradients (a remat policy changes what is kept, never the
     result); auto, at a size that fits anywhere, traces exactly the program of none. Two layers, one of each

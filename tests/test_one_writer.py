@@ -92,6 +92,7 @@ def test_a_second_trainer_on_a_workdir_is_refused_and_the_first_run_is_whole(tmp
 
 
 @pytest.mark.slow  # three rollout processes of the tiny model
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_a_second_rollout_into_one_output_is_refused_and_a_killed_first_leaves_no_stale_lock(tmp_path):
     import launcher_env
     env = launcher_env.build(tmp_path / "env")

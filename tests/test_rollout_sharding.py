@@ -100,7 +100,8 @@ def test_sharded_lora_generation_equals_unsharded(adapted):
     # multi-process mesh can read the whole rollout (placement.replicate_rows)
     weights = engine._weights
     _, status, outputs = programs.decode_round(weights.structure, weights.leaves, engine._decode_weights,
-                                               pool.state, np.int32(1), np.int32(9), mode=pool.mode,
+                                               pool.state, np.ones((pool.size,), bool), np.int32(1), np.int32(9),
+                                               mode=pool.mode,
                                                pad_id=engine.pad_id, mesh=mesh)
     assert status.sharding.is_fully_replicated and outputs[0].sharding.is_fully_replicated
     up = nnx.state(weights.structure.merge(weights.leaves))["layers"][0]["mlp"]["up_proj"]

@@ -134,7 +134,7 @@ def repeat(types) -> int:
     return repeat_cycle(types)
 
 
-@pytest.mark.parametrize("remat,dropout", [("matmuls", 0.1),
+@pytest.mark.parametrize("remat,dropout", [pytest.param("matmuls", 0.1, marks=pytest.mark.heavy),
                                            pytest.param("none", 0.0, marks=pytest.mark.slow)])
 def test_scanned_equals_unrolled(remat, dropout, scan_calls, capsys):
     """Logits, loss and every LoRA gradient of the scanned model agree with the unrolled one within fp32
@@ -147,6 +147,7 @@ def test_scanned_equals_unrolled(remat, dropout, scan_calls, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_qwen35_block_scanned_equals_unrolled(scan_calls, capsys):
     """Qwen3.5's block of four (three Gated DeltaNet, one attention) scanned twice under remat="full" agrees with
     the 8 layers unrolled."""
@@ -159,6 +160,7 @@ def test_qwen35_block_scanned_equals_unrolled(scan_calls, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices: XLA_FLAGS in conftest")
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_scanned_train_step_on_a_mesh():
     """The real jitted train step on a (2, 2, 2) mesh, weights laid out by the sharding rules: the scanned
     model's loss and summed gradients are the unrolled model's (the stack of sharded layer weights compiles and

@@ -318,6 +318,7 @@ def test_runtime_adapter_loading_is_confined_to_the_allowed_roots(env):
     assert post(env, "/v1/unload_lora_adapter", {"lora_name": "a1"})[0] == 200
 
 
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_evaluate_on_the_server_backend_at_its_default_concurrency(env, tmp_path):
     """64 prompts in flight at once (the backend's default concurrency, evaluate's default batch of 64)."""
     template = json.loads((ROOT / "jaxrl/assets/tasks/problems.jsonl").read_text().splitlines()[0])
@@ -393,6 +394,7 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list, list]:
     return ctx, whole[len(ctx):]
 
 
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_lm_eval_local_completions_multiple_choice_and_generate_until(env, tmp_path):
     got = run_lm_eval(env, tmp_path, "local-completions", "jaxrl_tiny_mc,jaxrl_tiny_gen")
     assert set(got["results"]) == {"jaxrl_tiny_mc", "jaxrl_tiny_gen"}
@@ -421,6 +423,7 @@ def test_lm_eval_local_completions_multiple_choice_and_generate_until(env, tmp_p
         assert sample["exact_match"] == float(want.strip() == doc["answer"].strip())
 
 
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_lm_eval_local_chat_completions_generate_until(env, tmp_path):
     got = run_lm_eval(env, tmp_path, "local-chat-completions", "jaxrl_tiny_gen", "--apply_chat_template")
     gen = sorted(got["samples"]["jaxrl_tiny_gen"], key=lambda s: s["doc_id"])

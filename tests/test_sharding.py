@@ -129,6 +129,7 @@ def test_distributed_settings_from_flags_and_environment():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_users_micro_batch_of_one_is_refit_to_the_mesh_keeping_the_global_batch(tmp_path):
     # The users' DPO runs: micro-batch 1 x accumulation 8. On 8 data-parallel devices that split cannot shard;
     # the trainer takes 8 x 1 instead (the update does not depend on the split) and config.json records it.

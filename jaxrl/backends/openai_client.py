@@ -29,12 +29,15 @@ served digest returned for the trainer to check: `jaxrl.backends.pool`).
 Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
 serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
 request whose connection the server resets (a full listen backlog, a restart) or that it answers with HTTP 503
-(overloaded) is sent again after a pause (`RETRY_BACKOFF_S`): seeded, it draws the same samples.
+(overloaded) is sent again after a pause (`RETRY_BACKOFF_S`): seeded, it draws the same samples. A request that
+takes longer than its timeout (`request_timeout_s`; by default sized from its max_tokens: `request_timeout`)
+fails the rollout naming the server; while requests are out a progress line says what each server answered, and a
+SIGINT stops the wait (jaxrl.backends.waiting). An answer that is not the JSON of a completion is a one-line error.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import http.client
 import json
 import logging
@@ -48,6 +51,7 @@ from typing import Optional, Sequence
 from jaxrl.export.merge import read_provenance
 from jaxrl.export.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
 from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
+from jaxrl.backends.waiting import send_all
 from jaxrl.generation.sampling import request_seed
 from jaxrl.generation.stopping import with_stop_token
 from jaxrl.serve.protocol import JAXRL_SERVER
@@ -70,6 +74,15 @@ class ServerError(RuntimeError):
 RESET_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.RemoteDisconnected,
                 http.client.IncompleteRead)
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # pauses before the retries of a reset request (and of HTTP 503)
+# The default timeout of one completion request: a base for queueing and prefill, and a budget per token of its
+# max_tokens (0.1 s a token is ~10x an H200's 4B decode step under a full batch: generous, yet a 4,096-token
+# request on a hung server fails in 8 minutes, not the hour the old flat default waited).
+TIMEOUT_BASE_S, TIMEOUT_PER_TOKEN_S = 60.0, 0.1
+
+
+def request_timeout(max_tokens: int, configured_s: float = 0.0) -> float:
+    """The seconds a completion request of `max_tokens` may take: `configured_s`, or when 0 the sized default."""
+    return float(configured_s) if configured_s else TIMEOUT_BASE_S + TIMEOUT_PER_TOKEN_S * int(max_tokens)
 
 
 def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30.0, retries: int = 0,
@@ -91,6 +104,10 @@ def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float
             status, raw = e.code, e.read()
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
+            if isinstance(reason, TimeoutError):
+                raise ServerError(f"the server at {url} did not answer within {timeout:g} s (a hung or overloaded "
+                                  "server; the timeout is rollout_server.request_timeout_s, or --backend_kwargs "
+                                  "request_timeout_s for evaluation)") from None
             if isinstance(reason, RESET_ERRORS) and attempt < retries:
                 logger.warning("%s %s: connection reset (%s); retrying in %.1f s", method, url, reason, pause)
                 time.sleep(pause)
@@ -172,7 +189,8 @@ class ServerBackend(RolloutBackend):
     def __init__(self, base_dir: str, *, url: Optional[str] = None, launcher=None, out_dir: Optional[str] = None,
                  stop_ids: Sequence[int] = (), max_prompt_len: int = 4096, max_new_tokens: int = 4096,
                  concurrency: int = ServerOptions.concurrency,
-                 request_timeout_s: float = ServerOptions.request_timeout_s, **_unused):
+                 request_timeout_s: float = ServerOptions.request_timeout_s,
+                 progress_every_s: float = ServerOptions.progress_every_s, **_unused):
         if (url is None) == (launcher is None):
             raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
         self.base_dir = os.path.abspath(base_dir)
@@ -182,6 +200,7 @@ class ServerBackend(RolloutBackend):
         self.stop_ids = tuple(int(t) for t in stop_ids)
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.concurrency, self.request_timeout_s = max(1, int(concurrency)), float(request_timeout_s)
+        self.progress_every_s = float(progress_every_s)
         self.batch_size = self.concurrency  # prompts in flight at once (each its n samples)
         self.description: Optional[str] = None  # "vllm 0.33.0" / "jaxrl 0.1.0", once connected
         self._base_name: Optional[str] = None  # the server's base model id
@@ -375,18 +394,25 @@ class ServerBackend(RolloutBackend):
                 # explicit neutral values: a server's generation_config defaults must not change the sampling
                 "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
 
-    def _post_completion(self, body: dict, j: int) -> list[dict]:
-        status, payload = http_json("POST", self.url + "/v1/completions", body, timeout=self.request_timeout_s,
+    def post_completion(self, body: dict, j: int) -> list[dict]:
+        """The choices of one /v1/completions request (prompt `j`), checked to be the JSON of n completions."""
+        status, payload = http_json("POST", self.url + "/v1/completions", body,
+                                    timeout=request_timeout(body["max_tokens"], self.request_timeout_s),
                                     retries=len(RETRY_BACKOFF_S))
         if status != 200:
             raise ServerError(f"the server at {self.url} refused prompt {j} ({len(body['prompt'])} tokens, model "
                               f"{body['model']!r}): HTTP {status}: {error_message(payload)}")
-        choices = payload.get("choices") or []
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise ServerError(f"the server at {self.url} answered prompt {j} with something that is not a completion "
+                              f"(HTTP 200, {len(str(payload))} characters: {str(payload)[:120]!r}...): a truncated "
+                              "or garbled answer; check the server's log")
         if len(choices) != body["n"]:
             raise ServerError(f"{self.url}: prompt {j}: asked for {body['n']} completions, got {len(choices)}")
         return choices
 
-    def generate(self, prompts, group_ids, sampling: SamplingParams) -> list[Generation]:
+    def requests(self, prompts, group_ids, sampling: SamplingParams) -> list[dict]:
+        """The request bodies of a batch of prompts (a launched server restarted first when it needs more room)."""
         if self._model is None:
             raise RuntimeError(f"{type(self).__name__}.generate before load()")
         request_seed(sampling.seed, 0, int(sampling.n) - 1)  # bad seed / n fail before any request
@@ -395,9 +421,15 @@ class ServerBackend(RolloutBackend):
             # a larger cap (termination re-sampling): restart with room for it, serving the same model
             self._model_len = need
             self.load(self._spec, self._adapter)
-        bodies = [self.request(p, g, sampling) for p, g in zip(prompts, group_ids)]
-        with concurrent.futures.ThreadPoolExecutor(min(self.concurrency, len(bodies))) as pool:
-            results = list(pool.map(self._post_completion, bodies, range(len(bodies))))
+        return [self.request(p, g, sampling) for p, g in zip(prompts, group_ids)]
+
+    def jobs(self, bodies: list[dict], first: int = 0) -> list:
+        """`jaxrl.backends.waiting.send_all` jobs of these bodies (prompt numbers from `first`, for messages)."""
+        return [(self.url, body["n"], functools.partial(self.post_completion, body, first + j))
+                for j, body in enumerate(bodies)]
+
+    def generations(self, results: list[list[dict]], sampling: SamplingParams) -> list[Generation]:
+        """The rows of the answers to `requests`, prompt-major."""
         rows = []
         for j, choices in enumerate(results):
             if len(choices) < sampling.n:  # greedy: the one completion is every sample
@@ -405,6 +437,12 @@ class ServerBackend(RolloutBackend):
             for i, choice in enumerate(choices):
                 rows.append(self._generation(choice, j, i))
         return rows
+
+    def generate(self, prompts, group_ids, sampling: SamplingParams) -> list[Generation]:
+        bodies = self.requests(prompts, group_ids, sampling)
+        results = send_all(self.jobs(bodies), concurrency={self.url: self.concurrency},
+                           progress_every_s=self.progress_every_s, what=f"{len(bodies)} prompts on {self.name}")
+        return self.generations(results, sampling)
 
     def _generation(self, choice: dict, j: int, i: int) -> Generation:
         tokens = choice.get("token_ids")

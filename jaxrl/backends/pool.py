@@ -28,8 +28,8 @@ as the jax backend reports them); a server that returns none fails the rollout.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import os
 import shutil
@@ -44,6 +44,7 @@ from jaxrl.models import lora
 from jaxrl.models.adapters import Adapter
 from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
 from jaxrl.backends.openai_client import ServerBackend, ServerError
+from jaxrl.backends.waiting import send_all
 from jaxrl.backends.vllm_backend import VLLMBackend, VLLMServer
 from jaxrl.utils.train_config import VLLMLaunchOptions
 
@@ -71,11 +72,12 @@ def run_tag(workdir: str) -> str:
     return "jaxrl-" + hashlib.sha256(os.path.realpath(workdir).encode()).hexdigest()[:10]
 
 
-def _parallel(fn, items: Sequence) -> list:
-    if len(items) == 1:
-        return [fn(items[0])]
-    with concurrent.futures.ThreadPoolExecutor(len(items)) as pool:
-        return list(pool.map(fn, items))
+def _on_every_server(fn, backends: Sequence[ServerBackend], what: str) -> list:
+    """fn(backend) for every server at once, waited for as a rollout's requests are (a SIGINT honoured, a hung
+    server not joined at exit: jaxrl.backends.waiting)."""
+    jobs = [(b.url or f"server {k}", 0, functools.partial(fn, b)) for k, b in enumerate(backends)]
+    return send_all(jobs, concurrency={job[0]: 1 for job in jobs}, progress_every_s=backends[0].progress_every_s,
+                    what=what)
 
 
 class ServerPool(RolloutBackend):
@@ -105,13 +107,14 @@ class ServerPool(RolloutBackend):
         want = adapter.digest()
         name = f"{self.tag}-{version}"
         if want == self.synced:
-            served = _parallel(lambda b: b.loaded_digest(), self.backends)
+            served = _on_every_server(lambda b: b.loaded_digest(), self.backends, "adapter check")
         else:
             folder = os.path.join(self.adapter_dir, version)
             export_peft(adapter, folder, self.base_dir, overwrite=True)
             self.synced = None
-            served = _parallel(lambda b: b.serve_adapter_version(name, folder, adapter,
-                                                                 stale_prefix=self.tag + "-"), self.backends)
+            served = _on_every_server(lambda b: b.serve_adapter_version(name, folder, adapter,
+                                                                        stale_prefix=self.tag + "-"),
+                                      self.backends, f"adapter sync of version {version}")
         for backend, got in zip(self.backends, served):
             if got != want:
                 raise AdapterSyncError(
@@ -125,11 +128,11 @@ class ServerPool(RolloutBackend):
 
     def load(self, spec: ModelSpec, adapter=None) -> None:
         """Every server serves `spec` (each checked by its backend)."""
-        _parallel(lambda b: b.load(spec, adapter), self.backends)
+        _on_every_server(lambda b: b.load(spec, adapter), self.backends, f"loading {spec.name}")
         self.synced = None
 
     def loaded_digest(self) -> Optional[str]:
-        digests = set(_parallel(lambda b: b.loaded_digest(), self.backends))
+        digests = set(_on_every_server(lambda b: b.loaded_digest(), self.backends, "adapter check"))
         if len(digests) > 1:
             raise AdapterSyncError(f"the rollout servers serve different adapters: {sorted(map(str, digests))}")
         return digests.pop()
@@ -143,22 +146,27 @@ class ServerPool(RolloutBackend):
                 shutil.rmtree(os.path.join(self.adapter_dir, name), ignore_errors=True)
 
     def generate(self, prompts, group_ids, sampling: SamplingParams) -> list[Generation]:
-        """Prompts split over the servers in contiguous blocks; rows back in prompt-major order."""
-        blocks = [b for b in np.array_split(np.arange(len(prompts)), len(self.backends)) if len(b)]
-
-        def run(k: int) -> list[Generation]:
-            idx = blocks[k]
-            gens = self.backends[k].generate([prompts[i] for i in idx], [group_ids[i] for i in idx], sampling)
+        """Prompts split over the servers in contiguous blocks, every server's requests waited for together (one
+        progress line for all of them, a SIGINT honoured: jaxrl.backends.waiting); rows back in prompt-major
+        order."""
+        blocks = [(backend, idx) for backend, idx in zip(self.backends, np.array_split(np.arange(len(prompts)),
+                                                                                      len(self.backends))) if len(idx)]
+        bodies = [backend.requests([prompts[i] for i in idx], [group_ids[i] for i in idx], sampling)
+                  for backend, idx in blocks]
+        jobs = [job for (backend, idx), mine in zip(blocks, bodies) for job in backend.jobs(mine, int(idx[0]))]
+        results = send_all(jobs, concurrency={b.url: b.concurrency for b, _ in blocks},
+                           progress_every_s=self.backends[0].progress_every_s,
+                           what=f"rollout of {len(prompts)} prompts on {len(blocks)} server(s)")
+        out, at = [], 0
+        for (backend, idx), mine in zip(blocks, bodies):
+            gens = backend.generations(results[at:at + len(mine)], sampling)
+            at += len(mine)
             for g in gens:
                 g.prompt_index = int(idx[g.prompt_index])
                 if g.logprobs is None:
-                    raise ServerError(f"rollout server {self.backends[k].url} returned no log-probability for the "
-                                      f"tokens of prompt {g.prompt_index} (asked with logprobs: 0); online "
-                                      "training needs the sampler's log-probs")
-            return gens
-
-        out = []
-        for gens in _parallel(run, list(range(len(blocks)))):
+                    raise ServerError(f"rollout server {backend.url} returned no log-probability for the tokens of "
+                                      f"prompt {g.prompt_index} (asked with logprobs: 0); online training needs the "
+                                      "sampler's log-probs")
             out.extend(gens)
         return out
 

@@ -58,7 +58,7 @@ from jaxrl.generation.buckets import pick_bucket
 from jaxrl.generation.placement import Weights, data_parallel_size
 from jaxrl.generation.sampling import SamplingMode, sampling_mode
 
-__all__ = ["Completion", "DEFAULT_ROUND_STEPS", "Engine", "Request", "Ticket", "insert_sizes", "program_bound",
+__all__ = ["Cancelled", "Completion", "DEFAULT_ROUND_STEPS", "Engine", "Request", "Ticket", "insert_sizes", "program_bound",
            "prompts_per_rows", "shrink_ladder", "stop_width"]
 
 # Decode steps per round of an engine that takes requests while it runs (a server): a request that arrives while
@@ -168,6 +168,10 @@ class Completion:
     finish_reason: str
 
 
+class Cancelled(RuntimeError):
+    """The error of a ticket whose row was cancelled (`Engine.cancel`: its caller went away)."""
+
+
 class Ticket:
     """A submitted request: `wait()` blocks until its completion (or raises the engine's error). The event a
     waiter sleeps on is made only when one waits on an unfinished ticket: a rollout's tickets are read after they
@@ -180,6 +184,7 @@ class Ticket:
         self.completion: Optional[Completion] = None
         self.error: Optional[BaseException] = None
         self.done = False
+        self.cancelled = False  # Engine.cancel asked for it: its slot is freed at the next round end
         self._event: Optional[threading.Event] = None
 
     def wait(self, timeout: Optional[float] = None) -> Completion:
@@ -313,7 +318,7 @@ class Engine:
         self._lock = threading.Lock()
         self._submitted = threading.Condition(self._lock)
         self.stats = {"rows": 0, "finished": 0, "generated_tokens": 0, "decode_steps": 0, "slot_steps": 0,
-                      "rounds": 0, "inserts": 0, "prefilled_prompts": 0, "shrinks": 0}
+                      "rounds": 0, "inserts": 0, "prefilled_prompts": 0, "shrinks": 0, "cancelled": 0}
 
     # ----------------------------------------------------------------------------------------------- requests
     def _checked_stops(self, ids: Sequence[int]) -> tuple:
@@ -371,6 +376,25 @@ class Engine:
             self._place(row, own).queue.append(row)
             self._submitted.notify_all()
         return ticket
+
+    def cancel(self, tickets: Sequence[Ticket]) -> None:
+        """Stops rows whose caller went away (thread safe): a queued row leaves its queue now; a row in a slot stops
+        at the end of the round in flight (its slot is then free for the next row). Each ticket finishes with a
+        `Cancelled` error, counted in stats["cancelled"]; a finished ticket is left as it is."""
+        with self._lock:
+            for ticket in tickets:
+                ticket.cancelled = True
+            for pool in self.pools.values():
+                gone = [row for row in pool.queue if row.ticket.cancelled]
+                if gone:
+                    pool.queue = collections.deque(row for row in pool.queue if not row.ticket.cancelled)
+                    for row in gone:
+                        self._drop(row)
+
+    def _drop(self, row: _Row) -> None:
+        if not row.ticket.done:
+            self.stats["cancelled"] += 1
+            row.ticket._finish(error=Cancelled("the request was cancelled"))
 
     @property
     def idle(self) -> bool:
@@ -455,12 +479,19 @@ class Engine:
         return done
 
     def _step_pool(self, pool: _Pool) -> list[Ticket]:
+        done = []
+        for b, row in enumerate(pool.occupant):  # cancelled rows leave their slots (the round masks them out)
+            if row is not None and row.ticket.cancelled:
+                pool.occupant[b] = None
+                self._drop(row)
+                done.append(row.ticket)
         self._admit(pool)
         if all(r is None for r in pool.occupant):
-            return []
+            return done
         weights = self._weights
+        live = np.asarray([r is not None for r in pool.occupant])
         pool.state, status, outputs = programs.decode_round(
-            weights.structure, weights.leaves, self._decode_weights, pool.state, np.int32(self.round_steps),
+            weights.structure, weights.leaves, self._decode_weights, pool.state, live, np.int32(self.round_steps),
             np.int32(self._want_free(pool)), mode=pool.mode, pad_id=self.pad_id, mesh=self.mesh)
         if outputs is None:  # one device: the state's own buffers
             outputs = (pool.state.tokens, pool.state.logprobs)
@@ -470,7 +501,6 @@ class Engine:
         self.stats["decode_steps"] += steps
         self.stats["slot_steps"] += steps * pool.size
         finished = [b for b, row in enumerate(pool.occupant) if row is not None and not running[b]]
-        done = []
         if finished:
             tokens, logprobs = jax.device_get(outputs)
             for b in finished:

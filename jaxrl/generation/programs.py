@@ -132,15 +132,18 @@ def insert(state: SlotState, fresh: Cache, logits: jax.Array, source: jax.Array,
 
 
 @partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh"), donate_argnames=("state",))
-def decode_round(graphdef: Structure, params: list, decode_weights: dict, state: SlotState, max_steps: jax.Array,
-                 want_free: jax.Array, *, mode: SamplingMode, pad_id: int, mesh: Optional[Mesh]) -> tuple:
+def decode_round(graphdef: Structure, params: list, decode_weights: dict, state: SlotState, live: jax.Array,
+                 max_steps: jax.Array, want_free: jax.Array, *, mode: SamplingMode, pad_id: int,
+                 mesh: Optional[Mesh]) -> tuple:
     """Up to max_steps decode steps over every slot; stops early when no slot runs or when at least want_free
-    slots are free. Returns the state and what the host reads after a round: [4, B] int32 (rows running,
+    slots are free. live [B] bool: the slots the host holds a row for (a cancelled row's slot is not: it stops
+    running here, without a program of its own). Returns the state and what the host reads after a round: [4, B] int32 (rows running,
     generated, stopped, and the steps made in every column: one transfer) and, on a mesh, the token and log-prob
     buffers replicated (every process of a mesh over several processes reads every row; None without a mesh)."""
     num_slots, max_new = state.tokens.shape
     TRACE_COUNTS[("engine_round", num_slots, state.cache.max_length, max_new, state.stop_ids.shape[1], mode)] += 1
     model = graphdef.merge(params).use_decode_weights(decode_weights)
+    state = state._replace(running=state.running & constrain_rows(jnp.asarray(live, bool), mesh))
 
     def cond(carry):
         step, st = carry

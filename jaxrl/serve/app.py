@@ -35,13 +35,20 @@ What keeps it up: max_tokens is bounded by max_model_len minus the prompt (HTTP 
 longer than any prompt of max_prompt_len tokens could be is refused before it is tokenized; bodies are bounded;
 n, logprobs and the number of prompts per request are bounded; the engine's programs are per prompt bucket and
 generation bucket; at most --max_pending_rows rows wait (503 beyond); uvicorn's backlog takes thousands of
-connections. Runtime adapter loading reads only absolute paths under --allowed_lora_roots.
+connections. Runtime adapter loading reads only absolute paths under --allowed_lora_roots. Request bodies are parsed
+and validated in worker threads, and responses encoded there (handlers.py: what runs off the event loop); a stop
+string has at most MAX_STOP_CHARS characters, a response at most --max_response_entries entries (refused up front).
+
+Shutdown (SIGINT / SIGTERM, `begin_shutdown`): from the signal on, every new request is answered 503 in the OpenAI
+shape; the requests in flight may finish for --graceful_shutdown_s, and those still running then are answered 503
+(their rows leave the engine); uvicorn waits a little longer for those answers to leave before it closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import resource
@@ -56,6 +63,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl.data.chat import load_tokenizer, render_chat
@@ -65,7 +73,7 @@ from jaxrl.generation.engine import DEFAULT_ROUND_STEPS
 from jaxrl.models import qwen35
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.serve.handlers import Handlers
-from jaxrl.serve.loop import ServeLoop, compiled_programs
+from jaxrl.serve.loop import ServeLoop, ShuttingDown, compiled_programs
 from jaxrl.serve.protocol import (JAXRL_SERVER, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, message_text)
 from jaxrl.serve.registry import AdapterRegistry
@@ -74,6 +82,9 @@ from jaxrl.serve.settings import ServeLimits
 logger = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Seconds uvicorn waits past --graceful_shutdown_s before it cancels what still runs: the 503s of the requests the
+# grace period ended (answered at once by `begin_shutdown`'s timer) leave within it, and no handler is cancelled.
+ANSWER_MARGIN_S = 5
 
 
 def is_loopback(host: str) -> bool:
@@ -120,6 +131,7 @@ class CompletionServer:
                               max_pending_rows=self.limits.max_pending_rows, round_steps=round_steps, start=start)
         self.handlers = Handlers(self.tokenizer, self.registry, self.loop, self.limits, eos_ids=eos_ids,
                                  vocab_size=int(self.model.config.vocab_size))
+        self.stopping = False  # set by a signal: every new request is answered 503
         self.app = build_app(self)
 
     # the registry's operations, as the launcher and the tests name them
@@ -143,6 +155,10 @@ class CompletionServer:
                 ("jaxrl:num_rows_running", "gauge", stats["rows_running"], "rows decoding or being scored"),
                 ("jaxrl:rows_generated_total", "counter", stats["rows_generated"], "rows sampled"),
                 ("jaxrl:rows_scored_total", "counter", stats["rows_scored"], "rows scored (echo, top-k)"),
+                ("jaxrl:rows_cancelled_total", "counter", stats["rows_cancelled"],
+                 "rows of requests whose client disconnected (taken out of the engine at the next round end)"),
+                ("jaxrl:engine_rows_cancelled_total", "counter", stats["engine_cancelled"],
+                 "of those, rows the engine had queued or was decoding"),
                 ("jaxrl:engine_rounds_total", "counter", stats["rounds"], "decode rounds"),
                 ("jaxrl:engine_inserts_total", "counter", stats["inserts"], "inserts moving rows into free slots"),
                 ("jaxrl:engine_decode_steps_total", "counter", stats["decode_steps"], "decode steps")):
@@ -158,6 +174,21 @@ class CompletionServer:
     def close(self) -> None:
         self.loop.close()
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """From now on new requests are answered 503; after `grace_s` seconds the requests still in flight are
+        answered 503 too (module docstring). Safe to call from a signal handler (it only sets flags and starts a
+        timer thread); idempotent."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.loop.refuse_new()
+        error = ShuttingDown(f"the server is shutting down: this request was still running when its grace period "
+                             f"(launchers.serve --graceful_shutdown_s={grace_s:g}) ended; send it again to another "
+                             "server")
+        timer = threading.Timer(max(0.0, float(grace_s)), self.loop.abort, args=(error,))
+        timer.daemon = True
+        timer.start()
+
     # ----------------------------------------------------------------------------------------------- serving
     def bind(self, host: str = "127.0.0.1", port: int = 8000, backlog: int = 2048) -> socket.socket:
         """A listening socket (port 0: any free port); connections wait in its backlog until `run` serves."""
@@ -172,8 +203,22 @@ class CompletionServer:
     def uvicorn_server(self, sock: socket.socket, graceful_timeout_s: int = 30, backlog: int = 2048):
         host, port = sock.getsockname()[:2]
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", backlog=backlog,
-                                timeout_graceful_shutdown=graceful_timeout_s, lifespan="off", access_log=False)
-        return uvicorn.Server(config)
+                                timeout_graceful_shutdown=graceful_timeout_s + ANSWER_MARGIN_S, lifespan="off",
+                                access_log=False)
+        return _Uvicorn(config, lambda: self.begin_shutdown(graceful_timeout_s))
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, telling ours when a signal arrives (uvicorn alone stops accepting connections but still
+    answers requests on open ones, and cancels the handlers still running at its timeout: a plain-text 500)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal):
+        super().__init__(config)
+        self.on_signal = on_signal
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_signal()
+        super().handle_exit(sig, frame)
 
 
 def url_of(sock: socket.socket) -> str:
@@ -195,16 +240,20 @@ def resident_bytes() -> int:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` is answered 413, at once when its Content-Length says so,
+    """ASGI middleware: once the server is stopping every request is answered 503; a request body over `max_bytes`
+    is answered 413, at once when its Content-Length says so,
     else as soon as the bytes read exceed it (a chunked body); the app gets the body only once it is whole and
     within the limit. A malformed Content-Length never reaches the app (uvicorn answers 400)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, int(max_bytes)
+    def __init__(self, app, max_bytes: int, stopping=lambda: False):
+        self.app, self.max_bytes, self.stopping = app, int(max_bytes), stopping
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.stopping():
+            closing = ApiError("the server is shutting down; send the request to another server", 503)
+            return await JSONResponse(closing.body(), 503, headers={"Connection": "close"})(scope, receive, send)
         too_large = ApiError(f"the request body is over this server's limit of {self.max_bytes} bytes "
                              "(launchers.serve --max_body_mb)", 413)
         declared = dict(scope.get("headers") or []).get(b"content-length")
@@ -233,18 +282,35 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
+def _validation_error(exc) -> ApiError:
+    """The 400 / 422 of a body FastAPI (RequestValidationError) or `parse_body` (ValidationError) refused."""
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return ApiError("the request body is not valid JSON", 400)
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return ApiError("the request body must be a JSON object", 400)
     text = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
                      for e in errors[:5])
     return ApiError(f"invalid request: {text}", 422, param)
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError("the request body is not valid JSON", 400) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """A request body as `model`, parsed and validated in a worker thread (a body may be tens of MB)."""
+    return await asyncio.to_thread(_parse, model, await request.body())
 
 
 def build_app(server: CompletionServer) -> FastAPI:
@@ -295,32 +361,26 @@ def build_app(server: CompletionServer) -> FastAPI:
         return server.tokenizer_info()
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
+    async def tokenize(request: Request):
+        req = await parse_body(request, TokenizeRequest)
         registry.served(req.model)
-        if req.messages is not None:
-            text = render_chat(server.tokenizer, [{"role": m.role, "content": message_text(m.content)}
-                                                  for m in req.messages], False, req.add_generation_prompt)
-            ids = handlers.encode_text(text, "the templated conversation", add_special_tokens=False)
-        elif req.prompt is not None:
-            ids = handlers.encode_text(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise ApiError("give `prompt` or `messages`", param="prompt")
-        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": None}
+        return await asyncio.to_thread(_tokenize, server, req)
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
+    async def detokenize(request: Request):
+        req = await parse_body(request, DetokenizeRequest)
         registry.served(req.model)
         if any(not 0 <= t < handlers.vocab_size for t in req.tokens):
             raise ApiError(f"tokens outside [0, {handlers.vocab_size})", param="tokens")
-        return {"prompt": server.tokenizer.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(server.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await handlers.completions(req)
+    async def completions(request: Request):
+        return await handlers.completions(await parse_body(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await handlers.chat_completions(req)
+    async def chat_completions(request: Request):
+        return await handlers.chat_completions(await parse_body(request, ChatCompletionRequest), request)
 
     if server.allow_lora_updating:
         @app.post("/v1/load_lora_adapter")
@@ -332,7 +392,20 @@ def build_app(server: CompletionServer) -> FastAPI:
         async def unload_lora(req: UnloadLoraRequest):
             return PlainTextResponse(registry.unload(req.lora_name))
 
-    return BodyLimit(app, server.limits.max_body_bytes)
+    return BodyLimit(app, server.limits.max_body_bytes, lambda: server.stopping)
+
+
+def _tokenize(server: CompletionServer, req: TokenizeRequest) -> dict:
+    handlers = server.handlers
+    if req.messages is not None:
+        text = render_chat(server.tokenizer, [{"role": m.role, "content": message_text(m.content)}
+                                              for m in req.messages], False, req.add_generation_prompt)
+        ids = handlers.encode_text(text, "the templated conversation", add_special_tokens=False)
+    elif req.prompt is not None:
+        ids = handlers.encode_text(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        raise ApiError("give `prompt` or `messages`", param="prompt")
+    return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": None}
 
 
 class ServerThread:

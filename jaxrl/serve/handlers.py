@@ -9,6 +9,13 @@ sampler's own, with k > 0 or `echo` the teacher-forced pass of the trainer over 
 holds the k most likely tokens and the token itself). `usage` is in every response. `stream` sends a completion's
 chunks (one per token) once it is done.
 
+Off the event loop: everything a request costs in CPU (parsing and validating its body, tokenising its prompts and
+stop strings, detokenising the rows, building log-prob entries, encoding the JSON) runs in worker threads
+(`asyncio.to_thread`, a streamed response's chunks in Starlette's thread pool), one choice at a time, so `/health`
+and the other requests keep being answered while one large request is prepared or answered. A client that
+disconnects while its rows are generated or scored has its request cancelled (`ServeLoop.cancel`): its rows
+leave the engine at the next round end.
+
 Seeds: choice i of a request with seed R is sampled with the key of `split_request_seed(R + i)` = (seed, group id,
 sample index) (`jaxrl.generation.sampling`), as vLLM seeds choice i with R + i; a request without a seed gets a
 random group id under the server's own seed.
@@ -17,18 +24,20 @@ random group id under the server's own seed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import secrets
 from typing import Optional, Sequence
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from jaxrl.data.chat import chat_stop_ids, render_chat
-from jaxrl.generation.engine import Request
+from jaxrl.generation.engine import Cancelled, Request
 from jaxrl.generation.sampling import SEED_BITS, request_seed, split_request_seed
 from jaxrl.generation.stopping import Finished, StopRule
 from jaxrl.serve.loop import Overloaded, ServeLoop, ShuttingDown
-from jaxrl.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, message_text, new_id, now,
-                                  refuse_unsupported, sse, stop_strings, usage)
+from jaxrl.serve.protocol import (MAX_SEED, ApiError, ChatCompletionRequest, CompletionRequest, message_text, new_id,
+                                  now, refuse_unsupported, sse, stop_strings, usage)
 from jaxrl.serve.registry import AdapterRegistry, Served
 from jaxrl.serve.settings import ServeLimits
 from jaxrl.serve.text import clip_pieces, token_pieces, token_strings
@@ -130,7 +139,10 @@ class Handlers:
 
     def rows(self, req, prompts: list[list[int]], max_tokens: int, rule: StopRule) -> list[Request]:
         """The rows of a request, prompt-major (n per prompt), each keyed by its seed (module docstring)."""
-        seed = req.seed if req.seed is not None else request_seed(self.server_seed, secrets.randbits(32))
+        seed = req.seed if req.seed not in (None, -1) else request_seed(self.server_seed, secrets.randbits(32))
+        if int(seed) + req.n - 1 >= MAX_SEED:  # choice i is seeded seed + i, which must stay an int64
+            raise ApiError(f"seed {seed} + n - 1 is over {MAX_SEED - 1} (choice i is sampled with seed + i)",
+                           param="seed")
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         top_p = 1.0 if req.top_p is None else float(req.top_p)
         top_k = 0 if req.top_k in (None, -1) else int(req.top_k)
@@ -142,32 +154,67 @@ class Handlers:
                                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=rule.stop_ids))
         return out
 
-    async def generate(self, req, served: Served, prompts: list[list[int]], max_tokens: int,
-                       default_ids: Sequence[int]) -> list[Finished]:
-        """The finished rows of a request (prompt-major), the stopping rule applied."""
-        rule = self.stop_rule(req, default_ids)
-        if max_tokens == 0:
-            return [Finished([], [], "", "length", None) for _ in range(len(prompts) * req.n)]
+    def check_response_size(self, req, prompts: list[list[int]], max_tokens: int, echo: bool, top_k: int,
+                            logprobs: bool) -> None:
+        """Refuses up front a response over `max_response_entries`: every returned token counts once, and as many
+        more as it carries log-prob entries (its own and its top k)."""
+        per_token = 1 + (1 + top_k if logprobs else 0)
+        tokens = sum(req.n * (max_tokens + (len(p) if echo else 0)) for p in prompts)
+        need = tokens * per_token
+        if need > self.limits.max_response_entries:
+            raise ApiError(f"this request could return {need} entries ({tokens} tokens x {per_token} each: the token"
+                           f"{' and its log-prob entries' if logprobs else ''}), over this server's bound of "
+                           f"{self.limits.max_response_entries} (launchers.serve --max_response_entries); ask for "
+                           "fewer rows, tokens or log-probs per request", param="max_tokens")
+
+    async def wait(self, future, client) -> list:
+        """The result of a serve-loop future. `client` (the HTTP request, or None) is watched meanwhile: when it
+        disconnects first, the request is cancelled (`ServeLoop.cancel`) and `ClientGone` raised. Server-side
+        refusals (overloaded, shutting down) are HTTP 503."""
+        waiter = asyncio.wrap_future(future)
+        gone = asyncio.ensure_future(client_gone(client)) if client is not None else None
         try:
-            future = self.loop.generate(served.name, self.rows(req, prompts, max_tokens, rule))
+            if gone is None:
+                return await waiter
+            done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter in done:
+                return waiter.result()
+            self.loop.cancel(future)
+            raise ClientGone("the client disconnected")
+        except asyncio.CancelledError:  # the server stops the task (shutdown past its grace period)
+            self.loop.cancel(future)
+            raise
         except (Overloaded, ShuttingDown) as e:
             raise ApiError(str(e), 503) from None
-        try:
-            completions = await asyncio.wrap_future(future)
-        except ShuttingDown as e:
-            raise ApiError(str(e), 503) from None
-        return [rule.finish(self.tokenizer, c.tokens, [float(x) for x in c.logprobs], c.finish_reason,
-                            req.skip_special_tokens) for c in completions]
+        except Cancelled:
+            raise ClientGone("the client disconnected") from None
+        finally:
+            if gone is not None:
+                gone.cancel()
 
-    async def score(self, served: Served, sequences: list[list[int]], top_k: int) -> list:
+    async def generate(self, served: Served, rows: list[Request], client) -> list:
+        """The engine's completions of a request's rows (in order)."""
+        if not rows:
+            return []
+        try:
+            future = self.loop.generate(served.name, rows)
+        except (Overloaded, ShuttingDown) as e:
+            raise ApiError(str(e), 503) from None
+        return await self.wait(future, client)
+
+    async def score(self, served: Served, sequences: list[list[int]], top_k: int, client=None) -> list:
         try:
             future = self.loop.score(served.name, sequences, top_k)
         except (Overloaded, ShuttingDown) as e:
             raise ApiError(str(e), 503) from None
-        try:
-            return await asyncio.wrap_future(future)
-        except ShuttingDown as e:
-            raise ApiError(str(e), 503) from None
+        return await self.wait(future, client)
+
+    def finished(self, req, rule: StopRule, completions: list, count: int) -> list[Finished]:
+        """The rows as the client sees them (the stopping rule applied); `count` empty rows at max_tokens 0."""
+        if not completions:
+            return [Finished([], [], "", "length", None) for _ in range(count)]
+        return [rule.finish(self.tokenizer, c.tokens, [float(x) for x in c.logprobs], c.finish_reason,
+                            req.skip_special_tokens) for c in completions]
 
     # ------------------------------------------------------------------------------------------- completions
     def _logprob_entries(self, ids: Sequence[int], values: Sequence, top_ids, top_values, as_ids: bool) -> tuple:
@@ -185,7 +232,9 @@ class Handlers:
             tops.append(entry)
         return strings, [float(v) for v in values], tops
 
-    async def completions(self, req: CompletionRequest):
+    def plan_completion(self, req: CompletionRequest) -> "Plan":
+        """Everything checked and prepared before a completions request's rows go to the engine (a worker thread:
+        tokenising)."""
         refuse_unsupported(req)
         served = self.registry.served(req.model)
         if req.logprobs is not None and req.logprobs > self.limits.max_logprobs:
@@ -196,16 +245,33 @@ class Handlers:
         max_tokens = self.max_tokens(req.max_tokens, prompts)
         if req.stream and req.echo and req.n > 1:
             raise ApiError("echo with stream and n > 1 is not supported", param="echo")
-        choices = await self.generate(req, served, prompts, max_tokens, ())
+        self.check_response_size(req, prompts, max_tokens, req.echo, req.logprobs or 0, req.logprobs is not None)
+        rule = self.stop_rule(req, ())
+        rows = self.rows(req, prompts, max_tokens, rule) if max_tokens else []
+        return Plan(served, prompts, texts, rule, rows)
+
+    async def completions(self, req: CompletionRequest, client=None):
+        plan = await asyncio.to_thread(self.plan_completion, req)
+        completions = await self.generate(plan.served, plan.rows, client)
+        choices = await asyncio.to_thread(self.finished, req, plan.rule, completions, len(plan.prompts) * req.n)
         of_choice = [k // req.n for k in range(len(choices))]  # choice -> its prompt
         k = req.logprobs
         scores = None
         if k is not None and (req.echo or k > 0):  # teacher-forced: the prompt's log-probs, every token's top k
-            scores = await self.score(served, [prompts[j] + c.tokens for j, c in zip(of_choice, choices)], k or 0)
+            scores = await self.score(plan.served, [plan.prompts[j] + c.tokens for j, c in zip(of_choice, choices)],
+                                      k or 0, client)
+        body = await asyncio.to_thread(self._completion_body, req, plan, choices, of_choice, scores)
+        if req.stream:
+            return StreamingResponse(self._stream_completion(req, body, choices, [plan.prompts[j] for j in of_choice]),
+                                     media_type="text/event-stream")
+        return await json_response(body)
+
+    def _completion_body(self, req, plan: "Plan", choices: list[Finished], of_choice: list[int], scores) -> dict:
         out = []
+        k = req.logprobs
         for idx, (j, c) in enumerate(zip(of_choice, choices)):
-            p = prompts[j]
-            prompt_text = (texts[j] if texts[j] is not None else
+            p = plan.prompts[j]
+            prompt_text = (plan.texts[j] if plan.texts[j] is not None else
                            self.tokenizer.decode(p, skip_special_tokens=False)) if req.echo else ""
             choice = {"index": idx, "text": prompt_text + c.text, "logprobs": None, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
@@ -215,12 +281,8 @@ class Handlers:
                 choice["token_ids"] = list(c.tokens)
                 choice["prompt_token_ids"] = list(p)
             out.append(choice)
-        body = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": served.name,
-                "choices": out, "usage": usage(sum(len(p) for p in prompts), sum(len(c.tokens) for c in choices))}
-        if req.stream:
-            return StreamingResponse(self._stream_completion(req, body, choices, [prompts[j] for j in of_choice]),
-                                     media_type="text/event-stream")
-        return body
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": plan.served.name,
+                "choices": out, "usage": usage(sum(len(p) for p in plan.prompts), sum(len(c.tokens) for c in choices))}
 
     def _completion_logprobs(self, req, prompt: list, c: Finished, score) -> dict:
         as_ids = req.return_tokens_as_token_ids
@@ -245,7 +307,7 @@ class Handlers:
             at += len(piece)
         return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _stream_completion(self, req, body: dict, choices: list[Finished], prompts: list):
+    def _stream_completion(self, req, body: dict, choices: list[Finished], prompts: list):
         head = {k: body[k] for k in ("id", "object", "created", "model")}
         for idx, c in enumerate(choices):
             full = body["choices"][idx]
@@ -268,7 +330,8 @@ class Handlers:
         yield sse("[DONE]")
 
     # -------------------------------------------------------------------------------------------------- chat
-    async def chat_completions(self, req: ChatCompletionRequest):
+    def plan_chat(self, req: ChatCompletionRequest) -> "Plan":
+        """A chat request checked and prepared (a worker thread: the chat template, tokenising)."""
         refuse_unsupported(req)
         if req.echo:
             raise ApiError("echo is not supported for chat completions (use /v1/completions with echo)",
@@ -285,8 +348,25 @@ class Handlers:
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None
                                      else req.max_tokens, [prompt], field)
-        choices = await self.generate(req, served, [prompt], max_tokens, self.chat_stop_ids)
-        scores = await self.score(served, [prompt + c.tokens for c in choices], top) if top else None
+        self.check_response_size(req, [prompt], max_tokens, False, top, bool(req.logprobs))
+        rule = self.stop_rule(req, self.chat_stop_ids)
+        rows = self.rows(req, [prompt], max_tokens, rule) if max_tokens else []
+        return Plan(served, [prompt], [None], rule, rows)
+
+    async def chat_completions(self, req: ChatCompletionRequest, client=None):
+        plan = await asyncio.to_thread(self.plan_chat, req)
+        prompt = plan.prompts[0]
+        completions = await self.generate(plan.served, plan.rows, client)
+        choices = await asyncio.to_thread(self.finished, req, plan.rule, completions, req.n)
+        top = req.top_logprobs or 0
+        scores = await self.score(plan.served, [prompt + c.tokens for c in choices], top, client) if top else None
+        body = await asyncio.to_thread(self._chat_body, req, plan, choices, scores)
+        if req.stream:
+            return StreamingResponse(self._stream_chat(req, body, choices), media_type="text/event-stream")
+        return await json_response(body)
+
+    def _chat_body(self, req, plan: "Plan", choices: list[Finished], scores) -> dict:
+        prompt = plan.prompts[0]
         out = []
         for idx, c in enumerate(choices):
             choice = {"index": idx, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
@@ -296,11 +376,8 @@ class Handlers:
             if req.return_token_ids:
                 choice["token_ids"] = list(c.tokens)
             out.append(choice)
-        body = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": served.name,
+        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": plan.served.name,
                 "choices": out, "usage": usage(len(prompt), sum(len(c.tokens) for c in choices))}
-        if req.stream:
-            return StreamingResponse(self._stream_chat(req, body, choices), media_type="text/event-stream")
-        return body
 
     def _chat_logprobs(self, req, prompt: list, c: Finished, score) -> list:
         as_ids = req.return_tokens_as_token_ids
@@ -317,7 +394,7 @@ class Handlers:
             entries.append({"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8")), "top_logprobs": top})
         return entries
 
-    async def _stream_chat(self, req, body: dict, choices: list[Finished]):
+    def _stream_chat(self, req, body: dict, choices: list[Finished]):
         head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
                 "model": body["model"]}
         for idx, c in enumerate(choices):
@@ -334,3 +411,46 @@ class Handlers:
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": body["usage"]})
         yield sse("[DONE]")
+
+
+@dataclasses.dataclass
+class Plan:
+    """A request checked and prepared: the model, its prompts' ids (and texts), the stopping rule, the rows."""
+
+    served: Served
+    prompts: list[list[int]]
+    texts: list[Optional[str]]
+    rule: StopRule
+    rows: list[Request]
+
+
+class ClientGone(ApiError):
+    """The client disconnected before its answer: nothing is sent (HTTP 499, nginx's "client closed request")."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 499)
+
+
+async def client_gone(client) -> None:
+    """Returns once the HTTP client of `client` (a Starlette Request whose body was read) has disconnected."""
+    while True:
+        message = await client.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def encode_json(body: dict) -> bytes:
+    """The JSON of a response, one choice at a time: each json.dumps call holds the interpreter lock, so a large
+    response is encoded in pieces that let the event loop's thread run between them."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return json.dumps(body).encode()
+    head = json.dumps({**body, "choices": []}).encode()
+    marker = b'"choices": []'
+    at = head.index(marker)
+    parts = b", ".join(json.dumps(c).encode() for c in choices)
+    return head[:at] + b'"choices": [' + parts + b"]" + head[at + len(marker):]
+
+
+async def json_response(body: dict, status: int = 200) -> Response:
+    return Response(await asyncio.to_thread(encode_json, body), status, media_type="application/json")

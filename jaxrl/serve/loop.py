@@ -16,7 +16,9 @@ entry), no more rows go to the engine until it drains; then the registry attache
 model; the engine decodes with its snapshot, whatever the held model carries meanwhile.
 
 What stays bounded: `max_pending_rows` rows admitted and not answered (`Overloaded` beyond, HTTP 503; a lone
-request is always admitted), the engine's programs by its buckets.
+request is always admitted), the engine's programs by its buckets. A request whose client went away is cancelled
+(`cancel`): it stops counting against the bound at once, its queued rows are dropped and its rows in the engine
+leave their slots at the end of the round in flight (`Engine.cancel`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.generation.buckets import batch_buckets, length_buckets, pick_bucket
-from jaxrl.generation.engine import DEFAULT_ROUND_STEPS, Completion, Engine, Request, Ticket
+from jaxrl.generation.engine import DEFAULT_ROUND_STEPS, Cancelled, Completion, Engine, Request, Ticket
 from jaxrl.generation.programs import TRACE_COUNTS
 from jaxrl.models.teacher_forced import next_token_logprobs
 from jaxrl.serve.registry import AdapterRegistry
@@ -168,12 +170,15 @@ class ServeLoop:
         self.score_chunk_size = int(score_chunk_size)
         self.max_pending_rows = int(max_pending_rows)
         self._generating = None  # the registry entry the engine's weights are a snapshot of
-        self._tickets: dict[Ticket, tuple[_Job, int]] = {}
+        self._tickets: dict[Ticket, tuple[_Job, int]] = {}  # the worker's alone
+        self._admitted: dict[int, _Job] = {}  # id(future) -> its job, while its rows are in the engine
+        self._sweep = False  # a job in the engine was answered early (cancelled, failed): take its rows out
         self._generate: collections.deque[_Job] = collections.deque()
         self._score: collections.deque[_Job] = collections.deque()
         self._pending_rows = 0  # admitted and not yet answered (queued, in the engine, scoring)
         self._cond = threading.Condition()
         self._stop = False
+        self._closing = False  # refuse_new: shutting down, requests in flight go on
         self._served = collections.Counter()
         self._worker = None
         if start:
@@ -194,11 +199,14 @@ class ServeLoop:
                                 top_k=int(top_k)), self._score)
 
     def _queue(self, job: _Job, queue: collections.deque) -> concurrent.futures.Future:
+        # running from the start: a waiter that gives up (asyncio.wrap_future cancelled) cannot cancel it, so
+        # answering it later never raises InvalidStateError; a request is withdrawn by `cancel` instead
+        job.future.set_running_or_notify_cancel()
         if not job.rows:  # nothing to queue (no row would ever answer it)
             job.future.set_result([])
             return job.future
         with self._cond:
-            if self._stop:
+            if self._stop or self._closing:
                 raise ShuttingDown("the server is shutting down")
             if self._pending_rows and self._pending_rows + job.rows > self.max_pending_rows:
                 raise Overloaded(f"the server is overloaded: {self._pending_rows} rows are waiting or running, and "
@@ -209,6 +217,40 @@ class ServeLoop:
             self._cond.notify_all()
         return job.future
 
+    def cancel(self, future: concurrent.futures.Future) -> int:
+        """Cancels the request of `future` (its client disconnected): it fails with `Cancelled` now and no longer
+        counts against max_pending_rows; the worker takes its rows out of the engine before its next round (a row in
+        a slot stops at the end of the round in flight). Returns the rows cancelled (0: answered already)."""
+        with self._cond:
+            job = next((j for j in list(self._generate) + list(self._score) if j.future is future), None)
+            if job is not None:
+                (self._generate if job in self._generate else self._score).remove(job)
+            else:
+                job = self._admitted.get(id(future))
+            if job is None or job.over:
+                return 0
+            self._served["cancelled"] += job.rows
+            self._sweep = True
+        self._fail(job, Cancelled("the client disconnected"))
+        return job.rows
+
+    def refuse_new(self) -> None:
+        """New requests are refused (ShuttingDown) from now on; those admitted go on (a server's grace period)."""
+        with self._cond:
+            self._closing = True
+
+    def abort(self, error: BaseException) -> None:
+        """Answers every request not answered yet with `error` now (the end of a shutdown's grace period); the
+        worker takes their rows out of the engine at its next turn. Thread safe."""
+        with self._cond:
+            jobs = list(self._generate) + list(self._score) + list(self._admitted.values())
+            self._generate.clear()
+            self._score.clear()
+            self._closing = self._sweep = True
+            self._cond.notify_all()
+        for job in jobs:
+            self._fail(job, error)
+
     def stats(self) -> dict:
         engine = self.engine
         with self._cond:
@@ -217,8 +259,10 @@ class ServeLoop:
             out = {"rows_waiting": waiting, "rows_running": self._pending_rows - waiting,
                    "requests_waiting": len(self._generate) + len(self._score),
                    "compiled_programs": compiled_programs(), "pools": len(engine.pools),
-                   "rows_generated": self._served["generate"], "rows_scored": self._served["score"]}
+                   "rows_generated": self._served["generate"], "rows_scored": self._served["score"],
+                   "rows_cancelled": self._served["cancelled"]}
         out.update({name: engine.stats[name] for name in COUNTERS})
+        out["engine_cancelled"] = engine.stats["cancelled"]
         return out
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -254,6 +298,7 @@ class ServeLoop:
         far as the generating model allows), one engine step (a round of every pool with rows)."""
         self._run_scoring()
         self._admit()
+        self._cancel_answered()
         if self.engine.idle:
             return
         try:
@@ -317,7 +362,10 @@ class ServeLoop:
                     self.engine.set_params(None)  # a snapshot of what the held model carries now
                     self._generating = served
                 with self._cond:
+                    if not self._generate or self._generate[0] is not job:
+                        continue  # cancelled meanwhile
                     self._generate.popleft()
+                    self._admitted[id(job.future)] = job
                 job.results, job.left = [None] * job.rows, job.rows
                 for r, request in enumerate(job.requests):
                     self._tickets[self.engine.submit(request)] = (job, r)
@@ -326,6 +374,19 @@ class ServeLoop:
                     if self._generate and self._generate[0] is job:
                         self._generate.popleft()
                 self._fail(job, e)
+
+    def _cancel_answered(self) -> None:
+        """Takes out of the engine the rows of jobs answered before their last row (a cancelled request, or one
+        whose other row failed): they would decode for no one."""
+        with self._cond:
+            if not self._sweep:
+                return
+            self._sweep = False
+        stale = [t for t, (job, _) in self._tickets.items() if job.over]
+        self.engine.cancel(stale)
+        for ticket in stale:
+            if ticket.done:  # left the engine's queue now (a row in a slot is handed back by its next round)
+                self._tickets.pop(ticket)
 
     def _deliver(self, ticket: Ticket) -> None:
         job, r = self._tickets.pop(ticket)
@@ -346,6 +407,7 @@ class ServeLoop:
             self._score.clear()
         jobs += [entry[0] for entry in self._tickets.values()]
         self._tickets.clear()
+        self._admitted.clear()
         self.engine.fail_all(error)
         self._generating = None
         for job in jobs:
@@ -356,6 +418,7 @@ class ServeLoop:
             if job.over:
                 return
             job.over = True
+            self._admitted.pop(id(job.future), None)
             self._pending_rows -= job.rows
             self._served[kind] += job.rows
         job.future.set_result(result)
@@ -365,6 +428,8 @@ class ServeLoop:
             if job.over:
                 return
             job.over = True
+            if self._admitted.pop(id(job.future), None) is not None:
+                self._sweep = True  # its other rows may still be in the engine
             self._pending_rows -= job.rows
         job.future.set_exception(error)
 

@@ -20,9 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
                413: "RequestEntityTooLarge", 422: "UnprocessableEntityError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+               499: "ClientClosedRequest", 503: "ServiceUnavailableError"}
 JAXRL_SERVER = "jaxrl"  # the "server" field of /version (vLLM's has only "version"): how a client tells them apart
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any number. Each is searched in every completion's text.
+# Characters of one stop string: each is tokenised and searched in every completion's text, so its length is CPU
+# every row pays (sixteen 1.9 MB strings held the server for 32 s); a real stop string is a few words.
+MAX_STOP_CHARS = 1024
+MAX_SEED = 2 ** 63  # request seeds are int64, as vLLM's; -1 is vLLM's "no seed"
 
 
 class ApiError(Exception):
@@ -34,7 +38,9 @@ class ApiError(Exception):
 
     @property
     def kind(self) -> str:
-        return ERROR_TYPES.get(self.status, HTTPStatus(self.status).phrase.replace(" ", "") + "Error")
+        if self.status in ERROR_TYPES:
+            return ERROR_TYPES[self.status]
+        return HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
@@ -59,10 +65,10 @@ class _Sampling(_Request):
     model: Optional[str] = None
     n: int = Field(1, ge=1)
     best_of: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(None, ge=-1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-1, lt=MAX_SEED)
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     include_stop_str_in_output: bool = False
@@ -171,6 +177,9 @@ def stop_strings(stop) -> list[str]:
     items = [s for s in items if s]
     if len(items) > MAX_STOP_STRINGS:
         raise ApiError(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}", param="stop")
+    longest = max((len(s) for s in items), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS}", param="stop")
     return items
 
 

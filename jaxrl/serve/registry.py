@@ -91,6 +91,9 @@ class AdapterRegistry:
             raise ApiError("Both 'lora_name' and 'lora_path' must be provided.")
         if name == self.base.name:
             raise ApiError(f"The lora adapter '{name}' conflicts with a served base model.", param="lora_name")
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if "\x00" in value:  # os.path would raise ValueError deep inside the checks
+                raise ApiError(f"{field} contains a NUL character", param=field)
         with self._lock:
             if name in self.adapters and not load_inplace:
                 raise ApiError(f"The lora adapter '{name}' has already been loaded. If you want to load the "

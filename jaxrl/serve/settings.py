@@ -23,6 +23,10 @@ class ServeLimits:
     max_n: int = flag_field(256, help="Largest `n` of one request.")
     max_pending_rows: int = flag_field(8192, help="Rows waiting or running before new requests get HTTP 503.")
     max_body_mb: float = flag_field(32.0, help="Largest request body, in MiB (HTTP 413 beyond).")
+    max_response_entries: int = flag_field(2 ** 22, help="Entries one response may carry: each returned token "
+                                           "(echoed prompt tokens included) counts 1, plus 1 + k when log-probs with "
+                                           "top k are asked for; a request that could return more is refused (HTTP "
+                                           "400) before it runs.")
     max_logprobs: int = dataclasses.field(default=20, metadata=NOT_A_FLAG)  # top log-probs of one token
     max_prompts: int = dataclasses.field(default=1024, metadata=NOT_A_FLAG)  # prompts in one completions request
 

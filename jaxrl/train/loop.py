@@ -334,7 +334,10 @@ class Trainer:
                 interrupt.check(lambda: self._stop_message(start, saved=False))  # a signal before any step ran
                 t0 = time.perf_counter()
                 if self.task.needs_rollout(step):
-                    self.task.rollout(step, self.current_model())
+                    try:
+                        self.task.rollout(step, self.current_model())
+                    except interrupt.Interrupted as e:  # a signal while waiting for rollout servers (a hung one)
+                        self._stop_in_rollout(step, start, e)
                 out = self.task.batch(step)
                 batch, host_metrics = out if isinstance(out, tuple) else (out, {})
                 batch = {k: np.asarray(v) for k, v in batch.items()}
@@ -388,6 +391,14 @@ class Trainer:
             writer.close()
             self.ckpt.wait()
         return RunResult(final_step=int(jax.device_get(self.state.step)), state=self.state, records=records)
+
+    def _stop_in_rollout(self, done: int, start: int, stopped: interrupt.Interrupted) -> None:
+        """A signal stopped the rollout of step `done` + 1 (its partial rollout is dropped: nothing of it was
+        written): the last finished step is checkpointed, if it is not already, and the run stops there."""
+        if done > start and self.ckpt.latest_step() != done:
+            self.save(done)
+            self.ckpt.wait()
+        raise interrupt.Interrupted(stopped.signum, f"{stopped}; {self._stop_message(done, saved=done > 0)}")
 
     def _stop_message(self, done: int, saved: bool) -> str:
         where = (f"checkpoint of step {done} in {self.ckpt.state_dir}/{done}" if saved else

@@ -242,7 +242,11 @@ class ServerOptions:
     """How a run talks to its rollout servers (`<algorithm>.rollout_server.*`; rollout_backend server | vllm)."""
 
     concurrency: int = setting(64, doc="requests in flight per server (the server batches them)")
-    request_timeout_s: float = setting(3600.0, doc="seconds one request may take before it is retried")
+    request_timeout_s: float = setting(0.0, doc="seconds one request may take before the rollout fails naming the "
+                                       "server (a hung server); 0 = sized from the request: 60 s + 0.1 s per "
+                                       "max_tokens")
+    progress_every_s: float = setting(30.0, doc="while requests are out, a progress line this often: rows answered "
+                                      "/ sent, per server (0 = none)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ from flax import nnx
 from jaxrl.algorithms.online.buffer import RolloutStore, Schedule
 from jaxrl.algorithms.online.rollouts import Rollouts
 from jaxrl.train.task import Task, TaskContext
+from jaxrl.utils import interrupt
 from jaxrl.utils.train_config import TrainConfig
 
 class OnlineTask(Task):
@@ -185,9 +186,16 @@ class OnlineTask(Task):
         return buffer, metrics, {**timing, "time/rollout_wait_s": time.perf_counter() - t0}
 
     def settle(self) -> None:
-        """Waits for the rollout in flight (it writes itself to the buffer store); raises its error."""
+        """Waits for the rollout in flight (it writes itself to the buffer store); raises its error. One a signal
+        stopped (it was waiting for servers) is dropped: the checkpoint the Trainer then writes does not need it (a
+        resume samples that rollout again)."""
         if self._pending is not None:
-            self._pending[1].result()
+            try:
+                self._pending[1].result()
+            except interrupt.Interrupted:
+                logging.warning("rollout %d: stopped by a signal while sampling in the background; dropped",
+                                self._pending[0])
+                self._pending = None
 
     def batch(self, step: int):
         r, i, u = self.schedule.locate(step)
