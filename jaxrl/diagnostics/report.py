@@ -40,6 +40,7 @@ from jaxrl.evaluation.protocol import read_protocol
 from jaxrl.evaluation.selection import selection_summary
 from jaxrl.train.metrics import CONFIG_HISTORY
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 from jaxrl.utils.io import atomic_write_text, iter_jsonl
 
 __all__ = ["ReportSettings", "collect", "render_html", "build_report", "default_diff_pairs"]
@@ -57,7 +58,7 @@ class ReportSettings:
     eval_dir: Optional[str] = flag_field(None, help="Evaluation folder (default WORKDIR/eval).")
     pairs: Optional[str] = flag_field(None, help="pairs.jsonl to audit in the report (else diagnostics/pairs.json).")
     problems: Optional[str] = flag_field(None, help="problems.jsonl for the semantic pair audit (with --pairs).")
-    seed: int = flag_field(0, help="Seed of the bootstrap and of the semantic-audit sample.")
+    seed: int = seed_field(0, help="Seed of the bootstrap and of the semantic-audit sample.")
 
 
 # --------------------------------------------------------------------------------------------- collecting

@@ -94,6 +94,7 @@ from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_di
 from jaxrl.rollout.writer import ResumableJsonl
 from jaxrl.utils.io import ResumeError
 from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
+from jaxrl.utils.seeds import seed_field
 from jaxrl.utils.io import (OutputExistsError, atomic_write_json, atomic_write_text, folder_lock_file, sha256_file,
                             writer_lock)
 
@@ -134,7 +135,7 @@ class EvalConfig:
     backend: str = backend_field()
     backend_kwargs: dict = backend_kwargs_field()
     truncation_threshold: float = flag_field(0.10, help="Warn when more completions than this hit the cap.")
-    seed: int = flag_field(0, help="Sampling and bootstrap seed.")
+    seed: int = seed_field(0, help="Sampling and bootstrap seed.")
     dtype: str = flag_field("bfloat16", choices=DTYPES, help="Compute dtype.")
     batch_size: int = flag_field(64, help="Samples per compiled batch (jax backend); samples in flight at once "
                                           "(server backends: vLLM wants hundreds).")
