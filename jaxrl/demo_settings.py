@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 
 __all__ = ["DemoRunSettings", "DemoSettings", "MARKER"]
 
@@ -52,7 +53,7 @@ class DemoRunSettings:
     fresh: bool = flag_field(False, help="Delete --workdir first (only a folder the demo made: it holds the demo's "
                              f"{MARKER} mark).")
     quick: bool = flag_field(False, help="Smaller stages (fewer prompts and steps): for tests.")
-    seed: int = flag_field(DemoSettings.seed, help="Seed of the tiny model, the tasks and every sampler.")
+    seed: int = seed_field(DemoSettings.seed, help="Seed of the tiny model, the tasks and every sampler.")
     quick_compiles: bool = flag_field(True, help="Compile with LLVM at -O0 (XLA_FLAGS=--xla_backend_optimization_"
                                       "level=0) unless XLA_FLAGS already sets a level: the demo's programs are tiny, "
                                       "so compiling them is most of its time on a CPU.")

@@ -11,8 +11,10 @@ compares them).
 A user error is printed as one line, `<launcher>: <what is wrong>; <what to do>` (messages about a file start
 with `file:line:`), without a traceback. What counts as one: the project's own error types (every exception
 class defined under jaxrl/) and the standard ValueError / KeyError / TypeError / OSError families raised by the
-project's own code (a deliberate `raise`, whose innermost frame is in jaxrl/ or launchers/), and a full disk
-wherever it is hit (one line naming the file). Anything else is a bug and keeps its traceback; --verbose prints
+project's own code (a deliberate `raise`, whose innermost frame is in jaxrl/ or launchers/), a full disk
+wherever it is hit (one line naming the file), and a path the OS refuses wherever it is hit (permission denied, a
+read-only file system: e.g. a --workdir or --out whose missing sub-folder lies under a read-only parent; one line
+naming the path). Anything else is a bug and keeps its traceback; --verbose prints
 the traceback of every error.
 
 Compiled programs persist (jaxrl/utils/compile_cache.py): every launcher takes --compilation_cache=PATH|none
@@ -37,7 +39,7 @@ from typing import Callable, Optional
 from absl import app, flags
 
 from jaxrl.utils import compile_cache, dataclass_flags, interrupt
-from jaxrl.utils.io import damaged_file, disk_full
+from jaxrl.utils.io import damaged_file, disk_full, refused_path
 from jaxrl.utils.logs import LogSettings, note_disk_full, own_file, quiet_libraries
 
 EXIT_REFUSED = 1
@@ -70,7 +72,8 @@ EXIT_STATUSES = (
     (0, "done (and --help)"),
     (EXIT_REFUSED, "refused work: an output that holds other results or that another process writes now, a "
                    "malformed, missing or damaged input file or checkpoint, a resume of other settings or of another "
-                   "checkpoint, a protocol rule, a full disk, a server that refuses (the message names the file); "
+                   "checkpoint, a protocol rule, a full disk, a path the OS refuses (permission denied, a read-only file "
+                   "system), a server that refuses (the message names the file); "
                    "launchers.sweep: points failed"),
     (EXIT_USAGE, "usage: an unknown or malformed flag, a bad value, a typo in a config key, an unknown reward or "
                  "reward option, a flag that contradicts the selection being confirmed (the message names it)"),
@@ -115,7 +118,7 @@ def exit_status_of(exc: BaseException) -> Optional[int]:
     """EXIT_USAGE / EXIT_REFUSED for a user error (module docstring), None for a bug."""
     if isinstance(exc, (app.UsageError, flags.Error)):
         return EXIT_USAGE
-    if disk_full(exc) is not None:
+    if disk_full(exc) is not None or refused_path(exc) is not None:
         return EXIT_REFUSED
     own = _own_class(exc)
     if own is None:
@@ -171,7 +174,7 @@ def exit_status_table() -> str:
     """The Markdown table of EXIT_STATUSES with the error types behind 1 and 2 (docs/reference/interfaces.md)."""
     types = project_error_types()
     extra = {EXIT_REFUSED: "; also OSError / KeyError raised by the project's own checks (a missing file), a full "
-                           "disk anywhere",
+                           "disk or a path the OS refuses anywhere",
              EXIT_USAGE: "; also absl's UsageError and flag errors, ValueError / TypeError raised by the project's "
                          "own checks"}
     lines = ["| status | meaning | raised by |", "|---|---|---|"]
@@ -286,6 +289,12 @@ def call(main: Callable, argv: list, name: str, interruptible: bool) -> int:
             note_disk_full()  # what the libraries' threads and exit handlers fail on next is its consequence
             fail(name, f"{full}; free space (or write elsewhere) and rerun the same command: it resumes from what "
                        "was written (--verbose: the libraries' tracebacks)", status)
+        # the OS refused a path, wherever (pathlib's mkdir, an open): the path in one line; a project error raised
+        # from such a refusal keeps its own message
+        denied = refused_path(e) if _own_class(e) is None else None
+        if denied is not None:
+            fail(name, f"{denied}; make it writable (or choose another path) and rerun (--verbose: the traceback)",
+                 status)
         fail(name, message_of(e), status)
     signum = interrupt.requested()
     if signum is not None and not status:

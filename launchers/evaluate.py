@@ -39,7 +39,9 @@ default all local devices data-parallel), process 0 merges the caches and writes
     python -m launchers.evaluate ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=$i
 
 A second --confirm of the same weights on the same split is refused (data/splits/confirmations.jsonl) unless the
-first was withdrawn. One writer per --out: a second evaluation into a folder another process writes is refused,
+first was withdrawn, and so is --overwrite into a folder that holds a confirmation (withdrawn or not): a
+confirmation is written once. --baseline other than the selection's is refused with --confirm (the claim is the
+comparison the selection was made on). One writer per --out: a second evaluation into a folder another process writes is refused,
 naming that process.
 Temperature 0 with --num_samples > 1 is refused: greedy decoding repeats one completion.
 

@@ -155,6 +155,12 @@ def test_the_resolved_config_is_typed_and_frozen():
     ("grpo", "scale_rewards", "groups", "grpo.scale_rewards='groups'; choose one of"),
     ("ppo", "init_kl_coef", -1.0, "ppo.init_kl_coef must be >= 0, got -1.0"),
     ("reward", "score", "full", "reward.score='full'; choose one of"),
+    # seeds outside [0, 2**32) alias others (jax keeps a seed's low 32 bits; -1 is 2**32 - 1)
+    ("", "seed", -1, "config: seed must be an integer in [0, 2**32), got -1"),
+    ("", "model_seed", 2 ** 63, f"model_seed must be an integer in [0, 2**32), got {2 ** 63}"),
+    # an infinite temperature samples uniformly (with an overflow warning): never meant
+    ("grpo", "temperature", float("inf"), "grpo.temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    ("ppo", "temperature", -0.5, "ppo.temperature must be a finite number >= 0 (0 = greedy), got -0.5"),
 ])
 def test_a_bad_value_fails_where_the_config_is_resolved(block, key, value, message):
     algorithm = block if block in ("grpo", "ppo") else "grpo" if block == "reward" else "sft"

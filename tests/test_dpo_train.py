@@ -448,3 +448,25 @@ def test_losses_that_sort_across_pairs_refuse_a_micro_batch_of_one(loss_type, un
     for name in ("aot", "aot_unpaired"):
         one = dpo_lib.dpo_loss(c_, r_, rc, rr, loss_type=name, beta=0.1, label_smoothing=0.1)
         np.testing.assert_allclose(one, 0.9 * np.logaddexp(0, -z) + 0.1 * np.logaddexp(0, z), rtol=1e-6)
+
+
+def test_a_data_set_smaller_than_one_batch_is_named_with_a_warning(untrained, tmp_path):
+    """One pair for a global batch of 8 (4 x 2): every step would train on that pair 8 times. Allowed (a smoke
+    run), but said: the file, its size and the batch; a data set that fills the batch says nothing."""
+    import warnings
+
+    model, mesh = untrained
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"pair_id": "p0", "prompt_ids": [5, 6, 7], "chosen_ids": [8, 9],
+                                 "rejected_ids": [10, 11]}) + "\n")
+    c = tiny_config("dpo")
+    c.data.source, c.data.pairs, c.data.eval_fraction = "pairs", str(pairs), 0.0
+    with pytest.warns(UserWarning) as caught:
+        DPOTask(resolve_config(c), model, mesh)
+    assert [str(w.message) for w in caught if "global batch" in str(w.message)] == [
+        f"data.pairs={pairs}: 1 training pair for a global batch of 8 (batch.micro_batch_size x batch.grad_accum): "
+        "every step repeats each pair about 8 times"]
+    c.data.source, c.data.synthetic_pairs = "synthetic", 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DPOTask(resolve_config(c), model, mesh)

@@ -240,3 +240,28 @@ def test_rollout_rows_must_fill_whole_global_batches():
         GRPOTask(cfg, build_model(cfg), make_mesh(MESH))
     with pytest.raises(ValueError, match="grpo.aggregation='mean'"):
         resolve_config(tiny_config("grpo", aggregation="mean"))
+
+
+# ------------------------------------------------------------------------------------------------- buffers
+
+
+@pytest.mark.slow  # a short run of the tiny model: two rollouts of two updates each, real Orbax checkpoints
+def test_rollout_buffers_go_with_the_checkpoints_that_needed_them(tmp_path):
+    """Two passes over each rollout (S = 2: every rollout lands in rollouts/<r>.npz), a checkpoint at steps 3 and
+    4, one training state kept. After step 3 the state of step 3 (inside rollout 1) needs 1.npz, and nothing needs
+    0.npz; once the state of step 4 replaces it, nothing needs 1.npz either: the run ends with no buffer left."""
+    import os
+
+    cfg = tiny_config("grpo", num_generations=4, prompts_per_step=4, num_iterations=2, max_new_tokens=4)
+    cfg.batch.micro_batch_size, cfg.batch.grad_accum = 8, 2
+    cfg.steps, cfg.checkpoint_every, cfg.keep_checkpoints = 4, 3, 1
+    workdir = tmp_path / "run"
+    seen = {}
+
+    def look(done, trainer):
+        seen[done] = (sorted(os.listdir(workdir / "checkpoints" / "state")), sorted(os.listdir(workdir / "rollouts")))
+
+    run_training(cfg, str(workdir), on_step_end=look)
+    assert seen[3] == (["3"], ["1.npz"])  # the buffer the kept state resumes from stays, the older one went
+    assert sorted(os.listdir(workdir / "checkpoints" / "state")) == ["4"]
+    assert os.listdir(workdir / "rollouts") == []

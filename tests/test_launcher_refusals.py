@@ -99,8 +99,14 @@ def test_report_of_a_mistyped_workdir_creates_nothing(tmp_path):
 
 @pytest.mark.parametrize("launcher, flag, message", [
     ("rollout", "--batch_size=0", "rollout: batch_size must be >= 1, got 0"),
-    ("rollout", "--temperature=-1", "rollout: temperature must be >= 0 (0 = greedy), got -1.0"),
-    ("evaluate", "--temperature=-1", "evaluate: temperature must be >= 0 (0 = greedy), got -1.0"),
+    ("rollout", "--temperature=-1", "rollout: temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    ("evaluate", "--temperature=-1", "evaluate: temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    ("evaluate", "--temperature=inf", "evaluate: temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    # seeds outside [0, 2**32) would alias others (jax keeps a seed's low 32 bits): refused while flags parse
+    ("rollout", "--seed=-1", "rollout: flag --seed=-1: -1 is not an integer in the range [0, 4294967295]; see "
+                             "--helpshort"),
+    ("evaluate", f"--seed={2 ** 63}", f"evaluate: flag --seed={2 ** 63}: {2 ** 63} is not an integer in the range "
+                                      "[0, 4294967295]; see --helpshort"),
     ("evaluate", "--confidence=95", "evaluate: confidence must be in (0, 1) (0.95 for 95%), got 95.0"),
 ])
 def test_a_bad_sampling_value_is_refused_before_the_model_is_loaded(env, tmp_path, launcher, flag, message):

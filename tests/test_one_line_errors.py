@@ -5,7 +5,9 @@ which also never leaves a half-written JSONL line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -145,3 +147,39 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
             assert text.endswith("\n") and json.loads(text)["step"] >= 1
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """`folder`, created read-only: its mode for a user, a read-only tmpfs for root (whom modes do not stop)."""
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("root without mount: no read-only folder to write under")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.slow  # each launcher gets as far as creating its output folder
+@pytest.mark.parametrize("launcher", ["train", "evaluate"])
+def test_an_output_folder_under_a_read_only_parent_is_one_line_naming_it(env, tmp_path, launcher):
+    parent = tmp_path / "ro"
+    missing = parent / "sub"
+    args = {"train": ("--config=configs/sft_tiny.py", "--config.data.seq_len=16", f"--workdir={missing / 'run'}"),
+            "evaluate": (f"--problems={env['problems']}", f"--base={env['model']}", f"--out={missing / 'eval'}",
+                         "--reward=exact_match")}[launcher]
+    with read_only(parent):
+        proc = launch(launcher, *args)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    [line] = [text for text in error_lines(proc) if not re.match(r"I\d{4} ", text)]  # INFO progress lines stay
+    assert re.fullmatch(rf"{launcher}: {re.escape(str(missing))}: (read-only file system|permission denied); make "
+                        r"it writable \(or choose another path\) and rerun \(--verbose: the traceback\)", line), line

@@ -5,7 +5,9 @@ command that keeps its record (marked withdrawn), after which the model may be c
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from absl import app, flags
@@ -55,12 +57,20 @@ def confirm_flags(selected, *args):
 
 @pytest.mark.slow  # the selection: an evaluation of base and two checkpoints
 @pytest.mark.parametrize("flag, recorded", [("--max_new_tokens=8192", "8"), ("--dtype=bfloat16", "'float32'"),
-                                            ("--seed=0", "3"), ("--reward_kwargs={\"lcb_compat\": true}", "{}")])
+                                            ("--seed=0", "3"), ("--reward_kwargs={\"lcb_compat\": true}", "{}"),
+                                            # named as the contradiction it is, not as greedy sampling (the flag's
+                                            # default temperature 0 is not what a confirmation runs)
+                                            ("--num_samples=8", "2"),
+                                            # the claim is the selected model vs the baseline it was selected against
+                                            ("--baseline=step_2", "'base'")])
 def test_each_contradicting_setting_is_refused_and_an_agreeing_one_is_accepted(selected, flag, recorded):
     with pytest.raises(app.UsageError, match=rf"contradicts the selection being confirmed \(\w+: {recorded} in "):
         confirm_flags(selected, flag)
     cfg = confirm_flags(selected, "--max_new_tokens=8", "--temperature=1.0")  # the selection's values: no conflict
     assert {k: getattr(cfg, k) for k in SELECTED} == SELECTED
+    # the selection's own num_samples and baseline, given without --temperature: sampled at its temperature 1
+    cfg = confirm_flags(selected, "--num_samples=2", "--baseline=base")
+    assert (cfg.num_samples, cfg.temperature, cfg.baseline) == (2, 1.0, "base")
 
 
 @pytest.mark.slow
@@ -89,6 +99,21 @@ def test_the_readme_confirmation_takes_the_selection_settings_and_a_mistaken_one
     assert {k: results["evaluation"][k] for k in SELECTED} == SELECTED
     assert [c["claim"] for c in results["comparisons"] if c["metric"] == "partial_reward_mean"] == ["confirmatory"]
 
+    # written once: a second look into the same folder (--overwrite, fewer prompts) is refused, nothing changes
+    before = snapshot(root)
+    rerun = (f"--problems={splits / 'heldout.jsonl'}", f"--confirm={selected['dev']}", f"--out={held}",
+             "--noprogress", "--limit=1", "--overwrite")
+    proc = launch("evaluate", *rerun)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    [line] = error_lines(proc)
+    model = results["protocol"]["primary"]["model"]
+    assert line.startswith(f"evaluate: {held.resolve()}: holds the confirmation of {model!r} on split 'heldout' "
+                           "(started 20")
+    assert line.endswith(f"--overwrite would replace the one look at that split. Read that result, or withdraw it "
+                         f"(python -m launchers.evaluate --withdraw={held.resolve()} --reason='...') and confirm "
+                         "again into another --out")
+    assert snapshot(root) == before
+
     withdrawn = launch("evaluate", f"--withdraw={held}", "--reason=confirmed before the reward fix")
     assert withdrawn.returncode == 0, withdrawn.stderr[-3000:]
     ledger = [json.loads(line) for line in (splits / "confirmations.jsonl").read_text().splitlines()]
@@ -106,3 +131,25 @@ def test_the_readme_confirmation_takes_the_selection_settings_and_a_mistaken_one
     assert [e["out"] for e in again["after_withdrawn"]] == [str(held.resolve())]
     twice = launch("evaluate", f"--withdraw={held}", "--reason=again")
     assert twice.returncode == 1 and "was already withdrawn" in twice.stderr
+    before = snapshot(root)
+    proc = launch("evaluate", *rerun)  # a withdrawn confirmation is the record of that look: not overwritten either
+    assert proc.returncode == 1 and error_lines(proc)[0].endswith(
+        "(confirmed before the reward fix); it stays on the record, so --overwrite is refused: evaluate into "
+        "another --out"), proc.stderr[-3000:]
+    assert snapshot(root) == before
+
+    # the new confirmation (in this process: the selection's programs are compiled) and the withdrawn one are
+    # both on the record, and both in the report
+    from jaxrl.diagnostics.report import collect, render_html
+    from jaxrl.evaluation.runner import Evaluator
+    cfg = confirm_flags(selected, "--prompt_buckets=192", "--batch_size=4", "--n_resamples=200", "--noprogress")
+    ev = Evaluator(dataclasses.replace(cfg, out=str(root / "eval_heldout_2")))
+    try:
+        ev.run()
+    finally:
+        ev.close()
+    data = collect(selected["env"]["run"], eval_dir=selected["dev"])
+    assert {Path(c["dir"]).name: (c["row"]["claim"], c["row"].get("withdrawn")) for c in data["confirmations"]} == {
+        "eval_heldout": ("exploratory", "confirmed before the reward fix"),
+        "eval_heldout_2": ("confirmatory", None)}
+    assert "withdrawn: confirmed before the reward fix" in render_html(data)

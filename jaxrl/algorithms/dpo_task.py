@@ -57,7 +57,7 @@ from jaxrl.algorithms import dpo as dpo_lib
 from jaxrl.data import dpo_data, packing
 from jaxrl.data.chat import load_tokenizer
 from jaxrl.data.pairs import read_pairs, read_problem_messages, verify_cohort
-from jaxrl.data.stream import epoch_stream
+from jaxrl.data.stream import epoch_stream, warn_if_under_a_batch
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import token_logprobs
 from jaxrl.parallel.distributed import is_main_process
@@ -417,6 +417,8 @@ class DPOTask(Task):
         self.train, self.eval = self._build_data(model)
         if len(self.train) == 0:
             raise ValueError("no training pairs")
+        source = f"data.pairs={self.data.pairs}" if self.data.source == "pairs" else "data.synthetic_pairs"
+        warn_if_under_a_batch(len(self.train), self.global_batch, source, unit="pair")
         # data.pack: every step's rows have one of these lengths (a pair's two sequences always fit a row of
         # twice the padded length, so the widest always works)
         self.micro_batch_size = config.batch.micro_batch_size

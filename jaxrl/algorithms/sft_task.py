@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from jaxrl.data import packing
-from jaxrl.data.stream import epoch_stream
+from jaxrl.data.stream import epoch_stream, warn_if_under_a_batch
 from jaxrl.train.objective import NextToken
 from jaxrl.train.task import Task
 from jaxrl.utils.train_config import TrainConfig
@@ -132,6 +132,7 @@ class SFTTask(Task):
             if not data.path:
                 raise ValueError("data.source='jsonl' needs data.path")
             self.source = JsonlTokens(data.path, self.seq_len, self.seed, pad_id)
+            warn_if_under_a_batch(len(self.source.ids), self.global_batch, f"data.path={data.path}")
         else:
             raise ValueError(f"data.source={data.source!r}; choose 'synthetic' or 'jsonl'")
 

@@ -61,6 +61,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 from jaxrl.utils.io import (OutputExistsError, atomic_write_json, iter_jsonl, jsonl_bytes, read_jsonl, sha256_file,
                             write_jsonl)
 
@@ -137,7 +138,7 @@ class BuildPairsSettings:
                                          "carry no 'messages'.")
     out_dir: Optional[str] = flag_field(None, help="Output folder for pairs.jsonl, audit.json and cohort/.")
     cohort_size: int = flag_field(0, help="If > 0, freeze this many pairs into out_dir/cohort/.")
-    seed: int = flag_field(0, help="Seed of the cohort selection.")
+    seed: int = seed_field(0, help="Seed of the cohort selection.")
     overwrite: bool = flag_field(False, help="Replace what --out_dir holds (pairs.jsonl, audit.json, cohort/) when "
                                  "this build gives other pairs or another cohort.")
     skip_malformed: bool = flag_field(False, help="Skip (and count) malformed input lines instead of failing.")

@@ -25,6 +25,7 @@ from typing import Mapping, Optional, Sequence
 
 from jaxrl.data.problems import Problem, load_problems, problems_jsonl_bytes
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 from jaxrl.utils.io import atomic_write_bytes, sha256_file
 
 MANIFEST = "manifest.json"
@@ -42,7 +43,7 @@ class SplitSettings:
                                           "--output).")
     dev_fraction: float = flag_field(DEFAULT_FRACTIONS["dev"], help="Fraction of problems in the dev split; the rest "
                                      "is held out.")
-    seed: int = flag_field(0, help="Seed of the split assignment.")
+    seed: int = seed_field(0, help="Seed of the split assignment.")
 
     def fractions(self) -> dict[str, float]:
         """The fractions of `plan_splits`: dev, and the rest held out."""

@@ -15,6 +15,7 @@ from typing import Optional
 
 from jaxrl.data.formats import BASE_MODEL
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 
 __all__ = ["DRIFT_MAX_NEW_TOKENS", "DiagnoseSettings", "WHATS"]
 
@@ -31,7 +32,7 @@ class DiagnoseSettings:
     workdir: Optional[str] = flag_field(None, help="Run folder: eval/ is read from it, diagnostics/ written to it.")
     eval_dir: Optional[str] = flag_field(None, help="Evaluation folder (default WORKDIR/eval).")
     out: Optional[str] = flag_field(None, help="Output JSON (default WORKDIR/diagnostics/<what>.json).")
-    seed: int = flag_field(0, help="Seed of every sample drawn (semantic audit, bootstrap).")
+    seed: int = seed_field(0, help="Seed of every sample drawn (semantic audit, bootstrap).")
     # pairs
     pairs: Optional[str] = flag_field(None, help="pairs.jsonl to audit (--what=pairs).")
     problems: Optional[str] = flag_field(None, help="problems.jsonl: semantic audit (pairs) / prompts (drift).")

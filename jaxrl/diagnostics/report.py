@@ -40,6 +40,7 @@ from jaxrl.evaluation.protocol import read_protocol
 from jaxrl.evaluation.selection import selection_summary
 from jaxrl.train.metrics import CONFIG_HISTORY
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 from jaxrl.utils.io import atomic_write_text, iter_jsonl
 
 __all__ = ["ReportSettings", "collect", "render_html", "build_report", "default_diff_pairs"]
@@ -57,7 +58,7 @@ class ReportSettings:
     eval_dir: Optional[str] = flag_field(None, help="Evaluation folder (default WORKDIR/eval).")
     pairs: Optional[str] = flag_field(None, help="pairs.jsonl to audit in the report (else diagnostics/pairs.json).")
     problems: Optional[str] = flag_field(None, help="problems.jsonl for the semantic pair audit (with --pairs).")
-    seed: int = flag_field(0, help="Seed of the bootstrap and of the semantic-audit sample.")
+    seed: int = seed_field(0, help="Seed of the bootstrap and of the semantic-audit sample.")
 
 
 # --------------------------------------------------------------------------------------------- collecting
@@ -86,7 +87,9 @@ _TASK_METRICS = ("partial_reward_mean", "strict_rate")
 
 def _confirmations(workdir: Path, eval_dir: Path) -> list[dict]:
     """Held-out confirmations (``launchers.evaluate --confirm``) in folders beside the evaluation: their protocol
-    and their one confirmatory comparison row."""
+    and their one confirmatory comparison row; a withdrawn one with its primary row (claim exploratory, the
+    reason in ``withdrawn``): it stays on the record, so a later confirmation of the same model is read beside
+    it."""
     out = []
     for folder in sorted({p for base in (workdir, eval_dir.parent) if base.is_dir() for p in base.iterdir()
                           if p.is_dir() and p != eval_dir}):
@@ -96,7 +99,8 @@ def _confirmations(workdir: Path, eval_dir: Path) -> list[dict]:
         if (proto or {}).get("role") != "confirmation":
             continue
         res = read_results(folder)
-        row = next((c for c in res.get("comparisons", []) if c.get("claim") == "confirmatory"), None)
+        row = next((c for c in res.get("comparisons", []) if c.get("claim") == "confirmatory"
+                    or c.get("withdrawn")), None)
         if row is not None:
             out.append({"dir": os.fspath(folder), "protocol": proto, "row": row, "results": res})
     return out
@@ -404,7 +408,8 @@ def _evaluation_section(data: Mapping) -> str:
         rows.append([escape(os.path.basename(conf["dir"])), escape((pr.get("split") or {}).get("split")), escape(c["model"]),
                      escape(c["metric"]), escape(red_flags.fmt_diff(c["metric"], c["diff"])),
                      escape(red_flags.fmt_interval(c["metric"], c["ci_low"], c["ci_high"], c.get("confidence", 0.95))),
-                     str(c["n_pairs"]), f"{c['p_value']:.3g} ({escape(c.get('test', ''))})", "<b>confirmatory</b>"])
+                     str(c["n_pairs"]), f"{c['p_value']:.3g} ({escape(c.get('test', ''))})",
+                     f"withdrawn: {escape(c['withdrawn'])}" if c.get("withdrawn") else "<b>confirmatory</b>"])
     if rows:
         out += ("<h3>Confirmation on held-out (once per checkpoint and split)</h3>"
                 + table(["folder", "split", "selected model", "metric", "diff vs base", "interval", "n prompts",

@@ -93,12 +93,23 @@ def build_config(holders: dict, selection: Optional[dict] = None) -> EvalConfig:
     model of a selection (--confirm, `protocol.read_selection`); app.UsageError for a missing or bad value."""
     if not holders["problems"].value:
         raise app.UsageError("--problems is required")
-    refused = sampling_warning(holders["temperature"].value, holders["num_samples"].value)
-    if refused:
-        raise app.UsageError(refused)
-    cfg = _confirmation_config(holders, selection) if selection is not None else _models_config(holders)
+    if selection is not None:
+        # judged on the settings the confirmation takes from its selection, after a flag contradicting them was
+        # named: --num_samples=8 against a selection sampled at temperature 1 is a contradiction of its
+        # num_samples, not a greedy run (the flag's default temperature, 0, is not what would run)
+        cfg = _confirmation_config(holders, selection)
+        _refuse_greedy_repeats(cfg.temperature, cfg.num_samples)
+    else:
+        _refuse_greedy_repeats(holders["temperature"].value, holders["num_samples"].value)
+        cfg = _models_config(holders)
     check_reward_choice(cfg.reward, cfg.reward_kwargs)  # an unknown reward or option: a usage error, here
     return cfg
+
+
+def _refuse_greedy_repeats(temperature: float, num_samples: int) -> None:
+    refused = sampling_warning(temperature, num_samples)
+    if refused:
+        raise app.UsageError(refused)
 
 
 def _models_config(holders: dict) -> EvalConfig:
@@ -133,6 +144,14 @@ def _confirmation_config(holders: dict, selection: dict) -> EvalConfig:
     if selection["baseline"] != BASE or not source.get("path"):
         raise app.UsageError(f"{selection['path']}: can only confirm a model selected against {BASE!r} with a "
                              "recorded source")
+    baseline = holders["baseline"]
+    if baseline.present and baseline.value != selection["baseline"]:
+        # Refused, not honoured: the confirmatory claim is the comparison the selection was made on (the selected
+        # model vs its baseline on the selection metric); against another baseline it would test a hypothesis
+        # nobody chose on dev, and its interval would not be the confirmation of anything.
+        raise app.UsageError(f"--baseline={baseline.value!r} contradicts the selection being confirmed (baseline: "
+                             f"{selection['baseline']!r} in {selection['path']}): the confirmatory claim compares "
+                             "the selected model with the baseline it was selected against; drop --baseline")
     settings = protocol.confirmation_settings(selection)
     # the base: the selection's folder, or the same weights elsewhere (--base; the fingerprint check refuses others)
     base = holders["base"].value or selection.get("base")

@@ -25,6 +25,10 @@ other prompts, made once, tests the choice. The protocol (``launchers.evaluate -
    weights may be confirmed again on the split -- that confirmation's results say that an earlier one was
    withdrawn. Nothing is deleted.
 
+A confirmation is written once: ``--overwrite`` into a folder that holds one (withdrawn or not) is refused
+(:func:`refuse_overwrite`), naming that confirmation and, while it stands, the ``--withdraw`` command; a rerun
+without it only resumes the same look (the runner refuses other models or prompts).
+
 ``<out>/protocol.json`` holds the role of an evaluation folder (written by the launcher; read when results are
 written). Without one the role is ``exploratory``.
 """
@@ -43,7 +47,7 @@ from jaxrl.data import formats
 __all__ = ["ProtocolError", "PROTOCOL_FILE", "SELECTION_FILE", "SELECTION_SETTINGS", "LEDGER_FILE", "ROLES",
            "split_identity", "write_protocol", "read_protocol", "begin_selection", "write_selection", "read_selection",
            "confirmation_settings", "begin_confirmation", "check_fingerprint", "label_claims", "protocol_summary",
-           "withdraw_confirmation"]
+           "withdraw_confirmation", "refuse_overwrite"]
 
 PROTOCOL_FILE = "protocol.json"
 SELECTION_FILE = "selection.json"
@@ -308,6 +312,30 @@ def withdraw_confirmation(out_dir: str | os.PathLike, reason: str) -> dict:
             atomic_write_text(md, f"> **Withdrawn** confirmation ({record['at']}): {record['reason']}. Its "
                                   "comparison is exploratory.\n\n" + md.read_text(encoding="utf-8"))
     return record
+
+
+def refuse_overwrite(out_dir: str | os.PathLike) -> None:
+    """ProtocolError when ``out_dir`` holds a confirmation: ``--overwrite`` would replace the one look at its split
+    with a second one under the same label (e.g. a --limit=10 result by a --limit=20 one), and the ledger, keyed by
+    model and split, would not show it. A standing confirmation may be withdrawn (kept on the record) and the model
+    confirmed again into another folder; a withdrawn one is itself the record of that look."""
+    out = Path(out_dir).resolve()
+    proto = read_protocol(out)
+    if (proto or {}).get("role") != "confirmation":
+        return
+    model = (proto.get("primary") or {}).get("model")
+    split = (proto.get("split") or {}).get("split")
+    if proto.get("withdrawn"):
+        raise ProtocolError(f"{out}: holds the confirmation of {model!r} on split {split!r} withdrawn at "
+                            f"{proto['withdrawn']['at']} ({proto['withdrawn']['reason']}); it stays on the record, "
+                            "so --overwrite is refused: evaluate into another --out")
+    ledger = Path(proto["ledger"])
+    started = next((e.get("started") for _, e in (iter_jsonl(ledger) if ledger.is_file() else [])
+                    if e.get("out") == str(out) and not e.get("withdrawn")), None)
+    raise ProtocolError(f"{out}: holds the confirmation of {model!r} on split {split!r} (started {started}, "
+                        f"{ledger}); --overwrite would replace the one look at that split. Read that result, or "
+                        f"withdraw it (python -m launchers.evaluate --withdraw={out} --reason='...') and confirm "
+                        "again into another --out")
 
 
 def check_fingerprint(protocol: Mapping, fingerprints: Mapping[str, str]) -> None:

@@ -37,7 +37,9 @@ Honesty rules this module enforces:
 * Nothing replaced silently: an --out whose results.json holds models or prompts this run does not have (a
   narrower rerun, e.g. --limit=8 on a 64-prompt folder) is refused before any work (OutputExistsError), unless
   `overwrite` (then the samples files of the models left out are removed with the old results). A run of the
-  same models and prompts, or of more models on the same prompts, resumes and adds to what is there.
+  same models and prompts, or of more models on the same prompts, resumes and adds to what is there. A folder
+  holding a confirmation (protocol.json) is never overwritten: the one look is written once
+  (protocol.refuse_overwrite).
 * Every value and every model folder / adapter is checked before a model is loaded or a cache is created.
 * Interrupted (SIGINT / SIGTERM with jaxrl.utils.interrupt installed, as the launcher does): the batch in flight
   is written to the cache, then Interrupted is raised; rerunning the command resumes.
@@ -71,7 +73,7 @@ from jaxrl.data.chat import OVERLONG_POLICIES, chat_stop_ids, encode_prompts, lo
 from jaxrl.data.problems import load_problems
 from jaxrl.evaluation.analysis import COMPARED, analyze, sampling_warning  # [stats]
 from jaxrl.evaluation.censoring import load_resampled
-from jaxrl.evaluation.protocol import read_protocol
+from jaxrl.evaluation.protocol import read_protocol, refuse_overwrite
 from jaxrl.evaluation.stats import write_results
 from jaxrl.export.audit import FolderSource, MergedSource, audit
 from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
@@ -92,6 +94,7 @@ from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_di
 from jaxrl.rollout.writer import ResumableJsonl
 from jaxrl.utils.io import ResumeError
 from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
+from jaxrl.utils.seeds import seed_field
 from jaxrl.utils.io import (OutputExistsError, atomic_write_json, atomic_write_text, folder_lock_file, sha256_file,
                             writer_lock)
 
@@ -132,7 +135,7 @@ class EvalConfig:
     backend: str = backend_field()
     backend_kwargs: dict = backend_kwargs_field()
     truncation_threshold: float = flag_field(0.10, help="Warn when more completions than this hit the cap.")
-    seed: int = flag_field(0, help="Sampling and bootstrap seed.")
+    seed: int = seed_field(0, help="Sampling and bootstrap seed.")
     dtype: str = flag_field("bfloat16", choices=DTYPES, help="Compute dtype.")
     batch_size: int = flag_field(64, help="Samples per compiled batch (jax backend); samples in flight at once "
                                           "(server backends: vLLM wants hundreds).")
@@ -294,7 +297,10 @@ class Evaluator:
     # ---------------------------------------------------------------------------------------------------- output
     def check_output(self) -> list[str]:
         """Refuses (OutputExistsError) an `out` whose results.json holds models or prompts this run does not have,
-        unless cfg.overwrite; returns the names of the models whose results would be replaced (overwrite)."""
+        unless cfg.overwrite; returns the names of the models whose results would be replaced (overwrite).
+        ProtocolError for --overwrite into a folder that holds a confirmation (protocol.refuse_overwrite)."""
+        if self.cfg.overwrite:
+            refuse_overwrite(self.out)
         path = self.out / formats.RESULTS_FILE
         if not path.exists():
             return []

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.utils.seeds import seed_problem
+
 # A request's packed seed: group id (32 bits) | seed (SEED_BITS) | sample index (SAMPLE_BITS), 63 bits: always a
 # non-negative int64 (vLLM reads seed -1 as "no seed", vllm/sampling_params.py:570-571).
 SEED_BITS, SAMPLE_BITS = 19, 12
@@ -57,11 +59,14 @@ class SamplingParams:
         if int(self.max_new_tokens) < 1:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(float(self.temperature)) and float(self.temperature) >= 0.0):
-            problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < float(self.top_p) <= 1.0:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if int(self.top_k) < 0:
             problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        seed = seed_problem(self.seed, "seed")
+        if seed:
+            problems.append(seed)
         if problems:
             raise ValueError("; ".join(problems))
 

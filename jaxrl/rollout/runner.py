@@ -63,6 +63,7 @@ from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_di
 from jaxrl.rollout.writer import ResumableJsonl
 from jaxrl.utils.io import ResumeError
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 from jaxrl.utils.io import sibling_lock_file, writer_lock
 
 __all__ = ["REWARD_HELP", "RewardChoiceError", "RolloutConfig", "ResumeError", "check_model_folder",
@@ -137,7 +138,7 @@ class RolloutConfig:
     reward: str = flag_field("code", help=REWARD_HELP)
     batch_size: int = flag_field(64, help="Samples per compiled batch (jax backend); samples in flight at once "
                                           "(server backends).")
-    seed: int = flag_field(0, help="Sampling seed.")
+    seed: int = seed_field(0, help="Sampling seed.")
     on_overlong: str = flag_field("skip", choices=OVERLONG_POLICIES,
                                   help="Prompts over --max_prompt_len: skip (counted in the summary) or error.")
     dtype: str = flag_field("bfloat16", choices=DTYPES, help="Model compute dtype.")

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Optional
 
 from jaxrl.utils.dataclass_flags import flag_field
+from jaxrl.utils.seeds import seed_field
 
 __all__ = ["CompareSettings", "DEFAULT_METRICS", "SweepSettings"]
 
@@ -63,4 +64,4 @@ class CompareSettings:
     last_k: int = flag_field(5, help="Training summary: mean of the last k steps.")
     n_resamples: int = flag_field(10000, help="Bootstrap resamples of the paired intervals.")
     confidence: float = flag_field(0.95, help="Interval confidence level.")
-    seed: int = flag_field(0, help="Bootstrap seed.")
+    seed: int = seed_field(0, help="Bootstrap seed.")

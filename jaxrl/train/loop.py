@@ -380,16 +380,21 @@ class Trainer:
                     if extra:
                         writer.write({"step": done, **extra})
                     self.save(done)
+                    # the saves before this one have landed (a save waits for the one in flight), with the states
+                    # they pruned deleted; this one's pruning is told at the next checkpoint or at the end
+                    self.task.on_saved(self.ckpt.state_steps())
                 if self.on_step_end is not None:
                     self.on_step_end(done, self)
                 if interrupt.requested() is not None:  # SIGINT / SIGTERM: this step is done; save it and stop
                     self.save(done)
                     self.ckpt.wait()
+                    self.task.on_saved(self.ckpt.state_steps())
                     interrupt.check(lambda: self._stop_message(done, saved=True))
         finally:
             progress.close()
             writer.close()
             self.ckpt.wait()
+        self.task.on_saved(self.ckpt.state_steps())  # every save landed: the states on disk are the run's last word
         return RunResult(final_step=int(jax.device_get(self.state.step)), state=self.state, records=records)
 
     def _stop_in_rollout(self, done: int, start: int, stopped: interrupt.Interrupted) -> None:

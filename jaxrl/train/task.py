@@ -7,7 +7,10 @@
             task.rollout(step, policy)   # sample the rollout this step trains on from the current policy
         task.batch(step)                 # the global batch: {key: np.ndarray [B_global, ...]} | (arrays, metrics)
         ... the jitted update ...
-        task.on_checkpoint(step, policy) # after each checkpoint: e.g. held-out evaluation; a dict is logged
+        task.on_checkpoint(step, policy) # at each checkpoint, before its state is saved: e.g. held-out evaluation;
+                                         # a dict is logged
+        task.on_saved(steps)             # after saves have landed (and Orbax pruned the states past
+                                         # keep_checkpoints): `steps`, the training states on disk now
 
 A task subclasses `Task`: `objective` and `batch` are its own; every other phase has a default that does nothing,
 which a task overrides where it has work (the Trainer calls every phase, it never asks what a task has):
@@ -67,6 +70,10 @@ class Task(abc.ABC):
     def on_checkpoint(self, step: int, policy) -> Optional[dict]:
         """After the checkpoint of step `step`; a dict returned is logged at that step."""
         return None
+
+    def on_saved(self, steps: list) -> None:
+        """After checkpoints have landed: `steps` are the training states on disk now (those past keep_checkpoints
+        already deleted). A task deletes here what it kept for states that are gone (online: rollout buffers)."""
 
     def state_dict(self) -> Optional[dict]:
         """The data position (JSON), saved with every training state; None: the step count is the position."""

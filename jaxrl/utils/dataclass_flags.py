@@ -51,11 +51,13 @@ _MULTI_KINDS = {str: "multi_string", int: "multi_integer", float: "multi_float"}
 
 def flag_field(default: Any = dataclasses.MISSING, *, help: str,  # noqa: A002 (the word absl uses)
                default_factory: Any = dataclasses.MISSING, choices: Optional[Sequence[str]] = None,
-               parse: Optional[Callable[[Any], Any]] = None) -> Any:
-    """A dataclass field that is also a flag: its default, its help text, its enum `choices`, and `parse` (the
-    flag value -> the field value, for a value that needs more than the conversion of its type). Without a
-    default (and default_factory) the field is required and its flag defaults to None."""
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "parse": parse}
+               parse: Optional[Callable[[Any], Any]] = None, bounds: Optional[tuple] = None) -> Any:
+    """A dataclass field that is also a flag: its default, its help text, its enum `choices`, `parse` (the
+    flag value -> the field value, for a value that needs more than the conversion of its type) and `bounds`
+    ((lowest, highest) allowed, either None = open; an integer or float flag, checked by absl while it parses).
+    Without a default (and default_factory) the field is required and its flag defaults to None."""
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "parse": parse,
+                "bounds": bounds}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -69,6 +71,7 @@ class _FlagSpec:
     choices: Optional[tuple] = None
     item: Optional[type] = None  # list and multi flags: the type of the items
     parse: Optional[Callable[[Any], Any]] = None
+    bounds: Optional[tuple] = None  # integer and float flags: (lower_bound, upper_bound) for absl
 
 
 _KINDS = {str: "string", int: "integer", float: "float", bool: "bool", dict: "json"}
@@ -121,8 +124,11 @@ def _spec(cls: type, field: dataclasses.Field, tp: Any) -> _FlagSpec:
     elif default is not None and kind == "json":
         default = json.dumps(default)
     required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    bounds = field.metadata.get("bounds")
+    if bounds is not None and kind not in ("integer", "float"):
+        raise TypeError(f"{where}: bounds are for integer and float flags, not {kind}")
     return _FlagSpec(field.name, kind, default, required, field.metadata["help"], field.metadata.get("choices"),
-                     item, field.metadata.get("parse"))
+                     item, field.metadata.get("parse"), bounds)
 
 
 def _specs(cls: type) -> list[_FlagSpec]:
@@ -148,8 +154,9 @@ def define_flags(cls: type, flag_values: flags.FlagValues = flags.FLAGS, *,
     for s in _specs(cls):
         kind = {"json": "string", "multi": _MULTI_KINDS.get(s.item)}.get(s.kind, s.kind)
         extra = (list(s.choices),) if s.kind == "enum" else ()
+        bounded = {"lower_bound": s.bounds[0], "upper_bound": s.bounds[1]} if s.bounds else {}
         holders[s.name] = getattr(flags, f"DEFINE_{kind}")(s.name, s.default, *extra, s.help,
-                                                           flag_values=flag_values)
+                                                           flag_values=flag_values, **bounded)
     if mark_required and required_names(cls):
         flags.mark_flags_as_required(required_names(cls), flag_values=flag_values)
     return holders

@@ -314,6 +314,22 @@ def disk_full(exc: BaseException) -> Optional[str]:
     return f"{where or 'a file'}: {what}"
 
 
+# ---------------------------------------------------------------------------------------------- refused path
+# The OS refusing a named path (a --workdir or --out whose missing sub-folder lies under a read-only parent, a file
+# without permission): the user's file system, not a bug of the code that hit it (pathlib's mkdir, an open()).
+_REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def refused_path(exc: BaseException) -> Optional[str]:
+    """When `exc` (or an exception it was raised from, or while handling) is the OS refusing to create, write or
+    read a path it names (no permission, a read-only file system), the one line that says so ("<path>: permission
+    denied"); else None."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _REFUSED_ERRNOS and e.filename:
+            return f"{os.fsdecode(e.filename)}: {(e.strerror or os.strerror(e.errno)).lower()}"
+    return None
+
+
 def append_whole(fd: int, data: bytes, path: str | os.PathLike | None = None) -> None:
     """Appends `data` (whole lines) to the file open as `fd` (O_APPEND or positioned at its end): all of it, or,
     when a write fails part-way (a full disk), none of it -- the file is cut back to its size before the call,

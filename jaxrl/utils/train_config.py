@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 import warnings
 from typing import Any, Mapping, Optional
 
 import ml_collections
 
+from jaxrl.utils.seeds import seed_problem
 from jaxrl.utils.typed_config import (ConfigKeyError, block, build_block, complete_block, defaults_of, keys_of,
                                       setting, to_plain, unknown_key_error)
 
@@ -284,6 +286,14 @@ class SamplingSettings(SettingsBlock):
     top_k: int = setting(0)
     rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
     logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass (reference, old log-probs, values)")
+
+    def __post_init__(self):
+        # an infinite temperature divides every logit to 0 (uniform sampling, with an overflow warning from the
+        # sampler) and a negative one inverts the distribution: neither is a setting anyone means
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"{self.NAME}.temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature}")
+        super().__post_init__()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -591,6 +601,7 @@ class TrainConfig:
         keep = self.keep_checkpoints
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             bad.append(f"keep_checkpoints must be an integer >= 1 (or None to keep all), got {keep!r}")
+        bad += [m for m in (seed_problem(self.seed, "seed"), seed_problem(self.model_seed, "model_seed")) if m]
         if bad:
             raise ValueError("config: " + "; ".join(bad))
 

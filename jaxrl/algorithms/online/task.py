@@ -6,8 +6,9 @@ the behaviour policy.
 Resume: a rollout made from the same parameters is bit-identical (jaxrl/algorithms/online/rollouts.py). A run
 resumed at a rollout boundary therefore regenerates it from the restored parameters; a run resumed in the middle
 of a rollout (S > 1) needs the rollout as it was: each rollout with S > 1 is written atomically to
-`<workdir>/rollouts/<r>.npz` before it is trained on, and buffers no kept checkpoint can need are deleted at each
-checkpoint. The task's state_dict (JSON, saved with every checkpoint) holds the rollout index, that file's name
+`<workdir>/rollouts/<r>.npz` before it is trained on, and the buffers only pruned checkpoints needed are deleted
+once the saves that pruned them have landed (`on_saved`: at each checkpoint for the saves before it, and at the end
+of the run). The task's state_dict (JSON, saved with every checkpoint) holds the rollout index, that file's name
 and the algorithm's host state (PPO's KL coefficient).
 
 Overlap (`grpo.overlap` / `ppo.overlap`, server backends only; off by default): rollout r+1 is sampled (on the
@@ -228,13 +229,14 @@ class OnlineTask(Task):
                              f"sizes changed); resume with the same values or use a new --workdir")
         self.load_host_state(state)
 
-    def on_checkpoint(self, step: int, policy) -> None:
-        """Delete rollout buffers no kept checkpoint can need (a checkpoint at step s needs rollout s // S only
-        when s is inside it)."""
+    def on_saved(self, steps: list) -> None:
+        """Delete the rollout buffers that only pruned checkpoints needed: `steps` are the training states on disk
+        after the saves landed (jaxrl.train.task). A state at step s needs rollout s // S (when s is inside it,
+        and under overlap also the next one, sampled before s); older buffers belong to states Orbax deleted.
+        Run after the saves, not at the checkpoint (which comes before its save): there the states about to be
+        pruned are still on disk, and the buffers of the last ones pruned outlived the run."""
         if self.store is None or (self.schedule.steps_per_rollout == 1 and not self.overlap):
-            return None
-        steps = self.context.checkpoint_steps()
-        if self.context.keep_checkpoints is None or not steps:
-            return None
+            return
+        if self.context is None or self.context.keep_checkpoints is None or not steps:
+            return  # every state is kept (or none landed yet): nothing was pruned
         self.store.prune(min(steps) // self.schedule.steps_per_rollout)
-        return None
