@@ -403,6 +403,7 @@ class Trainer:
         if done > start and self.ckpt.latest_step() != done:
             self.save(done)
             self.ckpt.wait()
+            self.task.on_saved(self.ckpt.state_steps())
         raise interrupt.Interrupted(stopped.signum, f"{stopped}; {self._stop_message(done, saved=done > 0)}")
 
     def _stop_message(self, done: int, saved: bool) -> str:
