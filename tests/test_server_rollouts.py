@@ -284,6 +284,30 @@ def test_overlap_lags_one_rollout_and_resumes_bit_exact(runs, env):
     assert_same_run(killed, straight)
 
 
+@pytest.mark.heavy
+def test_max_staleness_two_samples_two_rollouts_ahead_and_resumes_bit_exact(runs, env):
+    """grpo.max_staleness=2: at rollout 0's first step the producer samples rollouts 1 and 2 from step 0's
+    parameters, so they train 1 and 2 versions behind (logged per step, never above the bound); a SIGKILL inside
+    rollout 1 and a resume read both back from the buffer store (the checkpoint waited for them) and end
+    bit-identical to the uninterrupted run."""
+    args = overrides(env["base"], env["urls"], "server") + ["--config.grpo.max_staleness=2"]
+    straight, killed = env["root"] / "staleness2", env["root"] / "staleness2_killed"
+    proc = train(straight, env["cache"], *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ahead, plain = metrics(straight), metrics(runs["server"])
+    assert [r["rollout/policy_step"] for r in ahead] == [0] * STEPS
+    assert [r["rollout/staleness_max"] for r in ahead] == [0, 0, 1, 1, 2, 2]
+    assert max(r["rollout/staleness_max"] for r in ahead) <= 2 and all(r["rollout/dropped_stale"] == 0 for r in ahead)
+    assert all(r["time/trainer_idle_s"] >= 0 for r in ahead if "time/trainer_idle_s" in r)
+    assert [r["loss"] for r in ahead[:2]] == [r["loss"] for r in plain[:2]]  # rollout 0: the same
+    first = train(killed, env["cache"], *args, kill_after=3)
+    assert first.returncode == -9, first.stderr[-3000:]
+    second = train(killed, env["cache"], *args)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed inside rollout 1: loaded" in second.stderr and "resumed inside rollout 2: loaded" in second.stderr
+    assert_same_run(killed, straight)
+
+
 # ------------------------------------------------------------------------------------------------- settings
 
 
@@ -303,6 +327,9 @@ def test_rollout_backend_settings_are_checked():
             (dict(rollout_servers=("http://127.0.0.1:8000",)), "rollout_backend is 'jax'"),
             (dict(rollout_backend="server", rollout_servers=("127.0.0.1:8000",)), "not base URLs"),
             (dict(overlap=True), "needs grpo.rollout_backend='server' or 'vllm'"),
+            (dict(max_staleness=2), "needs grpo.rollout_backend='server' or 'vllm'"),
+            (dict(rollout_backend="vllm", max_staleness=-1), "max_staleness must be >= 0"),
+            (dict(rollout_backend="vllm", overlap=True, max_staleness=3), "overlap is max_staleness=1"),
             (dict(rollout_backend="server", rollout_servers=("http://a:1",), rollout_vllm={"python": "x"}),
              r"grpo.rollout_vllm.python: launch options of the vLLM a run starts"),
             (dict(rollout_server={"concurrency": 8}), r"grpo.rollout_server.concurrency are for rollout_backend"),
@@ -318,6 +345,9 @@ def test_rollout_backend_settings_are_checked():
                       rollout_vllm={"data_parallel_size": 2}, rollout_server={"concurrency": 8})
     typed = resolve_config(ppo).ppo
     assert typed.overlap and typed.rollout_vllm.data_parallel_size == 2 and typed.rollout_server.concurrency == 8
+    assert typed.max_staleness == 1  # overlap is the alias of one rollout ahead
+    ahead = resolve(rollout_backend="vllm", max_staleness=3).grpo
+    assert ahead.max_staleness == 3
     # the deprecated dict still works: its keys land in the typed blocks, with one warning naming their new keys
     legacy = tiny_config("ppo", rollout_backend="vllm", overlap=True,
                          rollout_backend_kwargs={"data_parallel_size": 2, "concurrency": 8})

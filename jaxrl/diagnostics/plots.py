@@ -42,6 +42,9 @@ TRAINING_PANELS = (
     ("zero-variance groups", ("zero_variance_groups",), False),
     ("value loss", ("value_loss",), False),
     ("explained variance", ("explained_variance",), False),
+    ("staleness (policy versions)", ("rollout/staleness_mean", "rollout/staleness_max"), False),
+    ("idle per rollout (s): trainer waiting, producer held back", ("time/trainer_idle_s", "time/rollout_idle_s"),
+     False),
     ("tokens / s", ("tokens_per_s",), False),
     ("step time (s)", ("step_time_s",), False),
 )

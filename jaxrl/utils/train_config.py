@@ -350,15 +350,22 @@ class RolloutBackendSettings(SettingsBlock):
                                             "starts")
     rollout_backend_kwargs: dict = setting({}, dict, "deprecated: its keys go to rollout_server (concurrency, "
                                            "request_timeout_s) and rollout_vllm (the launch options), with a warning")
-    overlap: bool = setting(False, doc="sample rollout r+1 on the servers while rollout r trains (one rollout "
-                            "off-policy, corrected with the behaviour policy's log-probs); needs rollout_backend "
-                            "server | vllm")
+    max_staleness: int = setting(0, doc="rollouts sampled ahead of training, on the servers, while the trainer "
+                                 "trains: a step trains on samples at most this many policy versions old (0 = "
+                                 "synchronous; 1 = overlap); needs rollout_backend server | vllm")
+    overlap: bool = setting(False, doc="alias of max_staleness=1 (sample rollout r+1 on the servers while rollout r "
+                            "trains, off-policy by one rollout, corrected with the behaviour policy's log-probs)")
 
     @classmethod
     def migrate(cls, values: dict, where: str) -> dict:
         """A completed block with server URLs normalised (no trailing '/') and the deprecated
         `rollout_backend_kwargs` moved into the typed blocks (an option set both ways must agree)."""
         values = dict(values, rollout_servers=tuple(_server_url(u) for u in values["rollout_servers"]))
+        if values["overlap"]:  # the alias: one rollout ahead
+            if int(values["max_staleness"]) not in (0, 1):
+                raise ValueError(f"{where}.overlap is max_staleness=1 and {where}.max_staleness is "
+                                 f"{values['max_staleness']}: set {where}.max_staleness only")
+            values["max_staleness"] = 1
         legacy = values["rollout_backend_kwargs"]
         if not legacy:
             return values
@@ -402,10 +409,12 @@ class RolloutBackendSettings(SettingsBlock):
             raise ValueError(f"{', '.join(launch)}: launch options of the vLLM a run starts (rollout_backend='vllm' "
                              f"without rollout_servers); {where}.rollout_backend is {backend!r}"
                              + (f" with rollout_servers {list(servers)}" if servers else ""))
-        if self.overlap and backend == "jax":
-            raise ValueError(f"{where}.overlap samples the next rollout on the servers while this one trains: it needs "
-                             f"{where}.rollout_backend='server' or 'vllm' (the jax sampler shares the trainer's "
-                             "devices)")
+        if self.max_staleness < 0:
+            raise ValueError(f"{where}.max_staleness must be >= 0 (0 = synchronous), got {self.max_staleness}")
+        if self.max_staleness and backend == "jax":
+            raise ValueError(f"{where}.max_staleness={self.max_staleness} (or overlap) samples rollouts on the servers "
+                             f"while the trainer trains: it needs {where}.rollout_backend='server' or 'vllm' (the "
+                             "jax sampler shares the trainer's devices)")
         super().__post_init__()
 
 

@@ -11,29 +11,36 @@ once the saves that pruned them have landed (`on_saved`: at each checkpoint for 
 of the run). The task's state_dict (JSON, saved with every checkpoint) holds the rollout index, that file's name
 and the algorithm's host state (PPO's KL coefficient).
 
-Overlap (`grpo.overlap` / `ppo.overlap`, server backends only; off by default): rollout r+1 is sampled (on the
-servers, with its scoring and teacher-forced passes, in a background thread) from the policy at the first step of
-rollout r, while rollout r trains; so rollout r >= 1 comes from the parameters of step (r-1) S instead of r S, the
-one difference from a run without overlap (prompts and sampling keys are the same). Its updates are off-policy:
-the ratio's denominator (and the rollout correction) are the behaviour policy's log-probs, `make_rollout` running
-on a copy of the behaviour parameters (`on_policy` is False under overlap). Every rollout made in the background is
-written to the buffer; a checkpoint waits for the one in flight (`state_dict`), so a resumed run reads back the
-rollouts the interrupted run had sampled from parameters it no longer has, and stays bit-exact. Each step logs
-`rollout/policy_step` (the step of the parameters its rollout was sampled from) and `rollout/staleness` (updates
-between those and the ones it updates: 0 on the first step of a rollout without overlap, S with it), and
-`time/rollout_wait_s` (the step's wait for its rollout).
+Sampling ahead (`grpo.max_staleness` / `ppo.max_staleness` = k, server backends only; 0 by default, `overlap` is
+k = 1): at rollout r's first step one producer thread (`Producer`, one rollout on the servers at a time) is given
+rollouts r+1 .. r+k it does not hold yet, each sampled (with its scoring and teacher-forced passes) from a copy of
+the policy at that step; so a rollout trains at most k policy versions after the one that sampled it, and the
+trainer waits only when the producer is behind. With k = 1 rollout r >= 1 comes from the parameters of step
+(r-1) S instead of r S, the one difference from a synchronous run (prompts and sampling keys are the same). The
+updates are off-policy: the ratio's denominator (and the rollout correction) are the behaviour policy's log-probs,
+`make_rollout` running on the behaviour parameters (`on_policy` is False). Every rollout sampled ahead is written to
+the buffer; a checkpoint waits for those in flight (`state_dict`), so a resumed run reads back the rollouts the
+interrupted run had sampled from parameters it no longer has, and stays bit-exact; one read back older than k
+versions (a resume with a smaller k) is dropped, counted and sampled again. Each step logs `rollout/policy_step`
+(the step of the parameters its rollout was sampled from), `rollout/staleness` (updates between those and the ones
+it updates), `rollout/staleness_mean` / `_max` (in policy versions, one per rollout; every token of a rollout has
+its rollout's version), `rollout/dropped_stale`, and at a rollout's first step `time/trainer_idle_s` (the trainer's
+wait: the whole rollout when synchronous), `time/rollout_wait_s` and `time/rollout_idle_s` (the producer's wait for
+the staleness bound before that rollout). Partial rollouts (rows continued across an adapter update) are not
+built: every rollout is sampled whole by one version.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import queue
 import threading
 import time
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -53,9 +60,12 @@ class OnlineTask(Task):
 
     def __init__(self, config: TrainConfig, schedule: Schedule, rollouts: Rollouts, block):
         self.config, self.schedule, self.rollouts = config, schedule, rollouts
-        self.overlap = bool(block.overlap)
+        self.max_staleness = int(block.max_staleness)  # overlap is max_staleness 1
+        self.overlap = self.max_staleness > 0
         self._on_policy = False
-        self._pending: Optional[tuple[int, concurrent.futures.Future]] = None  # (rollout, its background work)
+        self._pending: dict[int, concurrent.futures.Future] = {}  # rollout -> the producer's work on it
+        self._producer_thread: Optional[Producer] = None
+        self.dropped_stale = 0  # rollouts read back over the staleness bound, dropped (this process)
         self.compile_options = dict(config.compile_options) or None
         self.buffer: Optional[dict] = None
         self.buffer_rollout = -1
@@ -99,9 +109,10 @@ class OnlineTask(Task):
 
     def rollout(self, step: int, policy) -> None:
         """Make the rollout train step `step` trains on: sampled from `policy` when `step` is the rollout's first
-        step (under overlap: taken from the background, sampled one rollout earlier), else (a run resumed inside a
-        rollout, or under overlap at a rollout the interrupted run had sampled) read back from the buffer the
-        interrupted run wrote. Under overlap it then starts the next rollout in the background."""
+        step (with max_staleness k: taken from the producer, sampled up to k rollouts earlier), else (a run resumed
+        inside a rollout, or ahead of training at a rollout the interrupted run had sampled) read back from the
+        buffer the interrupted run wrote. With k > 0 it then has the producer sample ahead up to rollout + k."""
+        t0 = time.perf_counter()
         rollout = self.schedule.locate(step)[0]
         first = step % self.schedule.steps_per_rollout == 0
         self.rollout_timing = {}
@@ -109,27 +120,23 @@ class OnlineTask(Task):
         if pending is not None:
             self._install(rollout, *pending)
         elif not first or (self.overlap and rollout > 0):
-            # it must be the one trained on: made by the interrupted run (under overlap, from parameters of an
+            # it must be the one trained on: made by the interrupted run (ahead of training, from parameters of an
             # earlier step than this one)
-            loaded = self.store.load(rollout)
+            loaded = self._load_stored(rollout, step)
             if loaded is not None:
-                self.buffer, self.rollout_metrics = loaded
-                self.buffer_rollout = rollout
-                logging.info("resumed inside rollout %d: loaded %s (step %d)", rollout, self.store.path(rollout),
-                             step)
+                self._install(rollout, *loaded)
             else:
-                logging.warning("resumed at step %d, in rollout %d, but %s is missing; sampling a new rollout from "
-                                "the current policy (training goes on, but not bit-identical to an uninterrupted "
-                                "run)", step, rollout, self.store.path(rollout))
                 self._install(rollout, *self._make(rollout, step, policy))
         else:
             self._install(rollout, *self._make(rollout, step, policy))
-        if self.overlap and first and (rollout + 1) * self.schedule.steps_per_rollout < self.config.steps:
-            self._start(rollout + 1, step, policy)
-        if (rollout + 1) * self.schedule.steps_per_rollout >= self.config.steps and self._pending is None:
+        # the trainer's wait: the whole synchronous rollout, or what it waited for the producer
+        self.rollout_timing["time/trainer_idle_s"] = time.perf_counter() - t0
+        if self.overlap and first:
+            self._sample_ahead(rollout, step, policy)
+        if (rollout + 1) * self.schedule.steps_per_rollout >= self.config.steps and not self._pending:
             self.rollouts.close()  # the run's last rollout: servers unload our adapter, a vLLM we started stops
 
-    # rollouts: made now, or in the background (overlap) ------------------------------------------------------
+    # rollouts: made now, or ahead of training by the producer ------------------------------------------------
     def _make(self, rollout: int, step: int, policy) -> tuple[dict, dict, dict]:
         """(buffer, metrics, timing) of rollout `rollout` sampled from `policy`, the parameters of train step
         `step`; written to the buffer store when a resume could need it."""
@@ -145,58 +152,92 @@ class OnlineTask(Task):
             self.store.save(rollout, buffer, kept)
         return buffer, kept, timing
 
+    def _load_stored(self, rollout: int, step: int) -> Optional[tuple[dict, dict, dict]]:
+        """Rollout `rollout` as the interrupted run wrote it, or None (missing: warned; older than max_staleness
+        allows: dropped and counted)."""
+        loaded = self.store.load(rollout)
+        if loaded is None:
+            logging.warning("resumed at step %d, in rollout %d, but %s is missing; sampling a new rollout from the "
+                            "current policy (training goes on, but not bit-identical to an uninterrupted run)", step,
+                            rollout, self.store.path(rollout))
+            return None
+        buffer, metrics = loaded
+        staleness = self._staleness(rollout, metrics)
+        if self.overlap and staleness > self.max_staleness:
+            self.dropped_stale += 1
+            logging.warning("rollout %d in %s was sampled %d policy versions before it would be trained, over "
+                            "max_staleness=%d: dropped (rollout/dropped_stale) and sampled again", rollout,
+                            self.store.path(rollout), staleness, self.max_staleness)
+            return None
+        logging.info("resumed inside rollout %d: loaded %s (step %d)", rollout, self.store.path(rollout), step)
+        return buffer, metrics, {}
+
+    def _staleness(self, rollout: int, metrics: dict) -> int:
+        """Policy versions (one per rollout) between the parameters that sampled `rollout` and its own."""
+        behaviour = metrics.get("rollout/policy_step")
+        return 0 if behaviour is None else rollout - int(behaviour) // self.schedule.steps_per_rollout
+
     def _install(self, rollout: int, buffer: dict, metrics: dict, timing: dict) -> None:
         self.buffer, self.rollout_metrics, self.buffer_rollout = buffer, metrics, rollout
         self.rollout_timing = {**self.rollout_timing, **timing}
 
     def _snapshot(self, policy):
         """`policy` with copies of its trained variables: the train step donates the state those arrays belong
-        to, and the background rollout must keep the parameters it samples from."""
+        to, and the producer must keep the parameters it samples from."""
         graphdef, trained, rest = nnx.split(policy, self.trainable, ...)
         return nnx.merge(graphdef, jax.tree.map(jnp.copy, trained), rest)
 
-    def _start(self, rollout: int, step: int, policy) -> None:
-        """Makes rollout `rollout` in a background (daemon) thread from a copy of `policy` (train step `step`)."""
-        behaviour = self._snapshot(policy)
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def _sample_ahead(self, rollout: int, step: int, policy) -> None:
+        """Has the producer sample rollouts rollout + 1 .. rollout + k (k = max_staleness) that it does not hold
+        yet, from `policy` (the parameters of step `step`): each is then at most k versions old when trained. A
+        resumed run takes rollouts rollout + 1 .. rollout + k - 1 from the buffer store when the interrupted run
+        had sampled them (from parameters no checkpoint holds)."""
+        last = -(-self.config.steps // self.schedule.steps_per_rollout) - 1
+        behaviour = None
+        for q in range(rollout + 1, min(rollout + self.max_staleness, last) + 1):
+            if q in self._pending:
+                continue
+            if q < rollout + self.max_staleness and os.path.exists(self.store.path(q)):
+                stored = self._load_stored(q, step)
+                if stored is not None:
+                    done: concurrent.futures.Future = concurrent.futures.Future()
+                    done.set_result(stored)
+                    self._pending[q] = done
+                    continue
+            behaviour = behaviour if behaviour is not None else self._snapshot(policy)
+            self._pending[q] = self._producer().submit(q, step, behaviour)
+            logging.info("rollout %d: sampling ahead from the parameters of step %d", q, step)
 
-        def work():
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(self._make(rollout, step, behaviour))
-                except BaseException as e:  # raised where the rollout is used (or at the next checkpoint)
-                    future.set_exception(e)
-
-        self._pending = (rollout, future)
-        threading.Thread(target=work, name=f"jaxrl-rollout-{rollout}", daemon=True).start()
-        logging.info("rollout %d: sampling in the background from the parameters of step %d", rollout, step)
+    def _producer(self) -> "Producer":
+        if self._producer_thread is None:
+            self._producer_thread = Producer(self._make)
+        return self._producer_thread
 
     def _take_pending(self, rollout: int) -> Optional[tuple[dict, dict, dict]]:
-        """The background rollout `rollout` (waits for it; its error raised here), or None when none is in flight.
-        A rollout in flight for another index (not possible in the Trainer's order) is waited for and dropped."""
-        if self._pending is None:
+        """Rollout `rollout` from the producer (waits for it; its error raised here), or None when it has none.
+        What the producer holds for earlier rollouts (not possible in the Trainer's order) is dropped."""
+        for stale in [q for q in self._pending if q < rollout]:
+            logging.warning("dropping rollout %d sampled ahead: step needs rollout %d", stale, rollout)
+            self._pending.pop(stale)
+        future = self._pending.pop(rollout, None)
+        if future is None:
             return None
-        index, future = self._pending
-        self._pending = None
         t0 = time.perf_counter()
-        result = future.result()
-        if index != rollout:
-            logging.warning("dropping background rollout %d: step needs rollout %d", index, rollout)
-            return None
-        buffer, metrics, timing = result
+        buffer, metrics, timing = future.result()
         return buffer, metrics, {**timing, "time/rollout_wait_s": time.perf_counter() - t0}
 
     def settle(self) -> None:
-        """Waits for the rollout in flight (it writes itself to the buffer store); raises its error. One a signal
-        stopped (it was waiting for servers) is dropped: the checkpoint the Trainer then writes does not need it (a
-        resume samples that rollout again)."""
-        if self._pending is not None:
+        """Waits for the rollouts the producer holds (each writes itself to the buffer store); raises an error of
+        theirs. One a signal stopped (it was waiting for servers) is dropped with those after it: the checkpoint
+        the Trainer then writes does not need them (a resume samples them again)."""
+        for q in sorted(self._pending):
             try:
-                self._pending[1].result()
+                self._pending[q].result()
             except interrupt.Interrupted:
-                logging.warning("rollout %d: stopped by a signal while sampling in the background; dropped",
-                                self._pending[0])
-                self._pending = None
+                logging.warning("rollouts %s: stopped by a signal while sampling ahead; dropped",
+                                [p for p in sorted(self._pending) if p >= q])
+                self._pending = {p: f for p, f in self._pending.items() if p < q}
+                return
 
     def batch(self, step: int):
         r, i, u = self.schedule.locate(step)
@@ -208,6 +249,10 @@ class OnlineTask(Task):
         host = {**self.rollout_metrics, **self.rollout_timing, "rollout": float(r), "rollout_pass": float(i)}
         if "rollout/policy_step" in self.rollout_metrics:
             host["rollout/staleness"] = float(step - self.rollout_metrics["rollout/policy_step"])
+            # in policy versions (one per rollout; every token of a rollout is sampled by one version)
+            versions = float(self._staleness(r, self.rollout_metrics))
+            host.update({"rollout/staleness_mean": versions, "rollout/staleness_max": versions,
+                         "rollout/dropped_stale": float(self.dropped_stale)})
         self.rollout_timing = {}
         return out, host
 
@@ -240,3 +285,33 @@ class OnlineTask(Task):
         if self.context is None or self.context.keep_checkpoints is None or not steps:
             return  # every state is kept (or none landed yet): nothing was pruned
         self.store.prune(min(steps) // self.schedule.steps_per_rollout)
+
+
+class Producer:
+    """The one thread that samples rollouts ahead of training, in the order they are submitted (one rollout on the
+    servers at a time, as a synchronous run has). `submit(rollout, step, policy)` -> a Future of `make(...)`.
+    The seconds it waited for work before a rollout (`time/rollout_idle_s`: the staleness bound holding it back)
+    join that rollout's timings."""
+
+    def __init__(self, make):
+        self.make = make
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, name="jaxrl-rollout-producer", daemon=True).start()
+
+    def submit(self, rollout: int, step: int, policy) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((rollout, step, policy, future))
+        return future
+
+    def _work(self) -> None:
+        idle_since = time.perf_counter()
+        while True:
+            rollout, step, policy, future = self.jobs.get()
+            idle = time.perf_counter() - idle_since
+            if future.set_running_or_notify_cancel():
+                try:
+                    buffer, metrics, timing = self.make(rollout, step, policy)
+                    future.set_result((buffer, metrics, {**timing, "time/rollout_idle_s": idle}))
+                except BaseException as e:  # raised where the rollout is used (or at the next checkpoint)
+                    future.set_exception(e)
+            idle_since = time.perf_counter()

@@ -1,0 +1,104 @@
+"""Sampling ahead of training (`grpo.max_staleness` = k): trainer steps per minute of the demo's GRPO with its
+rollouts on real `launchers.serve` processes over loopback, k = 0 (synchronous), 1 (`overlap`), 2 and 4, side by
+side in one process, with the trainer's and the producer's idle time per step.
+
+    python -m benchmarks.bench_async                       # 12 timed steps per run, 1 round, one server
+    python -m benchmarks.bench_async --ks=0,1,2 --rounds=2 --servers=2
+
+The workload is `benchmarks.bench_overlap`'s (the demo's GRPO stage on its pretrained model: 8 prompts x 8 samples
+of at most 8 tokens a step, one update per rollout, fp32, one device); each run is fresh, after a warm-up run per k
+that compiles every program. A run's time is the sum of its steps' `step_time_s` after the first two (the trainer's
+wall time per step, compilation excluded); steps/min = 60 x timed steps / that. Reported per k: the median over
+rounds, `time/trainer_idle_s` (the trainer waiting for its rollout: the whole rollout when k = 0) and
+`time/rollout_idle_s` (the producer waiting for the bound) summed over the timed steps, and the largest staleness
+seen (in policy versions: never above k). The ratios are against k = 0 and k = 1. On a shared 2-core machine the
+servers, the trainer and the producer share the cores, which bounds every gain; partial rollouts (rows continued
+across an adapter update) are not built, so a long tail still holds its whole rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+
+from benchmarks.bench_overlap import WARMUP_STEPS, demo_grpo_config, start_server
+
+
+def one_run(config, workdir: str, k: int) -> dict:
+    from jaxrl.algorithms.run import run_training
+    c = config.copy_and_resolve_references()
+    c.grpo.max_staleness = k
+    records = run_training(c, workdir).records
+    timed = [r for r in records if r["step"] > WARMUP_STEPS]
+    total = sum(r["step_time_s"] for r in timed)
+    return {"k": k, "timed_steps": len(timed), "timed_s": total, "steps_per_min": 60.0 * len(timed) / total,
+            "trainer_idle_s": sum(r.get("time/trainer_idle_s", 0.0) for r in timed),
+            "rollout_idle_s": sum(r.get("time/rollout_idle_s", 0.0) for r in timed),
+            "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in timed),
+            "reward_mean_last": records[-1]["reward/mean"]}
+
+
+def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, workdir: str | None = None) -> dict:
+    if steps <= WARMUP_STEPS:
+        raise ValueError(f"steps must exceed the {WARMUP_STEPS} untimed steps of each run")
+    own = workdir is None
+    root = os.path.realpath(tempfile.mkdtemp(prefix="bench_async_") if own else workdir)
+    os.makedirs(root, exist_ok=True)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    config, base = demo_grpo_config(os.path.join(root, "demo"), steps)
+    procs = []
+    try:
+        rows = config.grpo.prompts_per_step * config.grpo.num_generations
+        for s in range(servers):
+            procs.append(start_server(base, root, f"serve{s}", config.data.max_prompt_len, rows))
+        config.grpo.rollout_backend = "server"
+        config.grpo.rollout_servers = tuple(url for _, url, _ in procs)
+        warm = config.copy_and_resolve_references()
+        warm.steps = WARMUP_STEPS + 1
+        for k in ks:  # every program compiled (trainer and servers), every code path
+            one_run(warm, os.path.join(root, f"warmup_{k}"), k)
+        results = {k: [] for k in ks}
+        for r in range(rounds):
+            for k in ks:
+                results[k].append(one_run(config, os.path.join(root, f"run{r}_{k}"), k))
+    finally:
+        for proc, _, log in procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(x["steps_per_min"] for x in runs) for k, runs in results.items()}
+    out = {"steps": steps, "timed_steps": steps - WARMUP_STEPS, "rounds": rounds, "servers": servers, "rows": rows,
+           "runs": {str(k): runs for k, runs in results.items()},
+           "steps_per_min_median": {str(k): v for k, v in med.items()},
+           "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
+           "cores": len(os.sched_getaffinity(0))}
+    for base_k in (0, 1):
+        if base_k in med:
+            out[f"ratio_over_k{base_k}"] = {str(k): v / med[base_k] for k, v in med.items()}
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ks", default="0,1,2,4", help="max_staleness values, comma-separated")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    ks = tuple(int(k) for k in args.ks.split(","))
+    print(json.dumps(run(ks, args.steps, args.rounds, args.servers, args.workdir), indent=1))
+
+
+if __name__ == "__main__":
+    main()
