@@ -42,6 +42,8 @@ REWARD_SCORES = ("partial", "strict")
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_BACKENDS = ("jax", "server", "vllm")
 WANDB_MODES = ("", "online", "offline", "disabled")
+DISTILL_LOSSES = ("reverse_kl", "jsd", "forward_kl_topk")
+TEACHER_BACKENDS = ("jax",)
 
 
 class OptimizerConfigError(ValueError):
