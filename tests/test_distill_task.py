@@ -48,6 +48,7 @@ def _finite(records):
     assert all(r["update_skipped"] == 0 for r in records)
 
 
+@pytest.mark.slow
 def test_distill_forward_kl_topk_trains_toward_the_teacher(teacher, student, tmp_path):
     """configs/distill_tiny.py (forward_kl_topk at temperature 0.3): loss and reverse KL to the teacher fall."""
     cfg = distill_config(teacher, student)
@@ -64,6 +65,7 @@ def test_distill_forward_kl_topk_trains_toward_the_teacher(teacher, student, tmp
     assert 0.0 < records[0]["distill/outside_topk"] < 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
 def test_distill_other_losses_run_with_finite_metrics(teacher, student, tmp_path, loss):
     cfg = distill_config(teacher, student, loss=loss)
@@ -75,6 +77,7 @@ def test_distill_other_losses_run_with_finite_metrics(teacher, student, tmp_path
         np.testing.assert_allclose(records[0]["loss"], records[0]["distill/log_ratio"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_lmbda_mixes_student_samples_with_sft_responses(teacher, student, tmp_path):
     """lmbda 0.5: half the step's rows are the student's samples, half the SFT file's responses (prompt = the
     tokens before the first loss_mask 1), every row scored by the teacher."""
@@ -94,6 +97,34 @@ def test_lmbda_mixes_student_samples_with_sft_responses(teacher, student, tmp_pa
     records = run_training(cfg, str(tmp_path / "run")).records
     _finite(records)
     assert records[0]["distill/student_rows"] == 0.5
+
+
+@pytest.mark.slow
+def test_distill_killed_and_resumed_is_bit_identical(teacher, student, tmp_path):
+    """SIGKILL after step 3 (checkpoints every 2), resumed by the launcher: the adapters and every step's loss and
+    distill/* metrics equal an uninterrupted run's (a rollout is a function of (seed, step) and the parameters)."""
+    from test_resume import launch
+    from jaxrl.models.adapters import load_adapter
+    from jaxrl.train.metrics import read_metrics
+    args = ["--config=configs/distill_tiny.py", f"--config.distill.teacher_path={teacher}",
+            f"--config.model_path={student}", "--config.model_overrides={}", "--config.steps=6",
+            "--config.checkpoint_every=2", "--config.tensorboard=False"]
+    cache = str(tmp_path / "jax_cache")
+    straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
+    done = launch(straight, cache, args=args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = launch(broken, cache, "--debug_kill_after_step=3", args=args)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = launch(broken, cache, args=args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    a, b = load_adapter(straight, step=6)[0], load_adapter(broken, step=6)[0]
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    ma, mb = read_metrics(straight), read_metrics(broken)
+    assert [r["step"] for r in mb] == list(range(1, 7))
+    for key in ("loss", "distill/reverse_kl", "distill/teacher_logp", "reward/mean"):
+        assert [r[key] for r in mb] == [r[key] for r in ma], key
 
 
 # ------------------------------------------------------------------------------------------------- bad input
