@@ -10,7 +10,7 @@ import sys
 import ml_collections
 import pytest
 
-from configs import base, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny
+from configs import base, distill, distill_tiny, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny
 from jaxrl.algorithms.run import resolve_config, run_training
 from jaxrl.utils import train_config
 from jaxrl.utils.typed_config import ConfigKeyError, setting, to_plain
@@ -18,19 +18,19 @@ from jaxrl.utils.typed_config import ConfigKeyError, setting, to_plain
 
 def test_configs_are_built_from_the_schema_without_importing_jax():
     code = ("import sys\n"
-            "from configs import base, dpo, grpo, ppo, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny\n"
-            "for m in (dpo, grpo, ppo): m.get_config('')\n"
-            "for m in (dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny): m.get_config()\n"
+            "from configs import base, dpo, grpo, ppo, distill, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny, distill_tiny\n"
+            "for m in (dpo, grpo, ppo, distill): m.get_config('')\n"
+            "for m in (dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny, distill_tiny): m.get_config()\n"
             "print(sorted(m for m in ('jax', 'flax', 'optax', 'numpy') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-    for algorithm in ("sft", "dpo", "grpo", "ppo"):
+    for algorithm in ("sft", "dpo", "grpo", "ppo", "distill"):
         assert to_plain(base.get_config(algorithm)) == to_plain(train_config.default_config(algorithm))
 
 
 @pytest.mark.parametrize("make", [sft_tiny.get_config, dpo_tiny.get_config, grpo_tiny.get_config,
-                                  ppo_tiny.get_config])
+                                  ppo_tiny.get_config, distill_tiny.get_config, lambda: distill.get_config("")])
 def test_family_configs_are_complete(make):
     c = make()
     before = to_plain(c)

@@ -279,9 +279,11 @@ CONFIG_TABLES = {
     "grpo": ("configs.grpo", ("run", "start", "probe", "grpo."), True),
     "online-data": ("configs.grpo", ("data.", "reward."), False),
     "ppo": ("configs.ppo", ("run", "start", "ppo."), True),
+    "distill": ("configs.distill", ("run", "start", "distill."), True),
 }
 # Blocks that one table documents for two families: they must agree.
-SHARED_BLOCKS = (("configs.grpo", "configs.ppo", ("data.", "reward.")),)
+SHARED_BLOCKS = (("configs.grpo", "configs.ppo", ("data.", "reward.")),
+                 ("configs.grpo", "configs.distill", ("data.", "reward.")))
 _MARKER = re.compile(r"^<!--\s*config-table:\s*([\w-]+)\s*-->\s*$")
 _CELL_SPLIT = re.compile(r"(?<!\\)\|")
 

@@ -20,12 +20,12 @@ ARGS = ["--config=configs/sft_tiny.py", "--config.steps=12", "--config.checkpoin
         "--config.lora.targets=q_proj,in_proj_qkv,out_proj,down_proj"]
 
 
-def launch(workdir, cache_dir, *extra):
+def launch(workdir, cache_dir, *extra, args=ARGS):
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                # every run compiled alike; a low LLVM optimisation level just compiles quicker
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
-    cmd = [sys.executable, "-m", "launchers.train", f"--workdir={workdir}", *ARGS, *extra]
+    cmd = [sys.executable, "-m", "launchers.train", f"--workdir={workdir}", *args, *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -24,6 +24,7 @@ TASK_FACTORIES = Registry("algorithm", lazy={
     "dpo": "jaxrl.algorithms.dpo_task:build_dpo",
     "grpo": "jaxrl.algorithms.grpo_task:build_grpo",
     "ppo": "jaxrl.algorithms.ppo_task:build_ppo",
+    "distill": "jaxrl.algorithms.distill_task:build_distill",
 })
 
 

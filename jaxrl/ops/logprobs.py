@@ -15,6 +15,11 @@ CPU). In an fp32 model it is the plain fp32 gradient.
 `temperature` divides the logits first (what sampling at that temperature used; GRPO/PPO importance ratios).
 `top_k` also returns each position's k most likely tokens and their log-probabilities, from the same chunk of
 logits (a server's `logprobs=k`; never differentiated).
+
+Distillation (jaxrl/algorithms/distill_loss.py) compares two distributions over a support of k token ids plus a
+remainder bucket: `topk_support` gives a teacher's top k, and `support_logprobs` a student's log-probs at given
+ids (differentiable, chunked like `token_logprobs`); both give the remainder's log-mass as the logsumexp of the
+logits OFF the support (exact, no 1 - sum cancellation: with k = V it is -inf, not rounding noise).
 """
 
 from __future__ import annotations
@@ -99,3 +104,85 @@ def _with_top_k(hidden, head_weight, targets, chunk_size: int, temperature: floa
     logp, values, ids = jax.lax.map(one_chunk, (h.reshape(n_chunks, chunk, width), t.reshape(n_chunks, chunk)))
     cut = lambda x: x.reshape(n_chunks * chunk, *x.shape[2:])[:rows].reshape(batch, seq_len, *x.shape[2:])  # noqa
     return cut(logp), cut(values), cut(ids)
+
+
+_OFF_SUPPORT = -1.0e30  # a logit excluded from the remainder's logsumexp (finite: no inf - inf in its gradient)
+
+
+def _chunked(hidden, targets, extra, chunk_size: int):
+    """Rows of [B, T, ...] inputs as [n_chunks, chunk, ...] (padded with zeros) and a function cutting [n_chunks,
+    chunk, ...] results back to [B, T, ...]."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    batch, seq_len, width = hidden.shape
+    rows = batch * seq_len
+    chunk = min(chunk_size, rows)
+    n_chunks = -(-rows // chunk)
+    pad = n_chunks * chunk - rows
+
+    def rows_of(x):
+        x = x.reshape(rows, *x.shape[2:])
+        if pad:
+            x = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)])
+        return x.reshape(n_chunks, chunk, *x.shape[1:])
+
+    def cut(x):
+        return x.reshape(n_chunks * chunk, *x.shape[2:])[:rows].reshape(batch, seq_len, *x.shape[2:])
+
+    return rows_of(hidden), rows_of(targets.astype(jnp.int32)), (None if extra is None else rows_of(extra)), cut
+
+
+def _log_softmax_parts(logits):
+    """(logits - max, log sum exp(logits - max)): log-probs are their difference. Subtracting the max first (as
+    torch's log_softmax does) rounds once less than `logits - logsumexp(logits)`: with k = V the divergences then
+    match TRL's float32 values to ~2 ulp instead of ~6."""
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+
+
+def _rest_logp(shifted, ids, lse):
+    """log of the probability mass off `ids` ([c, V] max-shifted logits, [c, k] ids, [c] their logsumexp) ->
+    [c]."""
+    off = shifted.at[jnp.arange(shifted.shape[0])[:, None], ids].set(_OFF_SUPPORT)
+    return jax.nn.logsumexp(off, axis=-1) - lse
+
+
+def topk_support(hidden: jax.Array, head_weight: jax.Array, targets: jax.Array, k: int, *, chunk_size: int = 512,
+                 temperature: float = 1.0):
+    """A teacher's side of a distillation support (no gradient): (logp of `targets` [B, T], top-k log-probs
+    [B, T, k] most likely first, their ids [B, T, k] int32, log-mass of every other token [B, T])."""
+    h, t, _, cut = _chunked(hidden, targets, None, chunk_size)
+    inv_temp = 1.0 / float(temperature)
+
+    def one_chunk(args):
+        h_c, t_c = args
+        shifted, lse = _log_softmax_parts(project(h_c, head_weight, jnp.float32) * inv_temp)
+        values, ids = jax.lax.top_k(shifted, int(k))
+        return (jnp.take_along_axis(shifted, t_c[:, None], axis=-1)[:, 0] - lse, values - lse[:, None],
+                ids.astype(jnp.int32), _rest_logp(shifted, ids, lse))
+
+    out = jax.lax.map(one_chunk, (h, t))
+    return tuple(cut(x) for x in jax.lax.stop_gradient(out))
+
+
+def support_logprobs(hidden: jax.Array, head_weight: jax.Array, targets: jax.Array, support_ids: jax.Array, *,
+                     chunk_size: int = 512, temperature: float = 1.0):
+    """A student's side of a distillation support, differentiable (each chunk under `jax.checkpoint`, as
+    `token_logprobs`): (logp of `targets` [B, T], log-probs at `support_ids` [B, T, k], log-mass of every other
+    token [B, T], the argmax token [B, T] int32, no gradient)."""
+    h, t, ids, cut = _chunked(hidden, targets, support_ids.astype(jnp.int32), chunk_size)
+    inv_temp = 1.0 / float(temperature)
+
+    @jax.checkpoint
+    def one_chunk(h_c, t_c, ids_c):
+        logits = project(h_c, head_weight, jnp.float32)
+        if inv_temp != 1.0:
+            logits = logits * inv_temp
+        shifted, lse = _log_softmax_parts(logits)
+        logp = jnp.take_along_axis(shifted, t_c[:, None], axis=-1)[:, 0] - lse
+        on = jnp.take_along_axis(shifted, ids_c, axis=-1) - lse[:, None]
+        top1 = jax.lax.stop_gradient(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return logp, on, _rest_logp(shifted, ids_c, lse), top1
+
+    out = jax.lax.map(lambda args: one_chunk(*args), (h, t, ids))
+    return tuple(cut(x) for x in out)

@@ -30,7 +30,7 @@ from jaxrl.utils.seeds import seed_problem
 from jaxrl.utils.typed_config import (ConfigKeyError, block, build_block, complete_block, defaults_of, keys_of,
                                       setting, to_plain, unknown_key_error)
 
-__all__ = ["ALGORITHMS", "AGGREGATIONS", "BatchConfig", "DPOConfig", "DPODataConfig", "EMAConfig", "GRPOConfig",
+__all__ = ["ALGORITHMS", "AGGREGATIONS", "BatchConfig", "DPOConfig", "DPODataConfig", "DistillConfig", "EMAConfig", "GRPOConfig",
            "LoggingConfig", "LoRAConfig", "MeshConfig", "OnlineDataConfig", "OptimizerConfig", "OptimizerConfigError",
            "PPOConfig", "RewardConfig", "SCALE_REWARDS", "SCHEDULES", "SFTDataConfig", "TrainConfig", "complete",
            "default_config", "default_of", "resolve"]
@@ -44,6 +44,8 @@ REWARD_SCORES = ("partial", "strict")
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_BACKENDS = ("jax", "server", "vllm")
 WANDB_MODES = ("", "online", "offline", "disabled")
+DISTILL_LOSSES = ("reverse_kl", "jsd", "forward_kl_topk")
+TEACHER_BACKENDS = ("jax",)
 
 
 class OptimizerConfigError(ValueError):
@@ -517,11 +519,65 @@ class PPOConfig(OnlineSettings):
         return self.prompts_per_rollout * self.num_generations
 
 
+@dataclasses.dataclass(frozen=True)
+class DistillConfig(RolloutBackendSettings, SamplingSettings):
+    """On-policy distillation (jaxrl.algorithms.distill_task): the student samples as GRPO does (the sampling and
+    rollout backend parts), a frozen teacher scores every completion token. One update per rollout, on-policy:
+    prompts_per_step x num_generations = B_global. `temperature` (sampling) is also the divergences' temperature
+    (GKD); the teacher's support is `teacher_top_k`, apart from `top_k`, the sampling filter."""
+
+    NAME = "distill"
+    teacher_path: str = setting("", doc="the teacher: an HF folder with the student's vocabulary and tokenizer "
+                                "(required)")
+    teacher_adapter: str = setting("", doc="a PEFT adapter folder applied to teacher_path; '' = the folder as it is")
+    teacher_backend: str = setting("jax", doc="jax: the teacher in this process, frozen, in `dtype`, sharded over "
+                                   "the run's mesh like the policy's base", choices=TEACHER_BACKENDS)
+    loss: str = setting("reverse_kl", doc="reverse_kl (the sampled token's teacher - student log-prob as a "
+                        "per-token advantage) | jsd (GKD generalized JSD, jsd_beta) | forward_kl_topk; the last two "
+                        "over the teacher's top-k plus a remainder bucket", choices=DISTILL_LOSSES)
+    teacher_top_k: int = setting(16, doc="k of the teacher's support (jsd, forward_kl_topk, and the metrics' "
+                                 "top-1 agreement and outside-top-k fraction)")
+    jsd_beta: float = setting(0.5, doc="jsd: 0 = forward KL(teacher||student), 1 = reverse KL(student||teacher)")
+    lmbda: float = setting(1.0, doc="GKD lambda: the fraction of a step's prompts the student samples (in whole "
+                           "groups); the other rows are responses of sft_path (0 = supervised KD)")
+    sft_path: str = setting("", doc="lmbda < 1: JSON Lines of {'input_ids', 'loss_mask'} (the SFT format); the "
+                            "prompt is the tokens before the first loss_mask 1, the response the rest")
+    reward_weight: float = setting(0.0, doc="> 0: the verifier reward's group advantage (reward - group mean) "
+                                    "times this is added to the distillation advantage; 0 = pure distillation")
+    num_generations: int = setting(4, doc="samples per prompt")
+    prompts_per_step: int = setting(20, doc="prompts per step; x num_generations = batch.global_batch")
+    max_new_tokens: int = setting(4096, doc="the completion cap (and the SFT responses' width)")
+
+    def __post_init__(self):
+        _at_least("distill", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1,
+                              "teacher_top_k": 1}, self)
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"distill.lmbda={self.lmbda} must be in [0, 1] (the student's share of a step's rows)")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"distill.jsd_beta={self.jsd_beta} must be in [0, 1]")
+        if self.lmbda < 1.0 and not self.sft_path:
+            raise ValueError(f"distill.lmbda={self.lmbda} < 1 takes the other rows from distill.sft_path: set it")
+        if self.loss == "reverse_kl" and self.lmbda != 1.0:
+            raise ValueError(f"distill.loss='reverse_kl' is an on-policy estimator (the student's own samples): it "
+                             f"needs distill.lmbda=1, got {self.lmbda}; use loss jsd or forward_kl_topk for a mix")
+        if self.reward_weight and self.num_generations < 2:
+            raise ValueError("distill.reward_weight needs num_generations >= 2 (its advantage is reward - group "
+                             "mean)")
+        if self.overlap:
+            raise ValueError("distill.overlap: distillation trains on-policy (one update per rollout); set it False")
+        super().__post_init__()
+
+    @property
+    def rows_per_rollout(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
 ALGORITHMS = {
     "sft": {"data": SFTDataConfig},
     "dpo": {"dpo": DPOConfig, "data": DPODataConfig},
     "grpo": {"grpo": GRPOConfig, "data": OnlineDataConfig, "reward": RewardConfig},
     "ppo": {"ppo": PPOConfig, "data": OnlineDataConfig, "reward": RewardConfig},
+    "distill": {"distill": DistillConfig, "data": OnlineDataConfig, "reward": RewardConfig},
 }
 # Labels the family configs (configs/dpo.py, grpo.py, ppo.py) record in config.json; no code reads them.
 LABELS = {
@@ -529,7 +585,8 @@ LABELS = {
     "start": "which weights model_path points to (base | m0)",
     "probe": "the family config's named probe (configs/grpo.py probe=...)",
 }
-ALGORITHM_LABELS = {"dpo": ("run", "start"), "grpo": ("run", "start", "probe"), "ppo": ("run", "start")}
+ALGORITHM_LABELS = {"dpo": ("run", "start"), "grpo": ("run", "start", "probe"), "ppo": ("run", "start"),
+                    "distill": ("run", "start")}
 OPEN_DATA = None  # the `data` block of an algorithm that declares no blocks: taken as it is
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -538,10 +595,11 @@ OPEN_DATA = None  # the `data` block of an algorithm that declares no blocks: ta
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A run's whole config. The core reads the top-level keys and `optimizer`, `lora`, `batch`, `mesh`; each
-    algorithm its own blocks (`data` and `dpo` | `grpo` | `ppo`, `reward`); a user's algorithm its declared
+    algorithm its own blocks (`data` and `dpo` | `grpo` | `ppo` | `distill`, `reward`); a user's algorithm its declared
     blocks in `blocks`."""
 
-    algorithm: str = setting("sft", doc="a registered algorithm: sft | dpo | grpo | ppo | 'pkg.module:factory'")
+    algorithm: str = setting("sft", doc="a registered algorithm: sft | dpo | grpo | ppo | distill | "
+                             "'pkg.module:factory'")
     model_path: str = setting("", doc="HF folder (container or text-only); empty: random init of `model_preset`")
     model_preset: str = setting("tiny", doc="qwen35.PRESETS key used when model_path is empty")
     model_overrides: dict = setting({}, dict, "Qwen35Config fields replacing the preset's (random init only)")
@@ -595,6 +653,7 @@ class TrainConfig:
     dpo: Optional[DPOConfig] = None
     grpo: Optional[GRPOConfig] = None
     ppo: Optional[PPOConfig] = None
+    distill: Optional[DistillConfig] = None
     reward: Optional[RewardConfig] = None
     blocks: dict = dataclasses.field(default_factory=dict)  # a user algorithm's other declared blocks, by name
 
@@ -644,7 +703,7 @@ def _block_json(value: Any) -> dict:
     return plain
 
 
-_ALGORITHM_FIELDS = ("data", "dpo", "grpo", "ppo", "reward")
+_ALGORITHM_FIELDS = ("data", "dpo", "grpo", "ppo", "distill", "reward")
 _TOP_KEYS = tuple(k for k in keys_of(TrainConfig) if k not in LABELS and k not in CORE_BLOCKS
                   and k not in _ALGORITHM_FIELDS and k != "blocks")
 
