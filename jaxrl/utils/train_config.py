@@ -563,8 +563,9 @@ class DistillConfig(RolloutBackendSettings, SamplingSettings):
         if self.reward_weight and self.num_generations < 2:
             raise ValueError("distill.reward_weight needs num_generations >= 2 (its advantage is reward - group "
                              "mean)")
-        if self.overlap:
-            raise ValueError("distill.overlap: distillation trains on-policy (one update per rollout); set it False")
+        if self.max_staleness or self.overlap:
+            raise ValueError("distill.max_staleness / distill.overlap: distillation trains on-policy (one update per "
+                             "rollout, sampled by the policy it updates); leave them at 0 / False")
         super().__post_init__()
 
     @property
