@@ -99,7 +99,7 @@ def test_lmbda_mixes_student_samples_with_sft_responses(teacher, student, tmp_pa
     assert records[0]["distill/student_rows"] == 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # two launcher processes, one killed
 def test_distill_killed_and_resumed_is_bit_identical(teacher, student, tmp_path):
     """SIGKILL after step 3 (checkpoints every 2), resumed by the launcher: the adapters and every step's loss and
     distill/* metrics equal an uninterrupted run's (a rollout is a function of (seed, step) and the parameters)."""

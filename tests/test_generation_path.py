@@ -155,7 +155,7 @@ def test_collector_keeps_wanted_samples_and_passes_truncation():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("temperature", -1.0, "temperature must be >= 0"), ("top_p", 0.0, "top_p must be in"),
+    ("temperature", -1.0, "temperature must be a finite number >= 0"), ("top_p", 0.0, "top_p must be in"),
     ("top_k", -2, "top_k must be >= 0"), ("n", 0, "n \\(samples per prompt\\) must be >= 1"),
     ("max_new_tokens", 0, "max_new_tokens must be >= 1"), ("temperature", float("nan"), "temperature")])
 def test_sampling_params_refuse_bad_values(field, value, message):
@@ -206,7 +206,7 @@ def test_writer_refuses_other_settings_without_touching_files(tmp_path):
 def test_rollouts_refuse_bad_values_before_any_work(env, tmp_path):
     from jaxrl.rollout.runner import RolloutConfig, run_rollouts
     out = tmp_path / "r.jsonl"
-    for bad, message in ((dict(temperature=-1.0), "temperature must be >= 0"),
+    for bad, message in ((dict(temperature=-1.0), "temperature must be a finite number >= 0"),
                          (dict(batch_size=0), "batch_size must be >= 1"),
                          (dict(num_samples=0), "must be >= 1")):
         cfg = RolloutConfig(problems=env["problems"], model=env["model_dir"], out=str(out), progress=False,

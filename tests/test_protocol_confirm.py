@@ -87,7 +87,7 @@ def test_a_confirmation_with_another_reward_is_refused_before_any_work(selected)
     assert snapshot(root) == before  # no ledger line, no folder: the one confirmation is still unspent
 
 
-@pytest.mark.slow  # one confirmation of the tiny model, as a user runs it
+@pytest.mark.heavy  # one confirmation of the tiny model as a user runs it, then the refusals and a withdrawal
 def test_the_readme_confirmation_takes_the_selection_settings_and_a_mistaken_one_can_be_withdrawn(selected):
     from jaxrl.evaluation import protocol
     root, splits = selected["root"], selected["splits"]

@@ -247,6 +247,7 @@ def test_prefill_and_decode_stay_unrolled(scan_calls):
     assert scan_calls == [2]
 
 
+@pytest.mark.heavy  # minutes of the fast tier (make test-heavy, CI run it)
 def test_default_scans_the_passes_that_rematerialise(monkeypatch):
     """`scan_layers=None` (the default) decides from the config and the pass's remat policy (no weight allocated):
     the train-step benchmark's model (benchmarks.common.SMALL_TEXT_CONFIG, loaded with remat "none") and the tiny
