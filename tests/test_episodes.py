@@ -140,3 +140,27 @@ def test_an_environment_that_raises_fails_its_episode_only(setup):
     assert np.isnan(s.rewards).sum() == len(failed)
     assert s.episode["episode/failed_fraction"] == pytest.approx(len(failed) / len(episodes))
     assert s.episode["episode/turns_mean"] == pytest.approx(np.mean([e.turns for e in episodes]))
+
+
+@pytest.mark.slow  # a real `launchers.serve` process compiles its programs
+def test_episodes_through_a_server_are_the_in_process_engines(setup, tmp_path):
+    """The server backend (an OpenAI-compatible `launchers.serve` over loopback) takes the episode's ids as its
+    prompt each turn: the same episodes, token for token, as the in-process engine (same keys, same slots)."""
+    from jaxrl.backends import ModelSpec, ServerBackend
+    from serve_fixture import Served
+    base = str(Path(setup["tok"].name_or_path))
+    server = Served(tmp_path, base, "--batch_size=8", f"--max_prompt_len={P + E - CAP}", f"--max_model_len={P + E}")
+    try:
+        backend = ServerBackend(base, url=server.url, stop_ids=setup["stop_ids"], max_prompt_len=P + E - CAP,
+                                max_new_tokens=CAP)
+        backend.load(ModelSpec("base", "base"))
+        runner = EpisodeRunner(Collector(backend, None, tokenizer=setup["tok"], stop_ids=setup["stop_ids"]), Retry,
+                               tokenizer=setup["tok"], enable_thinking=False, max_turns=TURNS, max_new_tokens=CAP,
+                               max_episode_tokens=E, max_prompt_len=P)
+        problems = load_problems(Path(base).parent / "p.jsonl")
+        served = runner.run(problems, setup["groups"], setup["sampling"])
+    finally:
+        server.stop()
+    assert [e.ids for e in served] == [e.ids for e in setup["episodes"]]
+    assert [e.mask for e in served] == [e.mask for e in setup["episodes"]]
+    assert [e.error for e in served] == [e.error for e in setup["episodes"]]
