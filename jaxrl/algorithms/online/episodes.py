@@ -139,7 +139,7 @@ class EpisodeRunner:
             t1 = time.perf_counter()
             t_sample += t1 - t0
             for e, g in zip(live, gens):
-                self._advance(e, g, turn, problems[e.problem_index])
+                self._advance(e, g, turn)
             t_env += time.perf_counter() - t1
         self.last_times = {"sample_s": t_sample, "score_s": t_env}
         return episodes
@@ -173,7 +173,7 @@ class EpisodeRunner:
                 out[id(rest[g.prompt_index])] = g
         return [out[id(e)] for e in live]
 
-    def _advance(self, e: Episode, g, turn: int, problem) -> None:
+    def _advance(self, e: Episode, g, turn: int) -> None:
         """Append turn `turn`'s generation `g`, ask the environment, append its observation (or end)."""
         tokens = [int(t) for t in g.tokens]
         logprobs = list(g.logprobs) if g.logprobs is not None else [0.0] * len(tokens)
