@@ -1,7 +1,6 @@
 """GRPO over multi-turn episodes (grpo.environment): a tiny run trains end to end on episodes of a plug-in
 environment, with finite metrics and the episode/* metrics; the rollout's rows are episodes (loss over sampled
-tokens only); the code_feedback environment runs inside a GRPO rollout; and (heavy) GRPO over episodes learns to use
-the environment's first observation, which no single-turn policy can."""
+tokens only); the code_feedback environment runs inside a GRPO rollout."""
 
 import json
 from pathlib import Path
@@ -123,3 +122,4 @@ def test_episode_settings_are_checked():
     with pytest.raises(ValueError, match="needs data.source='problems'"):
         cfg = resolve_config(tiny_config("grpo", environment="code_feedback", max_episode_tokens=64))
         GRPOTask(cfg, build_model(cfg), make_mesh((1, 1, 1)))
+
