@@ -29,6 +29,13 @@ the recomputed old log-probs when those are at temperature 1), or, in an on-poli
 step's own forward (the weights and the `mismatch/*` metrics computed inside the step): never a second pass of
 the same parameters. The comparison is made whatever the mode, for the `mismatch/*` metrics.
 
+Episodes (`environment` set; jaxrl/algorithms/online/episodes.py): each row is a multi-turn episode of a policy
+and an environment, one token sequence whose completion columns (`max_episode_tokens` wide) hold every turn's
+sampled tokens (completion mask 1) and every observation (mask 0); the reward is the episode's, the advantages are
+per episode within groups of `num_generations` episodes of a problem, and the loss runs over the sampled tokens of
+every turn. Extra metrics `episode/{turns_mean,truncated_fraction,tokens_mean,sampled_tokens_mean,failed_fraction,
+solved_fraction}`; completion/* count an episode's sampled tokens.
+
 Dynamic sampling (`dynamic_sampling`, off by default): extra draws until `prompts_per_step` groups have reward
 signal, at most `max_extra_draws` (`GRPOTask.sample`).
 
@@ -66,6 +73,7 @@ from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule, check_rows
+from jaxrl.algorithms.online.episodes import EpisodeRollouts
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
@@ -110,7 +118,9 @@ class GRPOObjective:
 
     @classmethod
     def of(cls, grpo: GRPOConfig, *, chunk_size: int, mismatch_in_step: bool = False) -> "GRPOObjective":
-        return cls(max_new_tokens=grpo.max_new_tokens, aggregation=grpo.aggregation, beta=grpo.beta,
+        # episodes: the completion columns are the episode's (jaxrl/algorithms/online/episodes.py)
+        width = grpo.max_episode_tokens if grpo.environment else grpo.max_new_tokens
+        return cls(max_new_tokens=width, aggregation=grpo.aggregation, beta=grpo.beta,
                    kl_estimator=grpo.kl_estimator, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
                    delta=grpo.delta or None, log_ratio_clamp=grpo.log_ratio_clamp or None,
                    importance_sampling_level=grpo.importance_sampling_level, temperature=grpo.temperature,
@@ -167,7 +177,8 @@ class GRPOTask(OnlineTask):
             logging.warning("grpo.num_generations=1: every group has zero variance and zero advantage")
         global_batch = config.batch.global_batch
         check_rows(grpo.rows_per_rollout, global_batch, "grpo.prompts_per_step x grpo.num_generations")
-        rollouts = Rollouts(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo)
+        rollouts = (EpisodeRollouts if grpo.environment else Rollouts)(
+            config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo)
         super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed),
                          rollouts, grpo)
         self.on_policy = self.schedule.steps_per_rollout == 1
@@ -253,7 +264,7 @@ class GRPOTask(OnlineTask):
     def make_rollout(self, rollout: int, policy):
         grpo, group = self.grpo, self.grpo.num_generations
         s, rewards, pen, metrics = self.sample(rollout, policy)
-        metrics = {**sample_metrics(s, grpo.max_new_tokens), **metrics}
+        metrics = {**sample_metrics(s, grpo.max_new_tokens), **s.episode, **metrics}
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         if pen is not None:
             metrics["reward/overlong_penalty"] = float(pen.mean())

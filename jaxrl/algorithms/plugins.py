@@ -1,4 +1,4 @@
-"""User plug-ins: a DPO loss, an advantage estimator, a KL estimator or a reward of your own, checked on example
+"""User plug-ins: a DPO loss, an advantage estimator, a KL estimator, a reward or an environment of your own, checked on example
 inputs and then used by name from any config. There is one way in, reached from code or from the config:
 
     from jaxrl.algorithms import plugins
@@ -14,7 +14,8 @@ inputs and then used by name from any config. There is one way in, reached from 
         "advantage:centered=my_pkg.estimators:centered",    # "kind:name=path:fn"
         "kl:my_kl.py:squared",                              # "kind:path:fn" (name = the function's name)
     )
-    c.dpo.loss_type = "margin_dpo"    # or grpo.advantage_estimator=centered, grpo.kl_estimator=squared, reward.name
+    c.dpo.loss_type = "margin_dpo"    # or grpo.advantage_estimator=centered, grpo.kl_estimator=squared, reward.name,
+                                      # grpo.environment
 
 Each goes through `_admit`: the name must be free (or held by the same function: a file loaded again on
 resume), the kind's check must pass, and only then is the function added to the kind's registry (KINDS), where
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.algorithms import dpo, grpo, kl
+from jaxrl.algorithms.environments import ENVIRONMENTS, Turn, check_messages
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rewards.registry import REWARDS, as_factory, example_problem
 from jaxrl.utils.registry import PluginError, Registry, origin_of, resolve
@@ -116,6 +118,9 @@ def _run_checks(label: str, expected: str, fn: Callable, args: tuple, shape: tup
 DPO_LOSS_SIGNATURE = "fn(p: jaxrl.algorithms.dpo.PairInputs) -> per-pair losses, float array of shape [B]"
 ADVANTAGE_SIGNATURE = "fn(rewards: float array [N], num_generations: int) -> advantages, float array [N]"
 KL_SIGNATURE = "fn(logp: float array [B, T], ref_logp: float array [B, T]) -> per-token KL, float array [B, T]"
+ENVIRONMENT_SIGNATURE = ("a class (**environment_options) with reset(problem) -> messages and step(turn: "
+                         "jaxrl.algorithms.environments.Turn) -> (messages, reward: float, done: bool); messages: "
+                         "[{'role': str, 'content': str}, ...]")
 REWARD_SIGNATURE = ("fn(completion: str, problem: jaxrl.data.problems.Problem, **kwargs) -> bool | float in "
                     "[0, 1] | RewardResult, or a Reward class (with score(completions, problems, truncated))")
 
@@ -191,6 +196,32 @@ def _check_reward(label: str, target: Any, options: Mapping[str, bool]) -> None:
                               f"are in [0, 1]: {REWARD_SIGNATURE}")
 
 
+def _check_environment(label: str, target: Any, options: Mapping[str, bool]) -> None:
+    """One episode of the toy problem: constructed without options, reset, then one last turn stepped; the messages
+    must be role/content dicts, the reward one finite number, done a bool."""
+    problem = example_problem()
+    turn = Turn("```python\nprint(input())\n```", (1, 2, 3), "stop", index=0, last=True)
+    try:
+        env = target()
+        check_messages(env.reset(problem), "reset")
+        out = env.step(turn)
+    except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in
+        raise PluginError(f"{label}: raised {type(e).__name__} on an example episode of toy problem "
+                          f"{problem.id!r}; expected {ENVIRONMENT_SIGNATURE}. Error: {e}") from e
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise PluginError(f"{label}: step returned {out!r}; expected {ENVIRONMENT_SIGNATURE}")
+    messages, reward, done = out
+    try:
+        check_messages(messages, "step")
+    except ValueError as e:
+        raise PluginError(f"{label}: {e}; expected {ENVIRONMENT_SIGNATURE}") from None
+    if isinstance(reward, bool) or not isinstance(reward, (int, float, np.floating, np.integer)) or \
+            not np.isfinite(float(reward)):
+        raise PluginError(f"{label}: step returned reward {reward!r}; expected one finite number")
+    if not isinstance(done, (bool, np.bool_)):
+        raise PluginError(f"{label}: step returned done={done!r}; expected True or False")
+
+
 # ------------------------------------------------------------------------------------------------ the kinds
 
 
@@ -210,6 +241,8 @@ KINDS: dict[str, Kind] = {
     "advantage": Kind(grpo.ADVANTAGES, ADVANTAGE_SIGNATURE, _check_advantage, ("grpo.advantage_estimator",)),
     "kl": Kind(kl.KL_ESTIMATORS, KL_SIGNATURE, _check_kl, ("grpo.kl_estimator", "ppo.kl_estimator")),
     "reward": Kind(REWARDS, REWARD_SIGNATURE, _check_reward, ("reward.name",)),
+    "environment": Kind(ENVIRONMENTS, ENVIRONMENT_SIGNATURE, _check_environment,
+                        ("grpo.environment", "ppo.environment")),
 }
 
 # (config key, kind) of every key that names a registered objective; "sft" is the DPO trainer's own term and a

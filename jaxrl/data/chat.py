@@ -2,12 +2,18 @@
 
     tok = load_tokenizer(model_dir)                                  # the folder's tokenizer + chat template
     ids = format_chat(tok, messages, enable_thinking=False)          # list[int], ends with the generation prompt
+    more = turn_delta_ids(tok, [{"role": "user", "content": "..."}], enable_thinking=False, stop_id=im_end)
+                                                                     # an episode's next ids, appended as they are
     enc = encode_prompts(tok, [p["messages"] for p in problems], enable_thinking=True,
                          max_prompt_len=1024, on_overlong="skip")    # enc.ids, enc.kept, enc.skipped
 
 Qwen3.5's generation prompts (docs/design/qwen35-architecture.md §8): thinking on `<|im_start|>assistant\\n<think>\\n`,
 off `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`. The template of the folder decides; `enable_thinking`
 is passed to it.
+
+Episodes (several turns) grow append-only: `turn_delta_ids` renders new messages after a sampled assistant turn
+with the template's own delimiters, never the whole conversation again, because a template may render history
+differently from how it was sampled (Qwen3.5 drops the reasoning of assistant turns before the last user message).
 
 Prompts longer than the budget are never cut: `on_overlong="error"` raises naming the prompt, `"skip"` leaves it
 out and records (index, length) in `skipped` so callers can count and report it.
@@ -91,3 +97,37 @@ def chat_stop_ids(tokenizer: Any, model_eos: Optional[int | Sequence[int]] = Non
     if model_eos is not None:
         ids.update([int(model_eos)] if isinstance(model_eos, int) else (int(t) for t in model_eos))
     return tuple(sorted(ids))
+
+
+# Stands for an assistant turn's content when the template is asked for its delimiters: plain ASCII, so no template
+# strips or escapes it, and never tokenised.
+_TURN_SENTINEL = "JAXRL_TURN_CONTENT_END_5b1e"
+
+
+def turn_delta_text(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,
+                    stop_text: Optional[str] = None) -> str:
+    """The template text that follows an assistant turn's sampled content when `messages` come next: the rest of
+    the assistant turn (its closing delimiter, less `stop_text` when the model sampled it), the new messages, and
+    the generation prompt. Read off one render of [user, assistant(sentinel), *messages], after the sentinel: the
+    earlier history is never rendered, so nothing already sampled can change."""
+    anchor = [{"role": "user", "content": "."}, {"role": "assistant", "content": _TURN_SENTINEL}]
+    text = render_chat(tokenizer, anchor + [dict(m) for m in messages], enable_thinking)
+    at = text.rfind(_TURN_SENTINEL)
+    if at < 0:
+        raise ValueError("the chat template does not render an assistant turn's content verbatim; episodes need "
+                         "its turn delimiters (jaxrl.data.chat.turn_delta_text)")
+    tail = text[at + len(_TURN_SENTINEL):]
+    if stop_text and tail.startswith(stop_text):
+        tail = tail[len(stop_text):]  # the model sampled it: it is already in the episode
+    return tail
+
+
+def turn_delta_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,
+                   stop_id: Optional[int] = None) -> list[int]:
+    """Token ids of `turn_delta_text` after a turn that ended with `stop_id` (None: it ended without one). The text
+    is tokenised on its own: it follows a special token (the stop id; or, in the template, the turn's closing
+    delimiter), and byte-level BPE never merges across a special token, so these are the ids the whole rendered
+    conversation would hold at these positions."""
+    stop_text = tokenizer.convert_ids_to_tokens(int(stop_id)) if stop_id is not None else None
+    text = turn_delta_text(tokenizer, messages, enable_thinking, stop_text)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

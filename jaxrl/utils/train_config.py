@@ -421,9 +421,40 @@ class RolloutBackendSettings(SettingsBlock):
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineSettings(RolloutBackendSettings, RolloutCorrectionSettings, PolicyLossSettings, SamplingSettings):
+class EpisodeSettings(SettingsBlock):
+    """Multi-turn episodes (jaxrl/algorithms/online/episodes.py, docs/guides/episodes.md): each row is a policy and
+    an environment taking turns."""
+
+    environment: str = setting("", doc="'' = single-turn; else an environment (code_feedback, or an `environment` "
+                               "plug-in): each row is an episode of up to max_turns turns")
+    environment_options: dict = setting({}, dict, "keyword arguments of the environment (code_feedback: "
+                                        "public_tests, feedback_chars, score, turn_cost, reward_tests and the "
+                                        "verifier's)")
+    max_turns: int = setting(4, doc="sampled turns per episode at most")
+    max_episode_tokens: int = setting(8192, doc="E: the tokens an episode may add after its prompt (every turn and "
+                                      "observation); training rows are data.max_prompt_len + E wide")
+
+    def __post_init__(self):
+        if self.environment:
+            _at_least(self.NAME, {"max_turns": 1}, self)
+            cap = getattr(self, "max_new_tokens", 0)
+            if self.max_episode_tokens < cap:
+                raise ValueError(f"{self.NAME}.max_episode_tokens={self.max_episode_tokens} must hold one turn of "
+                                 f"{self.NAME}.max_new_tokens={cap}")
+            if getattr(self, "overlong_buffer", 0) > 0:
+                raise ValueError(f"{self.NAME}.overlong_buffer penalises one completion's length; with "
+                                 f"{self.NAME}.environment set the budget is max_episode_tokens (set it to 0)")
+            if self.NAME != "grpo":
+                raise ValueError(f"{self.NAME}.environment={self.environment!r}: episodes train with GRPO only (PPO's "
+                                 "values and GAE over environment tokens are not implemented)")
+        super().__post_init__()
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSettings(EpisodeSettings, RolloutBackendSettings, RolloutCorrectionSettings, PolicyLossSettings,
+                     SamplingSettings):
     """The keys GRPO and PPO share, each declared once in its part (sampling, policy loss, rollout correction,
-    rollout backend); an online algorithm's block adds its own keys after them."""
+    rollout backend, episodes); an online algorithm's block adds its own keys after them."""
 
 
 # ------------------------------------------------------------------ the online algorithms

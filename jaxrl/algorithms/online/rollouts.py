@@ -60,6 +60,7 @@ class Sampled:
     times: dict  # sample_s, score_s (server backends: adapter_sync_s)
     # server backends: the trainer's adapter digest and the one the servers reported serving for this rollout
     adapter: dict = dataclasses.field(default_factory=dict)
+    episode: dict = dataclasses.field(default_factory=dict)  # episode/* metrics (jaxrl/algorithms/online/episodes.py)
 
 
 def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], logprobs, prompt_indices,

@@ -1,0 +1,23 @@
+"""Environments the episode tests load as `environment` plug-ins (by file path, as a user's config would)."""
+
+from jaxrl.algorithms.environments import Environment
+
+ALPHABETS = {"digits": set("0123456789"), "letters": set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")}
+
+
+class Alphabet(Environment):
+    """The first answer cannot be right: the alphabet the answer must use (digits or letters, drawn from the
+    episode's seed) is told only in the first observation; the reward is the fraction of the second answer's
+    characters in it (a first answer scores 0). A policy that does not read the observation scores at most 0.5 in
+    expectation."""
+
+    def reset(self, problem):
+        self.wanted = "digits" if self.seed % 2 else "letters"
+        return list(problem.messages)
+
+    def step(self, turn):
+        if turn.index == 0:  # an answer before the alphabet was told scores 0 (a turn cut at its cap is the last)
+            return [{"role": "user", "content": f"Answer in {self.wanted}."}], 0.0, turn.last
+        chars = [c for c in turn.text if not c.isspace()]
+        score = sum(c in ALPHABETS[self.wanted] for c in chars) / len(chars) if chars else 0.0
+        return [], score, True
