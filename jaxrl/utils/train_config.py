@@ -43,6 +43,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 REWARD_SCORES = ("partial", "strict")
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_BACKENDS = ("jax", "server", "vllm")
+OFF_POLICY_LOSSES = ("behaviour", "decoupled")  # the ratio of updates on rollouts sampled ahead (max_staleness)
 WANDB_MODES = ("", "online", "offline", "disabled")
 DISTILL_LOSSES = ("reverse_kl", "jsd", "forward_kl_topk")
 TEACHER_BACKENDS = ("jax",)
@@ -355,6 +356,12 @@ class RolloutBackendSettings(SettingsBlock):
     max_staleness: int = setting(0, doc="rollouts sampled ahead of training, on the servers, while the trainer "
                                  "trains: a step trains on samples at most this many policy versions old (0 = "
                                  "synchronous; 1 = overlap); needs rollout_backend server | vllm")
+    off_policy_loss: str = setting("behaviour", doc="the ratio of an update on rollouts sampled ahead: behaviour "
+                                   "(clipped against the behaviour policy's log-probs) | decoupled (AReaL's decoupled "
+                                   "PPO: clipped against the proximal policy, the parameters at the rollout's first "
+                                   "step, with the behaviour policy entering as a truncated importance weight "
+                                   "proximal / sampler by the rollout_correction mode, token_truncate when none); "
+                                   "decoupled needs max_staleness >= 1", choices=OFF_POLICY_LOSSES)
     overlap: bool = setting(False, doc="alias of max_staleness=1 (sample rollout r+1 on the servers while rollout r "
                             "trains, off-policy by one rollout, corrected with the behaviour policy's log-probs)")
 
@@ -413,6 +420,9 @@ class RolloutBackendSettings(SettingsBlock):
                              + (f" with rollout_servers {list(servers)}" if servers else ""))
         if self.max_staleness < 0:
             raise ValueError(f"{where}.max_staleness must be >= 0 (0 = synchronous), got {self.max_staleness}")
+        if self.off_policy_loss == "decoupled" and not self.max_staleness:
+            raise ValueError(f"{where}.off_policy_loss='decoupled' corrects updates on rollouts sampled ahead of "
+                             f"training: it needs {where}.max_staleness >= 1")
         if self.max_staleness and backend == "jax":
             raise ValueError(f"{where}.max_staleness={self.max_staleness} (or overlap) samples rollouts on the servers "
                              f"while the trainer trains: it needs {where}.rollout_backend='server' or 'vllm' (the "
