@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.data.chat import load_tokenizer
+from jaxrl.export.peft import read_peft_adapter
 from jaxrl.models import qwen35
 from jaxrl.models.adapters import attach
 from jaxrl.models.qwen35.config import load_hf_config
@@ -57,7 +59,6 @@ def check_same_vocabulary(student: str, student_vocab: int, teacher: str) -> Non
                          f"to be the student's ({teacher} vs {who})")
     if not _has_tokenizer(student):
         return
-    from jaxrl.data.chat import load_tokenizer
     a, b = load_tokenizer(student).get_vocab(), load_tokenizer(teacher).get_vocab()
     if a != b:
         diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:1]
@@ -87,7 +88,6 @@ class JaxTeacher:
         if compute:
             model.set_compute(**compute)
         if adapter:
-            from jaxrl.export.peft import read_peft_adapter
             attach(model, read_peft_adapter(adapter)[0])
         return cls(model, mesh, compile_options)
 
