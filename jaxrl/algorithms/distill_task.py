@@ -9,8 +9,9 @@ Each step (one update per rollout, on-policy: prompts_per_step x num_generations
      backend (jax | server | vllm, adapter sync included: `Rollouts`), scored by `config.reward`; the other rows are
      responses of `distill.sft_path` (`SFTResponses`), in a stream seeded by (seed, step) so a resumed run takes the
      same ones;
-  2. the teacher (jaxrl/algorithms/online/teacher.py) scores every completion token: the sampled token's log-prob
-     and its top `teacher_top_k` support with the remainder's mass, at `temperature`;
+  2. the teacher (jaxrl/algorithms/online/teacher.py in this process, or the servers of `teacher_servers` through
+     jaxrl/backends/teacher_client.py) scores every completion token: the sampled token's log-prob and its top
+     `teacher_top_k` support with the remainder's mass, at `temperature`;
   3. the update (`DistillObjective`): the student's log-probs on that support (jaxrl.ops.logprobs.support_logprobs,
      inside the step) and, per completion token, the loss of jaxrl/algorithms/distill_loss.py: reverse_kl as the
      advantage A_t = log p_teacher(x_t) - log p_student(x_t) of a policy-gradient term -A_t * ratio_t (ratio 1 with a
@@ -44,6 +45,7 @@ from jaxrl.algorithms.online.buffer import Schedule
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.algorithms.online.teacher import JaxTeacher, check_same_vocabulary
+from jaxrl.backends.teacher_client import ServerTeacher
 from jaxrl.data.stream import epoch_stream
 from jaxrl.models import qwen35
 from jaxrl.ops.logprobs import support_logprobs
@@ -168,9 +170,16 @@ class DistillTask(OnlineTask):
                                  config.seed) if self.student_rows < rows else None)
         student_dir = config.data.tokenizer or config.model_path
         check_same_vocabulary(student_dir, model.config.vocab_size, d.teacher_path)
-        self.teacher = JaxTeacher.load(d.teacher_path, d.teacher_adapter, dtype=config.dtype, mesh=mesh,
-                                       compute={k: getattr(config, k) for k in qwen35.COMPUTE_FIELDS},
-                                       compile_options=dict(config.compile_options) or None)
+        if d.teacher_backend == "server":  # probes every server: one that cannot serve a step refuses the run here
+            o = d.teacher_server
+            self.teacher = ServerTeacher(d.teacher_servers, k=d.teacher_top_k, teacher_path=d.teacher_path,
+                                         width=config.data.max_prompt_len + d.max_new_tokens,
+                                         vocab_size=model.config.vocab_size, concurrency=o.concurrency,
+                                         request_timeout_s=o.request_timeout_s, progress_every_s=o.progress_every_s)
+        else:
+            self.teacher = JaxTeacher.load(d.teacher_path, d.teacher_adapter, dtype=config.dtype, mesh=mesh,
+                                           compute={k: getattr(config, k) for k in qwen35.COMPUTE_FIELDS},
+                                           compile_options=dict(config.compile_options) or None)
         super().__init__(config, Schedule(rows, rows, 1, config.seed), rollouts, d)
         self.chunk_size = config.logprob_chunk_size
         self.objective = DistillObjective(loss_name=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature,

@@ -1,0 +1,193 @@
+"""The teacher of on-policy distillation on OpenAI-compatible servers (`distill.teacher_backend = "server"`): every
+row's teacher-forced top-k log-probs from POST /v1/completions, in the arrays the in-process teacher
+(jaxrl/algorithms/online/teacher.py) makes, so the loss cannot tell which one scored a batch.
+
+    teacher = ServerTeacher(["http://127.0.0.1:8001"], k=16, width=P + C)     # probes every server: ServerError
+    scores = teacher.score(arrays, k=16, temperature=1.0)
+    # {"logp": [N, C] the sampled token's, "top_logp" / "top_ids": [N, C, k], "rest_logp": [N, C]}
+
+One request per row: `prompt` = the row's attended token ids (prompt + completion, the padding dropped), `max_tokens:
+0`, `echo: true`, `logprobs: k`, `return_tokens_as_token_ids: true`, so the server scores exactly our ids (nothing is
+re-tokenised) and keys each top-k entry "token_id:N" (launchers.serve; vLLM's completions API does the same). Entry
+j of the echoed `token_logprobs` / `top_logprobs` is token j's log-prob given tokens < j (entry 0 is null): the
+teacher-forced layout the in-process teacher reads off column P + t - 1 for completion token t. A top-k dict also
+holds the token itself when it is outside the k (vLLM's convention, and ours); the k most likely entries are kept,
+in the server's order (most likely first).
+
+The remainder bucket (`rest_logp`, the mass of every token outside the top k) is log(1 - sum of the k
+probabilities): a server gives only k entries, where the in-process teacher sums the other V - k. Each entry is a
+float32 log-prob, so the mass differs from the in-process one by ~k x 1e-7 absolute (float32 rounding); its log
+differs noticeably only when the remainder itself is that small (then its weight in the losses is as small). A sum
+at or above 1 (k = V, or rounding) gives LOG_FLOOR, the losses' floor for an empty bucket.
+
+Log-probs are at temperature 1 (servers return raw log-probs: vLLM's raw_logprobs mode, and ours): the config
+refuses another `distill.temperature` with this backend. Rows go out through jaxrl.backends.waiting.send_all
+(`concurrency` in flight per server, rows split round-robin over the servers, a progress line, SIGINT honoured);
+a reset connection or HTTP 503 is retried (scoring is deterministic). Everything that can refuse a server
+(down, answering garbage, fewer than k log-probs, a row of `width` tokens refused) is found by the probe in
+the constructor, before any training step; a server failing later fails that step's rollout naming it, and the
+run resumes from its last checkpoint once the server is back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxrl.backends.openai_client import (RETRY_BACKOFF_S, ServerError, error_message, http_json, request_timeout,
+                                          same_folder)
+from jaxrl.backends.waiting import send_all
+
+logger = logging.getLogger(__name__)
+
+LOG_FLOOR = -1.0e4  # = jaxrl.algorithms.distill_loss.LOG_FLOOR (backends do not import algorithms)
+ID_PREFIX = "token_id:"
+
+
+def _id_of(key, url: str) -> int:
+    if not (isinstance(key, str) and key.startswith(ID_PREFIX) and key[len(ID_PREFIX):].isdigit()):
+        raise ServerError(f"the teacher server at {url} keyed a log-prob entry {str(key)[:40]!r}, not "
+                          f"'{ID_PREFIX}N': it ignored return_tokens_as_token_ids")
+    return int(key[len(ID_PREFIX):])
+
+
+def parse_scores(payload, sequence: Sequence[int], k: int, url: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logp [L], top_logp [L, k], top_ids [L, k]) of an echo answer for `sequence` (L tokens; entry 0, which has
+    no log-prob, is 0); ServerError (one line naming `url`) for anything else."""
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    lp = choices[0].get("logprobs") if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list) \
+            or not isinstance(lp.get("top_logprobs"), list):
+        raise ServerError(f"the teacher server at {url} answered with something that is not an echoed completion "
+                          f"with log-probs ({str(payload)[:120]!r}...)")
+    values, tops, tokens = lp["token_logprobs"], lp["top_logprobs"], lp.get("tokens")
+    L = len(sequence)
+    if len(values) != L or len(tops) != L:
+        raise ServerError(f"the teacher server at {url} echoed {len(values)} log-probs for a prompt of {L} tokens "
+                          f"(echo with max_tokens 0 must return one per prompt token)")
+    if isinstance(tokens, list) and [_id_of(t, url) for t in tokens] != [int(t) for t in sequence]:
+        raise ServerError(f"the teacher server at {url} scored other tokens than it was sent (it re-tokenised the "
+                          f"prompt?)")
+    logp, top_logp, top_ids = np.zeros(L, np.float64), np.zeros((L, k), np.float64), np.zeros((L, k), np.int64)
+    for j in range(1, L):
+        entry = tops[j]
+        if not isinstance(entry, dict) or len(entry) < k:
+            n = len(entry) if isinstance(entry, dict) else 0
+            raise ServerError(f"the teacher server at {url} returned {n} top log-probs at position {j}, fewer than "
+                              f"distill.teacher_top_k={k}")
+        try:
+            items = [(_id_of(key, url), float(v)) for key, v in entry.items()]
+            logp[j] = float(values[j])
+        except (TypeError, ValueError):
+            raise ServerError(f"the teacher server at {url} returned a log-prob that is not a number at position "
+                              f"{j}") from None
+        # most likely first; a stable sort keeps the server's order among ties, and the token itself (appended
+        # when outside the top k) after the k it ties with
+        items = sorted(items, key=lambda kv: -kv[1])[:k]
+        top_ids[j], top_logp[j] = [i for i, _ in items], [v for _, v in items]
+    return logp, top_logp, top_ids
+
+
+def rest_logp(top_logp: np.ndarray) -> np.ndarray:
+    """log(1 - sum exp(top_logp)) over the last axis (module docstring: ~1e-7 from the in-process remainder)."""
+    mass = 1.0 - np.exp(np.asarray(top_logp, np.float64)).sum(-1)
+    with np.errstate(divide="ignore"):
+        return np.where(mass > 0, np.log(np.maximum(mass, 1e-300)), LOG_FLOOR)
+
+
+class ServerTeacher:
+    """A teacher served over HTTP (module docstring). `width`: the longest row (P + C) a step sends; `vocab_size`:
+    the student's, which every returned id must be below; `teacher_path`: the folder the servers should serve
+    (a warning when a server reports another)."""
+
+    def __init__(self, urls: Sequence[str], *, k: int, width: int, vocab_size: int = 0, teacher_path: str = "",
+                 concurrency: int = 64, request_timeout_s: float = 0.0, progress_every_s: float = 30.0):
+        self.urls = [str(u).rstrip("/") for u in urls]
+        if not self.urls:
+            raise ValueError("ServerTeacher needs at least one server URL (distill.teacher_servers)")
+        self.k, self.width, self.vocab_size = int(k), int(width), int(vocab_size)
+        self.concurrency, self.progress_every_s = max(1, int(concurrency)), float(progress_every_s)
+        self.timeout_s = request_timeout(0, request_timeout_s)
+        self.models = {url: self._probe(url, teacher_path) for url in self.urls}
+
+    # ------------------------------------------------------------------------------------------------ probe
+    def _probe(self, url: str, teacher_path: str) -> str:
+        """The model id `url` serves, once a row of `width` tokens came back with k log-probs at every position."""
+        try:
+            status, payload = http_json("GET", url + "/v1/models", timeout=30.0)
+        except ServerError as e:
+            raise ServerError(f"distill.teacher_servers: {e}") from None
+        cards = payload.get("data") if isinstance(payload, dict) else None
+        base = next((c for c in cards if isinstance(c, dict) and not c.get("parent")), None) \
+            if status == 200 and isinstance(cards, list) else None
+        if base is None or "id" not in base:
+            raise ServerError(f"the teacher server at {url}: GET /v1/models answered HTTP {status} without a base "
+                              f"model ({str(payload)[:120]!r}): not an OpenAI-compatible server")
+        root = base.get("root") or base["id"]
+        if teacher_path and not same_folder(root, teacher_path):
+            logger.warning("the teacher server at %s serves %r, not distill.teacher_path=%s (another machine's path "
+                           "of the same folder is fine; another model is not)", url, root, teacher_path)
+        # the longest row a step sends: an id every vocabulary has, repeated (what the server must accept is the
+        # length, the response size at k and the key format; the values are not looked at)
+        sequence = [0] * max(self.width, 2)
+        self._post(url, base["id"], sequence)
+        return base["id"]
+
+    def _post(self, url: str, model: str, sequence: list[int]):
+        body = {"model": model, "prompt": sequence, "max_tokens": 0, "echo": True, "logprobs": self.k,
+                "return_tokens_as_token_ids": True, "n": 1, "temperature": 1.0}
+        try:
+            status, payload = http_json("POST", url + "/v1/completions", body, timeout=self.timeout_s,
+                                        retries=len(RETRY_BACKOFF_S))
+        except ServerError as e:
+            raise ServerError(f"distill.teacher_servers: {e}") from None
+        if status != 200:
+            raise ServerError(f"the teacher server at {url} refused a row of {len(sequence)} tokens with logprobs="
+                              f"{self.k}: HTTP {status}: {error_message(payload)}".replace("\n", " "))
+        logp, top_logp, top_ids = parse_scores(payload, sequence, self.k, url)
+        if self.vocab_size and top_ids.size and top_ids.max() >= self.vocab_size:
+            raise ServerError(f"the teacher server at {url} returned token id {int(top_ids.max())}, outside the "
+                              f"student's vocabulary of {self.vocab_size}: it serves another model")
+        return logp, top_logp, top_ids
+
+    # ------------------------------------------------------------------------------------------------ score
+    def score(self, arrays: dict, *, k: int, temperature: float, batch_size: int = 0, chunk_size: int = 0) -> dict:
+        """The teacher's view of every row of `arrays` (input_ids, attention_mask [N, P + C], completion_mask
+        [N, C]), as JaxTeacher.score: zero (ids 0) off the completion mask. batch_size / chunk_size: the
+        in-process teacher's; the servers batch on their own."""
+        if int(k) != self.k:
+            raise ValueError(f"ServerTeacher was probed for k={self.k}, asked for k={k}")
+        if float(temperature) != 1.0:
+            raise ValueError(f"teacher servers score at temperature 1; asked for {temperature}")
+        ids, attn = np.asarray(arrays["input_ids"]), np.asarray(arrays["attention_mask"])
+        mask = np.asarray(arrays["completion_mask"]) > 0
+        N, C = mask.shape
+        P = ids.shape[1] - C
+        out = {"logp": np.zeros((N, C), np.float32), "top_logp": np.zeros((N, C, self.k), np.float32),
+               "top_ids": np.zeros((N, C, self.k), np.int32), "rest_logp": np.zeros((N, C), np.float32)}
+        jobs, where = [], []
+        for i in range(N):
+            if not mask[i].any():
+                continue
+            cols = np.nonzero(attn[i])[0]  # the attended columns, in order: the row as the server sees it
+            at = np.full(ids.shape[1], -1)
+            at[cols] = np.arange(len(cols))
+            t = np.nonzero(mask[i])[0]
+            j = at[P + t]  # sequence position of completion token t: its log-prob is entry j of the echo
+            if (j < 1).any():
+                raise ValueError(f"row {i}: a completion token is not attended (attention_mask 0) or has no token "
+                                 "before it")
+            url = self.urls[len(jobs) % len(self.urls)]
+            jobs.append((url, 1, functools.partial(self._post, url, self.models[url], ids[i, cols].tolist())))
+            where.append((i, t, j))
+        results = send_all(jobs, concurrency={u: self.concurrency for u in self.urls},
+                           progress_every_s=self.progress_every_s, what=f"teacher scores of {len(jobs)} rows")
+        for (i, t, j), (logp, top_logp, top_ids) in zip(where, results):
+            out["logp"][i, t] = logp[j]
+            out["top_logp"][i, t] = top_logp[j]
+            out["top_ids"][i, t] = top_ids[j]
+            out["rest_logp"][i, t] = rest_logp(top_logp[j])
+        return out

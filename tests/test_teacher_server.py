@@ -1,0 +1,224 @@
+"""`distill.teacher_backend = "server"` (jaxrl/backends/teacher_client.py) against a real `launchers.serve` process
+of the teacher folder at float32, over loopback: the same arrays as the in-process teacher (jaxrl/algorithms/online/
+teacher.py), the same losses, and a server that cannot serve refused before any step."""
+
+import http.server
+import json
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import hf_tiny
+from serve_fixture import Served
+from test_distill_task import distill_config
+from jaxrl.backends.openai_client import ServerError
+from jaxrl.backends.teacher_client import ServerTeacher, rest_logp
+
+K = 8
+
+
+def _with_tokenizer(folder):
+    from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
+    build_tiny_tokenizer(folder, ["abcdef ghij"], vocab_size=64, printable_ascii=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(teacher, student): tiny HF Qwen3.5 folders of one vocabulary (64) and one tokenizer (the server needs
+    one; the run checks both sides hold the same)."""
+    root = tmp_path_factory.mktemp("teacher_server")
+    teacher, student = str(root / "teacher"), str(root / "student")
+    hf_tiny.build_text(teacher, seed=7, vocab_size=64, num_hidden_layers=2)
+    hf_tiny.build_text(student, seed=3, vocab_size=64, num_hidden_layers=2)
+    return _with_tokenizer(teacher), _with_tokenizer(student)
+
+
+@pytest.fixture(scope="module")
+def server(folders, tmp_path_factory):
+    served = Served(tmp_path_factory.mktemp("served"), folders[0], "--max_model_len=64", "--max_prompt_len=64")
+    yield served
+    served.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rollout_arrays(n=6, P=6, C=8, seed=0):
+    """Rows in the rollout layout: prompts of 2..P tokens left-padded, completions of 1..C right-padded, a
+    completion mask with holes (an SFT row's loss_mask may have them)."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((n, P + C), np.int32)
+    attn = np.zeros((n, P + C), np.int32)
+    cmask = np.zeros((n, C), np.float32)
+    for i in range(n):
+        p, c = int(rng.integers(2, P + 1)), int(rng.integers(1, C + 1))
+        ids[i, P - p:P + c] = rng.integers(2, 64, p + c)
+        attn[i, P - p:P + c] = 1
+        cmask[i, :c] = 1
+    cmask[0, 0] = 0
+    cmask[-1] = 0  # a row with nothing to score
+    return {"input_ids": ids, "attention_mask": attn, "completion_mask": cmask}
+
+
+@pytest.mark.slow
+def test_server_teacher_arrays_equal_the_in_process_teachers(folders, server):
+    from jaxrl.algorithms.online.teacher import JaxTeacher
+    arrays = rollout_arrays()
+    local = JaxTeacher.load(folders[0], dtype="float32").score(arrays, k=K, temperature=1.0, batch_size=4)
+    remote = ServerTeacher([server.url], k=K, width=14, vocab_size=64, teacher_path=folders[0]).score(
+        arrays, k=K, temperature=1.0)
+    for name in local:
+        assert remote[name].shape == local[name].shape and remote[name].dtype == local[name].dtype, name
+    mask = arrays["completion_mask"] > 0
+    assert mask.sum() > 20
+    np.testing.assert_array_equal(remote["top_ids"], local["top_ids"])
+    np.testing.assert_allclose(remote["logp"], local["logp"], atol=1e-5)
+    np.testing.assert_allclose(remote["top_logp"], local["top_logp"], atol=1e-5)
+    # the remainder from 1 - sum(top k): its mass within float32 rounding of k entries
+    np.testing.assert_allclose(np.exp(remote["rest_logp"][mask]), np.exp(local["rest_logp"][mask]), atol=1e-5)
+    np.testing.assert_allclose(remote["rest_logp"][mask], local["rest_logp"][mask], atol=1e-4)
+    for name in local:  # zero off the mask, as the in-process teacher
+        assert not remote[name][~mask].any(), name
+
+
+@pytest.mark.slow
+def test_a_distill_run_on_the_teacher_server_has_the_in_process_losses(folders, server, tmp_path):
+    """Two steps of forward_kl_topk at temperature 1, the teacher in this process vs on the server: every step's
+    loss and distill/* metric within 1e-5 (fp32): the student samples the same rows, so the step-2 equality also
+    says the updates were the same."""
+    from jaxrl.algorithms.run import run_training
+    teacher, student = folders
+    runs = {}
+    for backend in ("jax", "server"):
+        block = {"teacher_servers": (server.url,)} if backend == "server" else {}
+        cfg = distill_config(teacher, student, temperature=1.0, teacher_backend=backend, **block)
+        cfg.steps = 2
+        cfg.checkpoint_every = 2
+        runs[backend] = run_training(cfg, str(tmp_path / backend)).records
+    for a, b in zip(runs["jax"], runs["server"]):
+        for key in ("loss", "distill/reverse_kl", "distill/teacher_logp", "distill/top1_agreement",
+                    "distill/outside_topk", "grad_norm"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    print("losses", [r["loss"] for r in runs["server"]])
+
+
+@pytest.mark.slow
+def test_a_down_teacher_server_is_refused_before_any_step_and_the_run_resumes_once_it_is_up(folders, tmp_path):
+    from jaxrl.algorithms.run import run_training
+    teacher, student = folders
+    url = f"http://127.0.0.1:{_free_port()}"
+    workdir = str(tmp_path / "run")
+
+    def config():
+        cfg = distill_config(teacher, student, temperature=1.0, teacher_backend="server", teacher_servers=(url,))
+        cfg.steps = 1
+        cfg.checkpoint_every = 1
+        return cfg
+
+    with pytest.raises(ServerError) as info:
+        run_training(config(), workdir)
+    message = str(info.value)
+    assert "\n" not in message and url in message and "distill.teacher_servers" in message, message
+    assert not os.path.exists(workdir) or not os.listdir(workdir), os.listdir(workdir)
+    served = Served(tmp_path, teacher, "--max_model_len=64", f"--port={url.rsplit(':', 1)[1]}")
+    try:
+        assert served.url == url
+        records = run_training(config(), workdir).records
+    finally:
+        served.stop()
+    assert [r["step"] for r in records] == [1] and np.isfinite(records[0]["loss"])
+
+
+# --------------------------------------------------------------------------------- servers that cannot serve
+
+
+class _Fake(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-lookalike that lists a model and answers completions with `answer` (set per server)."""
+
+    answer = b""
+
+    def do_GET(self):
+        self._send(json.dumps({"data": [{"id": "teacher", "root": "teacher", "parent": None}]}).encode())
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self._send(self.answer(body) if callable(self.answer) else self.answer)
+
+    def _send(self, raw: bytes):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args):
+        pass
+
+
+def _fake(answer):
+    handler = type("Handler", (_Fake,), {"answer": staticmethod(answer) if callable(answer) else answer})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def _echo(top):
+    """An echo answer whose every position has `top` entries."""
+    def answer(body):
+        seq = body["prompt"]
+        tops = [None] + [{f"token_id:{t}": -1.0 - t for t in range(top)} for _ in seq[1:]]
+        return json.dumps({"choices": [{"logprobs": {"tokens": [f"token_id:{t}" for t in seq],
+                                                     "token_logprobs": [None] + [-1.0] * (len(seq) - 1),
+                                                     "top_logprobs": tops}}]}).encode()
+    return answer
+
+
+@pytest.mark.parametrize("answer, needle", [
+    (b"<html>oops</html>", "not an echoed completion"),
+    (_echo(K - 1), f"returned {K - 1} top log-probs at position 1, fewer than distill.teacher_top_k={K}"),
+])
+def test_a_teacher_server_answering_garbage_or_fewer_than_k_is_refused_naming_it(answer, needle):
+    httpd, url = _fake(answer)
+    try:
+        with pytest.raises(ServerError) as info:
+            ServerTeacher([url], k=K, width=14)
+    finally:
+        httpd.shutdown()
+    message = str(info.value)
+    assert "\n" not in message and url in message and needle in message, message
+
+
+def test_the_probe_reads_k_entries_most_likely_first():
+    """A dict of k + 1 entries (the token itself outside the top k, as vLLM and ours add it) gives the k most
+    likely, in order; the remainder is 1 - their mass."""
+    httpd, url = _fake(_echo(K + 1))
+    try:
+        teacher = ServerTeacher([url], k=K, width=14)
+        out = teacher.score(rollout_arrays(), k=K, temperature=1.0)
+    finally:
+        httpd.shutdown()
+    mask = rollout_arrays()["completion_mask"] > 0
+    assert (out["top_ids"][mask] == np.arange(K)).all()
+    np.testing.assert_allclose(out["top_logp"][mask], np.broadcast_to(-1.0 - np.arange(K), (mask.sum(), K)))
+    np.testing.assert_allclose(out["rest_logp"][mask], np.log(1 - np.exp(-1.0 - np.arange(K)).sum()), rtol=1e-6)
+    assert rest_logp(np.log(np.full(4, 0.3)))[()] == -1.0e4  # no mass left (rounding, k = V): the floor
+
+
+def test_a_teacher_server_config_that_cannot_work_is_refused(folders, tmp_path):
+    from jaxrl.algorithms.run import run_training
+    teacher, student = folders
+    cases = [({"teacher_backend": "server"}, "distill.teacher_servers"),
+             ({"teacher_servers": ("http://127.0.0.1:1",)}, "teacher_backend='server'"),
+             ({"teacher_backend": "server", "teacher_servers": ("http://127.0.0.1:1",)}, "distill.temperature is 0.3"),
+             ({"teacher_backend": "server", "teacher_servers": ("x",), "temperature": 1.0}, "not base URLs")]
+    for n, (block, needle) in enumerate(cases):
+        with pytest.raises(ValueError) as info:
+            run_training(distill_config(teacher, student, **block), str(tmp_path / f"run{n}"))
+        assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
