@@ -308,6 +308,32 @@ def test_max_staleness_two_samples_two_rollouts_ahead_and_resumes_bit_exact(runs
     assert_same_run(killed, straight)
 
 
+@pytest.mark.heavy
+def test_the_decoupled_objective_clips_against_the_proximal_policy_and_resumes_bit_exact(runs, env):
+    """grpo.off_policy_loss='decoupled' with max_staleness=2: at each rollout's first step the old log-probs are
+    the current (proximal) parameters' own, so that step's ratio is 1 (|ratio - 1| at fp32 rounding) however
+    stale the rollout, while the behaviour policy enters as the weight proximal / sampler (away from 1 on the
+    rollouts sampled 1 and 2 versions ago, 1 up to numerics on the first); a SIGKILL inside rollout 1 resumes
+    bit-exact (the proximal log-probs were written back with the rollout)."""
+    args = overrides(env["base"], env["urls"], "server") + ["--config.grpo.max_staleness=2",
+                                                             "--config.grpo.off_policy_loss=decoupled"]
+    straight, killed = env["root"] / "decoupled", env["root"] / "decoupled_killed"
+    proc = train(straight, env["cache"], *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = metrics(straight)
+    firsts = [r for r in steps if r["step"] % EVERY == 1]  # each rollout's first step (2 steps a rollout)
+    assert all(r["ratio_abs_dev"] < 1e-5 for r in firsts), [r["ratio_abs_dev"] for r in firsts]
+    spread = [r["offpolicy/is_weight_max"] - r["offpolicy/is_weight_min"] for r in firsts]
+    # rollout 0 is on-policy (the weights are 1 up to fp32 numerics); 1 and 2 were sampled 1 and 2 versions ago
+    assert spread[0] < 1e-4 and min(spread[1:]) > 10 * max(spread[0], 1e-6), spread
+    assert all(np.isfinite(r["loss"]) for r in steps) and not any(r["update_skipped"] for r in steps)
+    first = train(killed, env["cache"], *args, kill_after=3)
+    assert first.returncode == -9, first.stderr[-3000:]
+    second = train(killed, env["cache"], *args)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert_same_run(killed, straight)
+
+
 # ------------------------------------------------------------------------------------------------- settings
 
 
@@ -330,6 +356,7 @@ def test_rollout_backend_settings_are_checked():
             (dict(max_staleness=2), "needs grpo.rollout_backend='server' or 'vllm'"),
             (dict(rollout_backend="vllm", max_staleness=-1), "max_staleness must be >= 0"),
             (dict(rollout_backend="vllm", overlap=True, max_staleness=3), "overlap is max_staleness=1"),
+            (dict(rollout_backend="vllm", off_policy_loss="decoupled"), "needs grpo.max_staleness >= 1"),
             (dict(rollout_backend="server", rollout_servers=("http://a:1",), rollout_vllm={"python": "x"}),
              r"grpo.rollout_vllm.python: launch options of the vLLM a run starts"),
             (dict(rollout_server={"concurrency": 8}), r"grpo.rollout_server.concurrency are for rollout_backend"),

@@ -205,7 +205,8 @@ class GRPOTask(OnlineTask):
         self.objective = GRPOObjective.of(grpo, chunk_size=self.chunk_size, mismatch_in_step=self.mismatch_in_step)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (
             ("ref_logp",) if grpo.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",)) + (
-            ("behaviour_logp", "rollout_mask") if self.mismatch_in_step else ("is_weights",) if corrected else ())
+            ("behaviour_logp", "rollout_mask") if self.mismatch_in_step else
+            ("is_weights",) if corrected or self.decoupled else ())
         self.mesh = mesh
 
     def shaped_rewards(self, s: Sampled) -> tuple[np.ndarray, Optional[np.ndarray]]:
@@ -309,6 +310,8 @@ class GRPOTask(OnlineTask):
             metrics.update(mismatch)
             if weights is not None:
                 buffer["is_weights"] = weights
+        if self.decoupled:  # the behaviour side of the decoupled objective's weight (OnlineTask._decouple)
+            buffer["sampler_logp"] = s.behaviour_logp
         metrics.update(passes.timings())
         return buffer, metrics
 

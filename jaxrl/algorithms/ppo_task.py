@@ -191,7 +191,8 @@ class PPOTask(OnlineTask):
         self.chunk_size = config.logprob_chunk_size
         self.objective = PPOObjective.of(ppo, chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
-                           "returns") + (("is_weights",) if ppo.rollout_correction != "none" else ())
+                           "returns") + (("is_weights",) if ppo.rollout_correction != "none" or self.decoupled
+                                         else ())
         if ppo.critic_warmup_steps and config.optimizer.weight_decay:
             logging.warning("ppo.critic_warmup_steps=%d with optimizer.weight_decay=%s: the LoRA factors get no "
                             "gradient in the warm-up, but AdamW's decay still shrinks them", ppo.critic_warmup_steps,
@@ -278,6 +279,8 @@ class PPOTask(OnlineTask):
                   "returns": np.asarray(ret, np.float32)}
         if is_weights is not None:
             buffer["is_weights"] = is_weights
+        if self.decoupled:  # the behaviour side of the decoupled objective's weight (OnlineTask._decouple)
+            buffer["sampler_logp"] = s.behaviour_logp
         return buffer, metrics
 
 

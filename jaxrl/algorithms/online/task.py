@@ -44,7 +44,9 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
+from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import RolloutStore, Schedule
+from jaxrl.algorithms.online.passes import RolloutPasses, Role
 from jaxrl.algorithms.online.rollouts import Rollouts
 from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils import interrupt
@@ -60,8 +62,10 @@ class OnlineTask(Task):
 
     def __init__(self, config: TrainConfig, schedule: Schedule, rollouts: Rollouts, block):
         self.config, self.schedule, self.rollouts = config, schedule, rollouts
+        self.block = block
         self.max_staleness = int(block.max_staleness)  # overlap is max_staleness 1
         self.overlap = self.max_staleness > 0
+        self.decoupled = self.overlap and block.off_policy_loss == "decoupled"
         self._on_policy = False
         self._pending: dict[int, concurrent.futures.Future] = {}  # rollout -> the producer's work on it
         self._producer_thread: Optional[Producer] = None
@@ -129,6 +133,8 @@ class OnlineTask(Task):
                 self._install(rollout, *self._make(rollout, step, policy))
         else:
             self._install(rollout, *self._make(rollout, step, policy))
+        if self.decoupled and first and not self.rollout_metrics.get("offpolicy/decoupled"):
+            self._decouple(rollout, policy)
         # the trainer's wait: the whole synchronous rollout, or what it waited for the producer
         self.rollout_timing["time/trainer_idle_s"] = time.perf_counter() - t0
         if self.overlap and first:
@@ -180,6 +186,30 @@ class OnlineTask(Task):
     def _install(self, rollout: int, buffer: dict, metrics: dict, timing: dict) -> None:
         self.buffer, self.rollout_metrics, self.buffer_rollout = buffer, metrics, rollout
         self.rollout_timing = {**self.rollout_timing, **timing}
+
+    def _decouple(self, rollout: int, policy) -> None:
+        """The decoupled PPO objective (AReaL; `off_policy_loss='decoupled'`) for the rollout just installed: its
+        `old_logp` becomes the proximal policy's (a teacher-forced pass with `policy`, the parameters at this, the
+        rollout's first step, so the clip is taken against where this rollout's updates start), and the behaviour
+        policy enters as the importance weight proximal / sampler per token (`is_weights`), truncated or masked by
+        the block's rollout_correction mode at its bounds (token_truncate when the mode is none). The buffer is
+        written back, so a resume inside the rollout trains on the same proximal log-probs."""
+        block, buffer = self.block, self.buffer
+        arrays = {k: buffer[k] for k in ("input_ids", "attention_mask", "completion_mask")}
+        passes = RolloutPasses(policy, arrays, temperature=block.temperature, batch_size=block.logprob_batch_size,
+                               chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options)
+        mode = block.rollout_correction if block.rollout_correction != "none" else "token_truncate"
+        # the sampler reports untempered log-probs: the weight compares them with the proximal pass at temperature 1
+        weights, gap = correction.rollout_correction(passes.logp(Role.MISMATCH), buffer["sampler_logp"],
+                                                     buffer["completion_mask"], mode,
+                                                     block.rollout_correction_min or None,
+                                                     block.rollout_correction_max)
+        buffer["old_logp"], buffer["is_weights"] = passes.logp(Role.OLD), weights
+        metrics = {k.replace("mismatch/", "offpolicy/", 1): v for k, v in gap.items()}
+        metrics["offpolicy/decoupled"] = 1.0
+        self.rollout_metrics = {**self.rollout_metrics, **metrics}
+        self.rollout_timing["time/proximal_logp_s"] = sum(passes.seconds.values())
+        self.store.save(rollout, buffer, self.rollout_metrics)
 
     def _snapshot(self, policy):
         """`policy` with copies of its trained variables: the train step donates the state those arrays belong
