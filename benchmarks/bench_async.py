@@ -4,6 +4,7 @@ side in one process, with the trainer's and the producer's idle time per step.
 
     python -m benchmarks.bench_async                       # 12 timed steps per run, 1 round, one server
     python -m benchmarks.bench_async --ks=0,1,2 --rounds=2 --servers=2
+    python -m benchmarks.bench_async --learn_steps=30     # + the final reward at k = 0 and 2, three seeds each
 
 The workload is `benchmarks.bench_overlap`'s (the demo's GRPO stage on its pretrained model: 8 prompts x 8 samples
 of at most 8 tokens a step, one update per rollout, fp32, one device); each run is fresh, after a warm-up run per k
@@ -43,7 +44,27 @@ def one_run(config, workdir: str, k: int) -> dict:
             "reward_mean_last": records[-1]["reward/mean"]}
 
 
-def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, workdir: str | None = None) -> dict:
+def learning(config, root: str, ks=(0, 2), seeds=(0, 1, 2), last: int = 5) -> dict:
+    """Reward after the same number of trained samples at each k, over `seeds`: the mean `reward/mean` of the last
+    `last` steps of each run, and per k its mean and seed-to-seed range (the issue's check: k = 2 inside k = 0's
+    spread)."""
+    out = {}
+    for k in ks:
+        finals = []
+        for seed in seeds:
+            c = config.copy_and_resolve_references()
+            c.seed = seed
+            c.grpo.max_staleness = k
+            from jaxrl.algorithms.run import run_training
+            records = run_training(c, os.path.join(root, f"learn_k{k}_s{seed}")).records
+            finals.append(statistics.mean(r["reward/mean"] for r in records[-last:]))
+        out[str(k)] = {"final_reward_by_seed": finals, "mean": statistics.mean(finals),
+                       "range": [min(finals), max(finals)]}
+    return out
+
+
+def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, workdir: str | None = None,
+        learn_steps: int = 0) -> dict:
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps must exceed the {WARMUP_STEPS} untimed steps of each run")
     own = workdir is None
@@ -66,6 +87,11 @@ def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, wor
         for r in range(rounds):
             for k in ks:
                 results[k].append(one_run(config, os.path.join(root, f"run{r}_{k}"), k))
+        learned = None
+        if learn_steps:
+            long = config.copy_and_resolve_references()
+            long.steps = learn_steps
+            learned = learning(long, root)
     finally:
         for proc, _, log in procs:
             proc.terminate()
@@ -82,6 +108,8 @@ def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, wor
            "steps_per_min_median": {str(k): v for k, v in med.items()},
            "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
            "cores": len(os.sched_getaffinity(0))}
+    if learned is not None:
+        out["learning"] = {"steps": learn_steps, **learned}
     for base_k in (0, 1):
         if base_k in med:
             out[f"ratio_over_k{base_k}"] = {str(k): v / med[base_k] for k, v in med.items()}
@@ -95,9 +123,11 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--learn_steps", type=int, default=0, help="also train k = 0 and 2 for this many steps on "
+                        "three seeds each and report the final reward (0 = skip)")
     args = parser.parse_args(argv)
     ks = tuple(int(k) for k in args.ks.split(","))
-    print(json.dumps(run(ks, args.steps, args.rounds, args.servers, args.workdir), indent=1))
+    print(json.dumps(run(ks, args.steps, args.rounds, args.servers, args.workdir, args.learn_steps), indent=1))
 
 
 if __name__ == "__main__":

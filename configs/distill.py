@@ -45,9 +45,4 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     d.temperature = 1.0
     d.logprob_batch_size = 8
     grpo.rollout_batch(c, d.num_generations * d.prompts_per_step, o, WHERE)
-    c.data.source = "problems"
-    c.data.problems = o.get("problems", "")
-    c.data.max_prompt_len = int(o.get("prompt_len", 2048))
-    c.reward.name = "code"
-    c.reward.score = "partial"
-    return c
+    return grpo.code_problems(c, o)

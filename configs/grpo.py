@@ -109,6 +109,17 @@ def rollout_batch(c, rows: int, o: dict, where: str) -> None:
     c.batch.micro_batch_size, c.batch.grad_accum = mb, rows // mb
 
 
+def code_problems(c, o: dict):
+    """The online algorithms' data and reward: the users' code problems (`problems=` override), prompts up to
+    `prompt_len=` tokens, the code verifier's partial score."""
+    c.data.source = "problems"
+    c.data.problems = o.get("problems", "")
+    c.data.max_prompt_len = int(o.get("prompt_len", 2048))
+    c.reward.name = "code"
+    c.reward.score = "partial"
+    return c
+
+
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     where = WHERE
     o = parse_overrides(arg)
@@ -129,9 +140,4 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.grpo.logprob_batch_size = 8
     rollout_batch(c, c.grpo.num_generations * c.grpo.prompts_per_step, o, where)
 
-    c.data.source = "problems"
-    c.data.problems = o.get("problems", "")
-    c.data.max_prompt_len = int(o.get("prompt_len", 2048))
-    c.reward.name = "code"
-    c.reward.score = "partial"
-    return c
+    return code_problems(c, o)

@@ -42,7 +42,7 @@ checkpoint), checkpoints every 4 steps, AdamW with linear decay, clipping 1.0, b
 import ml_collections
 
 from configs import base
-from configs.grpo import model_block
+from configs.grpo import code_problems, model_block
 from configs.overrides import choice, parse_overrides
 
 RUNS = {
@@ -82,9 +82,4 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         raise ValueError(f"{WHERE}: mb={mb} must divide the {per_update} rows of a minibatch")
     c.batch.micro_batch_size, c.batch.grad_accum = mb, per_update // mb
 
-    c.data.source = "problems"
-    c.data.problems = o.get("problems", "")
-    c.data.max_prompt_len = int(o.get("prompt_len", 2048))
-    c.reward.name = "code"
-    c.reward.score = "partial"
-    return c
+    return code_problems(c, o)

@@ -31,7 +31,6 @@ sampled tokens outside the teacher's top-k), `distill/student_rows` (their share
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -46,7 +45,7 @@ from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.algorithms.online.teacher import JaxTeacher, check_same_vocabulary
 from jaxrl.backends.teacher_client import ServerTeacher
-from jaxrl.data.stream import epoch_stream
+from jaxrl.data.stream import epoch_stream, token_rows
 from jaxrl.models import qwen35
 from jaxrl.ops.logprobs import support_logprobs
 from jaxrl.utils.train_config import DistillConfig, TrainConfig
@@ -116,31 +115,21 @@ class SFTResponses:
             raise ValueError(f"distill.sft_path={path}: no such file (distill.lmbda < 1 takes rows from it)")
         P, C = max_prompt_len, max_new_tokens
         ids, attn, cmask = [], [], []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    row = [int(t) for t in record["input_ids"]]
-                    lm = [int(t) for t in record["loss_mask"]]
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                    raise ValueError(f"{path}:{lineno}: expected {{\"input_ids\": [...], \"loss_mask\": [...]}}: "
-                                     f"{e}") from e
-                if len(lm) != len(row) or not any(lm) or lm[0]:
-                    raise ValueError(f"{path}:{lineno}: loss_mask must be as long as input_ids, start with a prompt "
-                                     f"(0s) and mark a response (1s)")
-                p = lm.index(1)
-                if p > P:
-                    raise ValueError(f"{path}:{lineno}: a prompt of {p} tokens is longer than data.max_prompt_len={P}")
-                i = np.full(P + C, pad_id, np.int32)
-                a = np.zeros(P + C, np.int32)
-                c = np.zeros(C, np.float32)
-                resp = row[p:p + C]
-                i[P - p:P], i[P:P + len(resp)] = row[:p], resp
-                a[P - p:P + len(resp)] = 1
-                c[:len(resp)] = lm[p:p + C]
-                ids.append(i), attn.append(a), cmask.append(c)
+        for lineno, row, lm in token_rows(path, need_loss_mask=True):
+            if len(lm) != len(row) or not any(lm) or lm[0]:
+                raise ValueError(f"{path}:{lineno}: loss_mask must be as long as input_ids, start with a prompt "
+                                 f"(0s) and mark a response (1s)")
+            p = lm.index(1)
+            if p > P:
+                raise ValueError(f"{path}:{lineno}: a prompt of {p} tokens is longer than data.max_prompt_len={P}")
+            i = np.full(P + C, pad_id, np.int32)
+            a = np.zeros(P + C, np.int32)
+            c = np.zeros(C, np.float32)
+            resp = row[p:p + C]
+            i[P - p:P], i[P:P + len(resp)] = row[:p], resp
+            a[P - p:P + len(resp)] = 1
+            c[:len(resp)] = lm[p:p + C]
+            ids.append(i), attn.append(a), cmask.append(c)
         if not ids:
             raise ValueError(f"{path}: no rows")
         self.ids, self.attn, self.cmask = np.stack(ids), np.stack(attn), np.stack(cmask)

@@ -18,14 +18,13 @@ and every token's log-prob is that of its padded row (`NextToken`, `segment_ids`
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Optional
 
 import numpy as np
 
 from jaxrl.data import packing
-from jaxrl.data.stream import epoch_stream, warn_if_under_a_batch
+from jaxrl.data.stream import epoch_stream, token_rows, warn_if_under_a_batch
 from jaxrl.train.objective import NextToken
 from jaxrl.train.task import Task
 from jaxrl.utils.train_config import TrainConfig
@@ -75,28 +74,20 @@ class JsonlTokens:
         self.seq_len, self.seed = seq_len, seed
         ids, loss, lengths = [], [], []
         cut = 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    row = [int(t) for t in record["input_ids"]][:seq_len]
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                    raise ValueError(f"{path}:{lineno}: expected {{\"input_ids\": [int, ...]}}: {e}") from e
-                full_mask = [int(t) for t in record.get("loss_mask", [1] * len(record["input_ids"]))]
-                lm = full_mask[:seq_len]
-                if len(lm) != len(row):
-                    raise ValueError(f"{path}:{lineno}: loss_mask has {len(lm)} entries, input_ids {len(row)}")
-                if len(record["input_ids"]) > seq_len:
-                    cut += 1
-                    if any(full_mask) and not any(lm):
-                        # a row that would train on nothing: say so instead of a silent zero loss
-                        raise ValueError(f"{path}:{lineno}: every target token lies beyond data.seq_len={seq_len} "
-                                         f"(the row has {len(full_mask)} tokens); raise data.seq_len")
-                lengths.append(len(row))
-                ids.append(row + [pad_id] * (seq_len - len(row)))
-                loss.append(lm + [0] * (seq_len - len(lm)))
+        for lineno, full_ids, full_mask in token_rows(path):
+            row = full_ids[:seq_len]
+            lm = full_mask[:seq_len]
+            if len(lm) != len(row):
+                raise ValueError(f"{path}:{lineno}: loss_mask has {len(lm)} entries, input_ids {len(row)}")
+            if len(full_ids) > seq_len:
+                cut += 1
+                if any(full_mask) and not any(lm):
+                    # a row that would train on nothing: say so instead of a silent zero loss
+                    raise ValueError(f"{path}:{lineno}: every target token lies beyond data.seq_len={seq_len} "
+                                     f"(the row has {len(full_mask)} tokens); raise data.seq_len")
+            lengths.append(len(row))
+            ids.append(row + [pad_id] * (seq_len - len(row)))
+            loss.append(lm + [0] * (seq_len - len(lm)))
         if not ids:
             raise ValueError(f"{path}: no rows")
         if cut:

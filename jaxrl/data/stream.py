@@ -10,8 +10,9 @@ each step then repeats every row.
 
 from __future__ import annotations
 
+import json
 import warnings
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -39,3 +40,22 @@ def warn_if_under_a_batch(n: int, global_batch: int, what: str, unit: str = "row
         warnings.warn(f"{what}: {n} training {unit}{'s' if n != 1 else ''} for a global batch of {global_batch} "
                       f"(batch.micro_batch_size x batch.grad_accum): every step repeats each {unit} about "
                       f"{global_batch / n:.3g} times", UserWarning, stacklevel=3)
+
+
+def token_rows(path: str, *, need_loss_mask: bool = False) -> Iterator[tuple[int, list[int], list[int]]]:
+    """(line number, input_ids, loss_mask) of each row of a token JSON Lines file (`{"input_ids": [...],
+    "loss_mask": [...]}`, the format of data.source = jsonl and of distill.sft_path); loss_mask defaults to all
+    ones unless `need_loss_mask`. A malformed line is a ValueError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                ids = [int(t) for t in record["input_ids"]]
+                mask = [int(t) for t in (record["loss_mask"] if need_loss_mask or "loss_mask" in record
+                                         else [1] * len(ids))]
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                shape = '{"input_ids": [...], "loss_mask": [...]}' if need_loss_mask else '{"input_ids": [int, ...]}'
+                raise ValueError(f"{path}:{lineno}: expected {shape}: {e}") from e
+            yield lineno, ids, mask
