@@ -24,10 +24,9 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 
-from benchmarks.bench_overlap import WARMUP_STEPS, demo_grpo_config, start_server
+from benchmarks.bench_overlap import WARMUP_STEPS, demo_grpo_config, serve_rollouts, stop_servers
 
 
 def one_run(config, workdir: str, k: int) -> dict:
@@ -74,11 +73,7 @@ def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, wor
     config, base = demo_grpo_config(os.path.join(root, "demo"), steps)
     procs = []
     try:
-        rows = config.grpo.prompts_per_step * config.grpo.num_generations
-        for s in range(servers):
-            procs.append(start_server(base, root, f"serve{s}", config.data.max_prompt_len, rows))
-        config.grpo.rollout_backend = "server"
-        config.grpo.rollout_servers = tuple(url for _, url, _ in procs)
+        rows = serve_rollouts(config, base, root, servers, procs)
         warm = config.copy_and_resolve_references()
         warm.steps = WARMUP_STEPS + 1
         for k in ks:  # every program compiled (trainer and servers), every code path
@@ -93,13 +88,7 @@ def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, wor
             long.steps = learn_steps
             learned = learning(long, root)
     finally:
-        for proc, _, log in procs:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+        stop_servers(procs)
         if own:
             shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(x["steps_per_min"] for x in runs) for k, runs in results.items()}

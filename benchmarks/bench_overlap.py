@@ -87,6 +87,27 @@ def start_server(base: str, root: str, name: str, max_prompt_len: int, batch_siz
         return proc, f.read().strip(), log
 
 
+def serve_rollouts(config, base: str, root: str, count: int, procs: list) -> int:
+    """Starts `count` servers of `base` (appended to `procs`, for `stop_servers`) and points the config's GRPO
+    rollouts at them; returns the rows of a rollout (each server's batch size)."""
+    rows = config.grpo.prompts_per_step * config.grpo.num_generations
+    for k in range(count):
+        procs.append(start_server(base, root, f"serve{k}", config.data.max_prompt_len, rows))
+    config.grpo.rollout_backend = "server"
+    config.grpo.rollout_servers = tuple(url for _, url, _ in procs)
+    return rows
+
+
+def stop_servers(procs: list) -> None:
+    for proc, _, log in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 def one_run(config, workdir: str, overlap: bool) -> dict:
     from jaxrl.algorithms.run import run_training
     c = config.copy_and_resolve_references()
@@ -113,11 +134,7 @@ def run(steps: int = 12, rounds: int = 2, servers: int = 1, workdir: str | None 
     config, base = demo_grpo_config(os.path.join(root, "demo"), steps)
     procs = []
     try:
-        rows = config.grpo.prompts_per_step * config.grpo.num_generations
-        for k in range(servers):
-            procs.append(start_server(base, root, f"serve{k}", config.data.max_prompt_len, rows))
-        config.grpo.rollout_backend = "server"
-        config.grpo.rollout_servers = tuple(url for _, url, _ in procs)
+        rows = serve_rollouts(config, base, root, servers, procs)
         warm = config.copy_and_resolve_references()
         warm.steps = WARMUP_STEPS + 1
         for overlap in (False, True):  # every program compiled (trainer and servers), both code paths
@@ -128,13 +145,7 @@ def run(steps: int = 12, rounds: int = 2, servers: int = 1, workdir: str | None 
                 results["on" if overlap else "off"].append(
                     one_run(config, os.path.join(root, f"run{k}_{int(overlap)}"), overlap))
     finally:
-        for proc, _, log in procs:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+        stop_servers(procs)
         if own:
             shutil.rmtree(root, ignore_errors=True)
     med = {mode: statistics.median(r["timed_s"] for r in runs) for mode, runs in results.items()}
