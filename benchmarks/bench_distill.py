@@ -17,7 +17,8 @@
    training on it.
 
 Reported as JSON: the teacher's reward, both curves (reward/mean per step, the sampled completion tokens up to
-that step), and for each the first step whose reward, averaged with the two before it, reaches 90% of the
+that step; for distillation also `distill/reverse_kl` per step, the student's per-token reverse KL to the teacher
+on that step's fresh prompts before its update, and its last-3 / first-3 ratio), and for each the first step whose reward, averaged with the two before it, reaches 90% of the
 teacher's (null when none does).
 """
 
@@ -72,7 +73,15 @@ def distill_config(base: str, teacher: str, steps: int, seed: int, loss: str, lr
 def curve(records) -> dict:
     reward = [float(r["reward/mean"]) for r in records]
     tokens = np.cumsum([float(r["completion/length_mean"]) * GENS * PROMPTS for r in records])
-    return {"reward": [round(x, 4) for x in reward], "sampled_tokens": [int(t) for t in tokens]}
+    out = {"reward": [round(x, 4) for x in reward], "sampled_tokens": [int(t) for t in tokens]}
+    if "distill/reverse_kl" in records[0]:
+        # per token on the step's own samples of fresh prompts (the token task draws new ones every step), before
+        # the step's update: each step's value is the student's reverse KL to the teacher on prompts it never saw
+        kl = [float(r["distill/reverse_kl"]) for r in records]
+        out["reverse_kl"] = [round(x, 4) for x in kl]
+        out["reverse_kl_first3"], out["reverse_kl_last3"] = float(np.mean(kl[:3])), float(np.mean(kl[-3:]))
+        out["reverse_kl_last3_over_first3"] = out["reverse_kl_last3"] / out["reverse_kl_first3"]
+    return out
 
 
 def steps_to(c: dict, target: float):
