@@ -41,12 +41,13 @@ def load_tokenizer(model_dir: str):
     return tok
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text the chat template produces."""
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], enable_thinking: bool,
+                add_generation_prompt: bool = True, tools: Optional[Sequence[Mapping]] = None) -> str:
+    """The prompt text the chat template produces (`tools`: OpenAI function tools, for a template that lists them)."""
+    extra = {"tools": [dict(t) for t in tools]} if tools else {}
     return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         enable_thinking=bool(enable_thinking))
+                                         enable_thinking=bool(enable_thinking), **extra)
 
 
 def format_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,

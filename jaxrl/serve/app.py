@@ -22,7 +22,8 @@ loop.py (the one thread that drives the engine and scores).
                              stream (+ stream_options.include_usage), return_token_ids, skip_special_tokens
   POST /v1/chat/completions  messages through the base's chat template (chat_template_kwargs.enable_thinking);
                              stops at the chat stop ids; logprobs (bool) and top_logprobs; max_completion_tokens;
-                             stream
+                             stream; tools (to the template; Qwen3.5 <tool_call> blocks in the answer come back as
+                             tool_calls, finish_reason "tool_calls"; a malformed one as text) and tool messages
   POST /tokenize, /detokenize (vLLM's), /v1/load_lora_adapter {"lora_name", "lora_path"} (an absolute path
        under --allowed_lora_roots: a PEFT folder in the base's layout or a trainer adapter checkpoint),
        /v1/unload_lora_adapter {"lora_name"}
@@ -75,7 +76,7 @@ from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.serve.handlers import Handlers
 from jaxrl.serve.loop import ServeLoop, ShuttingDown, compiled_programs
 from jaxrl.serve.protocol import (JAXRL_SERVER, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, message_text)
+                                  LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, template_message)
 from jaxrl.serve.registry import AdapterRegistry
 from jaxrl.serve.settings import ServeLimits
 
@@ -398,8 +399,8 @@ def build_app(server: CompletionServer) -> FastAPI:
 def _tokenize(server: CompletionServer, req: TokenizeRequest) -> dict:
     handlers = server.handlers
     if req.messages is not None:
-        text = render_chat(server.tokenizer, [{"role": m.role, "content": message_text(m.content)}
-                                              for m in req.messages], False, req.add_generation_prompt)
+        text = render_chat(server.tokenizer, [template_message(m) for m in req.messages], False,
+                           req.add_generation_prompt)
         ids = handlers.encode_text(text, "the templated conversation", add_special_tokens=False)
     elif req.prompt is not None:
         ids = handlers.encode_text(req.prompt, add_special_tokens=req.add_special_tokens)

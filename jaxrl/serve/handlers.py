@@ -36,8 +36,9 @@ from jaxrl.generation.engine import Cancelled, Request
 from jaxrl.generation.sampling import SEED_BITS, request_seed, split_request_seed
 from jaxrl.generation.stopping import Finished, StopRule
 from jaxrl.serve.loop import Overloaded, ServeLoop, ShuttingDown
-from jaxrl.serve.protocol import (MAX_SEED, ApiError, ChatCompletionRequest, CompletionRequest, message_text, new_id,
-                                  now, refuse_unsupported, sse, stop_strings, usage)
+from jaxrl.data.tool_calls import parse_tool_calls
+from jaxrl.serve.protocol import (MAX_SEED, ApiError, ChatCompletionRequest, CompletionRequest, new_id, now,
+                                  refuse_unsupported, sse, stop_strings, template_message, usage)
 from jaxrl.serve.registry import AdapterRegistry, Served
 from jaxrl.serve.settings import ServeLimits
 from jaxrl.serve.text import clip_pieces, token_pieces, token_strings
@@ -112,10 +113,10 @@ class Handlers:
         return int(requested)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
         kwargs = req.chat_template_kwargs or {}
         text = render_chat(self.tokenizer, messages, bool(kwargs.get("enable_thinking", False)),
-                           req.add_generation_prompt)
+                           req.add_generation_prompt, tools=req.tools)
         return self.check_prompt(self.encode_text(text, "the templated conversation", add_special_tokens=False))
 
     # -------------------------------------------------------------------------------------------- generation
@@ -337,6 +338,11 @@ class Handlers:
             raise ApiError("echo is not supported for chat completions (use /v1/completions with echo)",
                            param="echo")
         served = self.registry.served(req.model)
+        if req.tools is not None and not all(isinstance(t, dict) and t.get("type") == "function" and
+                                             isinstance((t.get("function") or {}).get("name"), str)
+                                             for t in req.tools):
+            raise ApiError("tools: each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           param="tools")
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -368,9 +374,15 @@ class Handlers:
     def _chat_body(self, req, plan: "Plan", choices: list[Finished], scores) -> dict:
         prompt = plan.prompts[0]
         out = []
+        parse = bool(req.tools) and req.tool_choice != "none"
         for idx, c in enumerate(choices):
             choice = {"index": idx, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            content, calls = parse_tool_calls(c.text, req.tools) if parse else (c.text, None)
+            if calls:  # Qwen3.5's <tool_call> blocks, as OpenAI tool_calls (a malformed one stays text)
+                choice["message"] = {"role": "assistant", "content": content,
+                                     "tool_calls": [call.openai(new_id("call")) for call in calls]}
+                choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
             if req.logprobs:
                 choice["logprobs"] = {"content": self._chat_logprobs(req, prompt, c, scores[idx] if scores else None)}
             if req.return_token_ids:
@@ -400,7 +412,18 @@ class Handlers:
         for idx, c in enumerate(choices):
             yield sse({**head, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
-            entries = (body["choices"][idx]["logprobs"] or {}).get("content")
+            full = body["choices"][idx]
+            if "tool_calls" in full["message"]:  # the text before the calls, then the calls in one delta
+                if full["message"]["content"]:
+                    yield sse({**head, "choices": [{"index": idx, "delta": {"content": full["message"]["content"]},
+                                                    "logprobs": None, "finish_reason": None}]})
+                calls = [{"index": k, **call} for k, call in enumerate(full["message"]["tool_calls"])]
+                yield sse({**head, "choices": [{"index": idx, "delta": {"tool_calls": calls}, "logprobs": None,
+                                                "finish_reason": None}]})
+                yield sse({**head, "choices": [{"index": idx, "delta": {}, "logprobs": None,
+                                                "finish_reason": full["finish_reason"], "stop_reason": c.stop_reason}]})
+                continue
+            entries = (full["logprobs"] or {}).get("content")
             for k, piece in enumerate(clip_pieces(token_pieces(self.tokenizer, c.tokens, req.skip_special_tokens),
                                                   c.text)):
                 lp = None if entries is None else {"content": entries[k:k + 1]}

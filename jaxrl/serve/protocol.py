@@ -5,7 +5,9 @@ per-token texts jaxrl/serve/text.py).
 Request models are validated by FastAPI (pydantic): a field of the wrong type or out of range is HTTP 422 with
 the OpenAI error shape, naming the field. Unknown fields are ignored, as vLLM does. Fields this server cannot
 honour are refused with HTTP 400 naming the field when they carry anything but their neutral value (penalties,
-logit_bias, beam search, suffix, tools, best_of > n, ...): silently different sampling would be worse.
+logit_bias, beam search, suffix, tool_choice other than auto / none, best_of > n, ...): silently different sampling
+would be worse. `tools` are given to the chat template and the calls the model writes in Qwen3.5's format come back
+as `tool_calls` (jaxrl/data/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ class ContentPart(_Request):
 class ChatMessage(_Request):
     role: str
     content: Optional[Union[StrictStr, list[ContentPart]]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    name: Optional[str] = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -151,7 +156,7 @@ class DetokenizeRequest(_Request):
 # field -> its neutral values: anything else is refused (HTTP 400) rather than silently ignored
 NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
            "min_p": (None, 0.0), "min_tokens": (None, 0), "logit_bias": (None, {}), "use_beam_search": (None, False),
-           "length_penalty": (None, 1.0), "suffix": (None, ""), "prompt_logprobs": (None,), "tools": (None, []),
+           "length_penalty": (None, 1.0), "suffix": (None, ""), "prompt_logprobs": (None,),
            "tool_choice": (None, "none", "auto"), "continue_final_message": (False,)}
 
 
@@ -181,6 +186,27 @@ def stop_strings(stop) -> list[str]:
     if longest > MAX_STOP_CHARS:
         raise ApiError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS}", param="stop")
     return items
+
+
+def template_message(m: ChatMessage) -> dict:
+    """A request's message as the chat template takes it: text content, and an assistant turn's tool calls with
+    their arguments as objects (the form Qwen's templates iterate over)."""
+    out = {"role": m.role, "content": message_text(m.content)}
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            function = dict(call.get("function") or {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    raise ApiError("a tool call's function.arguments is not valid JSON", param="messages") from None
+            calls.append({**call, "function": function})
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
 
 
 def message_text(content) -> str:
