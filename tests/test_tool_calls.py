@@ -96,3 +96,37 @@ def test_the_sdk_sends_tools_and_a_tool_conversation(server):
 def _served_name(server) -> str:
     from jaxrl.backends.openai_client import http_json
     return http_json("GET", server.url + "/v1/models")[1]["data"][0]["id"]
+
+
+def test_a_stream_sends_text_as_the_rows_are_sampled_and_equals_the_plain_answer(server):
+    """Token by token (round by round): a 64-token completion at 16 steps a round arrives in several text chunks
+    before its finish chunk (counted, not timed; the first chunk's share of the wall time is printed), and the
+    chunks join to the plain answer, with a stop string cut where the plain answer cuts it."""
+    import time
+
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    name = _served_name(server)
+    kwargs = dict(model=name, prompt="The quick brown fox", max_tokens=64, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0]
+    t0 = time.perf_counter()
+    arrivals, texts = [], []
+    for ch in client.completions.create(**kwargs, stream=True):
+        if ch.choices and ch.choices[0].text:
+            arrivals.append(time.perf_counter() - t0)
+            texts.append(ch.choices[0].text)
+    total = time.perf_counter() - t0
+    print(f"first chunk at {arrivals[0]:.2f} s of {total:.2f} s; {len(texts)} text chunks")
+    assert "".join(texts) == plain.text and len(texts) >= 3, texts  # 64 tokens: >= 4 rounds of <= 16 steps
+    stop = plain.text[10:13]
+    cut = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kwargs, stop=[stop], stream=True)
+                       if ch.choices)
+    assert streamed == cut.text and stop not in streamed
+    chat = dict(model=name, messages=[{"role": "user", "content": "Say hi"}], max_tokens=32, seed=3,
+                extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**chat).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(**chat, stream=True)
+             if ch.choices]
+    assert "".join(parts) == whole and sum(1 for p in parts if p) >= 2

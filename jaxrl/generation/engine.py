@@ -45,7 +45,7 @@ import collections
 import dataclasses
 import math
 import threading
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -156,6 +156,9 @@ class Request:
     top_k: int = 0
     stop_ids: Optional[Sequence[int]] = None
     prompt_key: Optional[Hashable] = None
+    # called at each round end while the row runs with its tokens so far (a streamed answer); on the engine's
+    # thread, so it must only hand them on (the server queues them for its event loop)
+    on_tokens: Optional[Callable[[list], None]] = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -501,8 +504,13 @@ class Engine:
         self.stats["decode_steps"] += steps
         self.stats["slot_steps"] += steps * pool.size
         finished = [b for b, row in enumerate(pool.occupant) if row is not None and not running[b]]
-        if finished:
+        streamed = [b for b, row in enumerate(pool.occupant)
+                    if row is not None and running[b] and row.ticket.request.on_tokens is not None]
+        if finished or streamed:  # the token buffers come to the host only when someone reads them
             tokens, logprobs = jax.device_get(outputs)
+        for b in streamed:
+            pool.occupant[b].ticket.request.on_tokens(tokens[b, :int(generated[b])].tolist())
+        if finished:
             for b in finished:
                 n = int(generated[b])
                 row, pool.occupant[b] = pool.occupant[b], None

@@ -7,7 +7,8 @@ stop_reason the string); a stop id is kept in token_ids, left out of the text, a
 is an EOS id. Log-probs are at temperature 1 and unfiltered (vLLM's raw_logprobs): with `logprobs: 0` the
 sampler's own, with k > 0 or `echo` the teacher-forced pass of the trainer over prompt + completion (a top-k dict
 holds the k most likely tokens and the token itself). `usage` is in every response. `stream` sends a completion's
-chunks (one per token) once it is done.
+chunks as the rows are sampled (`live_response`: each row's new text at every round end, held back where it could
+be the start of a stop string), or, with log-probs or echo (or tools), one chunk per token once it is done.
 
 Off the event loop: everything a request costs in CPU (parsing and validating its body, tokenising its prompts and
 stop strings, detokenising the rows, building log-prob entries, encoding the JSON) runs in worker threads
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import secrets
 from typing import Optional, Sequence
@@ -138,8 +140,9 @@ class Handlers:
             raise ApiError(f"{len(prompts)} prompts x n={req.n} rows exceed what this server queues "
                            f"({self.limits.max_pending_rows})", param="n")
 
-    def rows(self, req, prompts: list[list[int]], max_tokens: int, rule: StopRule) -> list[Request]:
-        """The rows of a request, prompt-major (n per prompt), each keyed by its seed (module docstring)."""
+    def rows(self, req, prompts: list[list[int]], max_tokens: int, rule: StopRule, progress=None) -> list[Request]:
+        """The rows of a request, prompt-major (n per prompt), each keyed by its seed (module docstring);
+        `progress(row, tokens)` gets each row's tokens at every round end (a live stream)."""
         seed = req.seed if req.seed not in (None, -1) else request_seed(self.server_seed, secrets.randbits(32))
         if int(seed) + req.n - 1 >= MAX_SEED:  # choice i is seeded seed + i, which must stay an int64
             raise ApiError(f"seed {seed} + n - 1 is over {MAX_SEED - 1} (choice i is sampled with seed + i)",
@@ -151,7 +154,9 @@ class Handlers:
         for p in prompts:
             for i in range(req.n):
                 s, group, sample = split_request_seed(int(seed) + i)
+                watch = None if progress is None else functools.partial(progress, len(out))
                 out.append(Request(p, group_id=group, sample_index=sample, seed=s, max_new_tokens=max_tokens,
+                                   on_tokens=watch,
                                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=rule.stop_ids))
         return out
 
@@ -233,7 +238,7 @@ class Handlers:
             tops.append(entry)
         return strings, [float(v) for v in values], tops
 
-    def plan_completion(self, req: CompletionRequest) -> "Plan":
+    def plan_completion(self, req: CompletionRequest, progress=None) -> "Plan":
         """Everything checked and prepared before a completions request's rows go to the engine (a worker thread:
         tokenising)."""
         refuse_unsupported(req)
@@ -248,10 +253,14 @@ class Handlers:
             raise ApiError("echo with stream and n > 1 is not supported", param="echo")
         self.check_response_size(req, prompts, max_tokens, req.echo, req.logprobs or 0, req.logprobs is not None)
         rule = self.stop_rule(req, ())
-        rows = self.rows(req, prompts, max_tokens, rule) if max_tokens else []
+        rows = self.rows(req, prompts, max_tokens, rule, progress) if max_tokens else []
         return Plan(served, prompts, texts, rule, rows)
 
     async def completions(self, req: CompletionRequest, client=None):
+        if req.stream and req.logprobs is None and not req.echo:  # token by token as the rows are sampled
+            live = LiveRows()
+            plan = await asyncio.to_thread(self.plan_completion, req, live.progress)
+            return self.live_response(req, plan, live, chat=False)
         plan = await asyncio.to_thread(self.plan_completion, req)
         completions = await self.generate(plan.served, plan.rows, client)
         choices = await asyncio.to_thread(self.finished, req, plan.rule, completions, len(plan.prompts) * req.n)
@@ -331,7 +340,7 @@ class Handlers:
         yield sse("[DONE]")
 
     # -------------------------------------------------------------------------------------------------- chat
-    def plan_chat(self, req: ChatCompletionRequest) -> "Plan":
+    def plan_chat(self, req: ChatCompletionRequest, progress=None) -> "Plan":
         """A chat request checked and prepared (a worker thread: the chat template, tokenising)."""
         refuse_unsupported(req)
         if req.echo:
@@ -356,10 +365,14 @@ class Handlers:
                                      else req.max_tokens, [prompt], field)
         self.check_response_size(req, [prompt], max_tokens, False, top, bool(req.logprobs))
         rule = self.stop_rule(req, self.chat_stop_ids)
-        rows = self.rows(req, [prompt], max_tokens, rule) if max_tokens else []
+        rows = self.rows(req, [prompt], max_tokens, rule, progress) if max_tokens else []
         return Plan(served, [prompt], [None], rule, rows)
 
     async def chat_completions(self, req: ChatCompletionRequest, client=None):
+        if req.stream and not req.logprobs and not (req.tools and req.tool_choice != "none"):
+            live = LiveRows()
+            plan = await asyncio.to_thread(self.plan_chat, req, live.progress)
+            return self.live_response(req, plan, live, chat=True)
         plan = await asyncio.to_thread(self.plan_chat, req)
         prompt = plan.prompts[0]
         completions = await self.generate(plan.served, plan.rows, client)
@@ -405,6 +418,98 @@ class Handlers:
                     top.append({"token": ts, "logprob": float(x), "bytes": list(ts.encode("utf-8"))})
             entries.append({"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8")), "top_logprobs": top})
         return entries
+
+    # ------------------------------------------------------------------------------------------ live streams
+    def live_response(self, req, plan: "Plan", live: "LiveRows", *, chat: bool) -> StreamingResponse:
+        """A stream whose chunks leave as the rows are sampled: each row's new text at every round end (text that
+        could still turn out to be the start of a stop string is held back), then each row's rest (the stopping
+        rule applied) and its finish reason. The rows are queued before the response starts, so an overloaded
+        server still answers 503; a client that goes away cancels them (the generator is closed)."""
+        try:
+            future = self.loop.generate(plan.served.name, plan.rows) if plan.rows else None
+        except (Overloaded, ShuttingDown) as e:
+            raise ApiError(str(e), 503) from None
+        return StreamingResponse(self._live_chunks(req, plan, live, future, chat), media_type="text/event-stream")
+
+    def _live_pieces(self, req, rule: StopRule, tokens: list, sent: int, sent_text: str) -> list[str]:
+        """The per-token pieces of a running row after its first `sent` tokens that are sure to be in its answer:
+        its text so far, less a last character still missing bytes, cut before any stop string it holds and less
+        what could still become the start of one. A token's piece depends on the tokens up to it only, so these
+        are the pieces the finished row will have."""
+        pieces = token_pieces(self.tokenizer, tokens, req.skip_special_tokens)
+        text = "".join(pieces)
+        found = [text.find(s) for s in rule.strings if s in text]
+        longest = max((len(s) for s in rule.strings), default=0)
+        sure = len(text[:min(found)]) if found else len(text) - max(longest - 1, 0)
+        out, at = [], len(sent_text)
+        for piece in pieces[sent:]:
+            if at + len(piece) > sure:
+                break
+            out.append(piece)
+            at += len(piece)
+        return out
+
+    async def _live_chunks(self, req, plan: "Plan", live: "LiveRows", future, chat: bool):
+        count = len(plan.prompts) * req.n
+        head = {"id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion.chunk" if chat else
+                "text_completion", "created": now(), "model": plan.served.name}
+
+        def chunk(i: int, text: Optional[str] = None, finish: Optional[str] = None, stop_reason=None,
+                  role: bool = False) -> str:
+            """The chunks of the whole-row stream (`_stream_completion`, `_stream_chat`), field for field."""
+            if not chat:
+                return sse({**head, "choices": [{"index": i, "text": text or "", "logprobs": None,
+                                                  "finish_reason": finish, "stop_reason": stop_reason}]})
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            return sse({**head, "choices": [choice]})
+
+        sent, sent_text = [0] * count, [""] * count  # per row: tokens whose pieces went out, and their text
+        started = [False] * count
+        waiter = asyncio.wrap_future(future) if future is not None else None
+        try:
+            while waiter is not None and not waiter.done():
+                getter = asyncio.ensure_future(live.queue.get())
+                done, _ = await asyncio.wait({waiter, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    continue
+                latest = dict([getter.result()])
+                while not live.queue.empty():  # a round's reports at once; only each row's newest counts
+                    i, tokens = live.queue.get_nowait()
+                    latest[i] = tokens
+                for i, tokens in sorted(latest.items()):
+                    pieces = await asyncio.to_thread(self._live_pieces, req, plan.rule, tokens, sent[i], sent_text[i])
+                    if pieces and chat and not started[i]:
+                        yield chunk(i, role=True)
+                    started[i] = started[i] or bool(pieces)
+                    for piece in pieces:
+                        yield chunk(i, piece)
+                    sent[i] += len(pieces)
+                    sent_text[i] += "".join(pieces)
+            try:
+                completions = waiter.result() if waiter is not None else []
+            except Exception as e:  # noqa: BLE001 - the response has started: the error goes in the stream
+                status = 503 if isinstance(e, (Overloaded, ShuttingDown, Cancelled)) else 500
+                yield sse({"error": ApiError(f"{type(e).__name__}: {e}", status).body()["error"]})
+                return
+            rows = await asyncio.to_thread(self.finished, req, plan.rule, completions, count)
+            for i, row in enumerate(rows):
+                pieces = clip_pieces(token_pieces(self.tokenizer, row.tokens, req.skip_special_tokens), row.text)
+                if chat and not started[i]:
+                    yield chunk(i, role=True)
+                for piece in pieces[sent[i]:]:
+                    yield chunk(i, piece)
+                yield chunk(i, None, finish=row.finish_reason, stop_reason=row.stop_reason)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(sum(len(p) for p in plan.prompts),
+                                                                   sum(len(r.tokens) for r in rows))})
+            yield sse("[DONE]")
+        finally:
+            if future is not None and not future.done():  # the client went away: its rows leave the engine
+                self.loop.cancel(future)
 
     def _stream_chat(self, req, body: dict, choices: list[Finished]):
         head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
@@ -477,3 +582,14 @@ def encode_json(body: dict) -> bytes:
 
 async def json_response(body: dict, status: int = 200) -> Response:
     return Response(await asyncio.to_thread(encode_json, body), status, media_type="application/json")
+
+
+class LiveRows:
+    """The tokens of a streamed request's rows as the engine reports them (its thread) for the event loop."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+
+    def progress(self, row: int, tokens: list) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (row, tokens))
