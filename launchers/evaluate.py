@@ -62,7 +62,7 @@ from jaxrl.data import formats
 from jaxrl.diagnostics.termination import resample_evaluation
 from jaxrl.evaluation import flags as evaluate_flags
 from jaxrl.evaluation import protocol
-from jaxrl.evaluation.runner import Evaluator
+from jaxrl.evaluation.runner import EPISODE_KEYS, Evaluator
 from jaxrl.parallel import distributed
 from launchers import _main
 
@@ -99,6 +99,9 @@ def main(argv):
     _start_processes(role, confirm)
     if confirm and role == "select":
         raise app.UsageError("--confirm and --role=select exclude each other")
+    if _F["resample_max_new_tokens"].value and _F["environment"].value:
+        raise app.UsageError("--resample_max_new_tokens re-draws single completions; it does not apply to episodes "
+                             "(--environment)")
     if _F["resample_max_new_tokens"].value < 0:
         raise app.UsageError(f"--resample_max_new_tokens must be >= 0, got {_F['resample_max_new_tokens'].value}")
     selection = protocol.read_selection(confirm) if confirm else None
@@ -138,8 +141,9 @@ def _evaluate(ev: Evaluator, cfg, selection, role: str, metric: str) -> None:
 def evaluation_settings(ev: Evaluator) -> dict:
     """The settings of an evaluation a confirmation is checked against (protocol.SELECTION_SETTINGS; the reward's
     options with its defaults, as results.json records them)."""
-    settings = {k: getattr(ev.cfg, k) for k in protocol.SELECTION_SETTINGS}
-    settings["reward_kwargs"] = ev.reward_kwargs
+    episode = ev.episode_settings()  # resolved (the episode budget), and only for episodes, as results.json has them
+    settings = {k: getattr(ev.cfg, k) for k in protocol.SELECTION_SETTINGS if k not in EPISODE_KEYS}
+    settings.update(episode, reward_kwargs=ev.reward_kwargs)
     return settings
 
 
