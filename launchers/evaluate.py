@@ -19,6 +19,12 @@ keeps the merged records in resampled/N/<model>.jsonl, writes termination.json (
 decided; jaxrl.diagnostics.termination) and rewrites results.json/md with every model compared with the baseline
 BOTH at the larger cap (censoring.extended_cap).
 
+Multi-turn episodes (docs/guides/episodes.md): each sample is an episode of an environment; results.json adds
+solved within t turns (t = 1..T), turns and tokens per episode:
+
+    python -m launchers.evaluate --problems=heldout.jsonl --checkpoints=RUN_DIR --environment=code_feedback \
+        --max_turns=3 --environment_options='{"public_tests": 1}' --num_samples=4 --temperature=1.0
+
 Select on dev, confirm once on held-out (jaxrl.evaluation.protocol):
 
     # 1. choose among the checkpoints on the dev split (a frozen split: launchers.import_problems --split)

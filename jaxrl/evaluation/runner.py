@@ -13,7 +13,8 @@ Outputs under `out/` (formats: jaxrl/data/formats.py):
                                  over the file's family; jaxrl.evaluation.analysis), the selection-adjusted gain,
                                  censoring, power, the protocol's claims, warnings (truncation above the
                                  threshold, skipped prompts, models with identical weights)
-    samples/<name>.jsonl         every scored completion (formats.write_samples)
+    samples/<name>.jsonl         every scored completion (formats.write_samples); with `environment`, every episode
+                                 (jaxrl.evaluation.episodes: results add solved within t turns)
     audit.json                   the weight audit (jaxrl.export.audit) of every model against the base
     cache/<name>.jsonl           completions as they are scored, appended one problem at a time (the resume state)
     resampled/<cap>/<name>.jsonl the samples with the truncated ones re-drawn at a larger cap (launchers.evaluate
