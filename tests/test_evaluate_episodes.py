@@ -2,6 +2,7 @@
 model with the built-in code_feedback environment and the packaged problems, base and a checkpoint; the episode
 metrics of results.json are recounted from the written samples."""
 
+import html
 import json
 from pathlib import Path
 
@@ -86,6 +87,13 @@ def test_evaluate_over_episodes_reports_solved_within_t_turns_recounted_from_the
     assert ("step_5", "partial_reward_mean") in rows and ("step_5", "strict_rate") in rows
     md = (out / "results.md").read_text()
     assert "## Episodes" in md and f"solved ≤{TURNS}" in md
+    # the report shows one episode of base and the checkpoint side by side, turn by turn, from the samples
+    from jaxrl.diagnostics.report import build_report
+    page = build_report(env["run"], out=tmp_path / "report.html", eval_dir=out).read_text()
+    base_recs = {(r["problem_id"], r["sample_index"]): r for r in _samples(out, "base")}
+    shown = [r for r in base_recs.values() if f"<b>episode {r['problem_id']}</b> #{r['sample_index']}:" in page]
+    assert len(shown) == 1, "one episode side by side"
+    assert all(html.escape(text) in page for text in shown[0]["episode"]["texts"] if text)
 
 
 @pytest.mark.slow
