@@ -87,6 +87,15 @@ def test_evaluate_over_episodes_reports_solved_within_t_turns_recounted_from_the
     assert ("step_5", "partial_reward_mean") in rows and ("step_5", "strict_rate") in rows
     md = (out / "results.md").read_text()
     assert "## Episodes" in md and f"solved ≤{TURNS}" in md
+    # the same command again resumes from the cache (nothing drawn again); other episode settings are refused
+    before = (out / "samples" / "base.jsonl").read_bytes()
+    args = (f"--problems={env['problems']}", f"--base={env['model']}", f"--checkpoints={env['run']}", "--steps=5",
+            f"--out={out}")
+    again = launch("evaluate", *args, *FLAGS, cache=tmp_path / "xla")
+    assert again.returncode == 0 and (out / "samples" / "base.jsonl").read_bytes() == before, again.stderr[-2000:]
+    other = launch("evaluate", *args, *[f for f in FLAGS if not f.startswith("--max_turns")], "--max_turns=2",
+                   cache=tmp_path / "xla")
+    assert other.returncode != 0 and "max_turns: 3 -> 2" in other.stderr, other.stderr[-2000:]
     # the report shows one episode of base and the checkpoint side by side, turn by turn, from the samples
     from jaxrl.diagnostics.report import build_report
     page = build_report(env["run"], out=tmp_path / "report.html", eval_dir=out).read_text()
