@@ -19,6 +19,12 @@ keeps the merged records in resampled/N/<model>.jsonl, writes termination.json (
 decided; jaxrl.diagnostics.termination) and rewrites results.json/md with every model compared with the baseline
 BOTH at the larger cap (censoring.extended_cap).
 
+Multi-turn episodes (docs/guides/episodes.md): each sample is an episode of an environment; results.json adds
+solved within t turns (t = 1..T), turns and tokens per episode:
+
+    python -m launchers.evaluate --problems=heldout.jsonl --checkpoints=RUN_DIR --environment=code_feedback \
+        --max_turns=3 --environment_options='{"public_tests": 1}' --num_samples=4 --temperature=1.0
+
 Select on dev, confirm once on held-out (jaxrl.evaluation.protocol):
 
     # 1. choose among the checkpoints on the dev split (a frozen split: launchers.import_problems --split)
@@ -62,7 +68,7 @@ from jaxrl.data import formats
 from jaxrl.diagnostics.termination import resample_evaluation
 from jaxrl.evaluation import flags as evaluate_flags
 from jaxrl.evaluation import protocol
-from jaxrl.evaluation.runner import Evaluator
+from jaxrl.evaluation.runner import EPISODE_KEYS, Evaluator
 from jaxrl.parallel import distributed
 from launchers import _main
 
@@ -99,6 +105,9 @@ def main(argv):
     _start_processes(role, confirm)
     if confirm and role == "select":
         raise app.UsageError("--confirm and --role=select exclude each other")
+    if _F["resample_max_new_tokens"].value and _F["environment"].value:
+        raise app.UsageError("--resample_max_new_tokens re-draws single completions; it does not apply to episodes "
+                             "(--environment)")
     if _F["resample_max_new_tokens"].value < 0:
         raise app.UsageError(f"--resample_max_new_tokens must be >= 0, got {_F['resample_max_new_tokens'].value}")
     selection = protocol.read_selection(confirm) if confirm else None
@@ -138,8 +147,9 @@ def _evaluate(ev: Evaluator, cfg, selection, role: str, metric: str) -> None:
 def evaluation_settings(ev: Evaluator) -> dict:
     """The settings of an evaluation a confirmation is checked against (protocol.SELECTION_SETTINGS; the reward's
     options with its defaults, as results.json records them)."""
-    settings = {k: getattr(ev.cfg, k) for k in protocol.SELECTION_SETTINGS}
-    settings["reward_kwargs"] = ev.reward_kwargs
+    episode = ev.episode_settings()  # resolved (the episode budget), and only for episodes, as results.json has them
+    settings = {k: getattr(ev.cfg, k) for k in protocol.SELECTION_SETTINGS if k not in EPISODE_KEYS}
+    settings.update(episode, reward_kwargs=ev.reward_kwargs)
     return settings
 
 

@@ -21,3 +21,17 @@ class Alphabet(Environment):
         chars = [c for c in turn.text if not c.isspace()]
         score = sum(c in ALPHABETS[self.wanted] for c in chars) / len(chars) if chars else 0.0
         return [], score, True
+
+
+class SolvedAt(Environment):
+    """Solved at turn 1 + seed % 3 whatever the answer (reward 1, done); until then "Again." (0): a known
+    solved-within-t for evaluation's recount, independent of the model (a turn cut at its cap ends the episode
+    unsolved)."""
+
+    def reset(self, problem):
+        return list(problem.messages)
+
+    def step(self, turn):
+        if turn.index == self.seed % 3:
+            return [], 1.0, True
+        return [{"role": "user", "content": "Again."}], 0.0, False

@@ -80,6 +80,9 @@ SAMPLES (``eval/samples/NAME.jsonl``), one scored completion a line::
      "reason": str | null,              # why nothing ran ("truncated", "no_code", ...), null when tests ran
      "max_new_tokens": int >= 1 | null} # the generation cap this sample was drawn with
 
+An evaluation over episodes (``--environment``) adds ``"episode"``: turns, texts, rewards, observations,
+solved_turn, tokens, ... (jaxrl/evaluation/episodes.py); ``completion`` is then the last turn.
+
 (problem_id, sample_index) is unique within a file. These records are exactly what
 ``jaxrl.evaluation.metrics.model_metrics`` / ``per_prompt_values`` take. Write them with :func:`write_samples`.
 """

@@ -29,6 +29,7 @@ from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, DIAGNOSTICS_DIR, EVAL_D
 from jaxrl.diagnostics import red_flags
 from jaxrl.diagnostics import plots
 from jaxrl.diagnostics.curves import checkpoint_curves, load_eval_samples
+from jaxrl.diagnostics.episode_view import episode_side_by_side
 from jaxrl.diagnostics.flags import DiagnoseSettings
 from jaxrl.diagnostics.generation_diff import diff_generations
 from jaxrl.diagnostics.page import CSS, escape, img, table
@@ -198,6 +199,7 @@ def collect(workdir: str | os.PathLike, *, eval_dir: Optional[str | os.PathLike]
     elif results and samples:
         for a, b in (diff_models if diff_models is not None else default_diff_pairs(results, samples)):
             data["diffs"].append(diff_generations(samples[a], samples[b], name_a=a, name_b=b, max_examples=10))
+            data["diffs"][-1]["episode"] = episode_side_by_side(samples[a], samples[b])  # None: not episodes
     data["pairs"] = read_diagnostic(diagnostics_path(workdir, "pairs"))
     if pairs is not None:
         data["pairs"] = audit_pairs(pairs, problems=problems, sample_size=sample_size, seed=seed)
@@ -634,7 +636,27 @@ def _diffs_section(data: Mapping) -> str:
                     f"{escape(c['finish_b'])}; tokens {c['tokens_a']} → {c['tokens_b']}{escape(sim)}</p>"
                     f"<div class='sbs'><pre>{escape(d['model_a'])}:\n{escape(c['text_a'])}</pre>"
                     f"<pre>{escape(d['model_b'])}:\n{escape(c['text_b'])}</pre></div>")
+        out += _episode_view(d)
     return out
+
+
+def _episode_view(d: Mapping) -> str:
+    """One episode of both models, a row per turn (evaluations over episodes; jaxrl.diagnostics.episode_view)."""
+    e = d.get("episode")
+    if not e:
+        return ""
+    rows = []
+    for t, turn in enumerate(e["turns"]):
+        cells = []
+        for text, obs, reward in ((turn["a"], turn["obs_a"], turn["reward_a"]),
+                                  (turn["b"], turn["obs_b"], turn["reward_b"])):
+            reply = "" if not obs else "\n--- environment:\n" + "\n".join(obs)
+            cells.append("–" if text is None else f"<pre>{escape(text + reply)}</pre>"
+                         + ("" if reward is None else f" reward {reward:+.2f}"))
+        rows.append([str(t + 1)] + cells)
+    return (f"<p><b>episode {escape(e['problem_id'])}</b> #{e['sample_index']}: reward {e['partial_a']:.2f} → "
+            f"{e['partial_b']:.2f}, solved {e['solved_a']} → {e['solved_b']}</p>"
+            + table(["turn", d["model_a"], d["model_b"]], rows, left=3))
 
 
 def _drift_section(data: Mapping) -> str:

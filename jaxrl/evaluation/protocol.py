@@ -58,7 +58,9 @@ ROLES = ("exploratory", "selection", "confirmation")
 # and its options, the caps, the dtype, the sampling and its seed. (The base folder is the selection's too, unless
 # given: the same weights may lie elsewhere, and the fingerprint check refuses other ones.)
 SELECTION_SETTINGS = ("reward", "reward_kwargs", "max_new_tokens", "max_prompt_len", "on_overlong", "dtype",
-                      "num_samples", "temperature", "top_p", "top_k", "enable_thinking", "seed")
+                      "num_samples", "temperature", "top_p", "top_k", "enable_thinking", "seed",
+                      # episodes (recorded only by evaluations over episodes: absent keys are not compared)
+                      "environment", "environment_options", "max_turns", "max_episode_tokens")
 
 
 class ProtocolError(ValueError):

@@ -13,7 +13,8 @@ Outputs under `out/` (formats: jaxrl/data/formats.py):
                                  over the file's family; jaxrl.evaluation.analysis), the selection-adjusted gain,
                                  censoring, power, the protocol's claims, warnings (truncation above the
                                  threshold, skipped prompts, models with identical weights)
-    samples/<name>.jsonl         every scored completion (formats.write_samples)
+    samples/<name>.jsonl         every scored completion (formats.write_samples); with `environment`, every episode
+                                 (jaxrl.evaluation.episodes: results add solved within t turns)
     audit.json                   the weight audit (jaxrl.export.audit) of every model against the base
     cache/<name>.jsonl           completions as they are scored, appended one problem at a time (the resume state)
     resampled/<cap>/<name>.jsonl the samples with the truncated ones re-drawn at a larger cap (launchers.evaluate
@@ -68,11 +69,15 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import jax
 
+from jaxrl.algorithms import plugins
+from jaxrl.algorithms.environments import ENVIRONMENTS
+from jaxrl.algorithms.online.episodes import EpisodeRunner
 from jaxrl.data import formats
 from jaxrl.data.chat import OVERLONG_POLICIES, chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
 from jaxrl.evaluation.analysis import COMPARED, analyze, sampling_warning  # [stats]
 from jaxrl.evaluation.censoring import load_resampled
+from jaxrl.evaluation.episodes import EpisodeStream, episode_markdown, episode_record, episode_summary
 from jaxrl.evaluation.protocol import read_protocol, refuse_overwrite
 from jaxrl.evaluation.stats import write_results
 from jaxrl.export.audit import FolderSource, MergedSource, audit
@@ -105,9 +110,12 @@ __all__ = ["BASE", "CACHE_KEYS", "COMPARED", "EvalConfig", "Evaluator", "MODEL_K
 logger = logging.getLogger(__name__)
 
 BASE = formats.BASE_MODEL
+# The settings of evaluation over episodes; recorded (and compared on resume) only when --environment is set, so
+# the caches of single-turn evaluations written before them still resume.
+EPISODE_KEYS = ("environment", "environment_options", "max_turns", "max_episode_tokens")
 # Settings a model's cached samples depend on; resuming with any other value is refused.
 CACHE_KEYS = ("fingerprint", "adapter_digest", "temperature", "top_p", "top_k", "max_new_tokens", "enable_thinking",
-              "reward", "reward_kwargs", "seed", "backend", "dtype", "tokenizer")
+              "reward", "reward_kwargs", "seed", "backend", "dtype", "tokenizer") + EPISODE_KEYS
 
 
 @dataclasses.dataclass
@@ -148,6 +156,15 @@ class EvalConfig:
     #                                     process's devices; None = one device without a mesh
     overwrite: bool = flag_field(False, help="Replace the results in --out of models or prompts this run leaves "
                                              "out (without it a narrower rerun is refused).")
+    environment: str = flag_field("", help="Evaluate multi-turn episodes of this environment ('' = single "
+                                           "completions): code_feedback, a registered plug-in name, or a plug-in "
+                                           "path file.py:Class (docs/guides/episodes.md).")
+    environment_options: dict = flag_field(default_factory=dict, help="JSON options of --environment, e.g. "
+                                                                      "'{\"public_tests\": 1}'.")
+    max_turns: int = flag_field(1, help="Turns of an episode at most (--environment); results report solved "
+                                        "within t turns for t = 1..max_turns.")
+    max_episode_tokens: int = flag_field(0, help="Tokens of an episode after its prompt (turns and observations); "
+                                                 "0 = max_turns x (max_new_tokens + max_prompt_len).")
 
 
 def check_values(cfg: EvalConfig) -> SamplingParams:
@@ -164,9 +181,39 @@ def check_values(cfg: EvalConfig) -> SamplingParams:
             bad.append(f"{key} must be >= {minimum}, got {getattr(cfg, key)}")
     if any(int(b) < 1 for b in cfg.prompt_buckets):
         bad.append(f"prompt_buckets must be positive, got {list(cfg.prompt_buckets)}")
+    if int(cfg.max_turns) < 1:
+        bad.append(f"max_turns must be >= 1, got {cfg.max_turns}")
+    elif not cfg.environment and (int(cfg.max_turns) != 1 or cfg.max_episode_tokens or cfg.environment_options):
+        bad.append("max_turns, max_episode_tokens and environment_options need environment (episodes)")
+    if cfg.environment and 0 < int(cfg.max_episode_tokens) < int(cfg.max_new_tokens):
+        bad.append(f"max_episode_tokens={cfg.max_episode_tokens} cannot hold one turn of max_new_tokens="
+                   f"{cfg.max_new_tokens}")
+    elif int(cfg.max_episode_tokens) < 0:
+        bad.append(f"max_episode_tokens must be >= 0, got {cfg.max_episode_tokens}")
     if bad:
         raise ValueError("; ".join(bad))
     return sampling
+
+
+def episode_tokens(cfg: EvalConfig) -> int:
+    """The token budget of an episode after its prompt (`max_episode_tokens`, 0: room for every turn and after
+    each an observation as long as a prompt may be)."""
+    return int(cfg.max_episode_tokens) or int(cfg.max_turns) * (int(cfg.max_new_tokens) + int(cfg.max_prompt_len))
+
+
+def environment_factory(name: str):
+    """The environment class of --environment: a registered name, or a plug-in `file.py:Class` loaded (and checked
+    on an example episode) here. ValueError naming the flag otherwise."""
+    if ":" in name:
+        try:
+            return plugins.load("environment", name)
+        except Exception as e:  # noqa: BLE001 - one line naming the flag
+            raise ValueError(f"--environment={name!r}: {e}") from None
+    try:
+        return ENVIRONMENTS.get(name)
+    except KeyError:
+        raise ValueError(f"--environment={name!r}: no such environment (registered: "
+                         f"{', '.join(plugins.names('environment'))}; or a plug-in file.py:Class)") from None
 
 
 def default_reward_kwargs(name: str) -> dict:
@@ -280,16 +327,25 @@ class Evaluator:
             reward = get_reward(cfg.reward, **{**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs})
         self.reward = reward
         self.reward_kwargs = {**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs}
+        self.environment = environment_factory(cfg.environment) if cfg.environment else None
+        # episodes: the last turn's prompt is the first prompt and the episode so far
+        longest = cfg.max_prompt_len + (episode_tokens(cfg) - cfg.max_new_tokens if cfg.environment else 0)
         if backend is None:
             pad = self.tokenizer.pad_token_id
             mesh = local_mesh(cfg.mesh_shape) if cfg.backend == "jax" and cfg.mesh_shape is not None else None
             backend = make_backend(cfg.backend, base_dir=cfg.base, out_dir=str(self.out), dtype=cfg.dtype,
-                                   batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
+                                   batch_size=cfg.batch_size, max_prompt_len=longest,
                                    prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=self.stop_ids,
                                    pad_id=pad, model=model, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
                                    mesh=mesh, **cfg.backend_kwargs)
         self.backend = backend
         self.collector = Collector(backend, reward, tokenizer=self.tokenizer, stop_ids=self.stop_ids)
+        self.episodes = None
+        if self.environment is not None:
+            self.episodes = EpisodeStream(EpisodeRunner(
+                self.collector, self.environment, tokenizer=self.tokenizer, enable_thinking=cfg.enable_thinking,
+                max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_episode_tokens=episode_tokens(cfg),
+                max_prompt_len=cfg.max_prompt_len, options=dict(cfg.environment_options)))
         self.audit_report: Optional[dict] = None
         self._loaded: Optional[str] = None
         self.tokenizer_digest = _tokenizer_digest(cfg.base)
@@ -399,7 +455,15 @@ class Evaluator:
                 "max_new_tokens": cfg.max_new_tokens, "enable_thinking": cfg.enable_thinking,
                 "reward": cfg.reward, "reward_kwargs": self.reward_kwargs, "seed": cfg.seed,
                 "backend": self.backend.name or cfg.backend,
-                "dtype": cfg.dtype, "tokenizer": self.tokenizer_digest}
+                "dtype": cfg.dtype, "tokenizer": self.tokenizer_digest, **self.episode_settings()}
+
+    def episode_settings(self) -> dict:
+        """The EPISODE_KEYS of an evaluation over episodes ({} for single completions)."""
+        cfg = self.cfg
+        if not cfg.environment:
+            return {}
+        return {"environment": cfg.environment, "environment_options": dict(cfg.environment_options),
+                "max_turns": int(cfg.max_turns), "max_episode_tokens": episode_tokens(cfg)}
 
     def cache_path(self, name: str) -> Path:
         return self.out / "cache" / f"{name}.jsonl"
@@ -457,8 +521,10 @@ class Evaluator:
         loop = SamplingLoop(log, [(p, self.prompts[p.id]) for p in self.problems], cfg.num_samples, cached,
                             label=f"evaluation {self.out} {name}")
 
-        def record(sample: Sample, problem, prompt: list[int]) -> dict:
-            rec = self.record(sample, problem.id, self.sampling.max_new_tokens)
+        def record(sample, problem, prompt: list[int]) -> dict:
+            rec = (self.record(sample, problem.id, self.sampling.max_new_tokens) if self.episodes is None else
+                   episode_record(sample.episode, problem.id, max_new_tokens=self.sampling.max_new_tokens,
+                                  problem_fingerprint=problem.fingerprint))
             cached[(problem.id, rec["sample_index"])] = rec
             return rec
 
@@ -468,7 +534,7 @@ class Evaluator:
         loop.run(self.collector, self.sampling, record,
                  stop_message=lambda counts: self._stop_message(name), prepare=lambda: self.load(name),
                  progress=ProgressBar(name, unit="problem") if cfg.progress else None,
-                 on_batch=report if on_batch is not None else None)
+                 on_batch=report if on_batch is not None else None, stream=self.episodes)
         loop.finish(keep=self._current)
         if loop.processes > 1:
             cached = self.cached_records(log)
@@ -540,6 +606,13 @@ class Evaluator:
                         seed=cfg.seed, resampled=load_resampled(out_dir), protocol=read_protocol(self.out),
                         problems=cfg.problems)
         metrics, comps = stats.pop("models"), stats.pop("comparisons")
+        if cfg.environment:  # solved within t turns, turns and tokens per episode (jaxrl.evaluation.episodes)
+            for name, recs in records.items():
+                metrics[name]["episodes"] = episode_summary(recs, cfg.max_turns, cfg.confidence)
+            failed = {name: m["episodes"]["failed"] for name, m in metrics.items() if m["episodes"]["failed"]}
+            if failed:
+                warnings.append(f"episodes failed (their environment raised; scored 0, the error in the samples' "
+                                f"reason): {failed}")
         warnings = [w for w in [sampling_warning(cfg.temperature, cfg.num_samples)] if w] + stats.pop("warnings")
         if self.skipped:
             warnings.append(f"{len(self.skipped)} of {self.n_problems_total} problems were skipped (prompt over "
@@ -581,6 +654,7 @@ class Evaluator:
                                 "on_overlong": cfg.on_overlong,
                                 "reward_kwargs": self.reward_kwargs, "backend": cfg.backend, "dtype": cfg.dtype,
                                 "seed": cfg.seed, "baseline": cfg.baseline, "base": os.path.abspath(cfg.base),
+                                **self.episode_settings(),
                                 "truncation_threshold": cfg.truncation_threshold,
                                 "bootstrap": {"n_resamples": cfg.n_resamples, "confidence": cfg.confidence,
                                               "seed": cfg.seed, "unit": "prompt"}},
@@ -589,7 +663,8 @@ class Evaluator:
                                            max_new_tokens=cfg.max_new_tokens,
                                            truncation_threshold=cfg.truncation_threshold, extra=extra)
         results = formats.read_results(json_path)
-        atomic_write_text(md_path, md_path.read_text(encoding="utf-8") + self._md_details(results))
+        atomic_write_text(md_path, md_path.read_text(encoding="utf-8") + episode_markdown(results["models"])
+                          + self._md_details(results))
         return results
 
     def _merge_fidelity(self, name: str) -> Optional[dict]:

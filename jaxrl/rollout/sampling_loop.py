@@ -96,13 +96,16 @@ class SamplingLoop:
 
     def run(self, collector: Collector, sampling: SamplingParams, record: Callable[[Sample, Any, Sequence[int]], dict],
             *, stop_message: Callable[[Counts], str], prepare: Optional[Callable[[], None]] = None,
-            progress: Optional[ProgressBar] = None, on_batch: Optional[Callable[[Counts], None]] = None) -> Counts:
+            progress: Optional[ProgressBar] = None, on_batch: Optional[Callable[[Counts], None]] = None,
+            stream: Optional[Callable[..., Any]] = None) -> Counts:
         """Draws and appends what this process's share lacks; returns the counts.
 
         record(sample, problem, prompt ids): the line written for a sample. A batch written together is the
         problems of the backend's `batch_size` samples (the stream goes on past it). prepare(): called once before
         the first batch, only when there is something to draw (e.g. loading the model). on_batch(counts): after
-        each written batch."""
+        each written batch. stream: what draws the samples, with `Collector.stream`'s signature and yield
+        (default `collector.stream`; evaluation over episodes passes its episode stream, whose samples are
+        episodes: the loop reads their prompt_index, sample_index, tokens and truncated only)."""
         counts = self.counts
         self.writer.start()
         bar = None
@@ -114,10 +117,11 @@ class SamplingLoop:
             per_batch = max(1, collector.backend.batch_size // self.num_samples)
             counts.started = time.perf_counter()
             todo = self.todo
-            stream = collector.stream([prompt for _, prompt in todo], [problem_key(p.id) for p, _ in todo],
+            draw = stream if stream is not None else collector.stream
+            batches = draw([prompt for _, prompt in todo], [problem_key(p.id) for p, _ in todo],
                                       [p for p, _ in todo], sampling, chunk=per_batch,
                                       wanted=lambda j, i: not self.is_done(todo[j][0].id, i))
-            for b, samples in stream:
+            for b, samples in batches:
                 chunk = todo[b:b + per_batch]
                 for s in samples:
                     s.prompt_index -= b

@@ -61,7 +61,9 @@ class Episode:
     texts: list[str] = dataclasses.field(default_factory=list)  # each turn's text
     observations: list[list[dict]] = dataclasses.field(default_factory=list)  # what the environment answered
     reward: float = 0.0  # the sum of the environment's rewards; NaN when the episode failed
+    rewards: list[float] = dataclasses.field(default_factory=list)  # what each turn's step gave (evaluation shows it)
     solved: bool = False
+    solved_turn: Optional[int] = None  # 1-based turn from which `solved` held to the end (evaluation's within-t)
     done: bool = False  # the environment ended it
     truncated: bool = False  # a turn hit its cap, or the token budget cut it
     error: Optional[str] = None  # the environment's exception: the episode failed
@@ -195,8 +197,11 @@ class EpisodeRunner:
             e.fail(f"step {turn}", err)
             return
         e.reward += reward
+        e.rewards.append(reward)
         solved = getattr(e.env, "solved", None)
         e.solved = bool(solved) if solved is not None else e.reward >= 1.0
+        # an environment may un-solve (a later answer breaks a passing one): only a solve that lasts counts
+        e.solved_turn = (e.solved_turn or turn + 1) if e.solved else None
         if done or last:
             e.end(done=bool(done), truncated=capped)
             return
