@@ -77,7 +77,7 @@ def test_distill_other_losses_run_with_finite_metrics(teacher, student, tmp_path
         np.testing.assert_allclose(records[0]["loss"], records[0]["distill/log_ratio"], rtol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_lmbda_mixes_student_samples_with_sft_responses(teacher, student, tmp_path):
     """lmbda 0.5: half the step's rows are the student's samples, half the SFT file's responses (prompt = the
     tokens before the first loss_mask 1), every row scored by the teacher."""

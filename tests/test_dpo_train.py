@@ -74,7 +74,7 @@ def _run_objective(objective, model, batch, normalisers=None, grad=False):
     return float(value), {k: float(v) for k, v in metrics.items()}, grads
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_objective_equals_dpo_on_an_independent_forward():
     c = resolve_config(tiny_config("dpo"))
     model = build_model(c, mesh_from_config(c))

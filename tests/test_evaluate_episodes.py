@@ -43,7 +43,7 @@ def _samples(out, name):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_evaluate_over_episodes_reports_solved_within_t_turns_recounted_from_the_samples(env, tmp_path):
     out = tmp_path / "eval"
     proc = launch("evaluate", f"--problems={env['problems']}", f"--base={env['model']}",

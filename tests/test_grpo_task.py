@@ -245,7 +245,7 @@ def test_rollout_rows_must_fill_whole_global_batches():
 # ------------------------------------------------------------------------------------------------- buffers
 
 
-@pytest.mark.slow  # a short run of the tiny model: two rollouts of two updates each, real Orbax checkpoints
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_rollout_buffers_go_with_the_checkpoints_that_needed_them(tmp_path):
     """Two passes over each rollout (S = 2: every rollout lands in rollouts/<r>.npz), a checkpoint at steps 3 and
     4, one training state kept. After step 3 the state of step 3 (inside rollout 1) needs 1.npz, and nothing needs

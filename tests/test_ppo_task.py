@@ -64,7 +64,7 @@ def test_ppo_raises_reward_and_lowers_value_loss(tmp_path):
 # ------------------------------------------------------------------------------------------------- faults
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_nan_in_a_ppo_step_is_skipped_counted_and_the_run_finishes(tmp_path):
     cfg = tiny_config("ppo")
     cfg.steps = 8

@@ -121,7 +121,7 @@ def test_model_prefix_plus_continuation_equals_one_pass(model):
     np.testing.assert_allclose(np.concatenate(parts, 1), whole, atol=1e-4 * np.abs(whole).max())
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_left_padded_prefill_then_decode_matches_unpadded(model):
     rng = np.random.default_rng(1)
     lengths = [70, 33]

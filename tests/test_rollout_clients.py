@@ -102,6 +102,7 @@ def get_config():
 """
 
 
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_a_hung_rollout_server_shows_progress_and_the_first_sigint_keeps_the_last_step(tmp_path):
     from launcher_env import launch_env
 

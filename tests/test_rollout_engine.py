@@ -155,7 +155,7 @@ def test_row_caps_cut_each_row_where_its_cap_says(model):
         assert reason == (full_reason if len(full) <= cap else "length")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_programs_compile_once_and_stay_within_the_bound():
     """A call compiles at most `program_bound()` programs; later calls with new prompts (same prompt length),
     seeds, sampling values and weights trace no new prefill, insert or weight preparation, and stay within the

@@ -88,7 +88,7 @@ def test_server_teacher_arrays_equal_the_in_process_teachers(folders, server):
         assert not remote[name][~mask].any(), name
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_a_distill_run_on_the_teacher_server_has_the_in_process_losses(folders, server, tmp_path):
     """Two steps of forward_kl_topk at temperature 1, the teacher in this process vs on the server: every step's
     loss and distill/* metric within 1e-5 (fp32): the student samples the same rows, so the step-2 equality also
@@ -109,7 +109,7 @@ def test_a_distill_run_on_the_teacher_server_has_the_in_process_losses(folders, 
     print("losses", [r["loss"] for r in runs["server"]])
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_a_down_teacher_server_is_refused_before_any_step_and_the_run_resumes_once_it_is_up(folders, tmp_path):
     from jaxrl.algorithms.run import run_training
     teacher, student = folders
