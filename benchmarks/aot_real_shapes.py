@@ -277,7 +277,8 @@ def decode_program(spec: dict, cfg, limit: float):
         stop_width=STOP_WIDTH, pad_id=pad_id, mesh=None), weights.leaves)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     mode = sampling_mode(1.0, 1.0, 0, cfg.vocab_size)
-    args = (weights.structure, weights.leaves, decode_weights, state, scalar, scalar)
+    live = jax.ShapeDtypeStruct((spec["slots"],), jnp.bool_)  # the slots the host holds a row for
+    args = (weights.structure, weights.leaves, decode_weights, state, live, scalar, scalar)
     return programs.decode_round, args, dict(mode=mode, pad_id=pad_id, mesh=None), model, decode_weights
 
 
