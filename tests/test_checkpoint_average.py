@@ -291,7 +291,7 @@ def test_step_specs_weights_and_ranks_are_checked_with_clear_errors(run):
     assert average_name([4, 8], [1, 1]) == "avg_4-8" and average_name([4, 8], [1, 3], 2) == "avg_4-8_weighted_r2"
 
 
-@pytest.mark.slow  # three launcher processes (~10 s each: imports)
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_the_launcher_writes_an_average_and_refuses_bad_ones_in_one_line(run, tmp_path):
     _, workdir = run
 

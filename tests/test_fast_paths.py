@@ -216,7 +216,7 @@ def model(hf_container):
     return qwen35.from_pretrained(hf_container[0], dtype=jnp.float32)
 
 
-@pytest.mark.slow  # compiles the prefill-mode and preallocated-cache paths
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_prefill_mode_cache_equals_the_preallocated_cache_path(model):
     rng = np.random.default_rng(3)
     ids = rng.integers(2, 250, size=(3, 90)).astype(np.int32)
@@ -246,7 +246,7 @@ def test_prefill_mode_cache_equals_the_preallocated_cache_path(model):
                                atol=1e-4)
 
 
-@pytest.mark.slow  # two 256-step decode scans
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_bf16_decode_state_drift_is_small_and_does_not_grow(model):
     """Teacher-forced decode of 256 tokens with the Gated DeltaNet state stored in bf16 vs fp32 (fp32 model,
     perturbed tiny checkpoint, logits of scale ~10): every step's log-probabilities within 0.05 (measured max
@@ -337,6 +337,7 @@ def test_auto_remat_follows_the_memory_estimate():
         qwen35.init_model(tiny(), remat="fast")
 
 
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_auto_remat_budgets_the_weight_stack_of_scanned_layers():
     """A scanned training pass holds a stacked copy of the layer weights (the AOT benchmark at the 9B shape: the
     kept activations of remat "matmuls" came to 49.1 GiB against a 43.7 GiB budget), so "auto" reserves it."""
@@ -405,7 +406,7 @@ def test_each_distinct_prompt_is_prefilled_once_and_copied_to_its_samples(model)
 # ---------------------------------------------------------------------------------------------------------------
 # Decode: the weights transposed to [in, out] once per weight version (CPU), adapters fused
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.heavy)])
 def test_decode_with_transposed_weights_equals_the_plain_step(dtype):
     """Two decode steps with the decode weight copies (`decode_weights`: LoRA attached and fused into its
     projection, untied head) give the logits and caches of the plain model; the copies are really used (every

@@ -119,7 +119,7 @@ def test_rollout_masks_and_advantages_follow_the_options(tmp_path):
     assert np.all(ref[on] < 0)
 
 
-@pytest.mark.slow  # a rollout and its teacher-forced passes compile
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_off_policy_old_logprobs_in_bf16_are_teacher_forced(tmp_path):
     """Off-policy (num_iterations=2) in bf16: the ratio's denominator must be the teacher-forced log-probs of the
     sampling parameters. The sampler's KV-cache decode differs from that pass by ~1e-2 in bf16 (equal to ~1e-6

@@ -251,7 +251,7 @@ def test_update_is_invariant_to_the_micro_batch_split_with_the_correction_on(tmp
             np.testing.assert_allclose(m4[metric], m1[metric], rtol=2e-5, atol=1e-7, err_msg=metric)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_an_on_policy_step_at_temperature_1_is_its_own_mismatch_pass(tmp_path):
     """On-policy (one update per rollout) at temperature 1: the trainer side of the rollout correction is the
     step's own forward, so no separate teacher-forced pass runs (time/mismatch_logp_s 0) and the step logs the

@@ -261,7 +261,7 @@ class _Interrupted(Exception):
     pass
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_an_interrupted_rollout_resumes_to_the_same_samples(generation_env):
     """A rollout stopped after its first written batch, then rerun: the file holds every sample once, each the
     golden one for its key (the resumed part is drawn by problem key, not by position)."""

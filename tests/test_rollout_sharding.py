@@ -58,7 +58,7 @@ def merged_copy(adapted):
     return model
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_lora_generation_equals_merged_weights_and_disabled_equals_base(base, adapted):
     prompts = prompts_of([3, 9, 17, 30])
     sampler = Sampler(adapted, **SETTINGS)
