@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import tempfile
 
-from benchmarks.bench_overlap import WARMUP_STEPS, demo_grpo_config, serve_rollouts, stop_servers
+from benchmarks.bench_overlap import WARMUP_STEPS, served_demo_grpo
 
 
 def one_run(config, workdir: str, k: int) -> dict:
@@ -64,39 +62,23 @@ def learning(config, root: str, ks=(0, 2), seeds=(0, 1, 2), last: int = 5) -> di
 
 def run(ks=(0, 1, 2, 4), steps: int = 12, rounds: int = 1, servers: int = 1, workdir: str | None = None,
         learn_steps: int = 0) -> dict:
-    if steps <= WARMUP_STEPS:
-        raise ValueError(f"steps must exceed the {WARMUP_STEPS} untimed steps of each run")
-    own = workdir is None
-    root = os.path.realpath(tempfile.mkdtemp(prefix="bench_async_") if own else workdir)
-    os.makedirs(root, exist_ok=True)
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    config, base = demo_grpo_config(os.path.join(root, "demo"), steps)
-    procs = []
-    try:
-        rows = serve_rollouts(config, base, root, servers, procs)
-        warm = config.copy_and_resolve_references()
-        warm.steps = WARMUP_STEPS + 1
-        for k in ks:  # every program compiled (trainer and servers), every code path
+    def warm_up(warm, root):  # every program compiled (trainer and servers), every code path
+        for k in ks:
             one_run(warm, os.path.join(root, f"warmup_{k}"), k)
+
+    learned = None
+    with served_demo_grpo(steps, servers, workdir, "bench_async_", warm_up) as (config, root, info):
         results = {k: [] for k in ks}
         for r in range(rounds):
             for k in ks:
                 results[k].append(one_run(config, os.path.join(root, f"run{r}_{k}"), k))
-        learned = None
         if learn_steps:
             long = config.copy_and_resolve_references()
             long.steps = learn_steps
             learned = learning(long, root)
-    finally:
-        stop_servers(procs)
-        if own:
-            shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(x["steps_per_min"] for x in runs) for k, runs in results.items()}
-    out = {"steps": steps, "timed_steps": steps - WARMUP_STEPS, "rounds": rounds, "servers": servers, "rows": rows,
-           "runs": {str(k): runs for k, runs in results.items()},
-           "steps_per_min_median": {str(k): v for k, v in med.items()},
-           "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
-           "cores": len(os.sched_getaffinity(0))}
+    out = {**info, "rounds": rounds, "runs": {str(k): runs for k, runs in results.items()},
+           "steps_per_min_median": {str(k): v for k, v in med.items()}}
     if learned is not None:
         out["learning"] = {"steps": learn_steps, **learned}
     for base_k in (0, 1):

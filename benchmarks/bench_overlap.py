@@ -20,6 +20,7 @@ trainer and the background rollout share the same cores, which bounds the gain.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -124,41 +125,52 @@ def one_run(config, workdir: str, overlap: bool) -> dict:
             "reward_mean_last": records[-1]["reward/mean"]}
 
 
-def run(steps: int = 12, rounds: int = 2, servers: int = 1, workdir: str | None = None) -> dict:
+@contextlib.contextmanager
+def served_demo_grpo(steps: int, servers: int, workdir: str | None, prefix: str, warm_up):
+    """The setting both benchmarks time in: the demo's GRPO config (`steps` steps) on `servers` real servers, in
+    `workdir` (default: a temporary folder, removed after), `warm_up(config of WARMUP_STEPS + 1 steps, root)` run
+    first to compile every program. Yields (config, root, info: rows, load average before, ...)."""
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps must exceed the {WARMUP_STEPS} untimed steps of each run")
     own = workdir is None
-    root = os.path.realpath(tempfile.mkdtemp(prefix="bench_overlap_") if own else workdir)
+    root = os.path.realpath(tempfile.mkdtemp(prefix=prefix) if own else workdir)
     os.makedirs(root, exist_ok=True)
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    info = {"steps": steps, "timed_steps": steps - WARMUP_STEPS, "servers": servers,
+            "load_average_before": [round(x, 2) for x in os.getloadavg()], "cores": len(os.sched_getaffinity(0))}
     config, base = demo_grpo_config(os.path.join(root, "demo"), steps)
     procs = []
     try:
-        rows = serve_rollouts(config, base, root, servers, procs)
+        info["rows"] = serve_rollouts(config, base, root, servers, procs)
         warm = config.copy_and_resolve_references()
         warm.steps = WARMUP_STEPS + 1
-        for overlap in (False, True):  # every program compiled (trainer and servers), both code paths
+        warm_up(warm, root)
+        yield config, root, info
+    finally:
+        stop_servers(procs)
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    info["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+
+
+def run(steps: int = 12, rounds: int = 2, servers: int = 1, workdir: str | None = None) -> dict:
+    def warm_up(warm, root):  # every program compiled (trainer and servers), both code paths
+        for overlap in (False, True):
             one_run(warm, os.path.join(root, f"warmup_{int(overlap)}"), overlap)
+
+    with served_demo_grpo(steps, servers, workdir, "bench_overlap_", warm_up) as (config, root, info):
         results = {"off": [], "on": []}
         for k in range(rounds):
             for overlap in (False, True):
                 results["on" if overlap else "off"].append(
                     one_run(config, os.path.join(root, f"run{k}_{int(overlap)}"), overlap))
-    finally:
-        stop_servers(procs)
-        if own:
-            shutil.rmtree(root, ignore_errors=True)
     med = {mode: statistics.median(r["timed_s"] for r in runs) for mode, runs in results.items()}
     return {
-        "steps": steps, "timed_steps": steps - WARMUP_STEPS, "rounds": rounds, "servers": servers, "rows": rows,
-        "prompts": config.grpo.prompts_per_step, "k": config.grpo.num_generations,
+        **info, "rounds": rounds, "prompts": config.grpo.prompts_per_step, "k": config.grpo.num_generations,
         "max_new_tokens": config.grpo.max_new_tokens, "dtype": config.dtype,
         "off": results["off"], "on": results["on"],
         "off_timed_s": med["off"], "on_timed_s": med["on"],
         "off_step_s": med["off"] / (steps - WARMUP_STEPS), "on_step_s": med["on"] / (steps - WARMUP_STEPS),
         "ratio_off_over_on": med["off"] / med["on"],
-        "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "cores": len(os.sched_getaffinity(0)),
     }
 
 

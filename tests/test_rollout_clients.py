@@ -82,10 +82,8 @@ def test_a_frozen_server_times_out_naming_it(tmp_path):
         backend = ServerBackend(str(tmp_path / "base"), url=server.url, request_timeout_s=1.0)
         backend._model = backend._base_name
         server.proc.send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        with pytest.raises(ServerError) as e:
+        with pytest.raises(ServerError) as e:  # the 1 s timeout, named, not the sized default's 60.4 s
             backend.generate([[1, 2, 3]], [0], SamplingParams(n=2, max_new_tokens=4, temperature=1.0))
-        assert time.monotonic() - t0 < 30
         assert server.url in str(e.value) and "did not answer within 1 s" in str(e.value), str(e.value)
     finally:
         server.proc.send_signal(signal.SIGCONT)

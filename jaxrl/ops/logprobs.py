@@ -30,85 +30,6 @@ import jax.numpy as jnp
 from jaxrl.ops.matmul import project
 
 
-def token_logprobs(hidden: jax.Array, head_weight: jax.Array, targets: jax.Array, *, chunk_size: int = 512,
-                   temperature: float = 1.0, return_entropy: bool = False, top_k: int = 0):
-    """log softmax(hidden @ head_weight.T / temperature)[targets].
-
-    hidden: [B, T, H] (final-norm hidden states, `model.hidden_states`); head_weight: [V, H]
-    (`model.head_weight()`); targets: [B, T] int (the token whose probability is wanted at each position).
-    Returns logp [B, T] fp32; with `return_entropy` also the entropy of each position's distribution [B, T]; with
-    `top_k` > 0 (and no entropy) (logp, top log-probs [B, T, k] fp32, top ids [B, T, k] int32), most likely first.
-    """
-    if top_k:
-        if return_entropy:
-            raise ValueError("token_logprobs: top_k and return_entropy are not offered together")
-        return _with_top_k(hidden, head_weight, targets, chunk_size, temperature, int(top_k))
-    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
-        raise ValueError(f"token_logprobs: hidden must be [B, T, H] and targets [B, T]; got {hidden.shape} and "
-                         f"{targets.shape}")
-    if chunk_size <= 0:
-        raise ValueError(f"token_logprobs: chunk_size must be positive, got {chunk_size}")
-    batch, seq_len, width = hidden.shape
-    rows = batch * seq_len
-    chunk = min(chunk_size, rows)
-    n_chunks = -(-rows // chunk)
-    pad = n_chunks * chunk - rows
-    h = hidden.reshape(rows, width)
-    t = targets.reshape(rows).astype(jnp.int32)
-    if pad:
-        h = jnp.concatenate([h, jnp.zeros((pad, width), h.dtype)])
-        t = jnp.concatenate([t, jnp.zeros((pad,), t.dtype)])
-    h = h.reshape(n_chunks, chunk, width)
-    t = t.reshape(n_chunks, chunk)
-    inv_temp = 1.0 / float(temperature)
-
-    @jax.checkpoint
-    def one_chunk(h_c, t_c):
-        logits = project(h_c, head_weight, jnp.float32)
-        if inv_temp != 1.0:
-            logits = logits * inv_temp
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        logp = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0] - lse
-        if not return_entropy:
-            return logp, jnp.zeros_like(logp)
-        probs = jnp.exp(logits - lse[:, None])
-        entropy = lse - jnp.sum(probs * logits, axis=-1)
-        return logp, entropy
-
-    logp, entropy = jax.lax.map(lambda args: one_chunk(*args), (h, t))
-    logp = logp.reshape(-1)[:rows].reshape(batch, seq_len)
-    if not return_entropy:
-        return logp
-    return logp, entropy.reshape(-1)[:rows].reshape(batch, seq_len)
-
-
-def _with_top_k(hidden, head_weight, targets, chunk_size: int, temperature: float, k: int):
-    """token_logprobs with the top k of every position, one chunk of logits at a time (no gradient)."""
-    batch, seq_len, width = hidden.shape
-    rows = batch * seq_len
-    chunk = min(chunk_size, rows)
-    n_chunks = -(-rows // chunk)
-    pad = n_chunks * chunk - rows
-    h = jnp.concatenate([hidden.reshape(rows, width), jnp.zeros((pad, width), hidden.dtype)])
-    t = jnp.concatenate([targets.reshape(rows).astype(jnp.int32), jnp.zeros((pad,), jnp.int32)])
-    inv_temp = 1.0 / float(temperature)
-
-    def one_chunk(args):
-        h_c, t_c = args
-        logits = project(h_c, head_weight, jnp.float32) * inv_temp
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        values, ids = jax.lax.top_k(logits, k)
-        return (jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0] - lse, values - lse[:, None],
-                ids.astype(jnp.int32))
-
-    logp, values, ids = jax.lax.map(one_chunk, (h.reshape(n_chunks, chunk, width), t.reshape(n_chunks, chunk)))
-    cut = lambda x: x.reshape(n_chunks * chunk, *x.shape[2:])[:rows].reshape(batch, seq_len, *x.shape[2:])  # noqa
-    return cut(logp), cut(values), cut(ids)
-
-
-_OFF_SUPPORT = -1.0e30  # a logit excluded from the remainder's logsumexp (finite: no inf - inf in its gradient)
-
-
 def _chunked(hidden, targets, extra, chunk_size: int):
     """Rows of [B, T, ...] inputs as [n_chunks, chunk, ...] (padded with zeros) and a function cutting [n_chunks,
     chunk, ...] results back to [B, T, ...]."""
@@ -130,6 +51,64 @@ def _chunked(hidden, targets, extra, chunk_size: int):
         return x.reshape(n_chunks * chunk, *x.shape[2:])[:rows].reshape(batch, seq_len, *x.shape[2:])
 
     return rows_of(hidden), rows_of(targets.astype(jnp.int32)), (None if extra is None else rows_of(extra)), cut
+
+
+def token_logprobs(hidden: jax.Array, head_weight: jax.Array, targets: jax.Array, *, chunk_size: int = 512,
+                   temperature: float = 1.0, return_entropy: bool = False, top_k: int = 0):
+    """log softmax(hidden @ head_weight.T / temperature)[targets].
+
+    hidden: [B, T, H] (final-norm hidden states, `model.hidden_states`); head_weight: [V, H]
+    (`model.head_weight()`); targets: [B, T] int (the token whose probability is wanted at each position).
+    Returns logp [B, T] fp32; with `return_entropy` also the entropy of each position's distribution [B, T]; with
+    `top_k` > 0 (and no entropy) (logp, top log-probs [B, T, k] fp32, top ids [B, T, k] int32), most likely first.
+    """
+    if top_k:
+        if return_entropy:
+            raise ValueError("token_logprobs: top_k and return_entropy are not offered together")
+        return _with_top_k(hidden, head_weight, targets, chunk_size, temperature, int(top_k))
+    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
+        raise ValueError(f"token_logprobs: hidden must be [B, T, H] and targets [B, T]; got {hidden.shape} and "
+                         f"{targets.shape}")
+    h, t, _, cut = _chunked(hidden, targets, None, chunk_size)
+    inv_temp = 1.0 / float(temperature)
+
+    @jax.checkpoint
+    def one_chunk(h_c, t_c):
+        logits = project(h_c, head_weight, jnp.float32)
+        if inv_temp != 1.0:
+            logits = logits * inv_temp
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        logp = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0] - lse
+        if not return_entropy:
+            return logp, jnp.zeros_like(logp)
+        probs = jnp.exp(logits - lse[:, None])
+        entropy = lse - jnp.sum(probs * logits, axis=-1)
+        return logp, entropy
+
+    logp, entropy = jax.lax.map(lambda args: one_chunk(*args), (h, t))
+    if not return_entropy:
+        return cut(logp)
+    return cut(logp), cut(entropy)
+
+
+def _with_top_k(hidden, head_weight, targets, chunk_size: int, temperature: float, k: int):
+    """token_logprobs with the top k of every position, one chunk of logits at a time (no gradient)."""
+    h, t, _, cut = _chunked(hidden, targets, None, chunk_size)
+    inv_temp = 1.0 / float(temperature)
+
+    def one_chunk(args):
+        h_c, t_c = args
+        logits = project(h_c, head_weight, jnp.float32) * inv_temp
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        values, ids = jax.lax.top_k(logits, k)
+        return (jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0] - lse, values - lse[:, None],
+                ids.astype(jnp.int32))
+
+    logp, values, ids = jax.lax.map(one_chunk, (h, t))
+    return cut(logp), cut(values), cut(ids)
+
+
+_OFF_SUPPORT = -1.0e30  # a logit excluded from the remainder's logsumexp (finite: no inf - inf in its gradient)
 
 
 def _log_softmax_parts(logits):
