@@ -64,7 +64,7 @@ def setup(tmp_path_factory):
     sampling = SamplingParams(n=K, max_new_tokens=CAP, temperature=1.0, seed=11)
     episodes = runner.run(problems, groups, sampling)
     return dict(tok=tok, model=model, backend=backend, episodes=episodes, groups=groups, sampling=sampling,
-                stop_ids=stop_ids)
+                stop_ids=stop_ids, stats=dict(runner.last_stats))
 
 
 def runs(mask):
@@ -107,6 +107,12 @@ def test_sampled_positions_are_the_samplers_and_observations_are_masked_deltas(s
             assert all(x == 0.0 for x in e.logprobs[a:b])
             assert tok.decode(e.ids[a:b]).count(f"Turn {t}:") == 1
     assert checked >= 2 * K + 2
+    # the in-process runner continued every later turn in its slot: each first prompt prefilled once, then only
+    # what was appended (the turn's last token and the observation) fed
+    stats = setup["stats"]
+    assert stats["continued"] == sum(e.turns - 1 for e in episodes) and stats["evicted"] == 0
+    assert stats["prefilled_tokens"] == sum(len(episodes[j * K].prompt_ids) for j in range(2))
+    assert stats["extended_tokens"] == sum(len(e.ids) - sum(e.mask) + e.turns - 1 for e in episodes)
 
 
 @pytest.mark.slow

@@ -144,3 +144,34 @@ def test_left_padded_prefill_then_decode_matches_unpadded(model):
     for i, n in enumerate(lengths):
         ref = np.asarray(forward(jnp.asarray(rows[i][None])))[0, n - 1:n + steps]
         np.testing.assert_allclose(decoded[i], ref, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.slow
+def test_per_row_cache_continued_by_right_padded_chunks_equals_one_pass(model):
+    """The engine's live-row extension: a per-row cache continued by chunks of several tokens per row, each row
+    with its own count of real tokens (padding at the end), then one decode step, equals one pass over each row's
+    sequence. Padding must leave the attention cache, the conv window and the recurrent state as they were."""
+    rng = np.random.default_rng(2)
+    chunks = [(40, [30, 12]), (16, [5, 16]), (8, [1, 3])]  # (width, real tokens of each row)
+    rows = [rng.integers(2, 250, size=sum(c[1][i] for c in chunks) + 1) for i in range(2)]
+    forward = jitted_forward(model)
+    cache = model.init_cache(2, 96, per_row=True)
+    got = [[], []]
+    done = [0, 0]
+    for width, real in chunks:
+        ids = np.zeros((2, width), np.int64)
+        mask = np.zeros((2, width), np.int64)
+        for i, n in enumerate(real):
+            ids[i, :n] = rows[i][done[i]:done[i] + n]
+            mask[i, :n] = 1
+        logits, cache = forward(jnp.asarray(ids), attention_mask=jnp.asarray(mask), cache=cache)
+        for i, n in enumerate(real):
+            got[i].append(np.asarray(logits[i, :n]))
+            done[i] += n
+    assert list(np.asarray(cache.length)) == done
+    step = np.array([[rows[0][-1]], [rows[1][-1]]])
+    logits, cache = forward(jnp.asarray(step), cache=cache)
+    for i in range(2):
+        ref = np.asarray(forward(jnp.asarray(rows[i][None])))[0]
+        mine = np.concatenate(got[i] + [np.asarray(logits[i])], 0)
+        np.testing.assert_allclose(mine, ref, atol=1e-4 * np.abs(ref).max())

@@ -100,6 +100,12 @@ class RolloutBackend(abc.ABC):
         `prompts_per_call` prompts; the jax backend streams every prompt through one engine."""
         yield from chunked_stream(self, prompts, group_ids, sampling, prompts_per_call)
 
+    def session_engine(self, sampling: SamplingParams, num_rows: int, session_tokens: int):
+        """A `jaxrl.generation.Engine` whose multi-turn rows continue in place (live-row continuation: an
+        episode's next turn feeds only what the environment appended), or None where turns go over a wire (each
+        turn is then a `generate` call on the whole history, as token ids)."""
+        return None
+
     def loaded_digest(self) -> Optional[str]:
         """Digest of the LoRA adapter the loaded model carries, read back from where it is served (None: none)."""
         return None

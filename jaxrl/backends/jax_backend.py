@@ -125,6 +125,11 @@ class JaxBackend(RolloutBackend):
         return [Generation(list(out.tokens[i]), out.finish_reasons[i], out.prompt_indices[i], out.sample_indices[i],
                            [float(x) for x in out.logprobs[i]]) for i in range(len(out))]
 
+    def session_engine(self, sampling: SamplingParams, num_rows: int, session_tokens: int):
+        """An engine of this backend's weights whose episode rows continue in place (`Sampler.session_engine`)."""
+        return self.sampler(int(sampling.max_new_tokens)).session_engine(num_rows, session_tokens,
+                                                                         params=self._params)
+
     def stream(self, prompts, group_ids, sampling: SamplingParams, *, prompts_per_call: int):
         """(prompt index, its `sampling.n` generations) for every prompt, in order, from one engine fed as it goes
         (`Sampler.stream`: one tail for the whole run instead of one per call of `prompts_per_call`)."""

@@ -77,6 +77,10 @@ MAX_SHRINK = 16
 # a pool STOP_WIDTH_FACTOR times as wide (one more set of programs).
 STOP_WIDTH = 8
 STOP_WIDTH_FACTOR = 4
+# The widths of an extension chunk (a held row continued by what an environment appended): the smallest that
+# holds every waiting continuation's rest, a longer one fed in several chunks. Two widths, so two programs; a
+# session pool's caches have the largest width spare (a chunk's padding is written too).
+EXTEND_WIDTHS = (16, 128)
 
 
 def stop_width(count: int, smallest: int = STOP_WIDTH) -> int:
@@ -159,6 +163,12 @@ class Request:
     # called at each round end while the row runs with its tokens so far (a streamed answer); on the engine's
     # thread, so it must only hand them on (the server queues them for its event loop)
     on_tokens: Optional[Callable[[list], None]] = dataclasses.field(default=None, compare=False)
+    # A multi-turn session (an episode): the row's slot is held after it finishes, with its caches, and the next
+    # request of the same session whose prompt extends this one's prompt + tokens continues in that slot (only
+    # the new tokens are fed: `Engine` docstring, "sessions"). session_tokens: the most tokens the session's
+    # slot holds after its first prompt (every turn and everything appended between them); its pool's cap.
+    session: Optional[Hashable] = None
+    session_tokens: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -211,7 +221,7 @@ class Ticket:
                 self._event.set()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # rows are compared by identity (a slot holds one row object)
 class _Row:
     """A checked request, in the form the insert program takes it (its arrays, its static mode)."""
 
@@ -222,6 +232,21 @@ class _Row:
     cap: int
     stops: tuple  # its stop ids, sorted
     temperature: float  # 1.0 for greedy rows (unused by the greedy program)
+    # sessions: cache slots after the pool's prompt width that hold this row's tokens so far
+    used: int = 0
+    # a continuation: the ids still to feed into the held slot (the held row's last sampled id first)
+    extension: Optional[np.ndarray] = None
+    # a finished session row holding its slot: its prompt + generated ids (the last one not yet in the cache)
+    sequence: Optional[np.ndarray] = None
+
+    @property
+    def held(self) -> bool:
+        return self.sequence is not None
+
+    @property
+    def live(self) -> bool:
+        """Decoding in its slot (not held between turns, not waiting for its continuation to be fed)."""
+        return self.sequence is None and self.extension is None
 
 
 class _Pool:
@@ -230,7 +255,9 @@ class _Pool:
 
     def __init__(self, key: tuple, slots: int, shrink_sizes: Sequence[int]):
         self.key = key
-        self.prompt_len, self.cap, self.stop_width = key
+        self.prompt_len, self.cap, self.stop_width, self.sessions = key
+        # a session pool's caches have EXTEND_WIDTHS[-1] spare slots: an extension chunk writes its padding too
+        self.cache_len = self.prompt_len + self.cap + (EXTEND_WIDTHS[-1] if self.sessions else 0)
         self.slots = slots
         self.shrink_sizes = tuple(sorted({int(s) for s in shrink_sizes if int(s) < slots}, reverse=True))
         self.size = slots  # the slot count of the state now (shrinks)
@@ -239,22 +266,34 @@ class _Pool:
         self.queue: collections.deque[_Row] = collections.deque()
         self.mode: Optional[SamplingMode] = None
         self.prefilled: dict[int, tuple] = {}  # prompt count U -> (prompt keys, caches, logits) of its last prefill
+        self.extending: list[_Row] = []  # continuations waiting to be fed into their held slots, in order
 
     @property
     def running(self) -> int:
-        return sum(r is not None for r in self.occupant)
+        """Rows in slots that are not held (decoding, or about to be continued)."""
+        return sum(r is not None and not r.held for r in self.occupant)
+
+    @property
+    def held(self) -> int:
+        return sum(r is not None and r.held for r in self.occupant)
 
     @property
     def idle(self) -> bool:
+        """Nothing to run: no row waits and every slot is free or held."""
+        return not self.queue and self.running == 0
+
+    @property
+    def empty(self) -> bool:
         return not self.queue and all(r is None for r in self.occupant)
 
     def modes(self) -> set:
         return {r.mode for r in self.queue} | {r.mode for r in self.occupant if r is not None}
 
     def free_state(self) -> None:
-        """Frees the device memory of an idle pool (its next row allocates it again)."""
+        """Frees the device memory of an empty pool (its next row allocates it again)."""
         self.state, self.prefilled, self.size = None, {}, self.slots
         self.occupant = [None] * self.slots
+        self.extending = []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -320,8 +359,10 @@ class Engine:
         self.pools: dict[tuple, _Pool] = {}
         self._lock = threading.Lock()
         self._submitted = threading.Condition(self._lock)
+        self._sessions: dict[Hashable, tuple[_Pool, _Row]] = {}  # held rows by session
         self.stats = {"rows": 0, "finished": 0, "generated_tokens": 0, "decode_steps": 0, "slot_steps": 0,
-                      "rounds": 0, "inserts": 0, "prefilled_prompts": 0, "shrinks": 0, "cancelled": 0}
+                      "rounds": 0, "inserts": 0, "prefilled_prompts": 0, "prefilled_tokens": 0, "shrinks": 0,
+                      "cancelled": 0, "continued": 0, "extensions": 0, "extended_tokens": 0, "evicted": 0}
 
     # ----------------------------------------------------------------------------------------------- requests
     def _checked_stops(self, ids: Sequence[int]) -> tuple:
@@ -331,12 +372,13 @@ class Engine:
             raise ValueError(f"stop/eos token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def _check(self, request: Request, ticket: Ticket) -> tuple[_Row, tuple]:
-        """The row of a request and its own pool key; ValueError for a request this engine cannot take."""
+    def _check(self, request: Request, ticket: Ticket, continuing: bool = False) -> tuple[_Row, tuple]:
+        """The row of a request and its own pool key; ValueError for a request this engine cannot take (a
+        continuation's prompt may be longer than the prompt buckets: only its new tokens are fed)."""
         prompt = np.asarray(request.prompt, dtype=np.int64).reshape(-1)
         if prompt.size == 0:
             raise ValueError("the prompt is empty")
-        if prompt.size > self.prompt_buckets[-1]:
+        if prompt.size > self.prompt_buckets[-1] and not continuing:
             raise ValueError(f"the prompt has {prompt.size} tokens, over the engine's prompt_len="
                              f"{self.prompt_buckets[-1]} (prompts are never cut)")
         if prompt.min() < 0 or prompt.max() >= self.vocab_size:
@@ -351,18 +393,27 @@ class Engine:
         prompt_key = request.prompt_key if request.prompt_key is not None else ("tokens", prompt.tobytes())
         row = _Row(ticket, prompt.astype(np.int32), prompt_key, mode, cap, stops,
                    float(request.temperature) if request.temperature > 0 else 1.0)
+        room = cap
+        if request.session is not None:
+            room = int(request.session_tokens or 0)
+            if not cap <= room <= self.max_new_tokens:
+                raise ValueError(f"session_tokens={request.session_tokens} must hold the row's max_new_tokens={cap} "
+                                 f"and be at most the engine's cap {self.max_new_tokens}")
+        if continuing:
+            return row, ()
         own = (pick_bucket(prompt.size, self.prompt_buckets, "prompt length"),
-               pick_bucket(cap, self.generation_buckets, "max_new_tokens"),
-               stop_width(len(stops), self.min_stop_width))
+               pick_bucket(room, self.generation_buckets, "max_new_tokens"),
+               stop_width(len(stops), self.min_stop_width), request.session is not None)
         return row, own
 
     def _place(self, row: _Row, own: tuple) -> _Pool:
         """The pool a row waits for (module docstring, 'placement'). Under the lock."""
-        prompt_len, cap, width = own
+        prompt_len, cap, width, sessions = own
         best = None
         for pool in self.pools.values():
             if (pool.prompt_len == prompt_len and pool.cap >= cap and pool.stop_width >= width
-                    and pool.modes() == {row.mode} and len(pool.queue) + pool.running < pool.slots
+                    and pool.sessions == sessions
+                    and pool.modes() == {row.mode} and len(pool.queue) + pool.running + pool.held < pool.slots
                     and (best is None or pool.key[1:] < best.key[1:])):
                 best = pool
         if best is not None:
@@ -372,13 +423,58 @@ class Engine:
         return self.pools[own]
 
     def submit(self, request: Request) -> Ticket:
-        """Queues a request (thread safe); it joins free slots at the next round. ValueError for a bad request."""
+        """Queues a request (thread safe); it joins free slots at the next round (or, continuing a held session,
+        its own slot). ValueError for a bad request."""
         ticket = Ticket(request)
-        row, own = self._check(request, ticket)
         with self._submitted:
+            held = self._sessions.pop(request.session, None) if request.session is not None else None
+            if held is not None:
+                row, _ = self._check(request, ticket, continuing=True)
+                if self._continue(*held, row):
+                    self._submitted.notify_all()
+                    return ticket
+                self._free_held(*held)
+            row, own = self._check(request, ticket)
             self._place(row, own).queue.append(row)
             self._submitted.notify_all()
         return ticket
+
+    def _continue(self, pool: _Pool, held: _Row, row: _Row) -> bool:
+        """Puts `row` in `held`'s slot as a continuation when it can be one (under the lock): its prompt extends the
+        held row's prompt + tokens, the rest fits the slot's cache with room for the row's cap, and the pool runs
+        the row's sampling mode and stop width. Otherwise the caller frees the slot and the row starts fresh (its
+        whole prompt prefilled: the same tokens, more work)."""
+        seq = held.sequence
+        if (row.prompt.size <= seq.size or not np.array_equal(row.prompt[:seq.size], seq)
+                or row.mode != pool.mode or len(row.stops) > pool.stop_width):
+            return False
+        extension = row.prompt[seq.size - 1:]  # the held row's last sampled id is not in its cache yet
+        if held.used + extension.size + row.cap - 1 > pool.cap:
+            return False
+        slot = next(b for b, r in enumerate(pool.occupant) if r is held)
+        row.used, row.extension = held.used, extension
+        pool.occupant[slot] = row
+        pool.extending.append(row)
+        self.stats["continued"] += 1
+        return True
+
+    def _free_held(self, pool: _Pool, held: _Row) -> None:
+        for b, r in enumerate(pool.occupant):
+            if r is held:
+                pool.occupant[b] = None
+
+    def end_session(self, session: Hashable) -> None:
+        """Frees a session's held slot (thread safe; nothing if it holds none): its episode is over."""
+        with self._lock:
+            held = self._sessions.pop(session, None)
+            if held is not None:
+                self._free_held(*held)
+
+    def _end_sessions(self) -> None:
+        with self._lock:
+            for pool, held in self._sessions.values():
+                self._free_held(pool, held)
+            self._sessions = {}
 
     def cancel(self, tickets: Sequence[Ticket]) -> None:
         """Stops rows whose caller went away (thread safe): a queued row leaves its queue now; a row in a slot stops
@@ -388,6 +484,7 @@ class Engine:
             for ticket in tickets:
                 ticket.cancelled = True
             for pool in self.pools.values():
+                pool.extending = [row for row in pool.extending if not row.ticket.cancelled]
                 gone = [row for row in pool.queue if row.ticket.cancelled]
                 if gone:
                     pool.queue = collections.deque(row for row in pool.queue if not row.ticket.cancelled)
@@ -413,7 +510,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        """Rows in slots."""
+        """Rows in slots (not counting held sessions)."""
         return sum(pool.running for pool in list(self.pools.values()))
 
     # ------------------------------------------------------------------------------------------------ weights
@@ -423,6 +520,7 @@ class Engine:
         if self.running:
             raise RuntimeError("Engine.set_params while rows are in flight would mix two policies in one row; "
                                "wait until the engine is idle")
+        self._end_sessions()  # a held row's caches are the old weights': its continuation starts fresh
         self._weights = Weights.of(self.model, params, self.mesh)
         for pool in self.pools.values():
             pool.prefilled = {}
@@ -433,6 +531,7 @@ class Engine:
         """Frees every pool's device memory (the caches); the next row allocates them again."""
         if self.running:
             raise RuntimeError("Engine.release while rows are in flight")
+        self._end_sessions()
         with self._lock:
             for pool in self.pools.values():
                 pool.free_state()
@@ -461,9 +560,9 @@ class Engine:
     def fail_all(self, error: BaseException) -> None:
         """Every row queued or in flight fails with `error`; the pools are emptied (their caches freed)."""
         with self._lock:
-            pools, self.pools = list(self.pools.values()), {}
+            pools, self.pools, self._sessions = list(self.pools.values()), {}, {}
         for pool in pools:
-            for row in [r for r in pool.occupant if r is not None] + list(pool.queue):
+            for row in [r for r in pool.occupant if r is not None and not r.held] + list(pool.queue):
                 row.ticket._finish(error=error)
 
     def step(self) -> list[Ticket]:
@@ -477,25 +576,26 @@ class Engine:
         for pool in pools:
             done += self._step_pool(pool)
             with self._lock:
-                if pool.idle and pool.state is not None:
+                if pool.empty and pool.state is not None:
                     pool.free_state()
         return done
 
     def _step_pool(self, pool: _Pool) -> list[Ticket]:
         done = []
         for b, row in enumerate(pool.occupant):  # cancelled rows leave their slots (the round masks them out)
-            if row is not None and row.ticket.cancelled:
+            if row is not None and not row.held and row.ticket.cancelled:
                 pool.occupant[b] = None
                 self._drop(row)
                 done.append(row.ticket)
+        self._extend(pool)
         self._admit(pool)
-        if all(r is None for r in pool.occupant):
+        if not any(r is not None and r.live for r in pool.occupant):
             return done
         weights = self._weights
-        live = np.asarray([r is not None for r in pool.occupant])
+        live = np.asarray([r is not None and r.live for r in pool.occupant])
         pool.state, status, outputs = programs.decode_round(
             weights.structure, weights.leaves, self._decode_weights, pool.state, live, np.int32(self.round_steps),
-            np.int32(self._want_free(pool)), mode=pool.mode, pad_id=self.pad_id, mesh=self.mesh)
+            np.int32(self._want_free(pool) + pool.held), mode=pool.mode, pad_id=self.pad_id, mesh=self.mesh)
         if outputs is None:  # one device: the state's own buffers
             outputs = (pool.state.tokens, pool.state.logprobs)
         running, generated, stopped, steps = np.asarray(jax.device_get(status))
@@ -503,7 +603,7 @@ class Engine:
         self.stats["rounds"] += 1
         self.stats["decode_steps"] += steps
         self.stats["slot_steps"] += steps * pool.size
-        finished = [b for b, row in enumerate(pool.occupant) if row is not None and not running[b]]
+        finished = [b for b, row in enumerate(pool.occupant) if row is not None and row.live and not running[b]]
         streamed = [b for b, row in enumerate(pool.occupant)
                     if row is not None and running[b] and row.ticket.request.on_tokens is not None]
         if finished or streamed:  # the token buffers come to the host only when someone reads them
@@ -514,6 +614,13 @@ class Engine:
             for b in finished:
                 n = int(generated[b])
                 row, pool.occupant[b] = pool.occupant[b], None
+                session = row.ticket.request.session
+                if session is not None:  # held with its caches until its continuation or end_session
+                    row.used += n - 1  # every token but the last was fed back
+                    row.sequence = np.concatenate([row.prompt, tokens[b, :n].astype(np.int32)])
+                    pool.occupant[b] = row
+                    with self._lock:
+                        self._sessions[session] = (pool, row)
                 self.stats["generated_tokens"] += n
                 self.stats["finished"] += 1
                 row.ticket._finish(Completion(tokens[b, :n].tolist(), np.asarray(logprobs[b, :n], np.float32),
@@ -523,14 +630,18 @@ class Engine:
         return done
 
     def _want_free(self, pool: _Pool) -> int:
-        """Free slots at which a pool's round hands back: enough for its waiting rows while they can move in; a
-        smaller slot count's worth once nothing waits and the state can shrink; else never (the round runs its
-        steps)."""
+        """Free slots at which a pool's round hands back (held slots not counted: the caller adds them): enough for
+        its waiting rows while they can move in; in a session pool, once K more rows finished their turn (their
+        environment steps and continuations wait for the round end); a smaller slot count's worth once nothing
+        waits and the state can shrink; else never (the round runs its steps)."""
         with self._lock:
             waiting = len(pool.queue)
             head_fits = waiting and pool.queue[0].mode == pool.mode
         if head_fits:
             return min(self._refill_at(pool), waiting)
+        if pool.sessions:
+            live = sum(r is not None and r.live for r in pool.occupant)
+            return pool.size - live - pool.held + min(self.insert_rows, live)
         if not waiting:
             smaller = [s for s in pool.shrink_sizes if s < pool.size]
             if smaller:
@@ -567,9 +678,66 @@ class Engine:
             pool.size = size
             self.stats["shrinks"] += 1
 
+    def _extend(self, pool: _Pool) -> None:
+        """Feeds the continuations waiting in a pool's held slots: K rows per extension program, each a chunk of at
+        most EXTEND_WIDTHS[-1] of its ids (the smallest width that holds every row's rest); a row whose ids are
+        all fed samples its next turn's first token and runs from the next round."""
+        while pool.extending:
+            rows = pool.extending[:self.insert_rows]
+            rest = max(row.extension.size for row in rows)
+            width = next((w for w in EXTEND_WIDTHS if w >= rest), EXTEND_WIDTHS[-1])
+            k = self.insert_rows
+            ids = np.full((k, width), self.pad_id, np.int32)
+            mask = np.zeros((k, width), np.int32)
+            where = np.full((k,), pool.size, np.int32)
+            final = np.zeros((k,), bool)
+            seeds, groups, samples = (np.zeros((k,), np.uint32) for _ in range(3))
+            caps = np.ones((k,), np.int32)
+            temperature, top_p = np.ones((k,), np.float32), np.ones((k,), np.float32)
+            stops = np.full((k, pool.stop_width), -1, np.int32)
+            for i, row in enumerate(rows):
+                request = row.ticket.request
+                part, row.extension = row.extension[:width], row.extension[width:]
+                ids[i, :part.size], mask[i, :part.size] = part, 1
+                where[i] = next(b for b, r in enumerate(pool.occupant) if r is row)
+                final[i] = row.extension.size == 0
+                row.used += part.size
+                seeds[i], groups[i], samples[i] = (int(request.seed), int(request.group_id) % 2 ** 32,
+                                                   int(request.sample_index) % 2 ** 32)
+                caps[i], temperature[i], top_p[i] = row.cap, row.temperature, request.top_p
+                stops[i, :len(row.stops)] = row.stops
+                self.stats["extended_tokens"] += int(part.size)
+            pool.state = programs.extend(self._weights.structure, self._weights.leaves, pool.state, where, ids, mask,
+                                         final, seeds, groups, samples, caps, temperature, top_p, stops,
+                                         mode=pool.mode, pad_id=self.pad_id, mesh=self.mesh)
+            self.stats["extensions"] += 1
+            for row in rows:
+                if row.extension.size == 0:
+                    row.extension = None  # it decodes from the next round
+                    self.stats["rows"] += 1
+            with self._lock:
+                pool.extending = [row for row in pool.extending if row.extension is not None]
+
+    def _evict(self, pool: _Pool, count: int) -> None:
+        """Frees `count` held slots of a pool (the longest held first) for rows that wait: a held row whose
+        continuation comes later then starts fresh (the same tokens, its whole prompt prefilled)."""
+        with self._lock:
+            for session, (where, row) in list(self._sessions.items()):
+                if count <= 0:
+                    return
+                if where is pool:
+                    del self._sessions[session]
+                    self._free_held(pool, row)
+                    self.stats["evicted"] += 1
+                    count -= 1
+
     def _admit(self, pool: _Pool) -> None:
         """Moves a pool's waiting rows into its free slots, K at a time (fewer when fewer wait): one insert program
-        (and one prefill program) for every refill, an empty pool filled by as many inserts as it takes."""
+        (and one prefill program) for every refill, an empty pool filled by as many inserts as it takes. Held
+        sessions give their slots up when rows wait and too few are free."""
+        if pool.queue and pool.held:
+            free = sum(r is None for r in pool.occupant)
+            self._evict(pool, min(self.insert_rows, len(pool.queue)) - free)
         while True:
             free = [b for b, r in enumerate(pool.occupant) if r is None]
             with self._lock:
@@ -596,7 +764,7 @@ class Engine:
         k, u, weights = self.insert_rows, self.prompts_per_insert, self._weights
         if pool.state is None:
             pool.state = programs.init_state(weights.structure, weights.leaves, slots=pool.size,
-                                             cache_len=pool.prompt_len + pool.cap, max_new_tokens=pool.cap,
+                                             cache_len=pool.cache_len, max_new_tokens=pool.cap,
                                              stop_width=pool.stop_width, pad_id=self.pad_id, mesh=self.mesh)
         keys, fresh, logits = pool.prefilled.get(u, ((), None, None))
         if not all(row.prompt_key in keys for row in rows):
@@ -635,6 +803,7 @@ class Engine:
                 ids[j, width - len(row.prompt):] = row.prompt
                 mask[j] = 0
                 mask[j, width - len(row.prompt):] = 1
+                self.stats["prefilled_tokens"] += len(row.prompt)
         self.stats["prefilled_prompts"] += len(keys)
         return (tuple(keys), *programs.prefill(self._weights.structure, self._weights.leaves, ids, mask,
                                                mesh=self.mesh))

@@ -7,6 +7,9 @@
     and sampling its first token from the prompt's last logits;
   * round: a `lax.while_loop` of decode steps over every slot (free and finished slots ride along masked out,
     fixed shapes), stopping after a step budget, when no slot runs, or once enough slots are free;
+  * extend: K held rows (a multi-turn episode's slot kept between turns) continued by up to C tokens each (what
+    the environment appended), fed through their own caches in one pass; a row whose continuation ends in this
+    chunk samples its next turn's first token from the last one's logits, as an insert does from a prefill;
   * shrink: the state of fewer slots (the running rows of a draining rollout).
 
 The cache is *per row* (`Qwen35.init_cache(per_row=True)`): slot b's prompt fills cache slots [0, P) left-padded
@@ -28,12 +31,12 @@ from jax.sharding import Mesh
 from jaxrl.generation.placement import Structure, constrain_rows, replicate_rows
 from jaxrl.generation.sampling import SamplingMode, row_keys, sample_tokens, token_keys
 from jaxrl.generation.stopping import hits_stop, running_after
-from jaxrl.models.qwen35.layers import KVState, write_rows
+from jaxrl.models.qwen35.layers import KVState, LinearState, write_rows
 from jaxrl.models.qwen35.model import Cache
 
 # (program, static key) -> number of times it was traced.
 TRACE_COUNTS: collections.Counter = collections.Counter()
-PROGRAMS = ("engine_prepare", "engine_prefill", "engine_insert", "engine_round", "engine_shrink")
+PROGRAMS = ("engine_prepare", "engine_prefill", "engine_insert", "engine_extend", "engine_round", "engine_shrink")
 
 
 def engine_programs() -> int:
@@ -101,14 +104,13 @@ def insert(state: SlotState, fresh: Cache, logits: jax.Array, source: jax.Array,
     """Moves K rows into the slots: row k takes the prefilled prompt source[k] (of `fresh` / `logits`, U prompts
     of `prefill`) into slot slots[k] (slots[k] == B: padding, dropped) and samples its first token. seeds,
     group_ids, sample_ids, caps, temperature, top_p [K]; stop_ids [K, W]."""
-    num_slots, max_new = state.tokens.shape
+    num_slots = state.tokens.shape[0]
     prompt_len = fresh.valid.shape[1]
     TRACE_COUNTS[("engine_insert", num_slots, state.cache.max_length, logits.shape[0], source.shape[0],
                   stop_ids.shape[1], mode)] += 1
     take = lambda x: jnp.take(x, source, axis=0)  # noqa: E731  prompt rows -> the rows moving in
     keys = row_keys(seeds, group_ids, sample_ids)
     first, first_lp = sample_tokens(take(logits), token_keys(keys, 0), temperature[:, None], top_p[:, None], mode)
-    stopped = hits_stop(first, stop_ids)
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
     layers = []
     for big, small in zip(state.cache.layers, fresh.layers):
@@ -121,14 +123,67 @@ def insert(state: SlotState, fresh: Cache, logits: jax.Array, source: jax.Array,
     rows = len(first)
     cache = Cache(tuple(layers), put(state.cache.valid, valid), put(state.cache.length, jnp.full((rows,), prompt_len)),
                   put(state.cache.next_position, take(fresh.next_position)))
-    new = SlotState(
-        cache, put(state.token, first), put(state.generated, jnp.ones((rows,), jnp.int32)),
-        put(state.running, ~stopped & (caps > 1)), put(state.stopped, stopped),
-        put(state.tokens, jnp.full((rows, max_new), pad_id, jnp.int32).at[:, 0].set(first)),
-        put(state.logprobs, jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(first_lp)), put(state.keys, keys),
-        put(state.cap, caps), put(state.temperature, temperature), put(state.top_p, top_p),
-        put(state.stop_ids, stop_ids))
+    new = _row_state(state._replace(cache=cache), slots, first, first_lp, keys, caps, temperature, top_p, stop_ids,
+                     pad_id)
     return constrain_rows(new, mesh)
+
+
+def _row_state(state: SlotState, rows: jax.Array, first: jax.Array, first_lp: jax.Array, keys: jax.Array,
+               caps: jax.Array, temperature: jax.Array, top_p: jax.Array, stop_ids: jax.Array, pad_id: int
+               ) -> SlotState:
+    """`state` with slots `rows` [K] (== B: none, dropped) starting a completion whose first token is `first`: the
+    per-row sampling state an insert and an extension both set (the caches are theirs to write)."""
+    max_new = state.tokens.shape[1]
+    put = lambda big, small: big.at[rows].set(small.astype(big.dtype), mode="drop")  # noqa: E731
+    stopped = hits_stop(first, stop_ids)
+    k = len(first)
+    return state._replace(
+        token=put(state.token, first), generated=put(state.generated, jnp.ones((k,), jnp.int32)),
+        running=put(state.running, ~stopped & (caps > 1)), stopped=put(state.stopped, stopped),
+        tokens=put(state.tokens, jnp.full((k, max_new), pad_id, jnp.int32).at[:, 0].set(first)),
+        logprobs=put(state.logprobs, jnp.zeros((k, max_new), jnp.float32).at[:, 0].set(first_lp)),
+        keys=put(state.keys, keys), cap=put(state.cap, caps), temperature=put(state.temperature, temperature),
+        top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids))
+
+
+@partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh"), donate_argnames=("state",))
+def extend(graphdef: Structure, params: list, state: SlotState, slots: jax.Array, ids: jax.Array, mask: jax.Array,
+           final: jax.Array, seeds: jax.Array, group_ids: jax.Array, sample_ids: jax.Array, caps: jax.Array,
+           temperature: jax.Array, top_p: jax.Array, stop_ids: jax.Array, *, mode: SamplingMode, pad_id: int,
+           mesh: Optional[Mesh]) -> SlotState:
+    """Continues the held rows in slots[k] (== B: padding, dropped) by ids [K, C] (mask [K, C]: each row's tokens
+    first, padding after), through their own caches (the per-row multi-token continuation of
+    `Qwen35.hidden_states`: the attention cache, the conv window and the delta-rule state carried on exactly). A
+    row with final[k] starts its next completion: its first token sampled from its last token's logits with key
+    (seeds, group_ids, sample_ids)[k] at index 0, as `insert` samples a fresh row's. The others stay held (their
+    continuation goes on in the next chunk)."""
+    num_slots = state.tokens.shape[0]
+    TRACE_COUNTS[("engine_extend", num_slots, state.cache.max_length, ids.shape, stop_ids.shape[1], mode)] += 1
+    model = graphdef.merge(params)
+    rows = lambda x: jnp.take(x, slots, axis=0, mode="clip")  # noqa: E731  (padding rows read a copy, dropped)
+    hidden, cache = model.hidden_states(ids, mask, cache=jax.tree.map(rows, state.cache))
+    last = jnp.maximum(jnp.sum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    logits = model.logits_from_hidden(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+    keys = row_keys(seeds, group_ids, sample_ids)
+    first, first_lp = sample_tokens(logits.astype(jnp.float32), token_keys(keys, 0), temperature[:, None],
+                                    top_p[:, None], mode)
+    state = state._replace(cache=jax.tree.map(lambda big, small: big.at[slots].set(small.astype(big.dtype),
+                                                                                 mode="drop"), state.cache, cache))
+    starting = jnp.where(final, slots, num_slots)
+    return constrain_rows(_row_state(state, starting, first, first_lp, keys, caps, temperature, top_p, stop_ids,
+                                     pad_id), mesh)
+
+
+def _keep_idle(run: jax.Array, new, old):
+    """The cache after a decode step with the Gated DeltaNet states of slots that did not run (`run` False) as
+    they were: a held row (between an episode's turns) keeps its conv window and recurrent state while the other
+    rows decode (a masked step would shift a zero into the window). Attention layers need nothing: a masked row
+    writes an invalid key at its next slot, which its continuation overwrites."""
+    def keep(n, o):
+        return jnp.where(run.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+    layers = tuple(jax.tree.map(keep, n, o) if isinstance(n, LinearState) else n
+                   for n, o in zip(new.layers, old.layers))
+    return new._replace(layers=layers)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh"), donate_argnames=("state",))
@@ -156,6 +211,7 @@ def decode_round(graphdef: Structure, params: list, decode_weights: dict, state:
         # Free and finished slots run on a pad token, masked out (fixed shapes); nothing of theirs is kept.
         inputs = jnp.where(run, st.token, pad_id)[:, None]
         logits, cache = model(inputs, attention_mask=run[:, None].astype(jnp.int32), cache=st.cache)
+        cache = _keep_idle(run, cache, st.cache)
         new, lp = sample_tokens(logits[:, 0], token_keys(st.keys, st.generated), st.temperature[:, None],
                                 st.top_p[:, None], mode)
         # Idle slots write their old value back (at a column inside the buffer): nothing of theirs changes.

@@ -183,6 +183,26 @@ class Sampler:
         engine.set_params(params)
         return engine
 
+    def session_engine(self, num_rows: int, session_tokens: int, *, params=None) -> Engine:
+        """An engine for `num_rows` multi-turn sessions (episodes) of at most `session_tokens` tokens after their
+        first prompt: its rows carry `Request.session`, so a turn's slot is held with its caches and the next turn
+        feeds only what was appended (jaxrl/generation/engine.py, "sessions"). Every prompt bucket of this sampler
+        (a turn that cannot continue, its slot given up, starts fresh with its whole history); a round ends as
+        soon as K rows finish their turn, so their environment steps are not kept waiting for the others'."""
+        if session_tokens < self.max_new_tokens:
+            raise ValueError(f"session_tokens={session_tokens} cannot hold one turn of {self.max_new_tokens}")
+        slots = next((b for b in self.batch_buckets if b >= num_rows), self.batch_size)
+        rows, prompts = insert_sizes(slots, 1, self.multiple, self.max_new_tokens)
+        if self.insert_rows:
+            rows, prompts = self.insert_rows, prompts_per_rows(self.insert_rows, 1, self.multiple)
+        engine = Engine(self.model, slots=slots, prompt_buckets=self.prompt_buckets,
+                        generation_buckets=(int(session_tokens),), eos_token_ids=self.stop_ids,
+                        pad_token_id=self.pad_id, mesh=self.mesh, insert_rows=rows,
+                        prompts_per_insert=min(rows, prompts), round_steps=self.round_steps or self.max_new_tokens,
+                        shrink=False, fuse_adapters=self.fuse_adapters)
+        engine.set_params(params)
+        return engine
+
     def _request(self, prompt, group_id: int, sample: int, seed: int, temperature: float, top_p: float, top_k: int,
                  key, cap: Optional[int] = None) -> Request:
         return Request(prompt, group_id=group_id, sample_index=sample, seed=int(seed), max_new_tokens=cap,

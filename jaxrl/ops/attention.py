@@ -221,14 +221,19 @@ def prefix_lengths(max_length: int, max_branches: int = 8, multiple: int = 16) -
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, q_slots: jax.Array,
                     scale: float, filled: Optional[jax.Array] = None) -> jax.Array:
     """q [B, T, nH, hd]; k, v [B, nKV, S, hd] (the cache, this call's keys already written); valid [B, S] bool;
-    q_slots [T] int: the cache slot of each query. Key s is visible to query t when valid[b, s] and
-    s <= q_slots[t]. filled (int scalar, optional): slots [filled, S) are known to be unused, so only a prefix
-    of the cache covering `filled` is read. Returns [B, T, nH, hd] in q's dtype."""
+    q_slots [T] int: the cache slot of each query, or [B, T] (a per-row cache continued by several tokens: each
+    row's queries sit at its own slots). Key s is visible to query t when valid[b, s] and s <= q_slots[t].
+    filled (int scalar, optional): slots [filled, S) are known to be unused, so only a prefix of the cache
+    covering `filled` is read. Returns [B, T, nH, hd] in q's dtype."""
     max_length = k.shape[2]
     qh = _to_head_major_queries(q, k.shape[1])
 
     def attend(size: int) -> jax.Array:
-        allowed = valid[:, None, None, None, :size] & (jnp.arange(size)[None, :] <= q_slots[:, None])
+        if q_slots.ndim == 2:
+            causal = (jnp.arange(size)[None, None, :] <= q_slots[:, :, None])[:, None, None]
+        else:
+            causal = jnp.arange(size)[None, :] <= q_slots[:, None]
+        allowed = valid[:, None, None, None, :size] & causal
         return _softmax_attend(qh, k[:, :, :size].astype(q.dtype), v[:, :, :size].astype(q.dtype), allowed, scale)
 
     if filled is None:

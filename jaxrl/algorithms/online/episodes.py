@@ -14,10 +14,16 @@ again: a template may render history otherwise than it was sampled (Qwen3.5 drop
 before the last user message; a re-tokenised turn may split differently), and the policy gradient is only right
 for the tokens that were sampled, in the context they were sampled in.
 
-Sampling: each turn is one `generate` call of the rollout backend whose prompts are the live episodes' ids so far
-(the history is prefilled again each turn: the simple, correct form; continuing the engine's live rows is future
-work). The first turn of the K episodes of a problem is one prompt x K samples keyed (seed, problem key, i), the
-keys of a single-turn rollout; turn t > 0 of episode i is keyed by a group id mixed from (problem key, i, t).
+Sampling. On the in-process (jax) backend an episode keeps its engine slot from turn to turn (live-row
+continuation, `RolloutBackend.session_engine`): its caches stay, and the next turn feeds only what the environment
+appended (prefill tokens per episode = its first prompt + its observations, not the history again). Episodes run
+independently: whenever a round ends, the episodes whose turn finished take their environment step (in episode
+order) and their next turn is submitted before the next round, so no episode waits for the slowest turn of the
+others; the schedule is still a function of the requests (no clock), so the tokens are the same every run. Over a
+wire (server, vLLM) each turn is one `generate` call whose prompts are the live episodes' ids so far, as token
+ids (the history is prefilled again each turn). Both give the same tokens for the same keys: the first turn of
+the K episodes of a problem is one prompt x K samples keyed (seed, problem key, i), the keys of a single-turn
+rollout; turn t > 0 of episode i is keyed by a group id mixed from (problem key, i, t).
 
 Budgets: a turn is sampled only while the episode's tokens after the prompt plus `max_new_tokens` fit in
 `max_episode_tokens`; an episode ends when the environment says done, after `max_turns` turns, when a turn hits
@@ -45,6 +51,7 @@ from jaxrl.backends import JaxBackend, RolloutBackend, SamplingParams
 from jaxrl.backends.pool import make_pool
 from jaxrl.data.chat import format_chat, turn_delta_ids
 from jaxrl.generation.buckets import MIN_PROMPT_BUCKET
+from jaxrl.generation.engine import Request
 from jaxrl.rollout.collect import Collector
 
 
@@ -92,7 +99,7 @@ class EpisodeRunner:
 
     def __init__(self, collector: Collector, environment: Callable[..., Any], *, tokenizer, enable_thinking: bool,
                  max_turns: int, max_new_tokens: int, max_episode_tokens: int, max_prompt_len: int,
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, continue_rows: bool = True):
         if tokenizer is None:
             raise ValueError("episodes need a chat tokenizer (data.source='problems'): observations are messages")
         if max_episode_tokens < max_new_tokens:
@@ -102,7 +109,10 @@ class EpisodeRunner:
         self.enable_thinking, self.max_turns = bool(enable_thinking), int(max_turns)
         self.max_new_tokens, self.max_episode_tokens = int(max_new_tokens), int(max_episode_tokens)
         self.max_prompt_len, self.options = int(max_prompt_len), dict(options or {})
+        # live-row continuation where the backend has it (False: every turn prefills the history, to compare)
+        self.continue_rows = bool(continue_rows)
         self.last_times: dict[str, float] = {}
+        self.last_stats: dict[str, float] = {}  # the session engine's counters of the last run (jax backend)
 
     def _start(self, problem, j: int, i: int, seed: int) -> Episode:
         ep = Episode(j, i, [])
@@ -129,6 +139,14 @@ class EpisodeRunner:
         episodes = [self._start(p, j, i, turn_group_id(g, i, 0) ^ int(sampling.seed))
                     for j, (p, g) in enumerate(zip(problems, group_ids)) for i in range(k)]
         t_env += time.perf_counter() - t0
+        engine = None
+        if self.continue_rows:
+            engine = self.collector.backend.session_engine(sampling.replace(n=1), len(episodes),
+                                                           self.max_episode_tokens)
+        if engine is not None:
+            t_sample, t_live_env = self._run_live(engine, episodes, group_ids, sampling, k)
+            self.last_times = {"sample_s": t_sample, "score_s": t_env + t_live_env}
+            return episodes
         for turn in range(self.max_turns):
             for e in episodes:
                 if not e.ended and len(e.ids) + self.max_new_tokens > self.max_episode_tokens:
@@ -146,17 +164,53 @@ class EpisodeRunner:
         self.last_times = {"sample_s": t_sample, "score_s": t_env}
         return episodes
 
+    def _run_live(self, engine, episodes: list[Episode], group_ids, sampling: SamplingParams, k: int
+                  ) -> tuple[float, float]:
+        """Every episode through one session engine (module docstring, "Sampling"); (sampling s, environment s)."""
+        order = {id(e): n for n, e in enumerate(episodes)}
+        shared = {id(e) for _, es in _shared_first_prompts([e for e in episodes if not e.ended], k) for e in es}
+        pending: dict[int, tuple[Episode, Any, int]] = {}
+
+        def submit(e: Episode, turn: int) -> None:
+            g = group_ids[e.problem_index]
+            first = turn == 0 and id(e) in shared
+            request = Request(e.prompt_ids + e.ids, group_id=g if first else turn_group_id(g, e.sample_index, turn),
+                              sample_index=e.sample_index if first else 0, seed=int(sampling.seed),
+                              max_new_tokens=self.max_new_tokens, temperature=float(sampling.temperature),
+                              top_p=float(sampling.top_p), top_k=int(sampling.top_k),
+                              prompt_key=("problem", e.problem_index) if first else None,
+                              session=order[id(e)], session_tokens=self.max_episode_tokens)
+            pending[id(e)] = (e, engine.submit(request), turn)
+
+        t_sample = t_env = 0.0
+        for e in episodes:
+            if not e.ended:
+                submit(e, 0)
+        while pending:
+            t0 = time.perf_counter()
+            if engine.idle:
+                raise RuntimeError(f"the session engine went idle with {len(pending)} episode turns unfinished")
+            engine.step()
+            t1 = time.perf_counter()
+            for e, ticket, turn in sorted((v for v in pending.values() if v[1].done), key=lambda v: order[id(v[0])]):
+                del pending[id(e)]
+                self._advance(e, ticket.wait(), turn)
+                if e.ended:
+                    engine.end_session(order[id(e)])
+                else:
+                    submit(e, turn + 1)
+            t_sample += t1 - t0
+            t_env += time.perf_counter() - t1
+        self.last_stats = dict(engine.stats)
+        engine.release()
+        return t_sample, t_env
+
     def _sample(self, live: list[Episode], group_ids, sampling: SamplingParams, turn: int, k: int):
         """One generation per live episode, in `live` order."""
         if turn == 0:
             # the K episodes of a problem share their first prompt when the environment gave them the same: one
             # prompt x K samples, the single-turn rollout's keys (and one prefill)
-            by_problem: dict[int, list[Episode]] = {}
-            for e in live:
-                by_problem.setdefault(e.problem_index, []).append(e)
-            shared = [(j, es) for j, es in by_problem.items()
-                      if len(es) == k and all(e.prompt_ids == es[0].prompt_ids for e in es)
-                      and [e.sample_index for e in es] == list(range(k))]
+            shared = _shared_first_prompts(live, k)
             out: dict[int, Any] = {}
             if shared:
                 gens = self.collector.generate([es[0].prompt_ids for _, es in shared],
@@ -218,6 +272,17 @@ class EpisodeRunner:
         e.ids += delta
         e.mask += [0] * len(delta)
         e.logprobs += [0.0] * len(delta)
+
+
+def _shared_first_prompts(live: Sequence[Episode], k: int) -> list[tuple[int, list[Episode]]]:
+    """(problem index, its K episodes) for the problems whose K episodes all start from the same prompt: their
+    first turns are one prompt x K samples (one prefill), keyed as a single-turn rollout's."""
+    by_problem: dict[int, list[Episode]] = {}
+    for e in live:
+        by_problem.setdefault(e.problem_index, []).append(e)
+    return [(j, es) for j, es in by_problem.items()
+            if len(es) == k and all(e.prompt_ids == es[0].prompt_ids for e in es)
+            and [e.sample_index for e in es] == list(range(k))]
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.config import Qwen35Config
-from jaxrl.ops.attention import cache_attention, causal_attention, compact, uncompact
+from jaxrl.ops.attention import cache_attention, causal_attention, compact, compaction, uncompact
 from jaxrl.ops.conv import causal_depthwise_conv
 from jaxrl.ops.gated_delta import (PendingUpdate, apply_pending, chunk_gated_delta_rule,
                                    gated_delta_decode_step_deferred, no_pending_update)
@@ -261,6 +261,14 @@ class GatedAttention(nnx.Module):
         return self.o_proj(o), state
 
 
+def last_real(window: jax.Array, valid: jax.Array, count: int) -> jax.Array:
+    """The last `count` real entries of each row of window [B, W, C] (valid [B, W], at least `count` real per
+    row), in order: [B, count, C]."""
+    order, _, lengths = compaction(valid)
+    packed = compact(window, order)  # real entries first, in order
+    return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n - count, count, axis=0))(packed, lengths)
+
+
 class GatedDeltaNet(nnx.Module):
     """Linear attention with the gated delta rule, a causal depthwise conv and a gated output norm (§2.5)."""
 
@@ -295,8 +303,9 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x)
 
         weight = self.conv1d[...][:, 0, :]
-        conv_out, conv_state = causal_depthwise_conv(mixed.astype(weight.dtype),
-                                                     weight, None if state is None else state.conv, ctx.segment_ids)
+        pre_conv = mixed.astype(weight.dtype)
+        conv_out, conv_state = causal_depthwise_conv(pre_conv, weight, None if state is None else state.conv,
+                                                     ctx.segment_ids)
         mixed = jax.nn.silu(conv_out).astype(x.dtype)
         q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
@@ -306,6 +315,16 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if state is not None and seq_len > 1 and ctx.write_index.ndim:
+            # A per-row cache continued by several tokens (the engine extending live rows, padded at the end): a
+            # padding position must leave the state as it was: no decay (g = 0) and no write (beta = 0), and the
+            # conv window carried on is the last K-1 *real* inputs, not the padding's zeros. (A shared-length
+            # cache is continued left-padded, where the zero state before the first real token makes both moot.)
+            real = ctx.token_mask[..., None]
+            g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0).astype(beta.dtype)
+            tail = weight.shape[-1] - 1
+            window = jnp.concatenate([state.conv.astype(weight.dtype), pre_conv], axis=1)
+            conv_state = last_real(window, jnp.pad(ctx.token_mask, ((0, 0), (tail, 0)), constant_values=True), tail)
 
         pending = None
         if state is not None and seq_len == 1:  # decode: the update deferred to the next step's read

@@ -15,8 +15,9 @@ Caches: `init_cache` preallocates one (attention layers write keys/values at slo
 carry their conv window and recurrent state); `hidden_states(..., cache_length=S)` builds one from a prompt in
 the training-style pass (fused attention over the prompt alone, no cache buffer read). A prefix followed by a
 continuation equals one pass. A *per-row* cache (`cache.length` of shape [B], `init_cache(per_row=True)`: the
-continuous-batching engine's slots, each at its own position) takes one token per row and call; row b writes
-slot length[b], and a row whose token is masked out keeps its length (a free slot).
+continuous-batching engine's slots, each at its own position) takes one token per row and call (decode; row b
+writes slot length[b], and a row whose token is masked out keeps its length: a free or held slot), or several
+(the engine extending live rows: real tokens first, padding at the end of each row).
 
 Rematerialisation (`remat`, training passes only: no cache): per-layer `jax.checkpoint` with a named policy.
   none       keep every activation
@@ -194,15 +195,19 @@ class Qwen35(nnx.Module):
             if attention_mask is not None:
                 order, dest, lengths = compaction(token_mask)
         elif per_row:
-            if seq_len != 1:
-                raise ValueError(f"a per-row cache continues one token per row and call, got {seq_len}")
             start_pos = cache.next_position
             write_index = cache.length.astype(jnp.int32)
             key_valid = write_rows(cache.valid, token_mask, write_index, axis=1)
-            # Slots after a row's own are never valid for it (a slot's valid flags are reset when a row moves
-            # in), so `valid` alone is the causal mask: every query may look up to the last slot.
-            q_slots = jnp.full((1,), cache.max_length - 1, jnp.int32)
-            filled = jnp.max(write_index) + 1
+            if seq_len == 1:
+                # Slots after a row's own are never valid for it (a slot's valid flags are reset when a row moves
+                # in), so `valid` alone is the causal mask: every query may look up to the last slot.
+                q_slots = jnp.full((1,), cache.max_length - 1, jnp.int32)
+            else:
+                # A continuation of several tokens per row (the engine extending a live row by an observation):
+                # row b's tokens fill slots length[b] .. length[b] + T - 1 (real tokens first, padding after;
+                # the caller leaves room for all T), each query seeing up to its own slot.
+                q_slots = write_index[:, None] + jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+            filled = jnp.max(write_index) + seq_len
         else:
             start_pos = cache.next_position
             write_index = cache.length.astype(jnp.int32)
