@@ -11,6 +11,7 @@ Two ways to hold a model:
 
 from __future__ import annotations
 
+import collections
 from typing import Optional, Sequence
 
 import jax.numpy as jnp
@@ -24,6 +25,8 @@ from jaxrl.models.adapters import attach, attached_digest, detach
 from jaxrl.parallel.sharding import batch_shards
 
 DTYPES = ("bfloat16", "float32")
+ENGINE_COUNTERS = ("rows", "decode_steps", "slot_steps", "rounds", "inserts", "prefilled_prompts", "prefilled_tokens",
+                   "generated_tokens")
 
 
 class JaxBackend(RolloutBackend):
@@ -68,6 +71,8 @@ class JaxBackend(RolloutBackend):
         self._params = None  # the weights of `update_weights` (None: the held model's own)
         self._samplers: dict[int, Sampler] = {}
         self.compiled_programs = 0  # engine programs traced by this process when the last call returned
+        # the engines' counters (prefilled tokens, decode steps, ...) summed over every generate / stream call
+        self.counters: collections.Counter = collections.Counter()
 
     def _load_folder(self, folder: str):
         return qwen35.from_pretrained(folder, dtype=getattr(jnp, self.dtype or "bfloat16"), mesh=self.mesh)
@@ -122,6 +127,7 @@ class JaxBackend(RolloutBackend):
         out = sampler.sample(prompts, params=self._params, n=sampling.n, temperature=sampling.temperature,
                              top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, group_ids=group_ids)
         self._log_programs(sampler, "call")
+        self.counters.update({k: v for k, v in sampler.stats.items() if k in ENGINE_COUNTERS})
         return [Generation(list(out.tokens[i]), out.finish_reasons[i], out.prompt_indices[i], out.sample_indices[i],
                            [float(x) for x in out.logprobs[i]]) for i in range(len(out))]
 
@@ -140,6 +146,7 @@ class JaxBackend(RolloutBackend):
             yield j, [Generation(list(c.tokens), c.finish_reason, j, i, [float(x) for x in c.logprobs])
                       for i, c in enumerate(completions)]
         self._log_programs(sampler, "stream")
+        self.counters.update({k: v for k, v in sampler.stats.items() if k in ENGINE_COUNTERS})
 
     def close(self) -> None:
         self._model = self._base = self._params = None
