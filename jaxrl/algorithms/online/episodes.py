@@ -110,7 +110,8 @@ class EpisodeRunner:
             ep.env = self.environment(**self.options)
             ep.env.seed = seed
             messages = check_messages(ep.env.reset(problem), "reset")
-            ep.prompt_ids = format_chat(self.tokenizer, messages, self.enable_thinking)
+            ep.prompt_ids = format_chat(self.tokenizer, messages, self.enable_thinking,
+                                        tools=getattr(ep.env, "tools", None))
             if len(ep.prompt_ids) > self.max_prompt_len:
                 raise ValueError(f"the first prompt has {len(ep.prompt_ids)} tokens, over data.max_prompt_len="
                                  f"{self.max_prompt_len}")
