@@ -18,6 +18,14 @@ Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout
 of each sequence's token-mean KL, as verl and OpenRLHF; n_steps = N); it is host state saved with every
 checkpoint.
 
+Episodes (`environment` set; jaxrl/algorithms/online/episodes.py): each row is a multi-turn episode, its
+completion columns (`max_episode_tokens` wide) every turn's sampled tokens (mask 1) and every observation (mask 0).
+Environment tokens are not actions: they get no KL reward, no value target, no advantage and no loss, and GAE
+skips them (`ppo.gae` passes its carry through a masked position), so the chain runs from a turn's last sampled
+token to the next turn's first with one gamma/lambda step, and V there reads the state after the observation (the
+observation is the environment's transition). The episode's return (the sum of its environment rewards) is the
+score at its last sampled token, as a completion's is. Metrics `episode/*` as GRPO's.
+
 Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
 `vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. The
 log-ratio is clamped to +-`log_ratio_clamp` (20, verl) before `exp`: an unclamped ratio of a token whose
@@ -55,6 +63,7 @@ from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule
+from jaxrl.algorithms.online.episodes import EpisodeRollouts
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
@@ -177,7 +186,8 @@ class PPOTask(OnlineTask):
             raise ValueError(f"ppo.prompts_per_rollout x ppo.num_generations = {rows} rows must equal ppo.minibatches "
                              f"({ppo.minibatches}) x the global batch batch.micro_batch_size x batch.grad_accum "
                              f"({global_batch})")
-        rollouts = Rollouts(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo)
+        rollouts = (EpisodeRollouts if ppo.environment else Rollouts)(
+            config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo)
         super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo)
         lr = config.optimizer.learning_rate
         value_lr = ppo.value_learning_rate or lr
@@ -222,7 +232,7 @@ class PPOTask(OnlineTask):
     def make_rollout(self, rollout: int, policy):
         ppo = self.ppo
         s = self.rollouts.run(policy, rollout)
-        metrics = sample_metrics(s, ppo.max_new_tokens)
+        metrics = {**sample_metrics(s, ppo.max_new_tokens), **s.episode}
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
         passes = RolloutPasses(policy, arrays, temperature=ppo.temperature, batch_size=ppo.logprob_batch_size,
