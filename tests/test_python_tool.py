@@ -65,6 +65,12 @@ def test_a_turn_without_a_call_is_the_final_answer_scored_on_the_tests():
     _, reward, done = e.step(turn(ANSWER, index=1))
     assert done and reward == 1.0 and e.solved is True
     half = "```python\na, b = map(int, input().split())\nprint(a + b if a > 0 else 0)\n```"  # fails "-5 3"
+    e = env()  # a call mentioned while thinking is not a call: the answer after </think> is scored
+    _, reward, done = e.step(turn("<think>\nMaybe a <tool_call> first? No.\n</think>\n\n" + ANSWER))
+    assert done and reward == 1.0
+    e = env()
+    messages, _, done = e.step(turn("<think>\nRun it.\n</think>\n\n" + call("print(1)", "")))
+    assert not done and messages == [{"role": "tool", "content": "1"}]
     e = env()
     _, reward, done = e.step(turn(half))
     assert done and reward == pytest.approx(0.75) and e.solved is False

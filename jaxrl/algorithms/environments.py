@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional, Sequence
 from jaxrl.data.problems import Problem, TestCase, coerce_problem
 from jaxrl.data.tool_calls import TOOL_CALL_START, parse_tool_calls
 from jaxrl.rewards.code import CodeVerifier, classify
-from jaxrl.rewards.extract import extract_code
+from jaxrl.rewards.extract import extract_code, strip_reasoning
 from jaxrl.rewards.sandbox import Execution, Job
 from jaxrl.utils.registry import Registry
 
@@ -210,12 +210,13 @@ class PythonTool(Environment):
     each call's code runs in the verifier's sandbox (its limits and isolation; no stdin; `tool_timeout_s`, default
     the verifier's `timeout_s`) and its stdout then stderr, at most `output_chars` characters with the kill reason
     when the sandbox stopped it, come back as a `tool` message (one per call, in the call order). A turn without a
-    `<tool_call>` is the final answer: the verifier scores it on every test of the problem (`score`: partial |
-    strict) and the episode ends. A turn whose `<tool_call>` text does not parse (unclosed, no `<function=...>`, a
-    tool other than `python`, text after the calls) or whose call has no string `code` gets an error as a user
-    message, and the episode goes on. A call on the last turn (max_turns, the token budget) gets no answer: the
-    episode ends unanswered with reward 0; a turn cut at its cap scores 0. `turn_cost` is subtracted for each tool
-    turn. Other options go to CodeVerifier (timeout_s, memory_mb, workers, isolation, lcb_compat, ...)."""
+    `<tool_call>` after its reasoning (after the last `</think>`) is the final answer: the verifier scores it on
+    every test of the problem (`score`: partial | strict) and the episode ends. A turn whose `<tool_call>` text
+    does not parse (unclosed, no `<function=...>`, a tool other than `python`, text after the calls) or whose call
+    has no string `code` gets an error as a user message, and the episode goes on. A call on the last turn
+    (max_turns, the token budget) gets no answer: the episode ends unanswered with reward 0; a turn cut at its cap
+    scores 0. `turn_cost` is subtracted for each tool turn. Other options go to CodeVerifier (timeout_s, memory_mb,
+    workers, isolation, lcb_compat, ...)."""
 
     tools = [PYTHON_TOOL]
 
@@ -244,8 +245,11 @@ class PythonTool(Environment):
         if turn.finish_reason == "length":
             self.solved = False
             return [], 0.0, True
-        _, calls = parse_tool_calls(turn.text, self.tools)
-        called = TOOL_CALL_START in turn.text
+        # calls are read after the reasoning (vLLM's reasoning parser hands its tool parser the content only): a
+        # `<tool_call>` mentioned while thinking is not a call; an open think block is an (unfinished) answer
+        answer = strip_reasoning(turn.text) or ""
+        _, calls = parse_tool_calls(answer, self.tools)
+        called = TOOL_CALL_START in answer
         if not called:  # the final answer
             result = self.verifier.score([turn.text], [self.problem], truncated=[turn.finish_reason])[0]
             self.solved = bool(result.strict)
