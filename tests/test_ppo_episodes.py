@@ -14,6 +14,7 @@ import pytest
 
 from conftest import make_rollout, tiny_config
 from jaxrl.algorithms import ppo as ppo_lib
+from jaxrl.algorithms.online.episodes import Episode, turn_reward_row
 from jaxrl.algorithms.ppo_task import PPOTask, returns_and_advantages
 from jaxrl.algorithms.run import build_model, resolve_config
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
@@ -54,6 +55,18 @@ def test_gae_over_an_episode_skips_environment_tokens():
     zero_steps, _ = jax.device_get(ppo_lib.gae(np.where(MASK > 0, REWARDS, 0), np.where(MASK > 0, VALUES, 0),
                                                np.array([[1, 1, 1, 1, 1, 1, 0]], np.float32), GAMMA, LAM))
     assert abs(zero_steps[0, 1] - a1) > 0.05
+
+
+def test_each_turns_reward_is_given_at_that_turns_last_sampled_token():
+    e = Episode(0, 0, [5, 6], ids=list(range(6)), mask=[1, 1, 0, 0, 1, 1], rewards=[-0.05, 0.75])
+    np.testing.assert_allclose(turn_reward_row(e, 8), [0, -0.05, 0, 0, 0, 0.75, 0, 0], atol=1e-7)
+    # the PPO task's chain (KL rewards -> GAE, unwhitened) with them: the turn cost is in turn 1's returns only
+    logp = np.array([[-1.0, -2.0, 0.0, 0.0, -0.5, -1.5, 0.0]], np.float32)
+    turns = np.array([[0.0, -0.05, 0.0, 0.0, 0.0, 0.75, 0.0]], np.float32)
+    _, adv, ret, _ = jax.device_get(returns_and_advantages(
+        logp, logp, np.zeros_like(logp), MASK, np.zeros(1, np.float32), np.float32(0.1), turns, estimator="k1",
+        gamma=1.0, lam=1.0, whiten_rewards=False, whiten_advantages=False))
+    np.testing.assert_allclose(ret[0], [0.7, 0.7, 0, 0, 0.75, 0.75, 0], atol=1e-6)  # V = 0, no KL: the returns
 
 
 def test_the_episode_return_is_scored_at_its_last_sampled_token():
@@ -124,14 +137,21 @@ def test_a_ppo_rollout_of_episodes_trains_sampled_tokens_only(base):
     for key in ("advantages", "returns", "old_logp", "old_values"):  # ... and carry nothing the loss reads
         assert np.all(buffer[key][~m] == 0), key
         assert np.all(np.isfinite(buffer[key])), key
-    # the returns are GAE over each row's sampled tokens alone, the episode's reward at its last one (step 0: the
-    # policy is the reference, so no KL reward; a zero-initialised value head: V = 0, so R_t = gamma^k r)
+    # the returns are GAE over each row's sampled tokens alone, each turn's reward at its last one (step 0: the
+    # policy is the reference, so no KL reward; a zero-initialised value head: V = 0): the "No program" reply's
+    # cost is in the first turn's returns, not in the second's
+    two = 0
     for row, e in enumerate(episodes):
         on = m[row]
-        dense, ret = jax.device_get(ppo_lib.gae(np.eye(on.sum(), dtype=np.float32)[-1:] * e.reward,
-                                                np.zeros((1, on.sum()), np.float32), np.ones((1, on.sum())),
-                                                cfg.ppo.gamma, cfg.ppo.lam))
+        rewards = turn_reward_row(e, E)[:len(e.mask)][np.asarray(e.mask) > 0][None]
+        _, ret = jax.device_get(ppo_lib.gae(rewards, np.zeros_like(rewards), np.ones_like(rewards), cfg.ppo.gamma,
+                                            cfg.ppo.lam))
         np.testing.assert_allclose(buffer["returns"][row, on], ret[0], atol=1e-6)
+        if e.turns == 2 and e.rewards[0] < 0:
+            first = e.mask.index(0)  # the first turn's sampled tokens
+            assert np.all(ret[0, :first] < 0) and np.all(ret[0, first:] == 0), ret
+            two += 1
+    assert two
 
 
 @pytest.mark.heavy  # three short runs (full, stopped, resumed), each compiling its programs

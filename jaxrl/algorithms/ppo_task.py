@@ -23,8 +23,10 @@ completion columns (`max_episode_tokens` wide) every turn's sampled tokens (mask
 Environment tokens are not actions: they get no KL reward, no value target, no advantage and no loss, and GAE
 skips them (`ppo.gae` passes its carry through a masked position), so the chain runs from a turn's last sampled
 token to the next turn's first with one gamma/lambda step, and V there reads the state after the observation (the
-observation is the environment's transition). The episode's return (the sum of its environment rewards) is the
-score at its last sampled token, as a completion's is. Metrics `episode/*` as GRPO's.
+observation is the environment's transition). Each turn's environment reward (a `turn_cost`, the final score) is
+given at that turn's last sampled token (`Sampled.turn_rewards`): a cost paid at turn k is in the returns of turns
+<= k only, and the final score at the episode's last sampled token, as a completion's. Metrics `episode/*` as
+GRPO's.
 
 Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
 `vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. The
@@ -160,11 +162,15 @@ class PPOObjective:
 
 
 @partial(jax.jit, static_argnames=("estimator", "gamma", "lam", "whiten_rewards", "whiten_advantages"))
-def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, *, estimator, gamma, lam,
-                           whiten_rewards, whiten_advantages):
+def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, turn_scores=None, *, estimator, gamma,
+                           lam, whiten_rewards, whiten_advantages):
     """The rollout's [N, C] token rewards -> GAE, all on the whole rollout (whitening uses its statistics).
-    Returns (advantages (whitened if asked), raw advantages, returns, kl [N, C])."""
+    `scores` [N] land on each row's last sampled token; `turn_scores` [N, C] (episodes: each turn's reward at its
+    last sampled token) are added where they are. Returns (advantages (whitened if asked), raw advantages, returns,
+    kl [N, C])."""
     rewards, kl = ppo_lib.kl_penalty_rewards(old_logp, ref_logp, mask, scores, kl_coef, estimator)
+    if turn_scores is not None:
+        rewards = rewards + jnp.where(jnp.asarray(mask) > 0, turn_scores, 0.0)
     if whiten_rewards:
         rewards = ppo_lib.masked_whiten(rewards, mask, shift_mean=False)
     adv, ret = ppo_lib.gae(rewards, values, mask, gamma, lam)
@@ -252,9 +258,13 @@ class PPOTask(OnlineTask):
         masked = np.isnan(s.rewards)  # the reward masked these samples (truncation policy "mask"): no loss
         mask = s.completion_mask * (~masked)[:, None].astype(np.float32)
         scores = np.where(masked, 0.0, s.rewards).astype(np.float32)
+        turn_scores = None
+        if s.turn_rewards is not None:  # episodes: each turn's reward where that turn ends, not the sum at the end
+            turn_scores, scores = s.turn_rewards, np.zeros_like(scores)
         kl_coef = self.kl_coef
         adv, raw_adv, ret, kl = jax.device_get(returns_and_advantages(
-            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), estimator=ppo.kl_estimator,
+            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), turn_scores,
+            estimator=ppo.kl_estimator,
             gamma=ppo.gamma, lam=ppo.lam, whiten_rewards=ppo.whiten_rewards,
             whiten_advantages=ppo.whiten_advantages))
         m = mask > 0
