@@ -141,6 +141,12 @@ def test_a_tool_call_cannot_read_the_hosts_files(tmp_path):
     assert not done and "SECRET-OUTPUT-42" not in m["content"] and "FileNotFoundError" in m["content"]
 
 
+def test_python_tool_is_a_built_in_environment_of_both_algorithms():
+    from jaxrl.algorithms import plugins
+    assert "python_tool" in plugins.names("environment")
+    plugins.check_references({"grpo": {"environment": "python_tool"}, "ppo": {"environment": "python_tool"}})
+
+
 def test_bad_options_are_refused():
     for options, match in (({"output_chars": 10}, "output_chars"), ({"score": "best"}, "score"),
                            ({"turn_cost": float("nan")}, "turn_cost"), ({"tool_timeout_s": -1}, "tool_timeout_s")):
