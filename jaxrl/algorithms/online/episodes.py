@@ -317,7 +317,8 @@ def episodes_to_sampled(episodes: Sequence[Episode], max_prompt_len: int, max_ep
         arrays["completion_mask"][i, :len(e.mask)] = np.asarray(e.mask, np.float32)
         if e.error is None:
             turn_rewards[i] = turn_reward_row(e, max_episode_tokens)
-    return Sampled(**arrays, turn_rewards=turn_rewards, lengths=np.asarray([sum(e.mask) for e in episodes], np.int32),
+    return Sampled(**arrays, turn_rewards=turn_rewards,
+                   lengths=np.asarray([sum(e.mask) for e in episodes], np.int32),
                    truncated=np.asarray([e.truncated for e in episodes], bool),
                    rewards=np.asarray([e.reward for e in episodes], np.float32),
                    strict=np.asarray([float(e.solved) for e in episodes], np.float32),
