@@ -117,8 +117,8 @@ def test_episode_settings_are_checked():
         resolve_config(tiny_config("grpo", environment="code_feedback", max_new_tokens=16, max_episode_tokens=8))
     with pytest.raises(ValueError, match="grpo.overlong_buffer"):
         resolve_config(tiny_config("grpo", environment="code_feedback", overlong_buffer=4, max_episode_tokens=64))
-    with pytest.raises(ValueError, match="episodes train with GRPO only"):
-        resolve_config(tiny_config("ppo", environment="code_feedback", max_episode_tokens=4096))
+    with pytest.raises(ValueError, match="ppo.max_episode_tokens=8 must hold one turn of ppo.max_new_tokens=16"):
+        resolve_config(tiny_config("ppo", environment="code_feedback", max_new_tokens=16, max_episode_tokens=8))
     with pytest.raises(ValueError, match="needs data.source='problems'"):
         cfg = resolve_config(tiny_config("grpo", environment="code_feedback", max_episode_tokens=64))
         GRPOTask(cfg, build_model(cfg), make_mesh((1, 1, 1)))

@@ -18,6 +18,16 @@ Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout
 of each sequence's token-mean KL, as verl and OpenRLHF; n_steps = N); it is host state saved with every
 checkpoint.
 
+Episodes (`environment` set; jaxrl/algorithms/online/episodes.py): each row is a multi-turn episode, its
+completion columns (`max_episode_tokens` wide) every turn's sampled tokens (mask 1) and every observation (mask 0).
+Environment tokens are not actions: they get no KL reward, no value target, no advantage and no loss, and GAE
+skips them (`ppo.gae` passes its carry through a masked position), so the chain runs from a turn's last sampled
+token to the next turn's first with one gamma/lambda step, and V there reads the state after the observation (the
+observation is the environment's transition). Each turn's environment reward (a `turn_cost`, the final score) is
+given at that turn's last sampled token (`Sampled.turn_rewards`): a cost paid at turn k is in the returns of turns
+<= k only, and the final score at the episode's last sampled token, as a completion's. Metrics `episode/*` as
+GRPO's.
+
 Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
 `vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. The
 log-ratio is clamped to +-`log_ratio_clamp` (20, verl) before `exp`: an unclamped ratio of a token whose
@@ -55,6 +65,7 @@ from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule
+from jaxrl.algorithms.online.episodes import EpisodeRollouts
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
@@ -151,11 +162,15 @@ class PPOObjective:
 
 
 @partial(jax.jit, static_argnames=("estimator", "gamma", "lam", "whiten_rewards", "whiten_advantages"))
-def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, *, estimator, gamma, lam,
-                           whiten_rewards, whiten_advantages):
+def returns_and_advantages(old_logp, ref_logp, values, mask, scores, kl_coef, turn_scores=None, *, estimator, gamma,
+                           lam, whiten_rewards, whiten_advantages):
     """The rollout's [N, C] token rewards -> GAE, all on the whole rollout (whitening uses its statistics).
-    Returns (advantages (whitened if asked), raw advantages, returns, kl [N, C])."""
+    `scores` [N] land on each row's last sampled token; `turn_scores` [N, C] (episodes: each turn's reward at its
+    last sampled token) are added where they are. Returns (advantages (whitened if asked), raw advantages, returns,
+    kl [N, C])."""
     rewards, kl = ppo_lib.kl_penalty_rewards(old_logp, ref_logp, mask, scores, kl_coef, estimator)
+    if turn_scores is not None:
+        rewards = rewards + jnp.where(jnp.asarray(mask) > 0, turn_scores, 0.0)
     if whiten_rewards:
         rewards = ppo_lib.masked_whiten(rewards, mask, shift_mean=False)
     adv, ret = ppo_lib.gae(rewards, values, mask, gamma, lam)
@@ -177,7 +192,8 @@ class PPOTask(OnlineTask):
             raise ValueError(f"ppo.prompts_per_rollout x ppo.num_generations = {rows} rows must equal ppo.minibatches "
                              f"({ppo.minibatches}) x the global batch batch.micro_batch_size x batch.grad_accum "
                              f"({global_batch})")
-        rollouts = Rollouts(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo)
+        rollouts = (EpisodeRollouts if ppo.environment else Rollouts)(
+            config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo)
         super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo)
         lr = config.optimizer.learning_rate
         value_lr = ppo.value_learning_rate or lr
@@ -222,7 +238,7 @@ class PPOTask(OnlineTask):
     def make_rollout(self, rollout: int, policy):
         ppo = self.ppo
         s = self.rollouts.run(policy, rollout)
-        metrics = sample_metrics(s, ppo.max_new_tokens)
+        metrics = {**sample_metrics(s, ppo.max_new_tokens), **s.episode}
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
         passes = RolloutPasses(policy, arrays, temperature=ppo.temperature, batch_size=ppo.logprob_batch_size,
@@ -242,9 +258,13 @@ class PPOTask(OnlineTask):
         masked = np.isnan(s.rewards)  # the reward masked these samples (truncation policy "mask"): no loss
         mask = s.completion_mask * (~masked)[:, None].astype(np.float32)
         scores = np.where(masked, 0.0, s.rewards).astype(np.float32)
+        turn_scores = None
+        if s.turn_rewards is not None:  # episodes: each turn's reward where that turn ends, not the sum at the end
+            turn_scores, scores = s.turn_rewards, np.zeros_like(scores)
         kl_coef = self.kl_coef
         adv, raw_adv, ret, kl = jax.device_get(returns_and_advantages(
-            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), estimator=ppo.kl_estimator,
+            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), turn_scores,
+            estimator=ppo.kl_estimator,
             gamma=ppo.gamma, lam=ppo.lam, whiten_rewards=ppo.whiten_rewards,
             whiten_advantages=ppo.whiten_advantages))
         m = mask > 0

@@ -51,9 +51,10 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], enable_th
 
 
 def format_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of the templated conversation (special tokens come from the template text, none added)."""
-    text = render_chat(tokenizer, messages, enable_thinking, add_generation_prompt)
+                add_generation_prompt: bool = True, tools: Optional[Sequence[Mapping]] = None) -> list[int]:
+    """Token ids of the templated conversation (special tokens come from the template text, none added; `tools` as
+    in `render_chat`)."""
+    text = render_chat(tokenizer, messages, enable_thinking, add_generation_prompt, tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

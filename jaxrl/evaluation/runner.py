@@ -157,8 +157,8 @@ class EvalConfig:
     overwrite: bool = flag_field(False, help="Replace the results in --out of models or prompts this run leaves "
                                              "out (without it a narrower rerun is refused).")
     environment: str = flag_field("", help="Evaluate multi-turn episodes of this environment ('' = single "
-                                           "completions): code_feedback, a registered plug-in name, or a plug-in "
-                                           "path file.py:Class (docs/guides/episodes.md).")
+                                           "completions): code_feedback, python_tool, a registered plug-in name, or a "
+                                           "plug-in path file.py:Class (docs/guides/episodes.md).")
     environment_options: dict = flag_field(default_factory=dict, help="JSON options of --environment, e.g. "
                                                                       "'{\"public_tests\": 1}'.")
     max_turns: int = flag_field(1, help="Turns of an episode at most (--environment); results report solved "

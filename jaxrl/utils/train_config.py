@@ -435,11 +435,12 @@ class EpisodeSettings(SettingsBlock):
     """Multi-turn episodes (jaxrl/algorithms/online/episodes.py, docs/guides/episodes.md): each row is a policy and
     an environment taking turns."""
 
-    environment: str = setting("", doc="'' = single-turn; else an environment (code_feedback, or an `environment` "
-                               "plug-in): each row is an episode of up to max_turns turns")
+    environment: str = setting("", doc="'' = single-turn; else an environment (code_feedback, python_tool, or an "
+                               "`environment` plug-in): each row is an episode of up to max_turns turns")
     environment_options: dict = setting({}, dict, "keyword arguments of the environment (code_feedback: "
                                         "public_tests, feedback_chars, score, turn_cost, reward_tests and the "
-                                        "verifier's)")
+                                        "verifier's; python_tool: output_chars, tool_timeout_s, score, turn_cost and "
+                                        "the verifier's)")
     max_turns: int = setting(4, doc="sampled turns per episode at most")
     max_episode_tokens: int = setting(8192, doc="E: the tokens an episode may add after its prompt (every turn and "
                                       "observation); training rows are data.max_prompt_len + E wide")
@@ -454,9 +455,6 @@ class EpisodeSettings(SettingsBlock):
             if getattr(self, "overlong_buffer", 0) > 0:
                 raise ValueError(f"{self.NAME}.overlong_buffer penalises one completion's length; with "
                                  f"{self.NAME}.environment set the budget is max_episode_tokens (set it to 0)")
-            if self.NAME != "grpo":
-                raise ValueError(f"{self.NAME}.environment={self.environment!r}: episodes train with GRPO only (PPO's "
-                                 "values and GAE over environment tokens are not implemented)")
         super().__post_init__()
 
 

@@ -120,7 +120,8 @@ class EpisodeRunner:
             ep.env = self.environment(**self.options)
             ep.env.seed = seed
             messages = check_messages(ep.env.reset(problem), "reset")
-            ep.prompt_ids = format_chat(self.tokenizer, messages, self.enable_thinking)
+            ep.prompt_ids = format_chat(self.tokenizer, messages, self.enable_thinking,
+                                        tools=getattr(ep.env, "tools", None))
             if len(ep.prompt_ids) > self.max_prompt_len:
                 raise ValueError(f"the first prompt has {len(ep.prompt_ids)} tokens, over data.max_prompt_len="
                                  f"{self.max_prompt_len}")
@@ -355,6 +356,17 @@ class EpisodeRollouts(Rollouts):
                                    adapter=dict(self.last_sync))
 
 
+def turn_reward_row(e: Episode, width: int) -> np.ndarray:
+    """[width]: the reward of each turn's step at that turn's last sampled token (the end of the turn's run of mask
+    1s), 0 elsewhere; the row sums to `e.reward`."""
+    row = np.zeros(width, np.float32)
+    ends = [i for i, m in enumerate(e.mask) if m and (i + 1 == len(e.mask) or not e.mask[i + 1])]
+    for k, reward in enumerate(e.rewards):
+        if ends:  # a turn of no tokens has no run of its own: its reward joins the last one's
+            row[ends[min(k, len(ends) - 1)]] += reward
+    return row
+
+
 def episodes_to_sampled(episodes: Sequence[Episode], max_prompt_len: int, max_episode_tokens: int, pad_id: int,
                         times: dict, adapter: Optional[dict] = None) -> Sampled:
     """The rollout arrays of episodes (jaxrl/algorithms/online/rollouts.py layout, C = max_episode_tokens): the
@@ -365,9 +377,13 @@ def episodes_to_sampled(episodes: Sequence[Episode], max_prompt_len: int, max_ep
     prompts = [e.prompt_ids or [pad_id] for e in episodes]
     arrays = to_arrays(prompts, [e.ids for e in episodes], [e.logprobs for e in episodes], range(len(episodes)),
                        max_prompt_len, max_episode_tokens, pad_id)
+    turn_rewards = np.zeros_like(arrays["completion_mask"])
     for i, e in enumerate(episodes):
         arrays["completion_mask"][i, :len(e.mask)] = np.asarray(e.mask, np.float32)
-    return Sampled(**arrays, lengths=np.asarray([sum(e.mask) for e in episodes], np.int32),
+        if e.error is None:
+            turn_rewards[i] = turn_reward_row(e, max_episode_tokens)
+    return Sampled(**arrays, turn_rewards=turn_rewards,
+                   lengths=np.asarray([sum(e.mask) for e in episodes], np.int32),
                    truncated=np.asarray([e.truncated for e in episodes], bool),
                    rewards=np.asarray([e.reward for e in episodes], np.float32),
                    strict=np.asarray([float(e.solved) for e in episodes], np.float32),

@@ -61,6 +61,9 @@ class Sampled:
     # server backends: the trainer's adapter digest and the one the servers reported serving for this rollout
     adapter: dict = dataclasses.field(default_factory=dict)
     episode: dict = dataclasses.field(default_factory=dict)  # episode/* metrics (jaxrl/algorithms/online/episodes.py)
+    # episodes: [N, C] float32, each turn's environment reward at that turn's last sampled token (a row sums to its
+    # `rewards`; 0 for a failed episode): where PPO's GAE gives them (jaxrl/algorithms/ppo_task.py); None otherwise
+    turn_rewards: Optional[np.ndarray] = None
 
 
 def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], logprobs, prompt_indices,
