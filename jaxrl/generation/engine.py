@@ -26,6 +26,16 @@ How it schedules (on the host, between rounds; nothing in Python per token):
     (halvings, down to slots / MAX_SHRINK: a round and a shrink program per size), so a rollout's tail does not pay
     for empty slots: a decode step's bytes are the weights plus every slot's caches.
 
+Sessions (`Request.session`, a multi-turn episode): a session row's slot is *held* after it finishes, its caches
+kept (the rounds of the other rows leave its state as it was), and the session's next request, whose prompt
+extends the held row's prompt + tokens, continues in that slot: only the new ids (the held row's last token, then
+what was appended) are fed, by `programs.extend` in chunks of EXTEND_WIDTHS, K rows per program; its first token
+is sampled with its own key at index 0, as a fresh row's. Session rows go to pools of their own whose cap is the
+session's `session_tokens` (every turn and every appended token after the first prompt). A request that cannot
+continue (its prompt does not extend the held tokens, the rest would not fit, another sampling mode runs) frees the
+held slot and starts fresh; held slots are given up to rows waiting for a slot (the longest held first), and
+`set_params` / `release` end every session. `end_session(key)` frees a slot whose episode is over.
+
 Randomness (jaxrl.generation.sampling): a row's key comes from (seed, group id, sample index), never the slot,
 pool, round or batch, so a row's tokens are the same whatever it was scheduled with; the few floating-point sums
 whose length differs between two schedules (the decode attention reads a prefix of the cache sized by the longest
