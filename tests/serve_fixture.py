@@ -37,13 +37,15 @@ def build_base(folder, max_positions: int = 512, layers: int = 2, seed: int = 0)
 class Served:
     """`launchers.serve` on a free loopback port; waits for its ready file."""
 
-    def __init__(self, root, base: str, *flags: str, name: str = "serve", timeout_s: float = 300):
+    def __init__(self, root, base: str, *flags: str, name: str = "serve", timeout_s: float = 300, port: int = 0):
+        """port: 0 = a free one; a given port restarts a stopped server where its clients expect it."""
         root = Path(root)
         self.ready = root / f"{name}.ready"
+        self.ready.unlink(missing_ok=True)
         self.log_path = root / f"{name}.log"
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launchers.serve", f"--base={base}", "--port=0", f"--ready_file={self.ready}",
+            [sys.executable, "-m", "launchers.serve", f"--base={base}", f"--port={port}", f"--ready_file={self.ready}",
              "--dtype=float32", *flags],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})

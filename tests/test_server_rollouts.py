@@ -173,21 +173,21 @@ def runs(env):
     return out
 
 
-def assert_same_run(a, b, check_buffers=True):
+def assert_same_run(a, b, check_buffers=True, steps=STEPS):
     """Bit-identical training: the losses, norms and rewards of every step, the adapters of every checkpoint,
     and (check_buffers) every rollout's tokens and old / reference log-probs."""
     from jaxrl.models.adapters import adapter_steps, load_adapter
     ma, mb = metrics(a), metrics(b)
-    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(1, steps + 1))
     for key in ("loss", "grad_norm", "lora_norm", "reward/mean", "advantage/abs_mean"):
         assert [r[key] for r in ma] == [r[key] for r in mb], key
-    assert adapter_steps(str(a)) == adapter_steps(str(b)) == list(range(EVERY, STEPS + 1, EVERY))
+    assert adapter_steps(str(a)) == adapter_steps(str(b)) == list(range(EVERY, steps + 1, EVERY))
     for step in adapter_steps(str(a)):
         pa, pb = load_adapter(str(a), step)[0], load_adapter(str(b), step)[0]
         for name in pa:
             np.testing.assert_array_equal(pa[name], pb[name], err_msg=f"{name} step {step}")
     if check_buffers:
-        for r in range(STEPS // EVERY):
+        for r in range(steps // EVERY):
             ba, bb = rollout_buffer(a, r), rollout_buffer(b, r)
             for key in ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logp", "ref_logp"):
                 np.testing.assert_array_equal(ba[key], bb[key], err_msg=f"rollout {r} {key}")
