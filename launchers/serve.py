@@ -43,6 +43,8 @@ def main(argv):
     limits = dataclass_flags.config_from_flags(ServeLimits, _LIMITS)
     if not s.base:
         raise app.UsageError("--base is required")
+    if limits.max_logprobs < -1:
+        raise app.UsageError(f"--max_logprobs={limits.max_logprobs}: a k of top log-probs, or -1 (the vocabulary)")
     from jaxrl.serve.app import CompletionServer, is_loopback, url_of
     from jaxrl.serve.protocol import ApiError
     from jaxrl.generation.engine import DEFAULT_ROUND_STEPS
