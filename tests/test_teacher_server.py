@@ -330,3 +330,54 @@ def test_a_teacher_server_config_that_cannot_work_is_refused(folders, tmp_path):
         with pytest.raises(ValueError) as info:
             run_training(distill_config(teacher, student, **block), str(tmp_path / f"run{n}"))
         assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.heavy  # a served teacher SIGKILLed under a running distillation, then restarted
+def test_a_teacher_server_killed_mid_run_fails_one_line_and_the_run_resumes_from_its_checkpoint(folders, tmp_path):
+    """The server dies after step 2 of 6 (checkpoints every step): the run stops with a one-line ServerError naming
+    it (after the client's retries); a server started again on the same port lets the same command resume from the
+    last checkpoint and finish, its records the steps after that checkpoint."""
+    import signal
+    import time
+    from jaxrl.algorithms.run import run_training
+    from jaxrl.train.metrics import read_metrics
+    teacher, student = folders
+    served = Served(tmp_path, teacher, "--max_model_len=64", name="first")
+    url, workdir = served.url, str(tmp_path / "run")
+
+    def config():
+        cfg = distill_config(teacher, student, temperature=1.0, teacher_backend="server", teacher_servers=(url,))
+        cfg.steps = 6
+        cfg.checkpoint_every = 1
+        return cfg
+
+    failure = []
+
+    def train():
+        try:
+            run_training(config(), workdir)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            failure.append(e)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    while thread.is_alive() and not (os.path.exists(metrics) and len(read_metrics(workdir)) >= 2):
+        time.sleep(0.2)
+    served.stop(signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ServerError), failure
+    message = str(failure[0])
+    assert "\n" not in message and url in message, message
+    done = [r["step"] for r in read_metrics(workdir)]
+    assert 2 <= done[-1] < 6, done
+    again = Served(tmp_path, teacher, "--max_model_len=64", f"--port={url.rsplit(':', 1)[1]}", name="second")
+    try:
+        assert again.url == url
+        records = run_training(config(), workdir).records
+    finally:
+        again.stop()
+    assert [r["step"] for r in records] == list(range(done[-1] + 1, 7)), [r["step"] for r in records]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    print("failed after step", done[-1], "with:", message)
