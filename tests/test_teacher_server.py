@@ -130,6 +130,9 @@ def test_prompt_logprobs_come_in_vllms_shape(folders, server):
         "model": folders[0], "prompt": seq, "max_tokens": 1, "prompt_logprobs": 40}, timeout=60)
     assert status == 400 and "Requested prompt logprobs of 40, which is greater than max allowed: 32" in \
         body["error"]["message"], body
+    status, body = http_json("POST", server.url + "/v1/completions", {
+        "model": folders[0], "prompt": seq, "max_tokens": 1, "prompt_logprobs": 0, "stream": True}, timeout=60)
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs", body  # never silently dropped
     with pytest.raises(ServerError) as info:  # the client's probe: one line naming the server and the field
         VLLMTeacher([server.url], k=40, width=14)
     assert "\n" not in str(info.value) and server.url in str(info.value) and "prompt_logprobs=40" in str(info.value)

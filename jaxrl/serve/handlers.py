@@ -276,7 +276,7 @@ class Handlers:
             return None
         if k < 0 and k != -1:
             raise ApiError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
-        if req.stream and k != 0:
+        if req.stream:  # vLLM's refusal for k != 0; this server streams no prompt_logprobs at all (k = 0 too)
             raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         k = self.vocab_size if k == -1 else int(k)
         if k > self.max_logprobs:
