@@ -15,8 +15,7 @@ import pytest
 import hf_tiny
 from serve_fixture import Served
 from test_distill_task import distill_config
-from jaxrl.backends.openai_client import ServerError
-from jaxrl.backends.openai_client import http_json
+from jaxrl.backends.openai_client import ServerError, http_json
 from jaxrl.backends.teacher_client import ServerTeacher, VLLMTeacher, rest_logp
 
 K = 8

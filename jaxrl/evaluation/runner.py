@@ -613,6 +613,7 @@ class Evaluator:
                         seed=cfg.seed, resampled=load_resampled(out_dir), protocol=read_protocol(self.out),
                         problems=cfg.problems, references=cfg.references)
         metrics, comps = stats.pop("models"), stats.pop("comparisons")
+        warnings = [w for w in [sampling_warning(cfg.temperature, cfg.num_samples)] if w] + stats.pop("warnings")
         if cfg.environment:  # solved within t turns, turns and tokens per episode (jaxrl.evaluation.episodes)
             for name, recs in records.items():
                 metrics[name]["episodes"] = episode_summary(recs, cfg.max_turns, cfg.confidence)
@@ -620,7 +621,6 @@ class Evaluator:
             if failed:
                 warnings.append(f"episodes failed (their environment raised; scored 0, the error in the samples' "
                                 f"reason): {failed}")
-        warnings = [w for w in [sampling_warning(cfg.temperature, cfg.num_samples)] if w] + stats.pop("warnings")
         if self.skipped:
             warnings.append(f"{len(self.skipped)} of {self.n_problems_total} problems were skipped (prompt over "
                             f"max_prompt_len={cfg.max_prompt_len} tokens); every model was scored on the other "
