@@ -23,7 +23,6 @@ answer the requests in flight (up to --graceful_shutdown_s), exit 130 / 143.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 from absl import app, logging

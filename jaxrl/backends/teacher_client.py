@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
