@@ -16,6 +16,16 @@ Programs (bf16 base weights, LoRA r16 / alpha 32 on all 12 projections, fp32 ada
                completion tokens, micro-batch 4 rows x grad_accum 40 (configs/grpo.py's default split)
   decode_4b    the generation engine's decode round (`jaxrl.generation.programs.decode_round`: a while loop of
                decode steps) over 160 slots, 4B, cache 2,048 + 4,096 slots, LoRA fused, plain sampling
+  distill_4b   the on-policy distillation train step (`DistillObjective`, DistillConfig's defaults: reverse_kl,
+               teacher_top_k 16: the student's log-probs on the teacher's top-16 support inside the step), 4B, the
+               GRPO step's rows (20 x 8 = 160 of 2,048 + 4,096 tokens, micro-batch 4 x 40); the object adds the
+               9B teacher's resident bf16 weights (`teacher_resident_gib`, the in-process teacher) to its peak
+  teacher_9b   the in-process teacher's pass (`jaxrl.algorithms.online.teacher._teacher_pass`: a frozen bf16 9B
+               without LoRA, top-16 support of every completion token), logprob_batch_size 8 rows of 2,048 + 4,096
+               tokens a call; the object adds the 4B student's resident state (bf16 weights, fp32 adapters and
+               AdamW moments) to its peak
+  reference_4b GRPO's reference pass (`jaxrl.algorithms.online.passes._pass`, the policy with its adapters off),
+               8 rows of 2,048 + 4,096 tokens a call: what the teacher pass replaces
 
 `--scan_layers=both` compiles each train step with the layers scanned (`Qwen35Config.scan_layers`: one
 compiled block of three Gated DeltaNet layers and one attention layer) and unrolled; decode is never scanned.
@@ -79,7 +89,12 @@ PROGRAMS = {
     "dpo_9b_mb2": dict(kind="dpo", model="9b", seq_len=6144, micro_batch=2, grad_accum=4),
     "grpo_4b": dict(kind="grpo", model="4b", prompt_len=2048, new_tokens=4096, rows=160, micro_batch=4),
     "decode_4b": dict(kind="decode", model="4b", slots=160, prompt_len=2048, new_tokens=4096),
+    "distill_4b": dict(kind="distill", model="4b", prompt_len=2048, new_tokens=4096, rows=160, micro_batch=4,
+                       top_k=16),
+    "teacher_9b": dict(kind="teacher", model="9b", prompt_len=2048, new_tokens=4096, rows=8, top_k=16),
+    "reference_4b": dict(kind="reference", model="4b", prompt_len=2048, new_tokens=4096, rows=8),
 }
+PASSES = ("teacher", "reference")  # forward-only programs (no backward, no remat choice)
 # --shape=tiny: the same programs at the tiny model (4 layers: linear, full, linear, full) and short sequences.
 TINY = {
     "dpo_4b": dict(seq_len=64),
@@ -87,6 +102,9 @@ TINY = {
     "dpo_9b_mb2": dict(seq_len=96),
     "grpo_4b": dict(prompt_len=16, new_tokens=32, rows=16),
     "decode_4b": dict(slots=8, prompt_len=16, new_tokens=32),
+    "distill_4b": dict(prompt_len=16, new_tokens=32, rows=16),
+    "teacher_9b": dict(prompt_len=16, new_tokens=32, rows=4),
+    "reference_4b": dict(prompt_len=16, new_tokens=32, rows=4),
 }
 
 
@@ -141,8 +159,9 @@ class H200:
         self.module._device_memory_bytes, self.module.resolve_implementation = self.saved
 
 
-def abstract_model(cfg, remat: str):
-    """The bf16 model with LoRA r16 on every projection, as shapes only (nnx.eval_shape: nothing allocated)."""
+def abstract_model(cfg, remat: str, adapters: bool = True):
+    """The bf16 model with LoRA r16 on every projection (`adapters`; without: a frozen teacher), as shapes only
+    (nnx.eval_shape: nothing allocated)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -150,10 +169,76 @@ def abstract_model(cfg, remat: str):
 
     def build():
         model = qwen35.Qwen35(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=remat)
-        lora.apply_lora(model, "all-linear", rank=LORA_RANK, alpha=LORA_ALPHA)
+        if adapters:
+            lora.apply_lora(model, "all-linear", rank=LORA_RANK, alpha=LORA_ALPHA)
         return model
 
     return nnx.eval_shape(build)
+
+
+def resident_gib(cfg, trainable: bool) -> float:
+    """What a model holds between its programs: bf16 weights, and with `trainable` the fp32 LoRA r16 adapters and
+    their two AdamW moments (a student's train state); without, a frozen teacher's weights."""
+    import jax
+    from flax import nnx
+
+    from jaxrl.models import lora
+    model = abstract_model(cfg, "none", adapters=trainable)
+    frozen = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not trainable:
+        return frozen / GIB
+    _, adapters, _ = lora.split_lora(model)
+    n = sum(x.size for x in jax.tree.leaves(adapters))
+    frozen -= sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(adapters))
+    return (frozen + 3 * 4 * n) / GIB  # fp32 adapters, mu and nu
+
+
+def pass_program(spec: dict, cfg):
+    """(jitted pass, positional args, static kwargs, abstract model) of a forward-only pass: the in-process
+    teacher's (`teacher`) or GRPO's reference (`reference`), `rows` rows of P + C tokens a call, as
+    `jaxrl.train.batched_forward` calls them (chunk_size = TrainConfig.logprob_chunk_size's default 512)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl.algorithms.online import passes, teacher
+    T, C = spec["prompt_len"] + spec["new_tokens"], spec["new_tokens"]
+    ids = jax.ShapeDtypeStruct((spec["rows"], T), jnp.int32)
+    if spec["kind"] == "teacher":
+        model = abstract_model(cfg, "none", adapters=False)
+        fn = jax.jit(teacher._teacher_pass, static_argnames=("graphdef", "max_new_tokens", "k", "temperature",
+                                                             "chunk_size"))
+        static = dict(max_new_tokens=C, k=spec["top_k"], temperature=1.0, chunk_size=512)
+    else:
+        model = abstract_model(cfg, "none")
+        fn = jax.jit(passes._pass, static_argnames=("graphdef", "max_new_tokens", "adapters", "temperature",
+                                                    "chunk_size", "values"))
+        static = dict(max_new_tokens=C, adapters=False, temperature=1.0, chunk_size=512, values=False)
+    graphdef, state = nnx.split(model)
+    return fn, (graphdef, state, ids, ids), static, model
+
+
+def pass_flops_per_token(cfg, seq_len: int) -> float:
+    """The MFU formula's forward of one token in a row of `seq_len` (benchmarks/gpu_train_step.py `model_flops`:
+    one linear pass and one pass of the attention cores, what `formula_flops` takes off for a reference forward;
+    no LoRA: the reference pass runs with its adapters off, the teacher has none)."""
+    from benchmarks.gpu_train_step import model_flops
+    f = model_flops(cfg, 0, 1, seq_len)
+    return f["share_linear"] * f["per_token"] / 3 + f["share_attention_cores"] * f["per_token"] / 4
+
+
+def distill_shares(shape: str, seq_len: int, scan: Optional[bool]) -> dict:
+    """Per row of P + C tokens, the MFU formula's FLOPs of the train step (policy forward and backward, no
+    reference: `formula_flops`, the same for GRPO's step and distillation's), of GRPO's reference pass (4B) and of
+    the teacher pass (9B), and each pass's share of its step (pass / (pass + train step); sampling is not
+    counted)."""
+    step = formula_flops(model_config("4b", shape, scan), "grpo", 1, seq_len, "batch")["per_token"] * seq_len
+    reference = pass_flops_per_token(model_config("4b", shape, scan), seq_len) * seq_len
+    teacher = pass_flops_per_token(model_config("9b", shape, scan), seq_len) * seq_len
+    return {"train_step_per_row": step, "reference_pass_per_row": reference, "teacher_pass_per_row": teacher,
+            "teacher_over_reference": round(teacher / reference, 3),
+            "reference_share_of_grpo": round(reference / (reference + step), 3),
+            "teacher_share_of_distill": round(teacher / (teacher + step), 3)}
 
 
 def remat_report(model, rows: int, seq_len: int, limit: float) -> dict:
@@ -205,6 +290,7 @@ def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: f
     import jax
     import jax.numpy as jnp
 
+    from jaxrl.algorithms.distill_task import DistillObjective
     from jaxrl.algorithms.dpo_task import DPOObjective
     from jaxrl.algorithms.grpo_task import GRPOObjective
     from jaxrl.models import lora
@@ -212,7 +298,7 @@ def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: f
     from jaxrl.train.optim import make_optimizer
     from jaxrl.train.state import ParamCodec, init_train_state
     from jaxrl.train.step import jit_train_step, make_micro_loss, make_train_step, merge_micro
-    from jaxrl.utils.train_config import GRPOConfig, OptimizerConfig
+    from jaxrl.utils.train_config import DistillConfig, GRPOConfig, OptimizerConfig
 
     model = abstract_model(cfg, remat)
     graphdef, trainable, frozen = lora.split_lora(model)
@@ -230,6 +316,18 @@ def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: f
         if dpo_reference == "batch":
             batch.update({f"ref_{side}_logps": sds((n_micro, mb), f32) for side in ("chosen", "rejected")})
         rows = 2 * mb  # one forward over the chosen and rejected rows
+    elif spec["kind"] == "distill":
+        d = DistillConfig()
+        P, C, mb, k = spec["prompt_len"], spec["new_tokens"], spec["micro_batch"], spec["top_k"]
+        n_micro, T = spec["rows"] // mb, P + C
+        objective = DistillObjective(loss_name=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature,
+                                     reward_weight=d.reward_weight, chunk_size=512)
+        # the teacher's scores ride in the batch (DistillTask.train_keys)
+        batch = {"input_ids": sds((n_micro, mb, T), i32), "attention_mask": sds((n_micro, mb, T), i32),
+                 "completion_mask": sds((n_micro, mb, C), f32), "teacher_logp": sds((n_micro, mb, C), f32),
+                 "teacher_rest_logp": sds((n_micro, mb, C), f32), "teacher_top_logp": sds((n_micro, mb, C, k), f32),
+                 "teacher_top_ids": sds((n_micro, mb, C, k), i32)}
+        rows = mb
     else:
         grpo = GRPOConfig()
         P, C, mb = spec["prompt_len"], spec["new_tokens"], spec["micro_batch"]
@@ -375,7 +473,14 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
               "num_layers": cfg.num_hidden_layers}
     with H200(limit) if emulate else contextlib.nullcontext():
         t0, c0 = time.perf_counter(), time.process_time()
-        if spec["kind"] == "decode":
+        if spec["kind"] in PASSES:
+            fn, args, static, model = pass_program(spec, cfg)
+            lowered = None if analysis_only else fn.lower(*args, **static)
+            result["remat"] = {"setting": "none (a forward pass has no backward)"}
+            rows, seq_len = spec["rows"], spec["prompt_len"] + spec["new_tokens"]
+            if spec["kind"] == "teacher":  # what the student holds meanwhile, in the same process
+                result["student_resident_gib"] = round(resident_gib(model_config("4b", shape, scan), True), 2)
+        elif spec["kind"] == "decode":
             fn, args, static, model, decode_weights = decode_program(spec, cfg, limit)
             lowered = None if analysis_only else fn.lower(*args, **static)
             result["remat"] = {"setting": "none (decode has no backward)"}
@@ -389,12 +494,13 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
             result["remat"] = remat_info
         policy = result["remat"].get("chosen")  # the train step's remat policy; decode: none chosen
         result["layer_cycle"] = list(model.layer_cycle(policy)) if hasattr(model, "layer_cycle") else None
-        if spec["kind"] != "decode" and hasattr(cfg, "scan_decision"):  # what scan_layers=None would do here
+        train_step = spec["kind"] not in PASSES + ("decode",)
+        if train_step and hasattr(cfg, "scan_decision"):  # what scan_layers=None would do here
             result["default_scan_decision"] = list(dataclasses.replace(cfg, scan_layers=None).scan_decision(policy))
         result["lower_s"] = round(time.perf_counter() - t0, 1)
         result["lower_cpu_s"] = round(time.process_time() - c0, 1)
         del args
-        if spec["kind"] != "decode":
+        if train_step:
             c0 = time.process_time()
             result["remat"]["kept_activations"] = kept()
             result["remat"]["kept_activations"]["trace_cpu_s"] = round(time.process_time() - c0, 1)
@@ -410,7 +516,20 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
         result["largest_temporaries"] = largest_temporaries(dump_dir, "_round" if spec["kind"] == "decode"
                                                             else "step")
     counted = cost_flops(compiled)
-    if spec["kind"] == "decode":
+    if spec["kind"] == "distill":  # the in-process 9B teacher's weights stay resident through the step
+        result["teacher_resident_gib"] = round(resident_gib(model_config("9b", shape, scan), False), 2)
+        result["passes"] = distill_shares(shape, seq_len, scan)
+    if spec["kind"] in ("distill", "teacher"):
+        other = result.get("teacher_resident_gib", result.get("student_resident_gib"))
+        peak = result["memory"]["peak_gib"] + other
+        result["with_the_other_model"] = {
+            "peak_gib": round(peak, 2), "fits_capacity": peak <= capacity / GIB,
+            "fits_allocator_default": peak <= limit / GIB, "margin_capacity_gib": round(capacity / GIB - peak, 2),
+            "margin_allocator_gib": round(limit / GIB - peak, 2)}
+    if spec["kind"] in PASSES:
+        result["flops"] = {"counted": counted, "formula_per_call": pass_flops_per_token(cfg, seq_len) * seq_len * rows,
+                           "note": "XLA counts a while-loop body once (the head's chunk map, scanned layers)"}
+    elif spec["kind"] == "decode":
         # one decode step of every slot: 2 FLOPs per weight (the head included) and row, the LoRA products, and
         # attention over the cache are what the while loop's body holds
         from flax import nnx

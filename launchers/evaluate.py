@@ -12,7 +12,8 @@ r"""Evaluate the base model and checkpoints on a problems file: metrics, paired 
 Writes to --out (default RUN_DIR/eval): results.json, results.md, samples/<model>.jsonl, audit.json, and the
 resume cache cache/<model>.jsonl. Rerun the same command after an interruption: finished samples are kept.
 Models: `base` (always; the baseline unless --baseline), `step_<N>` for run checkpoints, and the names given in
---adapters / --models. Every model is scored on the same prompts with the same sample keys; comparisons are
+--adapters / --models; --references=NAME=HF_DIR (`teacher` alone: a distillation run's teacher) adds reference
+rows, compared with the baseline but outside the simultaneous family and never selected. Every model is scored on the same prompts with the same sample keys; comparisons are
 model - baseline with a paired interval over prompts that agrees with its test, and simultaneous intervals over
 every comparison of the file. --resample_max_new_tokens=N re-runs only the truncated samples at a larger cap N,
 keeps the merged records in resampled/N/<model>.jsonl, writes termination.json (how much of each score the cap

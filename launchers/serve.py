@@ -23,7 +23,6 @@ answer the requests in flight (up to --graceful_shutdown_s), exit 130 / 143.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 from absl import app, logging
@@ -43,6 +42,8 @@ def main(argv):
     limits = dataclass_flags.config_from_flags(ServeLimits, _LIMITS)
     if not s.base:
         raise app.UsageError("--base is required")
+    if limits.max_logprobs < -1:
+        raise app.UsageError(f"--max_logprobs={limits.max_logprobs}: a k of top log-probs, or -1 (the vocabulary)")
     from jaxrl.serve.app import CompletionServer, is_loopback, url_of
     from jaxrl.serve.protocol import ApiError
     from jaxrl.generation.engine import DEFAULT_ROUND_STEPS

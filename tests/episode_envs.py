@@ -35,3 +35,16 @@ class SolvedAt(Environment):
         if turn.index == self.seed % 3:
             return [], 1.0, True
         return [{"role": "user", "content": "Again."}], 0.0, False
+
+
+class RaisesOnOddSeeds(Environment):
+    """An environment that fails: its step raises for odd episode seeds (evaluation scores such an episode 0 and
+    counts it failed, with a warning); even seeds end at once, unsolved."""
+
+    def reset(self, problem):
+        return list(problem.messages)
+
+    def step(self, turn):
+        if self.seed % 2:
+            raise RuntimeError("the environment broke")
+        return [], 0.0, True

@@ -66,15 +66,19 @@ def test_distill_forward_kl_topk_trains_toward_the_teacher(teacher, student, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
-def test_distill_other_losses_run_with_finite_metrics(teacher, student, tmp_path, loss):
-    cfg = distill_config(teacher, student, loss=loss)
+@pytest.mark.parametrize("loss, reward_weight", [("reverse_kl", 0.0), ("jsd", 0.0),
+                                                 pytest.param("reverse_kl", 1.0, marks=pytest.mark.heavy)])
+def test_distill_other_losses_run_with_finite_metrics(teacher, student, tmp_path, loss, reward_weight):
+    """reward_weight 1 in a run: the rollout's reward group advantages reach the step (the loss leaves the mean
+    log-ratio by -token-mean(A_reward), which is not 0 unless every group's rewards tie)."""
+    cfg = distill_config(teacher, student, loss=loss, reward_weight=reward_weight)
     cfg.steps = 2
     cfg.checkpoint_every = 2
     records = run_training(cfg, str(tmp_path / "run")).records
     _finite(records)
     if loss == "reverse_kl":  # the loss is the policy-gradient surrogate: its value is the mean log-ratio
-        np.testing.assert_allclose(records[0]["loss"], records[0]["distill/log_ratio"], rtol=1e-5)
+        gap = abs(records[0]["loss"] - records[0]["distill/log_ratio"])
+        assert (gap > 1e-4) if reward_weight else (gap <= 1e-5 * abs(records[0]["loss"])), gap
 
 
 @pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
@@ -181,3 +185,91 @@ def test_a_missing_sft_file_is_refused_when_lmbda_is_below_1(teacher, tmp_path):
 def test_reverse_kl_needs_the_students_own_samples(teacher, tmp_path):
     _refused(distill_config(teacher, loss="reverse_kl", lmbda=0.5, sft_path="x.jsonl"), str(tmp_path / "run"), "reverse_kl",
              "lmbda")
+
+
+# ------------------------------------------------------------------------------------------ reward_weight
+
+
+def test_reward_advantages_are_reward_minus_the_group_mean():
+    from jaxrl.algorithms.distill_task import reward_advantages
+    rewards = np.array([1.0, 0.0, 0.5, np.nan, np.nan, np.nan, 2.0, 4.0, np.nan, np.nan], np.float32)
+    # 8 student rows in groups of 2 (one group unscored, one half-scored), then 2 SFT rows
+    adv = reward_advantages(rewards, 8, 2)
+    np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0, 0.0, 0.0, -1.0, 1.0, 0.0, 0.0])
+
+
+@pytest.mark.heavy  # three gradient programs of the tiny model: ~40 s on two cores
+def test_reward_weight_adds_its_group_advantage_to_every_token_as_documented(teacher, student):
+    """DistillObjective with reward_weight w (jsd here, so the distillation term is a divergence): the loss is the
+    w = 0 loss - w x token-mean(A_reward), and its gradient the w = 0 gradient plus that of the policy-gradient term
+    -w x token-mean(A_reward(row) x log p(token)), written out here from the student's own log-probs."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jaxrl.algorithms.distill_task import DistillObjective
+    from jaxrl.algorithms.online.teacher import JaxTeacher
+    from jaxrl.models import qwen35
+    from jaxrl.models.teacher_forced import next_token_logprobs
+    from test_teacher_server import rollout_arrays
+    arrays = rollout_arrays(n=6, seed=4)
+    arrays["completion_mask"][-1, :2] = 1  # every row scored (reward groups of 2)
+    scores = JaxTeacher.load(teacher, dtype="float32").score(arrays, k=8, temperature=1.0, batch_size=6)
+    batch = {k: jnp.asarray(v) for k, v in arrays.items()}
+    batch.update({"teacher_" + k: jnp.asarray(v) for k, v in scores.items()})
+    batch["reward_advantages"] = jnp.asarray([0.5, -0.5, 1.0, -1.0, 0.0, 0.0], jnp.float32)
+    model = qwen35.from_pretrained(student, dtype=jnp.float32)
+    w = 0.7
+    plain, paid = DistillObjective(loss_name="jsd"), DistillObjective(loss_name="jsd", reward_weight=w)
+    norms = plain.normalisers(batch)
+    mask = batch["completion_mask"]
+    C = mask.shape[1]
+
+    def explicit(m):  # -w x token-mean(A x log p), the student's log-probs of the completion tokens
+        logp = next_token_logprobs(m, batch["input_ids"], batch["attention_mask"],
+                                   start=batch["input_ids"].shape[1] - C - 1).logp
+        return -w * jnp.sum(batch["reward_advantages"][:, None] * logp * mask) / jnp.sum(mask)
+
+    loss0, grad0 = nnx.value_and_grad(lambda m: plain.loss(m, batch, norms, None)[0])(model)
+    loss1, grad1 = nnx.value_and_grad(lambda m: paid.loss(m, batch, norms, None)[0])(model)
+    grad_pg = nnx.grad(explicit)(model)
+    expected = float(loss0) - w * float(jnp.sum(batch["reward_advantages"][:, None] * mask) / jnp.sum(mask))
+    np.testing.assert_allclose(float(loss1), expected, rtol=1e-6, atol=1e-6)
+    g0, g1, gp = (jax.tree_util.tree_leaves(nnx.state(g, nnx.Param)) for g in (grad0, grad1, grad_pg))
+    assert sum(float(jnp.abs(x).sum()) for x in gp) > 1e-3  # the reward term moves the weights
+    for a, b, c in zip(g0, g1, gp):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a) + np.asarray(c), rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ teacher_adapter
+
+
+@pytest.mark.slow
+def test_a_peft_teacher_adapter_gives_the_adapted_models_log_probs(teacher, tmp_path):
+    """distill.teacher_adapter: a PEFT LoRA folder written by `peft` itself (random non-zero B) on the teacher; the
+    in-process teacher's log-probs and top-k equal PEFT's PeftModel on the same rows (fp32, 1e-4), not the base's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5ForCausalLM
+    from jaxrl.algorithms.online.teacher import JaxTeacher
+    from test_teacher_server import rollout_arrays
+    torch.manual_seed(0)
+    hf = Qwen3_5ForCausalLM.from_pretrained(teacher, torch_dtype=torch.float32).eval()
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                               init_lora_weights=False)).eval()
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter)
+    arrays = rollout_arrays(n=4, seed=2)
+    with torch.no_grad():
+        logits = peft_model(input_ids=torch.as_tensor(arrays["input_ids"], dtype=torch.long),
+                            attention_mask=torch.as_tensor(arrays["attention_mask"], dtype=torch.long)).logits
+    ref = torch.log_softmax(logits.float(), -1).numpy()
+    C = arrays["completion_mask"].shape[1]
+    P = arrays["input_ids"].shape[1] - C
+    ref = ref[:, P - 1:-1]  # column P + t - 1 predicts completion token t
+    sampled = np.take_along_axis(ref, arrays["input_ids"][:, P:, None], -1)[..., 0]
+    mask = arrays["completion_mask"] > 0
+    adapted = JaxTeacher.load(teacher, adapter, dtype="float32").score(arrays, k=4, temperature=1.0, batch_size=4)
+    base = JaxTeacher.load(teacher, dtype="float32").score(arrays, k=4, temperature=1.0, batch_size=4)
+    np.testing.assert_allclose(adapted["logp"][mask], sampled[mask], atol=1e-4)
+    np.testing.assert_allclose(adapted["top_logp"][mask], np.sort(ref, -1)[..., ::-1][..., :4][mask], atol=1e-4)
+    assert np.abs(base["logp"][mask] - sampled[mask]).max() > 100 * 1e-4  # the adapter moved them

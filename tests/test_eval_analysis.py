@@ -158,3 +158,32 @@ def test_variance_components_split_between_and_within(tmp_path):
         planning.variance_components(None, base)
     solo = planning.variance_components(None, base, correlation=0.5)
     assert solo["between"] == pytest.approx(2 * solo["base_between"] * 0.5)
+
+
+def test_a_reference_row_is_compared_but_never_a_candidate(tmp_path):
+    """--references (a distillation's teacher): its metrics and its marginal comparison with the baseline are the
+    same as when it is an ordinary model, but the simultaneous family, the selection and the protocol's candidate
+    count hold the candidates only (here one: so nothing is selected, although the teacher is the best)."""
+    model, base = two_models()
+    teacher = [dict(r, partial=1.0, strict=True, finish_reason="stop", completion_tokens=10, reason=None)
+               for r in model]
+    records = {"base": base, "m": model, "teacher": teacher}
+    plain = analyze(records, "base", n_resamples=999)
+    out = analyze(records, "base", n_resamples=999, references=["teacher"])
+    assert plain["family"]["size"] == 10 and out["family"]["size"] == 5
+    assert out["family"]["models"] == ["m"] and plain["selection"] is not None and out["selection"] is None
+    rows = {(c["model"], c["metric"]): c for c in out["comparisons"]}
+    before = {(c["model"], c["metric"]): c for c in plain["comparisons"]}
+    for (name, metric), row in rows.items():
+        assert row.get("reference", False) == (name == "teacher")
+        for key in ("diff", "ci_low", "ci_high", "p_value"):
+            assert row[key] == before[(name, metric)][key], (name, metric, key)
+        assert ("simultaneous_ci_low" in row) == (name != "teacher")
+    assert rows[("teacher", "partial_reward_mean")]["diff"] > rows[("m", "partial_reward_mean")]["diff"]
+    assert out["models"]["teacher"]["reference"] is True and "reference" not in out["models"]["m"]
+    write_results(tmp_path, out.pop("models"), out.pop("comparisons"), warnings=out.pop("warnings"), extra=out)
+    md = (tmp_path / "results.md").read_text()
+    assert "| teacher (reference) |" in md and "not among them" in md
+    assert json.loads((tmp_path / "results.json").read_text())["models"]["teacher"]["reference"] is True
+    with pytest.raises(ValueError, match="baseline"):
+        analyze(records, "base", n_resamples=99, references=["base"])

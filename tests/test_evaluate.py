@@ -485,3 +485,63 @@ def test_vllm_backend_without_its_environment_fails_before_any_work(env, tmp_pat
         evaluator(env, out, backend="vllm", backend_kwargs={"python": str(tmp_path / "no_venv")})
     assert all(line in str(e.value) for line in ENV_RECIPE)
     assert not (out / "cache").exists()
+
+
+# --------------------------------------------------------------------------------------- reference rows
+
+
+def test_references_teacher_is_the_distillation_runs_teacher(tmp_path):
+    """--references=teacher reads distill.teacher_path of RUN/config.json; a run that is not a distillation, a
+    teacher with an adapter, or no --checkpoints: one usage error naming what to do."""
+    from absl import app
+    from jaxrl.evaluation.flags import _references
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"algorithm": "distill", "distill": {"teacher_path": "/m/9B"}}))
+    assert _references(["teacher", "t2=/m/other"], str(run)) == [("teacher", "/m/9B"), ("t2", "/m/other")]
+    (run / "config.json").write_text(json.dumps({"algorithm": "distill",
+                                                 "distill": {"teacher_path": "/m/9B", "teacher_adapter": "/a"}}))
+    with pytest.raises(app.UsageError, match="merge it"):
+        _references(["teacher"], str(run))
+    (run / "config.json").write_text(json.dumps({"algorithm": "grpo"}))
+    with pytest.raises(app.UsageError, match="not a distillation run"):
+        _references(["teacher"], str(run))
+    with pytest.raises(app.UsageError, match="--checkpoints=RUN"):
+        _references(["teacher"], None)
+
+
+@pytest.mark.slow
+def test_a_teacher_of_another_shape_is_a_reference_row_in_results_and_the_report(env, tmp_path):
+    """The teacher (a 2-layer model, the base being 1-layer; the base's tokenizer) evaluated beside base and the
+    checkpoints: scored like any model, labelled a reference in results.json / results.md and the report, outside
+    the simultaneous family (whose size is what it is without the teacher)."""
+    import shutil
+    from jaxrl.diagnostics.report import build_report
+    from jaxrl.evaluation.runner import ModelSpec
+    from jaxrl.models import qwen35
+    from jaxrl.models.qwen35.config import tiny
+    teacher = str(tmp_path / "teacher")
+    cfg = tiny(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    qwen35.save_pretrained(numpy_init(cfg, seed=4), teacher, base_dir=None, layout="container")
+    for name in os.listdir(env["model_dir"]):
+        if name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(os.path.join(env["model_dir"], name), teacher)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"algorithm": "distill", "distill": {"teacher_path": teacher}}))
+    out = run / "eval"
+    ev = evaluator(env, out, models=list(env["specs"]) + [ModelSpec("teacher", "hf", teacher)],
+                   references=("teacher",))
+    try:
+        results = ev.run()
+    finally:
+        ev.close()
+    assert results["models"]["teacher"]["reference"] is True
+    assert results["models"]["teacher"]["n_samples"] == results["models"]["base"]["n_samples"]
+    teacher_rows = [c for c in results["comparisons"] if c["model"] == "teacher"]
+    assert teacher_rows and all(c["reference"] and "simultaneous_ci_low" not in c for c in teacher_rows)
+    assert "teacher" not in results["family"]["models"]
+    assert results["family"]["size"] == env["results"]["family"]["size"]
+    assert "| teacher (reference) |" in (out / "results.md").read_text()
+    html = build_report(str(run)).read_text()
+    assert ">teacher<" in html and ">reference<" in html

@@ -124,6 +124,19 @@ def test_a_plugin_environment_solved_at_known_turns_gives_the_recounted_solved_w
     assert all(r["partial"] == float(r["strict"]) for r in recs)  # reward 1 exactly when solved
 
 
+@pytest.mark.heavy  # a launcher run (the fix it proves: the failed-episodes warning was appended before the list
+# of warnings existed, an UnboundLocalError that lost the whole evaluation's results)
+def test_an_environment_that_raises_gives_failed_episodes_and_a_warning_not_a_crash(env, tmp_path):
+    out = tmp_path / "eval"
+    flags = [f for f in FLAGS if not f.startswith(("--environment", "--max_turns"))]
+    proc = launch("evaluate", f"--problems={env['problems']}", f"--base={env['model']}", f"--out={out}", *flags,
+                  f"--environment={ENVS}:RaisesOnOddSeeds", f"--max_turns={TURNS}", cache=tmp_path / "xla")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    failed = results["models"]["base"]["episodes"]["failed"]
+    assert failed > 0 and any("episodes failed" in w for w in results["warnings"]), results["warnings"]
+
+
 @pytest.mark.slow
 def test_episode_flags_without_an_environment_or_with_an_unknown_one_are_refused_naming_the_flag(env, tmp_path):
     out = tmp_path / "eval"

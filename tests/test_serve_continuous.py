@@ -123,7 +123,7 @@ def test_a_request_arriving_while_others_decode_joins_a_free_slot_at_the_next_ro
         # rounds 4 and 3; the long rows (64 tokens: decode step 63) are in flight
         assert not long.done() and answered_at == [4, 3]
         assert (stats["inserts"], stats["rounds"], stats["decode_steps"], stats["rows_running"]) == (2, 4, 32, 2)
-        assert list(loop.engine.pools) == [(32, 64, 16)]
+        assert list(loop.engine.pools) == [(32, 64, 16, False)]  # (prompt width, cap, stop width, sessions)
         while not long.done():
             loop.step()
         assert loop.stats()["decode_steps"] == 63  # the long rows: their first token from the prefill, 63 decoded

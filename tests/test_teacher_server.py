@@ -1,6 +1,7 @@
-"""`distill.teacher_backend = "server"` (jaxrl/backends/teacher_client.py) against a real `launchers.serve` process
-of the teacher folder at float32, over loopback: the same arrays as the in-process teacher (jaxrl/algorithms/online/
-teacher.py), the same losses, and a server that cannot serve refused before any step."""
+"""`distill.teacher_backend = "server"` and "vllm" (jaxrl/backends/teacher_client.py) against a real
+`launchers.serve` process of the teacher folder at float32, over loopback (vLLM's `prompt_logprobs` form: the server
+answers it as vLLM does): the same arrays as the in-process teacher (jaxrl/algorithms/online/teacher.py), the same
+losses, and a server that cannot serve refused before any step."""
 
 import http.server
 import json
@@ -14,8 +15,8 @@ import pytest
 import hf_tiny
 from serve_fixture import Served
 from test_distill_task import distill_config
-from jaxrl.backends.openai_client import ServerError
-from jaxrl.backends.teacher_client import ServerTeacher, rest_logp
+from jaxrl.backends.openai_client import ServerError, http_json
+from jaxrl.backends.teacher_client import ServerTeacher, VLLMTeacher, rest_logp
 
 K = 8
 
@@ -39,7 +40,9 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folders, tmp_path_factory):
-    served = Served(tmp_path_factory.mktemp("served"), folders[0], "--max_model_len=64", "--max_prompt_len=64")
+    # --max_logprobs above vLLM's default 20: k = 24 compiles the 32 bucket
+    served = Served(tmp_path_factory.mktemp("served"), folders[0], "--max_model_len=64", "--max_prompt_len=64",
+                    "--max_logprobs=32")
     yield served
     served.stop()
 
@@ -68,12 +71,14 @@ def rollout_arrays(n=6, P=6, C=8, seed=0):
 
 
 @pytest.mark.slow
-def test_server_teacher_arrays_equal_the_in_process_teachers(folders, server):
+@pytest.mark.parametrize("client, k", [(ServerTeacher, K), (VLLMTeacher, K), (VLLMTeacher, 24)])
+def test_server_teacher_arrays_equal_the_in_process_teachers(folders, server, client, k):
+    """Both request forms (echo + logprobs; vLLM's prompt_logprobs), and a k over vLLM's default bound of 20."""
     from jaxrl.algorithms.online.teacher import JaxTeacher
     arrays = rollout_arrays()
-    local = JaxTeacher.load(folders[0], dtype="float32").score(arrays, k=K, temperature=1.0, batch_size=4)
-    remote = ServerTeacher([server.url], k=K, width=14, vocab_size=64, teacher_path=folders[0]).score(
-        arrays, k=K, temperature=1.0)
+    local = JaxTeacher.load(folders[0], dtype="float32").score(arrays, k=k, temperature=1.0, batch_size=4)
+    remote = client([server.url], k=k, width=14, vocab_size=64, teacher_path=folders[0]).score(
+        arrays, k=k, temperature=1.0)
     for name in local:
         assert remote[name].shape == local[name].shape and remote[name].dtype == local[name].dtype, name
     mask = arrays["completion_mask"] > 0
@@ -88,6 +93,50 @@ def test_server_teacher_arrays_equal_the_in_process_teachers(folders, server):
         assert not remote[name][~mask].any(), name
 
 
+@pytest.mark.slow
+def test_prompt_logprobs_come_in_vllms_shape(folders, server):
+    """The answer a vLLM teacher parses, read raw: entry 0 null; entry j a dict of string ids -> {logprob, rank,
+    decoded_token} holding the prompt token first (its rank in the whole vocabulary, from the in-process full
+    ranking at k = V) and the top k at ranks 1..k (k entries when the token is among them, k + 1 when not); a k
+    over --max_logprobs refused with vLLM's message."""
+    from jaxrl.algorithms.online.teacher import JaxTeacher
+    seq = [int(t) for t in np.random.default_rng(1).integers(2, 64, 12)]
+    status, body = http_json("POST", server.url + "/v1/completions", {
+        "model": folders[0], "prompt": seq, "max_tokens": 1, "prompt_logprobs": K, "temperature": 0.0,
+        "return_token_ids": True}, timeout=60)
+    assert status == 200, body
+    choice = body["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert choice["prompt_token_ids"] == seq and len(plp) == len(seq) and plp[0] is None
+    # the full ranking: every position's 64 tokens, most likely first
+    arrays = {"input_ids": np.array([seq]), "attention_mask": np.ones((1, 12), np.int32),
+              "completion_mask": np.ones((1, 11), np.float32)}
+    full = JaxTeacher.load(folders[0], dtype="float32").score(arrays, k=64, temperature=1.0, batch_size=1)
+    sizes = set()
+    for j in range(1, len(seq)):
+        entry, order = plp[j], [int(t) for t in full["top_ids"][0, j - 1]]
+        keys = list(entry)
+        assert keys[0] == str(seq[j])  # the token's own entry first (kept there when it is also in the top k)
+        assert entry[str(seq[j])]["rank"] == order.index(seq[j]) + 1
+        sizes.add(len(entry))
+        top = sorted((v["rank"], int(key)) for key, v in entry.items() if len(entry) == K or int(key) != seq[j])
+        assert [r for r, _ in top] == list(range(1, K + 1)) and [t for _, t in top] == order[:K]
+        for key, v in entry.items():
+            np.testing.assert_allclose(v["logprob"], full["top_logp"][0, j - 1][order.index(int(key))], atol=1e-5)
+            assert isinstance(v["decoded_token"], str)
+    assert sizes == {K, K + 1}, sizes  # tokens inside and outside the top k both met
+    status, body = http_json("POST", server.url + "/v1/completions", {
+        "model": folders[0], "prompt": seq, "max_tokens": 1, "prompt_logprobs": 40}, timeout=60)
+    assert status == 400 and "Requested prompt logprobs of 40, which is greater than max allowed: 32" in \
+        body["error"]["message"], body
+    status, body = http_json("POST", server.url + "/v1/completions", {
+        "model": folders[0], "prompt": seq, "max_tokens": 1, "prompt_logprobs": 0, "stream": True}, timeout=60)
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs", body  # never silently dropped
+    with pytest.raises(ServerError) as info:  # the client's probe: one line naming the server and the field
+        VLLMTeacher([server.url], k=40, width=14)
+    assert "\n" not in str(info.value) and server.url in str(info.value) and "prompt_logprobs=40" in str(info.value)
+
+
 @pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_a_distill_run_on_the_teacher_server_has_the_in_process_losses(folders, server, tmp_path):
     """Two steps of forward_kl_topk at temperature 1, the teacher in this process vs on the server: every step's
@@ -96,16 +145,17 @@ def test_a_distill_run_on_the_teacher_server_has_the_in_process_losses(folders, 
     from jaxrl.algorithms.run import run_training
     teacher, student = folders
     runs = {}
-    for backend in ("jax", "server"):
-        block = {"teacher_servers": (server.url,)} if backend == "server" else {}
+    for backend in ("jax", "server", "vllm"):
+        block = {"teacher_servers": (server.url,)} if backend != "jax" else {}
         cfg = distill_config(teacher, student, temperature=1.0, teacher_backend=backend, **block)
         cfg.steps = 2
         cfg.checkpoint_every = 2
         runs[backend] = run_training(cfg, str(tmp_path / backend)).records
-    for a, b in zip(runs["jax"], runs["server"]):
+    for a, b, c in zip(runs["jax"], runs["server"], runs["vllm"]):
         for key in ("loss", "distill/reverse_kl", "distill/teacher_logp", "distill/top1_agreement",
                     "distill/outside_topk", "grad_norm"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-5, err_msg=key)
+            np.testing.assert_allclose(c[key], a[key], rtol=1e-5, atol=1e-5, err_msg=key)
     print("losses", [r["loss"] for r in runs["server"]])
 
 
@@ -195,6 +245,65 @@ def test_a_teacher_server_answering_garbage_or_fewer_than_k_is_refused_naming_it
     assert "\n" not in message and url in message and needle in message, message
 
 
+def _prompt_logprobs(entries):
+    """A vLLM answer whose every position holds `entries(sequence, j)` (a dict "id" -> {logprob, rank})."""
+    def answer(body):
+        seq = body["prompt"]
+        plp = [None] + [entries(seq, j) for j in range(1, len(seq))]
+        return json.dumps({"choices": [{"text": "", "prompt_logprobs": plp}]}).encode()
+    return answer
+
+
+def _ranked(own_rank):
+    """The prompt token at `own_rank` (over K: outside the top K) and the top K = ids 1..K, in a shuffled order."""
+    def entries(seq, j):
+        top = [(i + 1, -1.0 - i, i + 1) for i in range(K)]  # (id, logprob, rank)
+        out = {str(seq[j]): {"logprob": -50.0 if own_rank > K else -1.0 - (own_rank - 1), "rank": own_rank,
+                             "decoded_token": "x"}}
+        for i in np.random.default_rng(j).permutation(K):
+            t, v, r = top[i]
+            out.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": "x"})
+        return out
+    return entries
+
+
+@pytest.mark.parametrize("answer, needle", [
+    (b'{"choices": [{"text": "x"}]}', "without a choice's prompt_logprobs list"),
+    (_prompt_logprobs(lambda seq, j: {str(t): {"logprob": -1.0, "rank": t + 1} for t in range(K - 1)}),
+     f"fewer than distill.teacher_top_k={K}"),
+    (_prompt_logprobs(lambda seq, j: {str(1000 + t): {"logprob": -1.0, "rank": t + 1} for t in range(K)}),
+     "without the prompt token's own entry"),
+])
+def test_a_vllm_teacher_answering_garbage_or_fewer_than_k_is_refused_naming_it(answer, needle):
+    httpd, url = _fake(answer)
+    try:
+        with pytest.raises(ServerError) as info:
+            VLLMTeacher([url], k=K, width=14)
+    finally:
+        httpd.shutdown()
+    message = str(info.value)
+    assert "\n" not in message and url in message and needle in message, message
+
+
+@pytest.mark.parametrize("own_rank", [3, K + 5])
+def test_the_vllm_parse_orders_by_rank_and_drops_the_token_outside_the_top_k(own_rank):
+    """k + 1 entries (the token outside the top k): the k ranked 1..k, in rank order whatever the dict's; k entries
+    (the token inside): all of them. The token's own log-prob is its entry's either way."""
+    httpd, url = _fake(_prompt_logprobs(_ranked(own_rank)))
+    arrays = rollout_arrays()
+    # every token is id own_rank (inside the top K = ids 1..K), or id 40 (outside)
+    token = own_rank if own_rank <= K else 40
+    arrays["input_ids"] = np.where(arrays["attention_mask"] > 0, token, 0).astype(np.int32)
+    try:
+        out = VLLMTeacher([url], k=K, width=14).score(arrays, k=K, temperature=1.0)
+    finally:
+        httpd.shutdown()
+    mask = arrays["completion_mask"] > 0
+    assert (out["top_ids"][mask] == np.arange(1, K + 1)).all()
+    np.testing.assert_allclose(out["top_logp"][mask], np.broadcast_to(-1.0 - np.arange(K), (mask.sum(), K)))
+    np.testing.assert_allclose(out["logp"][mask], -50.0 if own_rank > K else -1.0 - (own_rank - 1))
+
+
 def test_the_probe_reads_k_entries_most_likely_first():
     """A dict of k + 1 entries (the token itself outside the top k, as vLLM and ours add it) gives the k most
     likely, in order; the remainder is 1 - their mass."""
@@ -215,10 +324,62 @@ def test_a_teacher_server_config_that_cannot_work_is_refused(folders, tmp_path):
     from jaxrl.algorithms.run import run_training
     teacher, student = folders
     cases = [({"teacher_backend": "server"}, "distill.teacher_servers"),
-             ({"teacher_servers": ("http://127.0.0.1:1",)}, "teacher_backend='server'"),
+             ({"teacher_servers": ("http://127.0.0.1:1",)}, "teacher_backend 'server' | 'vllm'"),
+             ({"teacher_backend": "vllm"}, "vllm serve <teacher_path> --max-logprobs"),
              ({"teacher_backend": "server", "teacher_servers": ("http://127.0.0.1:1",)}, "distill.temperature is 0.3"),
              ({"teacher_backend": "server", "teacher_servers": ("x",), "temperature": 1.0}, "not base URLs")]
     for n, (block, needle) in enumerate(cases):
         with pytest.raises(ValueError) as info:
             run_training(distill_config(teacher, student, **block), str(tmp_path / f"run{n}"))
         assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.heavy  # a served teacher SIGKILLed under a running distillation, then restarted
+def test_a_teacher_server_killed_mid_run_fails_one_line_and_the_run_resumes_from_its_checkpoint(folders, tmp_path):
+    """The server dies after step 2 of 6 (checkpoints every step): the run stops with a one-line ServerError naming
+    it (after the client's retries); a server started again on the same port lets the same command resume from the
+    last checkpoint and finish, its records the steps after that checkpoint."""
+    import signal
+    import time
+    from jaxrl.algorithms.run import run_training
+    from jaxrl.train.metrics import read_metrics
+    teacher, student = folders
+    served = Served(tmp_path, teacher, "--max_model_len=64", name="first")
+    url, workdir = served.url, str(tmp_path / "run")
+
+    def config():
+        cfg = distill_config(teacher, student, temperature=1.0, teacher_backend="server", teacher_servers=(url,))
+        cfg.steps = 6
+        cfg.checkpoint_every = 1
+        return cfg
+
+    failure = []
+
+    def train():
+        try:
+            run_training(config(), workdir)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            failure.append(e)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    while thread.is_alive() and not (os.path.exists(metrics) and len(read_metrics(workdir)) >= 2):
+        time.sleep(0.2)
+    served.stop(signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ServerError), failure
+    message = str(failure[0])
+    assert "\n" not in message and url in message, message
+    done = [r["step"] for r in read_metrics(workdir)]
+    assert 2 <= done[-1] < 6, done
+    again = Served(tmp_path, teacher, "--max_model_len=64", f"--port={url.rsplit(':', 1)[1]}", name="second")
+    try:
+        assert again.url == url
+        records = run_training(config(), workdir).records
+    finally:
+        again.stop()
+    assert [r["step"] for r in records] == list(range(done[-1] + 1, 7)), [r["step"] for r in records]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    print("failed after step", done[-1], "with:", message)

@@ -61,9 +61,10 @@ def test_aot_real_shapes_runs_every_program_at_the_tiny_shape():
 
     analysed = aot_real_shapes.run(shape="tiny", scan_layers="both", analysis_only=True)["programs"]
     assert [r.get("error") for r in analysed] == [None] * len(analysed)
-    trains = [r for r in analysed if r["kind"] != "decode"]
+    steps = ("decode",) + aot_real_shapes.PASSES  # the kinds without a backward
+    trains = [r for r in analysed if r["kind"] not in steps]
     assert {(r["program"], r["scan_layers"]) for r in trains} == {
-        (name, scan) for name, spec in aot_real_shapes.PROGRAMS.items() if spec["kind"] != "decode"
+        (name, scan) for name, spec in aot_real_shapes.PROGRAMS.items() if spec["kind"] not in steps
         for scan in (True, False)}
     for r in trains:
         assert r["remat"]["chosen"] in ("none", "matmuls", "attention", "full")
@@ -73,6 +74,29 @@ def test_aot_real_shapes_runs_every_program_at_the_tiny_shape():
     assert [r.get("error") for r in compiled] == [None, None]
     for r in compiled:
         assert r["compile_s"] > 0 and r["memory"]["peak_gib"] > 0 and r["flops"]["counted"] > 0
+
+
+@pytest.mark.heavy  # two more compiles of the tiny model (~25 s on two cores)
+def test_aot_real_shapes_compiles_the_distill_step_and_the_teacher_pass():
+    """The distillation programs of the AOT benchmark at the tiny shape: the train step with the teacher's top-k
+    scores in its batch, the teacher pass and GRPO's reference pass compiled through to memory and FLOPs, the
+    in-process total (the step's peak + the teacher's weights; the teacher pass's + the student's state), and the
+    formula's shares: a teacher as large as the policy (the tiny shape's 4b and 9b are one model) costs its
+    step what the reference pass costs GRPO's."""
+    from benchmarks import aot_real_shapes
+
+    out = aot_real_shapes.run(programs="distill_4b,teacher_9b,reference_4b", shape="tiny", scan_layers="off",
+                              llvm_opt=0)["programs"]
+    assert [r.get("error") for r in out] == [None, None, None]
+    step, teacher, reference = out
+    for r in out:
+        assert r["compile_s"] > 0 and r["memory"]["peak_gib"] > 0 and r["flops"]["counted"] > 0
+    assert step["with_the_other_model"]["peak_gib"] >= step["memory"]["peak_gib"]
+    assert "student_resident_gib" in teacher and "with_the_other_model" not in reference
+    shares = step["passes"]
+    assert shares["teacher_over_reference"] == 1.0
+    assert shares["teacher_share_of_distill"] == shares["reference_share_of_grpo"]
+    assert 0 < shares["reference_share_of_grpo"] < 0.5
 
 
 def test_engine_batch_decodes_what_the_sampler_samples():

@@ -10,7 +10,7 @@ Each step (one update per rollout, on-policy: prompts_per_step x num_generations
      responses of `distill.sft_path` (`SFTResponses`), in a stream seeded by (seed, step) so a resumed run takes the
      same ones;
   2. the teacher (jaxrl/algorithms/online/teacher.py in this process, or the servers of `teacher_servers` through
-     jaxrl/backends/teacher_client.py) scores every completion token: the sampled token's log-prob and its top
+     jaxrl/backends/teacher_client.py: ours by echo + logprobs, vLLM's by prompt_logprobs) scores every completion token: the sampled token's log-prob and its top
      `teacher_top_k` support with the remainder's mass, at `temperature`;
   3. the update (`DistillObjective`): the student's log-probs on that support (jaxrl.ops.logprobs.support_logprobs,
      inside the step) and, per completion token, the loss of jaxrl/algorithms/distill_loss.py: reverse_kl as the
@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ from jaxrl.algorithms.online.buffer import Schedule
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.algorithms.online.teacher import JaxTeacher, check_same_vocabulary
-from jaxrl.backends.teacher_client import ServerTeacher
+from jaxrl.backends.teacher_client import ServerTeacher, VLLMTeacher
 from jaxrl.data.stream import epoch_stream, token_rows
 from jaxrl.models import qwen35
 from jaxrl.ops.logprobs import support_logprobs
@@ -105,6 +106,18 @@ class DistillObjective:
         return loss, metrics
 
 
+def reward_advantages(rewards: np.ndarray, student_rows: int, num_generations: int) -> np.ndarray:
+    """[rows] the verifier reward's group advantage (reward - its group's mean) of the first `student_rows` rows,
+    groups of `num_generations`; 0 for the SFT rows after them, for an unscored row (NaN) and for a group with no
+    scored member. `reward_weight` times it is added to each token's distillation advantage (DistillObjective)."""
+    adv = np.zeros(len(rewards), np.float32)
+    group = np.asarray(rewards[:student_rows], np.float32).reshape(-1, num_generations)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # nanmean of an all-NaN group
+        adv[:student_rows] = np.nan_to_num((group - np.nanmean(group, 1, keepdims=True)).reshape(-1))
+    return adv
+
+
 class SFTResponses:
     """Rows of an SFT JSON Lines file (`{"input_ids": [...], "loss_mask": [...]}`, the format of data.source =
     jsonl) in the rollout layout: the prompt (tokens before the first loss_mask 1) left-padded into P columns, the
@@ -159,9 +172,10 @@ class DistillTask(OnlineTask):
                                  config.seed) if self.student_rows < rows else None)
         student_dir = config.data.tokenizer or config.model_path
         check_same_vocabulary(student_dir, model.config.vocab_size, d.teacher_path)
-        if d.teacher_backend == "server":  # probes every server: one that cannot serve a step refuses the run here
+        if d.teacher_backend in ("server", "vllm"):  # probes every server: one that cannot serve refuses the run here
             o = d.teacher_server
-            self.teacher = ServerTeacher(d.teacher_servers, k=d.teacher_top_k, teacher_path=d.teacher_path,
+            client = VLLMTeacher if d.teacher_backend == "vllm" else ServerTeacher
+            self.teacher = client(d.teacher_servers, k=d.teacher_top_k, teacher_path=d.teacher_path,
                                          width=config.data.max_prompt_len + d.max_new_tokens,
                                          vocab_size=model.config.vocab_size, concurrency=o.concurrency,
                                          request_timeout_s=o.request_timeout_s, progress_every_s=o.progress_every_s)
@@ -197,11 +211,7 @@ class DistillTask(OnlineTask):
         metrics["time/teacher_s"] = time.perf_counter() - t0
         buffer = dict(arrays, **{"teacher_" + k: v for k, v in scores.items()})
         if d.reward_weight:
-            group = rewards[:self.student_rows].reshape(-1, d.num_generations)
-            adv = np.zeros(rows, np.float32)
-            with np.errstate(invalid="ignore"):  # a group with no scored member: advantage 0
-                adv[:self.student_rows] = np.nan_to_num((group - np.nanmean(group, 1, keepdims=True)).reshape(-1))
-            buffer["reward_advantages"] = adv
+            buffer["reward_advantages"] = reward_advantages(rewards, self.student_rows, d.num_generations)
         student = arrays["completion_mask"][:self.student_rows] > 0
         if student.any():
             P = arrays["input_ids"].shape[1] - d.max_new_tokens

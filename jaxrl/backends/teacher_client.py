@@ -1,10 +1,15 @@
-"""The teacher of on-policy distillation on OpenAI-compatible servers (`distill.teacher_backend = "server"`): every
-row's teacher-forced top-k log-probs from POST /v1/completions, in the arrays the in-process teacher
+"""The teacher of on-policy distillation on OpenAI-compatible servers (`distill.teacher_backend = "server"` |
+"vllm"): every row's teacher-forced top-k log-probs from POST /v1/completions, in the arrays the in-process teacher
 (jaxrl/algorithms/online/teacher.py) makes, so the loss cannot tell which one scored a batch.
 
     teacher = ServerTeacher(["http://127.0.0.1:8001"], k=16, width=P + C)     # probes every server: ServerError
+    teacher = VLLMTeacher(["http://gpu-host:8000"], k=16, width=P + C)        # vLLM's prompt_logprobs
     scores = teacher.score(arrays, k=16, temperature=1.0)
     # {"logp": [N, C] the sampled token's, "top_logp" / "top_ids": [N, C, k], "rest_logp": [N, C]}
+
+`VLLMTeacher` asks in vLLM's own form instead (`VLLMTeacher` docstring): `prompt_logprobs: k` with `max_tokens: 1`,
+read off the choice's `prompt_logprobs` list; launchers.serve answers that form too, so both clients are tested
+against a real server.
 
 One request per row: `prompt` = the row's attended token ids (prompt + completion, the padding dropped), `max_tokens:
 0`, `echo: true`, `logprobs: k`, `return_tokens_as_token_ids: true`, so the server scores exactly our ids (nothing is
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -103,6 +108,8 @@ class ServerTeacher:
     the student's, which every returned id must be below; `teacher_path`: the folder the servers should serve
     (a warning when a server reports another)."""
 
+    K_FIELD = "logprobs"  # the request field that carries k (named in a refusal)
+
     def __init__(self, urls: Sequence[str], *, k: int, width: int, vocab_size: int = 0, teacher_path: str = "",
                  concurrency: int = 64, request_timeout_s: float = 0.0, progress_every_s: float = 30.0):
         self.urls = [str(u).rstrip("/") for u in urls]
@@ -136,18 +143,24 @@ class ServerTeacher:
         self._post(url, base["id"], sequence)
         return base["id"]
 
-    def _post(self, url: str, model: str, sequence: list[int]):
-        body = {"model": model, "prompt": sequence, "max_tokens": 0, "echo": True, "logprobs": self.k,
+    def _body(self, model: str, sequence: list[int]) -> dict:
+        return {"model": model, "prompt": sequence, "max_tokens": 0, "echo": True, "logprobs": self.k,
                 "return_tokens_as_token_ids": True, "n": 1, "temperature": 1.0}
+
+    def _parse(self, payload, sequence: list[int], url: str):
+        return parse_scores(payload, sequence, self.k, url)
+
+    def _post(self, url: str, model: str, sequence: list[int]):
+        body = self._body(model, sequence)
         try:
             status, payload = http_json("POST", url + "/v1/completions", body, timeout=self.timeout_s,
                                         retries=len(RETRY_BACKOFF_S))
         except ServerError as e:
             raise ServerError(f"distill.teacher_servers: {e}") from None
         if status != 200:
-            raise ServerError(f"the teacher server at {url} refused a row of {len(sequence)} tokens with logprobs="
+            raise ServerError(f"the teacher server at {url} refused a row of {len(sequence)} tokens with {self.K_FIELD}="
                               f"{self.k}: HTTP {status}: {error_message(payload)}".replace("\n", " "))
-        logp, top_logp, top_ids = parse_scores(payload, sequence, self.k, url)
+        logp, top_logp, top_ids = self._parse(payload, sequence, url)
         if self.vocab_size and top_ids.size and top_ids.max() >= self.vocab_size:
             raise ServerError(f"the teacher server at {url} returned token id {int(top_ids.max())}, outside the "
                               f"student's vocabulary of {self.vocab_size}: it serves another model")
@@ -191,3 +204,63 @@ class ServerTeacher:
             out["top_ids"][i, t] = top_ids[j]
             out["rest_logp"][i, t] = rest_logp(top_logp[j])
         return out
+
+
+def parse_prompt_logprobs(payload, sequence: Sequence[int], k: int, url: str):
+    """(logp [L], top_logp [L, k], top_ids [L, k]) of a vLLM answer with `prompt_logprobs` for `sequence` (entry 0
+    is 0); ServerError (one line naming `url`) for anything else. Entry j of the choice's `prompt_logprobs` is
+    {"<id>": {"logprob", "rank", "decoded_token"}}: the prompt token's own entry (its vocabulary rank) and the k most
+    likely (ranks 1..k) in one dict, so it has k entries when the token is among the k and k + 1 when not
+    (vllm/logprobs.py:178-209, vllm/v1/sample/sampler.py:373-418); a -inf log-prob comes as -9999.0
+    (vllm/entrypoints/generate/base/serving.py:381-393)."""
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    plp = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices \
+        and isinstance(choices[0], dict) else None
+    if not isinstance(plp, list):
+        raise ServerError(f"the teacher server at {url} answered without a choice's prompt_logprobs list "
+                          f"({str(payload)[:120]!r}...): not vLLM, or it ignored prompt_logprobs")
+    L = len(sequence)
+    if len(plp) != L:
+        raise ServerError(f"the teacher server at {url} returned {len(plp)} prompt_logprobs entries for a prompt of "
+                          f"{L} tokens (one per prompt token)")
+    echoed = choices[0].get("prompt_token_ids")
+    if isinstance(echoed, list) and [int(t) for t in echoed] != [int(t) for t in sequence]:
+        raise ServerError(f"the teacher server at {url} scored other tokens than it was sent")
+    logp, top_logp, top_ids = np.zeros(L, np.float64), np.zeros((L, k), np.float64), np.zeros((L, k), np.int64)
+    for j in range(1, L):
+        entry, token = plp[j], str(int(sequence[j]))
+        if not isinstance(entry, dict) or token not in entry or len(entry) not in (k, k + 1):
+            n = len(entry) if isinstance(entry, dict) else 0
+            what = "without the prompt token's own entry" if isinstance(entry, dict) and n >= k else \
+                f"{n} entries, fewer than distill.teacher_top_k={k}" if n < k else f"{n} entries, more than k + 1"
+            raise ServerError(f"the teacher server at {url} returned prompt_logprobs at position {j} {what}")
+        try:
+            own = entry[token]
+            logp[j] = float(own["logprob"])
+            top = [(int(key), float(v["logprob"]), int(v["rank"])) for key, v in entry.items()
+                   if len(entry) == k or key != token]  # k + 1 entries: the token itself is outside the top k
+        except (TypeError, ValueError, KeyError):
+            raise ServerError(f"the teacher server at {url} returned a prompt_logprobs entry at position {j} that is "
+                              f"not {{id: {{logprob, rank}}}}") from None
+        top.sort(key=lambda e: e[2])  # ranks 1..k: torch.topk's order, ties included
+        top_ids[j], top_logp[j] = [i for i, _, _ in top], [v for _, v, _ in top]
+    return logp, top_logp, top_ids
+
+
+class VLLMTeacher(ServerTeacher):
+    """The teacher on vLLM servers (`distill.teacher_backend = "vllm"`): one request per row in vLLM's form,
+    `prompt_logprobs: k` and `max_tokens: 1` (vLLM samples at least one token; it is thrown away), read by
+    `parse_prompt_logprobs`. vLLM's prompt log-probs are raw, before any temperature (vllm/config/model.py:291-300),
+    and its k is bounded by `vllm serve --max-logprobs` (20 by default, vllm/config/model.py:286): a larger
+    `distill.teacher_top_k` is refused by the probe, naming the server. A server must hold P + C + 1 tokens
+    (`--max-model-len`)."""
+
+    K_FIELD = "prompt_logprobs"
+
+    def _body(self, model: str, sequence: list[int]) -> dict:
+        # vllm/entrypoints/openai/completion/protocol.py:99 (prompt_logprobs), :172 (return_token_ids), :389-418
+        return {"model": model, "prompt": sequence, "max_tokens": 1, "prompt_logprobs": self.k, "n": 1,
+                "temperature": 0.0, "return_token_ids": True}
+
+    def _parse(self, payload, sequence: list[int], url: str):
+        return parse_prompt_logprobs(payload, sequence, self.k, url)

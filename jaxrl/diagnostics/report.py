@@ -351,7 +351,8 @@ def _evaluation_section(data: Mapping) -> str:
 
         def with_ci(v, ci):
             return _pct(v) + (f" <span class='muted'>[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]</span>" if ci else "")
-        step = _num(model_step(name, m)) if model_step(name, m) is not None else _averaged_label(m.get("average"))
+        step = _num(model_step(name, m)) if model_step(name, m) is not None else \
+            "reference" if m.get("reference") else _averaged_label(m.get("average"))
         rows.append([escape(name), step, str(m["n_prompts"]), str(m["n_samples"]),
                      with_ci(m["partial_reward_mean"], iv.get("partial_reward_mean")),
                      with_ci(m["strict_rate"], iv.get("strict_rate"))]

@@ -63,7 +63,7 @@ def analyze(records: Mapping[str, Sequence[Mapping]], baseline: str, *, metrics:
             n_resamples: int = 10000, confidence: float = 0.95, seed: int = 0,
             resampled: Optional[Mapping[int, Mapping[str, Sequence[Mapping]]]] = None,
             protocol: Optional[Mapping] = None, problems: Optional[str] = None,
-            power: float = planning.DEFAULT_POWER) -> dict:
+            power: float = planning.DEFAULT_POWER, references: Sequence[str] = ()) -> dict:
     """The results.json sections (module docstring) for ``{model: SAMPLES records}``.
 
     Args:
@@ -72,7 +72,13 @@ def analyze(records: Mapping[str, Sequence[Mapping]], baseline: str, *, metrics:
       resampled: ``censoring.load_resampled(eval_dir)``: records re-drawn at larger caps.
       protocol: the evaluation folder's ``protocol.json`` (None: exploratory); problems: the problems file (its
         frozen split, if any, is recorded).
+      references: models shown for reference (a distillation's teacher): their metrics and their comparison with
+        the baseline (marginal interval, ``"reference": true``), but they are not candidates: outside the
+        simultaneous family, the selection and the protocol's candidate count.
     """
+    references = [n for n in references if n in records]
+    if baseline in references:
+        raise ValueError(f"the baseline {baseline!r} cannot be a reference row")
     if baseline not in records:
         raise KeyError(f"baseline {baseline!r} is not among the models {list(records)}")
     models = {name: model_metrics(recs) for name, recs in records.items()}
@@ -87,15 +93,22 @@ def analyze(records: Mapping[str, Sequence[Mapping]], baseline: str, *, metrics:
         metrics.append(key)
     for name in models:
         models[name]["intervals"] = _intervals(per_prompt[name], passk[name], confidence)
+        if name in references:
+            models[name]["reference"] = True
     rows = compare(per_prompt, baseline, metrics, n_resamples=n_resamples, confidence=confidence, seed=seed,
                    family=False)
+    for row in rows:
+        if row["model"] in references:
+            row["reference"] = True
     family = {"size": 0}
-    if rows:
+    members = [r for r in rows if r["model"] not in references]
+    if members:
         ids = list(per_prompt[baseline][metrics[0]])
         diffs = [np.array([per_prompt[r["model"]][r["metric"]][i] - per_prompt[baseline][r["metric"]][i]
-                           for i in ids]) for r in rows]
-        summary = add_simultaneous(rows, diffs, confidence=confidence, n_resamples=n_resamples, seed=seed)
-        family = {"size": summary["family_size"], "models": [n for n in records if n != baseline],
+                           for i in ids]) for r in members]
+        summary = add_simultaneous(members, diffs, confidence=confidence, n_resamples=n_resamples, seed=seed)
+        family = {"size": summary["family_size"],
+                  "models": [n for n in records if n != baseline and n not in references],
                   "metrics": metrics, "baseline": baseline, "confidence": confidence, "n_resamples": n_resamples,
                   "critical_value": summary["critical_value"],
                   "method": "max-T bootstrap over prompts (resampled jointly for every comparison), standardised "
@@ -103,12 +116,13 @@ def analyze(records: Mapping[str, Sequence[Mapping]], baseline: str, *, metrics:
                             "interval"}
     for row in rows:
         row["power"] = planning.row_power(row, power)
-    proto, warnings = protocol_summary(protocol, problems, len(records) - 1)
+    proto, warnings = protocol_summary(protocol, problems, len(records) - 1 - len(references))
     label_claims(rows, proto)
     selection = {}
     for metric in SELECTION_METRICS:
         if metric in metrics:
-            s = selection_summary(per_prompt, baseline, metric, rows=rows, confidence=confidence,
+            candidates = {n: v for n, v in per_prompt.items() if n not in references}
+            s = selection_summary(candidates, baseline, metric, rows=members, confidence=confidence,
                                   n_resamples=n_resamples, seed=seed)
             if s is not None:
                 selection[metric] = s

@@ -10,6 +10,7 @@ models and the protocol (below), --server_url and the distributed flags. The swe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional
@@ -36,6 +37,9 @@ _OTHER_FLAGS = (
      "averaged adapters under RUN/averages/ (default: every one the run holds)."),
     ("adapters", "list", [], "NAME=PATH,...: PEFT folders or adapter checkpoints (on --base)."),
     ("models", "list", [], "NAME=HF_DIR,...: full HF folders (e.g. merged exports)."),
+    ("references", "list", [], "NAME=HF_DIR,...: full HF folders shown as reference rows (a distillation's "
+     "teacher): scored and compared with the baseline, but outside the simultaneous family and never selected; "
+     "`teacher` alone: the distill.teacher_path of the --checkpoints run."),
     ("resample_max_new_tokens", "integer", 0, "Re-run truncated samples at this larger cap and write "
      "termination.json (0 = off)."),
     ("role", "enum", "explore", ["explore", "select"], "explore: every claim is exploratory; select: record the best "
@@ -126,7 +130,34 @@ def _models_config(holders: dict) -> EvalConfig:
     models = checkpoint_specs(workdir, holders["steps"].value) if workdir else []
     models += [ModelSpec(n, "adapter", p) for n, p in _named(holders["adapters"].value, "adapters")]
     models += [ModelSpec(n, "hf", p) for n, p in _named(holders["models"].value, "models")]
-    return _config(holders, holders["problems"].value, base, out, models, holders["baseline"].value)
+    references = [ModelSpec(n, "hf", p) for n, p in _references(holders["references"].value, workdir)]
+    cfg = _config(holders, holders["problems"].value, base, out, models + references, holders["baseline"].value)
+    return dataclasses.replace(cfg, references=tuple(s.name for s in references))
+
+
+def _references(values, workdir) -> list[tuple[str, str]]:
+    """(name, folder) of each --references value; `teacher` alone is the --checkpoints run's distillation teacher."""
+    out = []
+    for v in values:
+        if v != "teacher":
+            out += _named([v], "references")
+            continue
+        cfg_path = os.path.join(workdir or "", "config.json")
+        if not workdir or not os.path.isfile(cfg_path):
+            raise app.UsageError("--references=teacher names the teacher of a distillation run: it needs "
+                                 "--checkpoints=RUN (with RUN/config.json); or give --references=teacher=HF_DIR")
+        with open(cfg_path) as f:
+            run = json.load(f)
+        block = run.get("distill") or {}
+        if run.get("algorithm") != "distill" or not block.get("teacher_path"):
+            raise app.UsageError(f"--references=teacher: {cfg_path} is not a distillation run (algorithm "
+                                 f"{run.get('algorithm')!r}, no distill.teacher_path)")
+        if block.get("teacher_adapter"):
+            raise app.UsageError(f"--references=teacher: the teacher of {cfg_path} is distill.teacher_path + "
+                                 f"distill.teacher_adapter; merge it (launchers.export) and pass "
+                                 f"--references=teacher=MERGED_DIR")
+        out.append(("teacher", block["teacher_path"]))
+    return out
 
 
 def _confirmation_config(holders: dict, selection: dict) -> EvalConfig:
@@ -134,9 +165,9 @@ def _confirmation_config(holders: dict, selection: dict) -> EvalConfig:
     (protocol.confirmation_settings); the problems are --problems (held-out). A flag given with another value than
     the selection's is refused (app.UsageError naming it) before anything is read or written."""
     if holders["checkpoints"].value or holders["adapters"].value or holders["models"].value or \
-            holders["steps"].value:
+            holders["steps"].value or holders["references"].value:
         raise app.UsageError("--confirm evaluates the selected model only; drop --checkpoints/--steps/--adapters/"
-                             "--models")
+                             "--models/--references")
     if not holders["out"].value:
         raise app.UsageError("--out is required with --confirm")
     model = selection["model"]

@@ -92,7 +92,8 @@ def _models_md(results: Mapping) -> list[str]:
     for name, m in models.items():
         u = m.get("untruncated") or {}
         pk = (m.get("intervals") or {}).get("pass_at_k", {})
-        cells = ([name, _fmt(m["n_prompts"]), _fmt(m["n_samples"]), _value_ci(m, "partial_reward_mean"),
+        cells = ([name + (" (reference)" if m.get("reference") else ""), _fmt(m["n_prompts"]), _fmt(m["n_samples"]),
+                  _value_ci(m, "partial_reward_mean"),
                   _value_ci(m, "strict_rate")]
                  + [_fmt(m["pass_at_k"].get(k)) + (f" [{pk[k][0]:.3f}, {pk[k][1]:.3f}]" if k in pk else "")
                     for k in ks]
@@ -122,6 +123,10 @@ def _comparisons_md(results: Mapping) -> list[str]:
                   f"interval overstates the evidence: the simultaneous intervals (max-T bootstrap over all {size}, "
                   "prompts resampled jointly) hold for every row at once. Read **after selection** when you choose "
                   "among models."]
+    if any(c.get("reference") for c in comps):
+        lines += ["", "Rows marked (reference) (a distillation's teacher, `--references`) are shown beside the "
+                  "candidates, not among them: their marginal interval only, outside the simultaneous family and the "
+                  "selection."]
     lines += ["", "| model | baseline | metric | diff | interval | simultaneous interval | n_pairs | p (test) | "
                   "adj. p | contains 0 | significant after selection | claim |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -133,7 +138,8 @@ def _comparisons_md(results: Mapping) -> list[str]:
         p_cell = "–" if p is None else f"{p:.4g} ({c.get('test', c.get('p_value_test', 'exact'))})"
         crosses = c.get("ci_crosses_zero", c["ci_low"] <= 0.0 <= c["ci_high"])
         after = c.get("significant_after_selection")
-        lines.append(f"| {c['model']} | {c['baseline']} | {c['metric']} | {_fmt(c['diff'], '+.4f')} | {interval} | "
+        model = c["model"] + (" (reference)" if c.get("reference") else "")
+        lines.append(f"| {model} | {c['baseline']} | {c['metric']} | {_fmt(c['diff'], '+.4f')} | {interval} | "
                      f"{sim} | {c['n_pairs']} | {p_cell} | {_p(c.get('simultaneous_p_value'))} | "
                      f"{_fmt(bool(crosses))} | {'–' if after is None else _fmt(bool(after))} | "
                      f"{c.get('claim', 'exploratory')} |")

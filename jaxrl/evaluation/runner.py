@@ -128,6 +128,9 @@ class EvalConfig:
     out: str = flag_field(help="Output folder (default: <--checkpoints>/eval).")
     # ModelSpec; "base" is added first when absent (launchers.evaluate: --checkpoints, --adapters, --models)
     models: list = dataclasses.field(default_factory=list, metadata=NOT_A_FLAG)
+    # names among `models` shown for reference (a distillation's teacher, launchers.evaluate --references): compared
+    # with the baseline, never candidates (jaxrl.evaluation.analysis.analyze)
+    references: tuple = dataclasses.field(default=(), metadata=NOT_A_FLAG)
     num_samples: int = flag_field(1, help="Samples per problem (n; pass@k for k <= n).")
     temperature: float = flag_field(0.0, help="0 = greedy.")
     top_p: float = flag_field(1.0, help="Nucleus mass in (0, 1].")
@@ -293,6 +296,10 @@ class Evaluator:
             raise ValueError(f"model names must be unique; repeated: {dupes}")
         if cfg.baseline not in names:
             raise ValueError(f"baseline {cfg.baseline!r} is not among the models {names}")
+        stray = [n for n in cfg.references if n not in names or n == cfg.baseline]
+        if stray:
+            raise ValueError(f"reference rows {stray} must be models of this evaluation other than the baseline "
+                             f"{cfg.baseline!r}")
         self.specs = {s.name: s for s in specs}
 
         problems = load_problems(cfg.problems)
@@ -604,8 +611,9 @@ class Evaluator:
         # of out/protocol.json (select on dev, confirm once on held-out).
         stats = analyze(records, cfg.baseline, n_resamples=cfg.n_resamples, confidence=cfg.confidence,
                         seed=cfg.seed, resampled=load_resampled(out_dir), protocol=read_protocol(self.out),
-                        problems=cfg.problems)
+                        problems=cfg.problems, references=cfg.references)
         metrics, comps = stats.pop("models"), stats.pop("comparisons")
+        warnings = [w for w in [sampling_warning(cfg.temperature, cfg.num_samples)] if w] + stats.pop("warnings")
         if cfg.environment:  # solved within t turns, turns and tokens per episode (jaxrl.evaluation.episodes)
             for name, recs in records.items():
                 metrics[name]["episodes"] = episode_summary(recs, cfg.max_turns, cfg.confidence)
@@ -613,7 +621,6 @@ class Evaluator:
             if failed:
                 warnings.append(f"episodes failed (their environment raised; scored 0, the error in the samples' "
                                 f"reason): {failed}")
-        warnings = [w for w in [sampling_warning(cfg.temperature, cfg.num_samples)] if w] + stats.pop("warnings")
         if self.skipped:
             warnings.append(f"{len(self.skipped)} of {self.n_problems_total} problems were skipped (prompt over "
                             f"max_prompt_len={cfg.max_prompt_len} tokens); every model was scored on the other "

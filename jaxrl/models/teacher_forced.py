@@ -5,7 +5,7 @@ reference / old / mismatch passes (jaxrl/algorithms/online/passes.py) and the se
 log-probs).
 
     out = next_token_logprobs(model, ids, mask, start=P - 1)      # logp[:, t] = log p(ids[t + start + 1] | ...)
-    out.logp [B, T - 1 - start], out.entropy (entropy=True), out.top_logp / out.top_ids (top_k > 0), out.hidden
+    out.logp [B, T - 1 - start], out.entropy (entropy=True), out.top_logp / out.top_ids / out.rank (top_k > 0), out.hidden
 
 Positions: the hidden state at position t predicts token t + 1, so the pass over positions [start, T - 1) gives
 the log-probs of tokens [start + 1, T): start 0 scores every token but the first (a server's echo, SFT, DPO);
@@ -28,6 +28,7 @@ class TeacherForced(NamedTuple):
     entropy: Optional[jax.Array] = None  # [B, L] fp32
     top_logp: Optional[jax.Array] = None  # [B, L, k] fp32, most likely first
     top_ids: Optional[jax.Array] = None  # [B, L, k] int32
+    rank: Optional[jax.Array] = None  # [B, L] int32 (top_k > 0): the token's rank, 1 = most likely (vLLM's)
 
 
 def next_token_logprobs(model, input_ids: jax.Array, attention_mask: jax.Array, *, start: int = 0,
@@ -47,9 +48,9 @@ def next_token_logprobs(model, input_ids: jax.Array, attention_mask: jax.Array, 
     targets = input_ids[:, start + 1:]
     head = model.head_weight()
     if top_k:
-        logp, top_logp, top_ids = token_logprobs(hidden, head, targets, chunk_size=chunk_size,
-                                                 temperature=temperature, top_k=top_k)
-        return TeacherForced(logp, hidden, top_logp=top_logp, top_ids=top_ids)
+        logp, top_logp, top_ids, rank = token_logprobs(hidden, head, targets, chunk_size=chunk_size,
+                                                       temperature=temperature, top_k=top_k)
+        return TeacherForced(logp, hidden, top_logp=top_logp, top_ids=top_ids, rank=rank)
     if entropy:
         logp, ent = token_logprobs(hidden, head, targets, chunk_size=chunk_size, temperature=temperature,
                                    return_entropy=True)

@@ -60,7 +60,9 @@ def token_logprobs(hidden: jax.Array, head_weight: jax.Array, targets: jax.Array
     hidden: [B, T, H] (final-norm hidden states, `model.hidden_states`); head_weight: [V, H]
     (`model.head_weight()`); targets: [B, T] int (the token whose probability is wanted at each position).
     Returns logp [B, T] fp32; with `return_entropy` also the entropy of each position's distribution [B, T]; with
-    `top_k` > 0 (and no entropy) (logp, top log-probs [B, T, k] fp32, top ids [B, T, k] int32), most likely first.
+    `top_k` > 0 (and no entropy) (logp, top log-probs [B, T, k] fp32, top ids [B, T, k] int32, the target's rank
+    [B, T] int32), most likely first; the rank is vLLM's: the tokens whose logit is >= the target's, itself included
+    (vllm/v1/sample/ops/logprobs.py:11-40), so 1 is the most likely.
     """
     if top_k:
         if return_entropy:
@@ -101,11 +103,12 @@ def _with_top_k(hidden, head_weight, targets, chunk_size: int, temperature: floa
         logits = project(h_c, head_weight, jnp.float32) * inv_temp
         lse = jax.nn.logsumexp(logits, axis=-1)
         values, ids = jax.lax.top_k(logits, k)
-        return (jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0] - lse, values - lse[:, None],
-                ids.astype(jnp.int32))
+        target = jnp.take_along_axis(logits, t_c[:, None], axis=-1)
+        rank = jnp.sum(logits >= target, axis=-1, dtype=jnp.int32)
+        return target[:, 0] - lse, values - lse[:, None], ids.astype(jnp.int32), rank
 
-    logp, values, ids = jax.lax.map(one_chunk, (h, t))
-    return cut(logp), cut(values), cut(ids)
+    logp, values, ids, rank = jax.lax.map(one_chunk, (h, t))
+    return cut(logp), cut(values), cut(ids), cut(rank)
 
 
 _OFF_SUPPORT = -1.0e30  # a logit excluded from the remainder's logsumexp (finite: no inf - inf in its gradient)

@@ -19,6 +19,7 @@ loop.py (the one thread that drives the engine and scores).
                              scoring only), temperature, top_p, top_k, seed, stop (strings), stop_token_ids,
                              include_stop_str_in_output, ignore_eos, logprobs (k: the top k of every token and
                              the token itself), echo (the prompt and its token log-probs, the first null),
+                             prompt_logprobs (k: vLLM's per-prompt-token dicts with ranks, handlers.py),
                              stream (+ stream_options.include_usage), return_token_ids, skip_special_tokens
   POST /v1/chat/completions  messages through the base's chat template (chat_template_kwargs.enable_thinking);
                              stops at the chat stop ids; logprobs (bool) and top_logprobs; max_completion_tokens;
@@ -29,7 +30,7 @@ loop.py (the one thread that drives the engine and scores).
        /v1/unload_lora_adapter {"lora_name"}
 
 Errors: {"error": {"message", "type", "param", "code"}} with 400 (a request this server refuses: context overflow,
-unsupported field, n or logprobs over their bounds), 404 (unknown model or route), 413 (body over --max_body_mb),
+unsupported field, n or logprobs over their bounds: --max_logprobs), 404 (unknown model or route), 413 (body over --max_body_mb),
 422 (a field of the wrong type or out of range), 503 (overloaded or shutting down).
 
 What keeps it up: max_tokens is bounded by max_model_len minus the prompt (HTTP 400 naming both); a text prompt

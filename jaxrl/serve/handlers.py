@@ -6,7 +6,12 @@ Semantics as vLLM's: `stop` strings are matched on the decoded text and left out
 stop_reason the string); a stop id is kept in token_ids, left out of the text, and named in stop_reason unless it
 is an EOS id. Log-probs are at temperature 1 and unfiltered (vLLM's raw_logprobs): with `logprobs: 0` the
 sampler's own, with k > 0 or `echo` the teacher-forced pass of the trainer over prompt + completion (a top-k dict
-holds the k most likely tokens and the token itself). `usage` is in every response. `stream` sends a completion's
+holds the k most likely tokens and the token itself). `prompt_logprobs: k` (vLLM's extension field) gives each choice
+vLLM's `prompt_logprobs`: per prompt token a dict {token id: {logprob, rank, decoded_token}} of the token itself (its
+rank among the vocabulary, 1 = most likely) and the k most likely (ranks 1..k), the first entry null, a -inf
+log-prob as -9999.0 (vllm/entrypoints/openai/completion/serving.py:580-642, vllm/logprobs.py:165-209,
+vllm/entrypoints/generate/base/serving.py:381-393). k is bounded by --max_logprobs, 20 by default as vLLM's
+(-1: the vocabulary). `usage` is in every response. `stream` sends a completion's
 chunks as the rows are sampled (`live_response`: each row's new text at every round end, held back where it could
 be the start of a stop string), or, with log-probs or echo (or tools), one chunk per token once it is done.
 
@@ -57,6 +62,8 @@ class Handlers:
         self.eos_ids = tuple(eos_ids)
         self.chat_stop_ids = chat_stop_ids(tokenizer, list(eos_ids))
         self.vocab_size = int(vocab_size)
+        # vLLM's --max-logprobs: -1 = the whole vocabulary (vllm/sampling_params.py:922-981)
+        self.max_logprobs = self.vocab_size if limits.max_logprobs == -1 else int(limits.max_logprobs)
         self.max_model_len, self.max_prompt_len = limits.max_model_len, limits.max_prompt_len
         # the most characters one token stands for: a text longer than max_prompt_len of them (with slack for
         # normalisation) has more than max_prompt_len tokens, whatever they are
@@ -161,12 +168,15 @@ class Handlers:
         return out
 
     def check_response_size(self, req, prompts: list[list[int]], max_tokens: int, echo: bool, top_k: int,
-                            logprobs: bool) -> None:
+                            logprobs: bool, prompt_k: Optional[int] = None) -> None:
         """Refuses up front a response over `max_response_entries`: every returned token counts once, and as many
-        more as it carries log-prob entries (its own and its top k)."""
+        more as it carries log-prob entries (its own and its top k; `prompt_k`: each choice's prompt_logprobs)."""
         per_token = 1 + (1 + top_k if logprobs else 0)
         tokens = sum(req.n * (max_tokens + (len(p) if echo else 0)) for p in prompts)
         need = tokens * per_token
+        if prompt_k is not None:
+            tokens += sum(req.n * len(p) for p in prompts)
+            need += sum(req.n * len(p) * (1 + prompt_k) for p in prompts)
         if need > self.limits.max_response_entries:
             raise ApiError(f"this request could return {need} entries ({tokens} tokens x {per_token} each: the token"
                            f"{' and its log-prob entries' if logprobs else ''}), over this server's bound of "
@@ -243,18 +253,36 @@ class Handlers:
         tokenising)."""
         refuse_unsupported(req)
         served = self.registry.served(req.model)
-        if req.logprobs is not None and req.logprobs > self.limits.max_logprobs:
-            raise ApiError(f"logprobs={req.logprobs} is over this server's bound {self.limits.max_logprobs}",
-                           param="logprobs")
+        if req.logprobs is not None and req.logprobs > self.max_logprobs:
+            raise ApiError(f"logprobs={req.logprobs} is over this server's bound {self.max_logprobs} "
+                           f"(launchers.serve --max_logprobs)", param="logprobs")
+        prompt_k = self.prompt_logprobs_k(req)
         prompts, texts = self.prompt_ids(req.prompt)
         self._check_counts(req, prompts)
         max_tokens = self.max_tokens(req.max_tokens, prompts)
         if req.stream and req.echo and req.n > 1:
             raise ApiError("echo with stream and n > 1 is not supported", param="echo")
-        self.check_response_size(req, prompts, max_tokens, req.echo, req.logprobs or 0, req.logprobs is not None)
+        self.check_response_size(req, prompts, max_tokens, req.echo, req.logprobs or 0, req.logprobs is not None,
+                                 prompt_k)
         rule = self.stop_rule(req, ())
         rows = self.rows(req, prompts, max_tokens, rule, progress) if max_tokens else []
         return Plan(served, prompts, texts, rule, rows)
+
+    def prompt_logprobs_k(self, req: CompletionRequest) -> Optional[int]:
+        """The k of vLLM's `prompt_logprobs` (None: not asked), checked as vLLM checks it, with its messages
+        (vllm/entrypoints/openai/completion/protocol.py:573-587, vllm/sampling_params.py:972-981)."""
+        k = req.prompt_logprobs
+        if k is None:
+            return None
+        if k < 0 and k != -1:
+            raise ApiError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+        if req.stream:  # vLLM's refusal for k != 0; this server streams no prompt_logprobs at all (k = 0 too)
+            raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        k = self.vocab_size if k == -1 else int(k)
+        if k > self.max_logprobs:
+            raise ApiError(f"Requested prompt logprobs of {k}, which is greater than max allowed: "
+                           f"{self.max_logprobs} (launchers.serve --max_logprobs)", param="prompt_logprobs")
+        return k
 
     async def completions(self, req: CompletionRequest, client=None):
         if req.stream and req.logprobs is None and not req.echo:  # token by token as the rows are sampled
@@ -266,10 +294,13 @@ class Handlers:
         choices = await asyncio.to_thread(self.finished, req, plan.rule, completions, len(plan.prompts) * req.n)
         of_choice = [k // req.n for k in range(len(choices))]  # choice -> its prompt
         k = req.logprobs
+        prompt_k = self.prompt_logprobs_k(req)
         scores = None
-        if k is not None and (req.echo or k > 0):  # teacher-forced: the prompt's log-probs, every token's top k
+        if (k is not None and (req.echo or k > 0)) or prompt_k is not None:
+            # teacher-forced: the prompt's log-probs, every token's top k (at least 1: prompt_logprobs' ranks)
+            top = max(k or 0, prompt_k or 0, 1 if prompt_k is not None else 0)
             scores = await self.score(plan.served, [plan.prompts[j] + c.tokens for j, c in zip(of_choice, choices)],
-                                      k or 0, client)
+                                      top, client)
         body = await asyncio.to_thread(self._completion_body, req, plan, choices, of_choice, scores)
         if req.stream:
             return StreamingResponse(self._stream_completion(req, body, choices, [plan.prompts[j] for j in of_choice]),
@@ -287,6 +318,8 @@ class Handlers:
                       "stop_reason": c.stop_reason}
             if k is not None:
                 choice["logprobs"] = self._completion_logprobs(req, p, c, scores[idx] if scores else None)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(p, scores[idx], self.prompt_logprobs_k(req))
             if req.return_token_ids:
                 choice["token_ids"] = list(c.tokens)
                 choice["prompt_token_ids"] = list(p)
@@ -302,8 +335,10 @@ class Handlers:
             start = 0 if req.echo else len(prompt) - 1  # score position t-1 holds token t
             ids = (prompt + c.tokens)[start + 1:] if not req.echo else (prompt + c.tokens)[1:]
             values = score.logprobs[start:]
-            top_ids = score.top_ids[start:] if req.logprobs else None
-            strings, values, tops = self._logprob_entries(ids, values, top_ids, score.top_logprobs[start:], as_ids)
+            k = req.logprobs or 0  # the score may hold more (prompt_logprobs' k): the first k are the top k
+            top_ids = score.top_ids[start:, :k] if k else None
+            strings, values, tops = self._logprob_entries(ids, values, top_ids, score.top_logprobs[start:, :k],
+                                                          as_ids)
             if req.echo:  # the first prompt token has no log-prob
                 strings = token_strings(self.tokenizer, prompt[:1], as_ids) + strings
                 values, tops = [None] + values, [None] + tops
@@ -316,6 +351,21 @@ class Handlers:
             offsets.append(at)
             at += len(piece)
         return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, prompt: list, score, k: int) -> list:
+        """vLLM's prompt_logprobs of a prompt (module docstring): entry j (j >= 1) holds token j's own entry first
+        and then the top k, one dict, so a token inside the top k appears once, at its own place with its top-k
+        rank, as vLLM's dict comprehension leaves it (vllm/logprobs.py:189-209)."""
+        out: list = [None]
+        for j, token in enumerate(prompt[1:]):  # score position j holds the log-probs of token j + 1
+            ids = [int(token)] + [int(t) for t in score.top_ids[j, :k]]
+            values = [float(score.logprobs[j])] + [float(v) for v in score.top_logprobs[j, :k]]
+            ranks = [int(score.ranks[j])] + list(range(1, k + 1))
+            entry = {}
+            for t, v, r, text in zip(ids, values, ranks, token_strings(self.tokenizer, ids)):
+                entry[str(t)] = {"logprob": -9999.0 if v == float("-inf") else v, "rank": r, "decoded_token": text}
+            out.append(entry)
+        return out
 
     def _stream_completion(self, req, body: dict, choices: list[Finished], prompts: list):
         head = {k: body[k] for k in ("id", "object", "created", "model")}
@@ -355,8 +405,8 @@ class Handlers:
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if top > self.limits.max_logprobs:
-            raise ApiError(f"top_logprobs={top} is over this server's bound {self.limits.max_logprobs}",
+        if top > self.max_logprobs:
+            raise ApiError(f"top_logprobs={top} is over this server's bound {self.max_logprobs}",
                            param="top_logprobs")
         prompt = self.chat_prompt(req)
         self._check_counts(req, [prompt])

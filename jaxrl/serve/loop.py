@@ -49,7 +49,9 @@ logger = logging.getLogger(__name__)
 INSERT_ROWS = 4
 # Stop ids per row: 16 hold EOS, the chat stop ids and a few one-token stop strings; more go to a pool 4x as wide.
 MIN_STOP_WIDTH = 16
-TOP_K_BUCKETS = (1, 5, 20)  # top-k log-probs compile one scoring program per bucket; a request's k is rounded up
+# top-k log-probs compile one scoring program per bucket; a request's k is rounded up to one of these, or over 20
+# (launchers.serve --max_logprobs above vLLM's default) to a power of two, at most the vocabulary
+TOP_K_BUCKETS = (1, 5, 20)
 # (program, static key) -> traces of the scoring program
 SCORE_TRACES: collections.Counter = collections.Counter()
 COUNTERS = ("rounds", "inserts", "decode_steps", "slot_steps", "generated_tokens")
@@ -70,6 +72,7 @@ class Scores:
     logprobs: np.ndarray  # [L - 1] fp32
     top_ids: np.ndarray  # [L - 1, k] int32, most likely first
     top_logprobs: np.ndarray  # [L - 1, k] fp32
+    ranks: Optional[np.ndarray] = None  # [L - 1] int32 (k > 0): each token's rank, 1 = most likely (vLLM's rank)
 
 
 def compiled_programs() -> int:
@@ -77,8 +80,13 @@ def compiled_programs() -> int:
     return len(TRACE_COUNTS) + len(SCORE_TRACES)
 
 
-def top_k_bucket(k: int) -> int:
-    return 0 if not k else pick_bucket(int(k), TOP_K_BUCKETS, "top log-probs")
+def top_k_bucket(k: int, vocab_size: int = 0) -> int:
+    if not k:
+        return 0
+    if k <= TOP_K_BUCKETS[-1]:
+        return pick_bucket(int(k), TOP_K_BUCKETS, "top log-probs")
+    bucket = 1 << (int(k) - 1).bit_length()
+    return min(bucket, vocab_size) if vocab_size else bucket
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,8 +99,8 @@ def _score(graphdef, params, ids: jax.Array, mask: jax.Array, *, top_k: int, chu
     out = next_token_logprobs(nnx.merge(graphdef, params), ids, mask, top_k=top_k, chunk_size=chunk_size)
     if not top_k:
         empty = jnp.zeros(out.logp.shape + (0,))
-        return out.logp, empty, empty.astype(jnp.int32)
-    return out.logp, out.top_logp, out.top_ids
+        return out.logp, empty, empty.astype(jnp.int32), jnp.zeros(out.logp.shape, jnp.int32)
+    return out.logp, out.top_logp, out.top_ids, out.rank
 
 
 _score_program = jax.jit(_score, static_argnames=("graphdef", "top_k", "chunk_size"))
@@ -102,7 +110,7 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], top_k: int, *, pa
                     lengths: Sequence[int], batch_sizes: Sequence[int], chunk_size: int) -> list[Scores]:
     """The scores of `sequences` with the held model's current weights: grouped by length bucket, `batch_size` rows
     per call (padded to a batch bucket), the top k of a bucket (`top_k` rounded up) and cut back to `top_k`."""
-    k = top_k_bucket(top_k)
+    k = top_k_bucket(top_k, model.config.vocab_size)
     arrays = [np.asarray(s, np.int32) for s in sequences]
     graphdef, params = nnx.split(model)
     scored: list = [None] * len(arrays)
@@ -119,12 +127,13 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], top_k: int, *, pa
             for r, i in enumerate(chunk):
                 ids[r, :len(arrays[i])] = arrays[i]
                 mask[r, :len(arrays[i])] = 1
-            logp, values, idx = jax.device_get(_score_program(graphdef, params, ids, mask, top_k=k,
-                                                              chunk_size=chunk_size))
+            logp, values, idx, ranks = jax.device_get(_score_program(graphdef, params, ids, mask, top_k=k,
+                                                                     chunk_size=chunk_size))
             for r, i in enumerate(chunk):
                 n = len(arrays[i]) - 1
                 scored[i] = Scores(np.asarray(logp[r, :n], np.float32), np.asarray(idx[r, :n, :top_k], np.int32),
-                                   np.asarray(values[r, :n, :top_k], np.float32))
+                                   np.asarray(values[r, :n, :top_k], np.float32),
+                                   np.asarray(ranks[r, :n], np.int32) if k else None)
     return scored
 
 
@@ -194,7 +203,8 @@ class ServeLoop:
 
     def score(self, model: str, sequences: Sequence[Sequence[int]], top_k: int) -> concurrent.futures.Future:
         """Queues sequences to score; the Future resolves to their Scores in order."""
-        top_k_bucket(top_k)  # a k over the largest bucket fails here, not on the worker
+        if top_k > self.model.config.vocab_size:  # fails here, not on the worker
+            raise ValueError(f"top {top_k} log-probs of a vocabulary of {self.model.config.vocab_size}")
         return self._queue(_Job(model, len(sequences), concurrent.futures.Future(), sequences=list(sequences),
                                 top_k=int(top_k)), self._score)
 
@@ -341,7 +351,7 @@ class ServeLoop:
         for job in taken:  # each job's own k of the bucket's
             mine = scored[at:at + job.rows]
             at += job.rows
-            self._answer(job, [Scores(s.logprobs, s.top_ids[:, :job.top_k], s.top_logprobs[:, :job.top_k])
+            self._answer(job, [Scores(s.logprobs, s.top_ids[:, :job.top_k], s.top_logprobs[:, :job.top_k], s.ranks)
                                for s in mine], "score")
 
     def _admit(self) -> None:

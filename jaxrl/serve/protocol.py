@@ -156,7 +156,7 @@ class DetokenizeRequest(_Request):
 # field -> its neutral values: anything else is refused (HTTP 400) rather than silently ignored
 NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
            "min_p": (None, 0.0), "min_tokens": (None, 0), "logit_bias": (None, {}), "use_beam_search": (None, False),
-           "length_penalty": (None, 1.0), "suffix": (None, ""), "prompt_logprobs": (None,),
+           "length_penalty": (None, 1.0), "suffix": (None, ""),
            "tool_choice": (None, "none", "auto"), "continue_final_message": (False,)}
 
 

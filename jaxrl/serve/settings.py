@@ -27,7 +27,10 @@ class ServeLimits:
                                            "(echoed prompt tokens included) counts 1, plus 1 + k when log-probs with "
                                            "top k are asked for; a request that could return more is refused (HTTP "
                                            "400) before it runs.")
-    max_logprobs: int = dataclasses.field(default=20, metadata=NOT_A_FLAG)  # top log-probs of one token
+    max_logprobs: int = flag_field(20, help="Most top log-probs of one token a request may ask for (logprobs, "
+                                   "top_logprobs, prompt_logprobs), as vLLM's --max-logprobs and its default; -1 = "
+                                   "the vocabulary. Each k over 20 compiles its own scoring program (k rounded up to "
+                                   "a power of two).")
     max_prompts: int = dataclasses.field(default=1024, metadata=NOT_A_FLAG)  # prompts in one completions request
 
     @property

@@ -46,7 +46,8 @@ ROLLOUT_BACKENDS = ("jax", "server", "vllm")
 OFF_POLICY_LOSSES = ("behaviour", "decoupled")  # the ratio of updates on rollouts sampled ahead (max_staleness)
 WANDB_MODES = ("", "online", "offline", "disabled")
 DISTILL_LOSSES = ("reverse_kl", "jsd", "forward_kl_topk")
-TEACHER_BACKENDS = ("jax", "server")
+TEACHER_BACKENDS = ("jax", "server", "vllm")
+SERVED_TEACHERS = ("server", "vllm")  # teacher backends that score over HTTP (teacher_servers)
 
 
 class OptimizerConfigError(ValueError):
@@ -571,12 +572,14 @@ class DistillConfig(RolloutBackendSettings, SamplingSettings):
     teacher_adapter: str = setting("", doc="a PEFT adapter folder applied to teacher_path; '' = the folder as it is")
     teacher_backend: str = setting("jax", doc="jax: the teacher in this process, frozen, in `dtype`, sharded over "
                                    "the run's mesh like the policy's base | server: the OpenAI-compatible servers "
-                                   "at teacher_servers score the rows (launchers.serve of the teacher folder; "
-                                   "temperature 1 only)", choices=TEACHER_BACKENDS)
-    teacher_servers: tuple = setting((), tuple, "teacher_backend server: base URLs of servers of the teacher; a "
-                                     "step's rows are split over them")
-    teacher_server: ServerOptions = block(ServerOptions, "teacher_backend server: how requests go to the teacher "
-                                          "servers")
+                                   "at teacher_servers score the rows (launchers.serve of the teacher folder: echo "
+                                   "+ logprobs) | vllm: running `vllm serve` of the teacher at teacher_servers "
+                                   "(prompt_logprobs; --max-logprobs >= teacher_top_k); server and vllm: "
+                                   "temperature 1 only", choices=TEACHER_BACKENDS)
+    teacher_servers: tuple = setting((), tuple, "teacher_backend server | vllm: base URLs of servers of the "
+                                     "teacher; a step's rows are split over them")
+    teacher_server: ServerOptions = block(ServerOptions, "teacher_backend server | vllm: how requests go to the "
+                                          "teacher servers")
     loss: str = setting("reverse_kl", doc="reverse_kl (the sampled token's teacher - student log-prob as a "
                         "per-token advantage) | jsd (GKD generalized JSD, jsd_beta) | forward_kl_topk; the last two "
                         "over the teacher's top-k plus a remainder bucket", choices=DISTILL_LOSSES)
@@ -623,14 +626,17 @@ class DistillConfig(RolloutBackendSettings, SamplingSettings):
         servers = self.teacher_servers
         changed = [f"distill.teacher_server.{key}" for key in keys_of(ServerOptions)
                    if getattr(self.teacher_server, key) != getattr(ServerOptions, key)]
-        if self.teacher_backend != "server":
+        backend = self.teacher_backend
+        if backend not in SERVED_TEACHERS:
             if servers or changed:
                 raise ValueError(f"distill.teacher_servers / {', '.join(changed) or 'teacher_server'} are for "
-                                 f"teacher_backend='server'; distill.teacher_backend is {self.teacher_backend!r}")
+                                 f"teacher_backend 'server' | 'vllm'; distill.teacher_backend is {backend!r}")
             return
         if not servers:
-            raise ValueError("distill.teacher_backend='server' needs distill.teacher_servers: the base URLs of servers "
-                             "of the teacher (python -m launchers.serve --base=<teacher_path> --dtype=float32)")
+            how = "vllm serve <teacher_path> --max-logprobs=<teacher_top_k>" if backend == "vllm" else \
+                "python -m launchers.serve --base=<teacher_path> --dtype=float32"
+            raise ValueError(f"distill.teacher_backend={backend!r} needs distill.teacher_servers: the base URLs of "
+                             f"servers of the teacher ({how})")
         bad = [u for u in servers if not re.match(r"https?://[^/]+", u)]
         if bad:
             raise ValueError(f"distill.teacher_servers: {bad} are not base URLs (http://host:port)")
@@ -639,11 +645,11 @@ class DistillConfig(RolloutBackendSettings, SamplingSettings):
         # a server's log-probs are at temperature 1 (vLLM's raw_logprobs, ours alike): the top k of p^(1/T) are the
         # same tokens, but their renormalisation needs the whole vocabulary's mass, which k entries do not carry
         if self.temperature != 1.0:
-            raise ValueError(f"distill.teacher_backend='server' scores at temperature 1 (what the servers return); "
+            raise ValueError(f"distill.teacher_backend={backend!r} scores at temperature 1 (what the servers return); "
                              f"distill.temperature is {self.temperature}: set it to 1.0 or use teacher_backend='jax'")
         if self.teacher_adapter:
-            raise ValueError("distill.teacher_adapter is applied in this process (teacher_backend='jax'); for "
-                             "teacher_backend='server' serve the merged teacher (launchers.export) as the base")
+            raise ValueError(f"distill.teacher_adapter is applied in this process (teacher_backend='jax'); for "
+                             f"teacher_backend={backend!r} serve the merged teacher (launchers.export) as the base")
 
     @property
     def rows_per_rollout(self) -> int:
