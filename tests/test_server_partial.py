@@ -65,7 +65,7 @@ def env(tmp_path_factory):
         export_peft(Adapter(params=params, rank=2, alpha=4.0, source="test"), str(adapters / name), base)
     server = Served(root, base, f"--allowed_lora_roots={adapters}", f"--max_model_len={MAX_LEN}", "--batch_size=4",
                     "--round_steps=4")
-    yield {"url": server.url, "model": model, "adapters": adapters, "server": server}
+    yield {"url": server.url, "model": model, "adapters": adapters, "server": server, "base": base}
     server.stop()
 
 
@@ -163,3 +163,26 @@ def test_a_request_without_partial_rollouts_keeps_its_adapter_for_the_whole_row(
     status, answer = call(url, "POST", "/v1/completions", {"model": "fixed", "prompt": PROMPT, "max_tokens": 4,
                                                            "stream": True, "partial_rollout": True})
     assert status == 400 and answer["error"]["param"] == "partial_rollout"
+
+
+def test_the_server_backend_keeps_each_tokens_digest(env, tmp_path):
+    """`ServerBackend(return_token_versions=True)`: every Generation carries the digest of each of its tokens, the
+    one the server reports serving (`loaded_digest`); without the flag none is asked for."""
+    from jaxrl.backends.base import ModelSpec, SamplingParams
+    from jaxrl.backends.openai_client import ServerBackend
+    from jaxrl.export.peft import read_peft_adapter
+
+    folder = env["adapters"] / "a1"
+    adapter = read_peft_adapter(str(folder))[0]
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=4)
+    digests = {}
+    for asked in (True, False):
+        backend = ServerBackend(env["base"], url=env["url"], out_dir=str(tmp_path), stop_ids=(),
+                                return_token_versions=asked)
+        backend.load(ModelSpec("client", "adapter", str(folder)), adapter)
+        gens = backend.generate([PROMPT, PROMPT[:3]], [0, 1], sampling)
+        assert len(gens) == 4 and all(len(g.tokens) == 6 for g in gens)
+        digests[asked] = [g.token_digests for g in gens]
+        assert backend.loaded_digest() == adapter.digest()
+        backend.close()
+    assert digests[True] == [[adapter.digest()] * 6] * 4 and digests[False] == [None] * 4
