@@ -302,7 +302,8 @@ def test_weights_swapped_under_running_rows(model):
     next tokens with the new weights. Before the swap every token and log-prob is the old weights' run (an engine
     that never swapped); after it, each log-prob is the new weights' on a cache whose prefix the old weights wrote
     (a teacher-forced reference that prefills prompt + the tokens before the swap with the old weights and feeds the
-    rest with the new ones), and token_versions names the boundary. Neither policy alone gives those log-probs."""
+    rest with the new ones), and token_versions names the boundary. Neither policy alone gives those log-probs. The
+    swap compiles nothing and prefills nothing (AReaL's re-prefill would prefill every running row again)."""
     cap, rounds = 20, 4
     old = nnx.state(model)
     leaves, treedef = jax.tree.flatten(old)
@@ -328,8 +329,13 @@ def test_weights_swapped_under_running_rows(model):
     with pytest.raises(RuntimeError, match="in_flight=True"):
         engine.set_params(new)
     boundary = 1 + rounds  # the insert samples token 0; one round of `rounds` steps
+    traces = sum(TRACE_COUNTS.values())
     assert engine.set_params(new, in_flight=True) == 11 and engine.version == 11
     engine.run()
+    # what the swap cost: no program compiled (same structure), no prompt prefilled again, no extra round
+    assert sum(TRACE_COUNTS.values()) == traces
+    for name in ("prefilled_prompts", "rounds", "decode_steps"):
+        assert engine.stats[name] == plain.stats[name], name
 
     split = jax.jit(lambda state, ids, cache: nnx.merge(nnx.graphdef(model), state)(ids, cache=cache))
 
