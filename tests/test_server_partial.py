@@ -158,6 +158,12 @@ def test_a_request_without_partial_rollouts_keeps_its_adapter_for_the_whole_row(
     status, answer = call(url, "POST", "/v1/completions", {"model": "fixed", "prompt": PROMPT, "max_tokens": 4,
                                                            "return_token_versions": True})
     assert status == 200 and answer["choices"][0]["version_digests"] == [d2]
+    status, answer = call(url, "POST", "/v1/chat/completions", {
+        "model": "fixed", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "n": 2,
+        "return_token_versions": True, "return_token_ids": True})
+    assert status == 200, answer
+    for choice in answer["choices"]:
+        assert choice["version_digests"] == [d2] and choice["token_versions"] == [0] * len(choice["token_ids"])
     status, answer = call(url, "POST", "/v1/completions", {"model": "fixed", "prompt": PROMPT, "max_tokens": 4})
     assert status == 200 and "token_versions" not in answer["choices"][0]
     status, answer = call(url, "POST", "/v1/completions", {"model": "fixed", "prompt": PROMPT, "max_tokens": 4,
