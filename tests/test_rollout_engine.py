@@ -361,3 +361,27 @@ def test_weights_swapped_under_running_rows(model):
         np.testing.assert_allclose(got.logprobs[boundary:], mixed, atol=1e-4)
         for first, second in ((old, old), (new, new)):  # the check tells the policies apart
             assert np.abs(mixed_logprobs(prompt, got.tokens, first, second) - mixed).max() > 1e-2
+
+
+def test_an_in_flight_swap_ends_held_sessions_and_versions_their_next_turn(model):
+    """Sessions meet an in-flight swap: a held session ends (its next turn starts fresh, every token of the new
+    version) while the row still decoding crosses the swap and is tagged on both sides."""
+    engine = Engine(model, slots=2, prompt_buckets=(32,), generation_buckets=(64,), round_steps=4)
+    old = nnx.state(model)
+    new = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x, old)
+    engine.set_params(old)
+    sampled = dict(seed=2, temperature=1.0, stop_ids=())
+    held = engine.submit(Request([5, 6, 7], group_id=0, max_new_tokens=3, session="s", session_tokens=64,
+                                 **sampled))
+    long = engine.submit(Request([9, 10, 11, 12], group_id=1, max_new_tokens=40, **sampled))
+    engine.step()  # the session's turn ends (held), the long row runs on
+    assert held.done and not long.done and engine.running == 1
+    engine.set_params(new, in_flight=True)
+    nxt = engine.submit(Request([5, 6, 7] + held.wait().tokens + [20], group_id=2, max_new_tokens=5, session="s",
+                                session_tokens=64, **sampled))
+    engine.run()
+    assert engine.stats["continued"] == 0  # the held slot was freed by the swap: the next turn started fresh
+    np.testing.assert_array_equal(held.wait().token_versions, [0] * 3)
+    np.testing.assert_array_equal(nxt.wait().token_versions, [1] * 5)
+    np.testing.assert_array_equal(long.wait().token_versions, [0] * 5 + [1] * 35)
+    engine.end_session("s")
