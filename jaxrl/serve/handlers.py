@@ -286,8 +286,8 @@ class Handlers:
         if k is not None and (req.echo or k > 0):  # teacher-forced: the prompt's log-probs, every token's top k
             scores = await self.score(plan.served, [plan.prompts[j] + c.tokens for j, c in zip(of_choice, choices)],
                                       k or 0, client)
-        versions = self.token_versions(req, completions, choices)
-        body = await asyncio.to_thread(self._completion_body, req, plan, choices, of_choice, scores, versions)
+        body = await asyncio.to_thread(lambda: self._completion_body(req, plan, choices, of_choice, scores,
+                                                                     self.token_versions(req, completions, choices)))
         if req.stream:
             return StreamingResponse(self._stream_completion(req, body, choices, [plan.prompts[j] for j in of_choice]),
                                      media_type="text/event-stream")
@@ -399,8 +399,8 @@ class Handlers:
         choices = await asyncio.to_thread(self.finished, req, plan.rule, completions, req.n)
         top = req.top_logprobs or 0
         scores = await self.score(plan.served, [prompt + c.tokens for c in choices], top, client) if top else None
-        body = await asyncio.to_thread(self._chat_body, req, plan, choices, scores,
-                                       self.token_versions(req, completions, choices))
+        body = await asyncio.to_thread(lambda: self._chat_body(req, plan, choices, scores,
+                                                               self.token_versions(req, completions, choices)))
         if req.stream:
             return StreamingResponse(self._stream_chat(req, body, choices), media_type="text/event-stream")
         return await json_response(body)
