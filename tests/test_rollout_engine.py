@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
@@ -294,3 +295,93 @@ def test_an_interrupted_rollout_resumes_to_the_same_samples(generation_env):
         s = ref[(r["problem_id"], r["sample_index"])]
         assert (r["token_ids"], r["finish_reason"]) == (s.tokens, s.finish_reason)
 
+
+
+def test_weights_swapped_under_running_rows(model):
+    """`set_params(in_flight=True)` (partial rollouts): rows running at the swap keep their caches and sample their
+    next tokens with the new weights. Before the swap every token and log-prob is the old weights' run (an engine
+    that never swapped); after it, each log-prob is the new weights' on a cache whose prefix the old weights wrote
+    (a teacher-forced reference that prefills prompt + the tokens before the swap with the old weights and feeds the
+    rest with the new ones), and token_versions names the boundary. Neither policy alone gives those log-probs. The
+    swap compiles nothing and prefills nothing (AReaL's re-prefill would prefill every running row again)."""
+    cap, rounds = 20, 4
+    old = nnx.state(model)
+    leaves, treedef = jax.tree.flatten(old)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    new = jax.tree.unflatten(treedef, [x + 0.5 * jax.random.normal(k, x.shape, x.dtype) * jnp.std(x)
+                                       if jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1 else x
+                                       for x, k in zip(leaves, keys)])
+    prompts = prompts_of([6, 13, 9], seed=4)
+    settings = dict(slots=4, prompt_buckets=(32,), generation_buckets=(cap,), round_steps=rounds)
+
+    def requests():
+        return [Request(p, group_id=j, seed=3, temperature=1.0, max_new_tokens=cap, stop_ids=()) for j, p in
+                enumerate(prompts)]
+
+    plain = Engine(model, **settings)
+    plain.set_params(old)
+    reference = [plain.submit(r) for r in requests()]
+    plain.run()
+    engine = Engine(model, **settings)
+    engine.set_params(old, version=10)
+    tickets = [engine.submit(r) for r in requests()]
+    engine.step()
+    with pytest.raises(RuntimeError, match="in_flight=True"):
+        engine.set_params(new)
+    boundary = 1 + rounds  # the insert samples token 0; one round of `rounds` steps
+    traces = sum(TRACE_COUNTS.values())
+    assert engine.set_params(new, in_flight=True) == 11 and engine.version == 11
+    engine.run()
+    # what the swap cost: no program compiled (same structure), no prompt prefilled again, no extra round
+    assert sum(TRACE_COUNTS.values()) == traces
+    for name in ("prefilled_prompts", "rounds", "decode_steps"):
+        assert engine.stats[name] == plain.stats[name], name
+
+    split = jax.jit(lambda state, ids, cache: nnx.merge(nnx.graphdef(model), state)(ids, cache=cache))
+
+    def mixed_logprobs(prompt, tokens, first, second):
+        """log p(tokens[boundary:]) with the prompt and tokens[:boundary - 1] cached by `first`, the rest fed to
+        `second` (the engine's swapped row: token boundary - 1 is the new weights' first input)."""
+        cache = model.init_cache(1, len(prompt) + cap)
+        prefix = np.asarray([list(prompt) + tokens[:boundary - 1]], np.int32)
+        _, cache = split(first, prefix, cache)
+        logits, _ = split(second, np.asarray([tokens[boundary - 1:-1]], np.int32), cache)
+        logp = jax.nn.log_softmax(np.asarray(logits[0], np.float32), axis=-1)
+        return np.asarray([logp[t, tok] for t, tok in enumerate(tokens[boundary:])])
+
+    for prompt, ticket, ref in zip(prompts, tickets, reference):
+        got, want = ticket.wait(), ref.wait()
+        assert len(got.tokens) == cap and got.finish_reason == "length"
+        np.testing.assert_array_equal(got.token_versions, [10] * boundary + [11] * (cap - boundary))
+        np.testing.assert_array_equal(want.token_versions, [0] * cap)
+        assert got.tokens[:boundary] == want.tokens[:boundary]
+        np.testing.assert_array_equal(got.logprobs[:boundary], want.logprobs[:boundary])
+        assert np.abs(got.logprobs[boundary:] - np.asarray(want.logprobs[boundary:])).max() > 1e-2
+        mixed = mixed_logprobs(prompt, got.tokens, old, new)
+        np.testing.assert_allclose(got.logprobs[boundary:], mixed, atol=1e-4)
+        for first, second in ((old, old), (new, new)):  # the check tells the policies apart
+            assert np.abs(mixed_logprobs(prompt, got.tokens, first, second) - mixed).max() > 1e-2
+
+
+def test_an_in_flight_swap_ends_held_sessions_and_versions_their_next_turn(model):
+    """Sessions meet an in-flight swap: a held session ends (its next turn starts fresh, every token of the new
+    version) while the row still decoding crosses the swap and is tagged on both sides."""
+    engine = Engine(model, slots=2, prompt_buckets=(32,), generation_buckets=(64,), round_steps=4)
+    old = nnx.state(model)
+    new = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x, old)
+    engine.set_params(old)
+    sampled = dict(seed=2, temperature=1.0, stop_ids=())
+    held = engine.submit(Request([5, 6, 7], group_id=0, max_new_tokens=3, session="s", session_tokens=64,
+                                 **sampled))
+    long = engine.submit(Request([9, 10, 11, 12], group_id=1, max_new_tokens=40, **sampled))
+    engine.step()  # the session's turn ends (held), the long row runs on
+    assert held.done and not long.done and engine.running == 1
+    engine.set_params(new, in_flight=True)
+    nxt = engine.submit(Request([5, 6, 7] + held.wait().tokens + [20], group_id=2, max_new_tokens=5, session="s",
+                                session_tokens=64, **sampled))
+    engine.run()
+    assert engine.stats["continued"] == 0  # the held slot was freed by the swap: the next turn started fresh
+    np.testing.assert_array_equal(held.wait().token_versions, [0] * 3)
+    np.testing.assert_array_equal(nxt.wait().token_versions, [1] * 5)
+    np.testing.assert_array_equal(long.wait().token_versions, [0] * 5 + [1] * 35)
+    engine.end_session("s")

@@ -37,6 +37,9 @@ class Generation:
     prompt_index: int
     sample_index: int
     logprobs: Optional[list[float]] = None
+    # the adapter digest (None: the base) each generated token was sampled with, when the backend reports it
+    # (a JAX server asked for `return_token_versions`: several digests when the adapter was reloaded mid-row)
+    token_digests: Optional[list] = None
 
 
 @dataclasses.dataclass

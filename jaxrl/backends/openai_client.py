@@ -26,6 +26,10 @@ that folder: a launched vLLM is restarted on it; a server given by URL must alre
 every new version of its adapter with `serve_adapter_version` (new version loaded, then the old one unloaded; the
 served digest returned for the trainer to check: `jaxrl.backends.pool`).
 
+Token versions (`return_token_versions=True`, `launchers.serve` only): requests ask for each token's adapter digest
+(the server's `token_versions` / `version_digests` extension fields), kept per token in
+`Generation.token_digests`; an answer without them, or with one per token missing, is a one-line error.
+
 Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
 serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
 request whose connection the server resets (a full listen backlog, a restart) or that it answers with HTTP 503
@@ -190,7 +194,8 @@ class ServerBackend(RolloutBackend):
                  stop_ids: Sequence[int] = (), max_prompt_len: int = 4096, max_new_tokens: int = 4096,
                  concurrency: int = ServerOptions.concurrency,
                  request_timeout_s: float = ServerOptions.request_timeout_s,
-                 progress_every_s: float = ServerOptions.progress_every_s, **_unused):
+                 progress_every_s: float = ServerOptions.progress_every_s, return_token_versions: bool = False,
+                 **_unused):
         if (url is None) == (launcher is None):
             raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
         self.base_dir = os.path.abspath(base_dir)
@@ -201,6 +206,7 @@ class ServerBackend(RolloutBackend):
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.concurrency, self.request_timeout_s = max(1, int(concurrency)), float(request_timeout_s)
         self.progress_every_s = float(progress_every_s)
+        self.return_token_versions = bool(return_token_versions)  # module docstring, 'Token versions'
         self.batch_size = self.concurrency  # prompts in flight at once (each its n samples)
         self.description: Optional[str] = None  # "vllm 0.33.0" / "jaxrl 0.1.0", once connected
         self._base_name: Optional[str] = None  # the server's base model id
@@ -225,6 +231,9 @@ class ServerBackend(RolloutBackend):
     def connect(self) -> None:
         """Checks the server's version and reads which base it serves."""
         self.description = check_version(self._get("/version"), self.url)
+        if self.return_token_versions and not self.description.startswith(JAXRL_SERVER):
+            raise ServerError(f"{self.url} ({self.description}) does not report token versions "
+                              "(return_token_versions needs launchers.serve)")
         models = self._get("/v1/models").get("data") or []
         base = next((m for m in models if not m.get("parent")), None)
         if base is None:
@@ -386,7 +395,8 @@ class ServerBackend(RolloutBackend):
         """The /v1/completions body of one prompt (module docstring). Greedy asks for one completion: vLLM refuses
         n > 1 at temperature 0 (vllm/sampling_params.py:769-773), and greedy samples are all the same one."""
         n = 1 if float(sampling.temperature) == 0.0 else int(sampling.n)
-        return {"model": self._model, "prompt": [int(t) for t in prompt], "n": n,
+        versions = {"return_token_versions": True} if self.return_token_versions else {}
+        return {**versions, "model": self._model, "prompt": [int(t) for t in prompt], "n": n,
                 "max_tokens": int(sampling.max_new_tokens), "temperature": float(sampling.temperature),
                 "top_p": float(sampling.top_p), "top_k": int(sampling.top_k),
                 "seed": request_seed(sampling.seed, group_id), "stop_token_ids": list(self.stop_ids),
@@ -455,10 +465,20 @@ class ServerBackend(RolloutBackend):
             raise ServerError(f"{self.url}: prompt {j} sample {i} ended with finish_reason {reason!r}")
         lp = (choice.get("logprobs") or {}).get("token_logprobs")
         logprobs = None if lp is None else [float(x) for x in lp]
+        digests = self._token_digests(choice, len(tokens), j, i) if self.return_token_versions else None
         tokens, restored = with_stop_token(tokens, reason, choice.get("stop_reason"), self.stop_ids)
         if restored or (logprobs is not None and len(logprobs) != len(tokens)):
             logprobs = None
-        return Generation(tokens, reason, j, i, logprobs)
+        return Generation(tokens, reason, j, i, logprobs, digests)
+
+    def _token_digests(self, choice: dict, count: int, j: int, i: int) -> list:
+        """The adapter digest of each of a choice's `count` tokens (module docstring, 'Token versions')."""
+        index, digests = choice.get("token_versions"), choice.get("version_digests")
+        if (not isinstance(index, list) or not isinstance(digests, list) or len(index) != count
+                or not all(isinstance(k, int) and 0 <= k < len(digests) for k in index)):
+            raise ServerError(f"{self.url}: prompt {j} sample {i} came without a token version per token (asked "
+                              "for return_token_versions; launchers.serve reports them)")
+        return [digests[k] for k in index]
 
     def close(self) -> None:
         try:

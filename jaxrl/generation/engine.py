@@ -43,10 +43,17 @@ row in flight) may differ in the last bit, which can flip a choice only at a nea
 rounding. Every decision above depends on the engine's own state and the requests, never on time, so the same
 requests give the same schedule and the same log-probabilities to the last bit.
 
-Weights (`set_params`, only while no row is in flight): the decode weight copies are made once per weight version
-(`Qwen35.decode_weights`: each LoRA adapter's A stacked under its projection's weight, so one product gives both,
-and [in, out] copies on the CPU); the adapter is computed exactly as unfused (the policy the trainer holds), never
-merged (a bf16 merge would erase small updates).
+Weights (`set_params`): the decode weight copies are made once per weight version (`Qwen35.decode_weights`: each
+LoRA adapter's A stacked under its projection's weight, so one product gives both, and [in, out] copies on the CPU);
+the adapter is computed exactly as unfused (the policy the trainer holds), never merged (a bf16 merge would erase
+small updates). By default weights change only while no row is in flight. `set_params(..., in_flight=True)` swaps
+them under running rows at a round end (partial rollouts, PipelineRL's in-flight update): each row keeps its caches
+(the KV and DeltaNet states its prefix wrote under the old weights) and samples its next token with the new ones.
+Every token's log-prob is the probability the sampler drew it with, so a loss that weights tokens by their behaviour
+policy (the decoupled objective) stays exact; `Completion.token_versions` names the version of each token. (AReaL
+instead re-prefills a row's prompt and prefix under the new weights: its caches are then the new policy's, at the cost
+of a prefill of every running row per swap, up to prompt + cap tokens each, paid while the trainer waits; the mixed
+cache is what the sampler really conditioned on, so we keep it and record it.)
 """
 
 from __future__ import annotations
@@ -147,6 +154,15 @@ def program_bound(start_sizes: Sequence[int], prompt_lengths: int, multiple: int
     return prompt_lengths * (2 * len(start_sizes) + len(sizes) * (2 if shrink else 1)) + 1
 
 
+def token_versions(spans: Sequence[tuple], n: int) -> np.ndarray:
+    """[n] int64: the version of each of a row's n tokens from its (first token index, version) spans."""
+    out = np.empty((n,), np.int64)
+    for k, (start, version) in enumerate(spans):
+        end = spans[k + 1][0] if k + 1 < len(spans) else n
+        out[start:end] = version
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Requests and their answers
 
@@ -189,6 +205,9 @@ class Completion:
     tokens: list[int]
     logprobs: np.ndarray
     finish_reason: str
+    # the weight version (`Engine.set_params`) each token was sampled with; one value unless the weights changed
+    # while the row ran (in_flight=True)
+    token_versions: Optional[np.ndarray] = None
 
 
 class Cancelled(RuntimeError):
@@ -248,6 +267,9 @@ class _Row:
     extension: Optional[np.ndarray] = None
     # a finished session row holding its slot: its prompt + generated ids (the last one not yet in the cache)
     sequence: Optional[np.ndarray] = None
+    # (first token index, weight version) of each weight version the row sampled with; set at its first round end
+    versions: list = dataclasses.field(default_factory=list)
+    generated: int = 0  # tokens generated at the last round end (where an in-flight weight swap takes effect)
 
     @property
     def held(self) -> bool:
@@ -366,6 +388,7 @@ class Engine:
         self.pad_id = int(pad_token_id)
         self._weights: Optional[Weights] = None
         self._decode_weights = None
+        self._version = -1
         self.pools: dict[tuple, _Pool] = {}
         self._lock = threading.Lock()
         self._submitted = threading.Condition(self._lock)
@@ -524,18 +547,38 @@ class Engine:
         return sum(pool.running for pool in list(self.pools.values()))
 
     # ------------------------------------------------------------------------------------------------ weights
-    def set_params(self, params=None) -> None:
+    def set_params(self, params=None, version: Optional[int] = None, in_flight: bool = False) -> int:
         """The weights of every row from now on (`Weights.of`: None = the model's current ones); their decode
-        copies are made here, once. Only between rows: refused while rows are in flight."""
-        if self.running:
+        copies are made here, once. Returns their version: `version`, or the previous one + 1 (the first is 0), the
+        value `Completion.token_versions` carries for each token sampled with them.
+
+        in_flight: rows in flight keep running and sample their next token with these weights (module docstring,
+        'Weights'); False refuses while rows are in flight. Either way a held session ends (its next turn starts
+        fresh). Call it between steps, from the thread that steps."""
+        if self.running and not in_flight:
             raise RuntimeError("Engine.set_params while rows are in flight would mix two policies in one row; "
-                               "wait until the engine is idle")
+                               "wait until the engine is idle, or pass in_flight=True (partial rollouts)")
         self._end_sessions()  # a held row's caches are the old weights': its continuation starts fresh
-        self._weights = Weights.of(self.model, params, self.mesh)
-        for pool in self.pools.values():
-            pool.prefilled = {}
-        self._decode_weights = programs.prepare(self._weights.structure, self._weights.leaves,
-                                                fuse_adapters=self.fuse_adapters)
+        weights = Weights.of(self.model, params, self.mesh)
+        decode = programs.prepare(weights.structure, weights.leaves, fuse_adapters=self.fuse_adapters)
+        version = self._version + 1 if version is None else int(version)
+        with self._lock:
+            self._weights, self._decode_weights, self._version = weights, decode, version
+            for pool in self.pools.values():
+                pool.prefilled = {}  # prefixes of the old weights: a row admitted from now on is prefilled anew
+                for row in pool.occupant:
+                    if row is None or not row.live:  # a continuation still being fed: versioned when it runs
+                        continue
+                    if row.versions and row.versions[-1][0] == row.generated:
+                        row.versions[-1] = (row.generated, version)  # no token sampled with the previous ones
+                    else:
+                        row.versions.append((row.generated, version))
+        return version
+
+    @property
+    def version(self) -> int:
+        """The version of the weights rows sample with now (-1 before the first `set_params`)."""
+        return self._version
 
     def release(self) -> None:
         """Frees every pool's device memory (the caches); the next row allocates them again."""
@@ -601,7 +644,7 @@ class Engine:
         self._admit(pool)
         if not any(r is not None and r.live for r in pool.occupant):
             return done
-        weights = self._weights
+        weights, version = self._weights, self._version
         live = np.asarray([r is not None and r.live for r in pool.occupant])
         pool.state, status, outputs = programs.decode_round(
             weights.structure, weights.leaves, self._decode_weights, pool.state, live, np.int32(self.round_steps),
@@ -616,6 +659,11 @@ class Engine:
         finished = [b for b, row in enumerate(pool.occupant) if row is not None and row.live and not running[b]]
         streamed = [b for b, row in enumerate(pool.occupant)
                     if row is not None and running[b] and row.ticket.request.on_tokens is not None]
+        for b, row in enumerate(pool.occupant):
+            if row is not None and row.live:
+                if not row.versions:  # admitted this round, with these weights (its first token included)
+                    row.versions.append((0, version))
+                row.generated = int(generated[b])
         if finished or streamed:  # the token buffers come to the host only when someone reads them
             tokens, logprobs = jax.device_get(outputs)
         for b in streamed:
@@ -634,7 +682,7 @@ class Engine:
                 self.stats["generated_tokens"] += n
                 self.stats["finished"] += 1
                 row.ticket._finish(Completion(tokens[b, :n].tolist(), np.asarray(logprobs[b, :n], np.float32),
-                                              "stop" if stopped[b] else "length"))
+                                              "stop" if stopped[b] else "length", token_versions(row.versions, n)))
                 done.append(row.ticket)
         self._maybe_shrink(pool)
         return done

@@ -161,6 +161,8 @@ class CompletionServer:
                  "rows of requests whose client disconnected (taken out of the engine at the next round end)"),
                 ("jaxrl:engine_rows_cancelled_total", "counter", stats["engine_cancelled"],
                  "of those, rows the engine had queued or was decoding"),
+                ("jaxrl:weight_swaps_in_flight_total", "counter", stats["weight_swaps_in_flight"],
+                 "adapter reloads the engine took with rows in flight (partial rollouts)"),
                 ("jaxrl:engine_rounds_total", "counter", stats["rounds"], "decode rounds"),
                 ("jaxrl:engine_inserts_total", "counter", stats["inserts"], "inserts moving rows into free slots"),
                 ("jaxrl:engine_decode_steps_total", "counter", stats["decode_steps"], "decode steps")):

@@ -208,12 +208,12 @@ class Handlers:
             if gone is not None:
                 gone.cancel()
 
-    async def generate(self, served: Served, rows: list[Request], client) -> list:
-        """The engine's completions of a request's rows (in order)."""
+    async def generate(self, served: Served, rows: list[Request], client, partial: bool = False) -> list:
+        """The engine's completions of a request's rows (in order); partial: `ServeLoop.generate`'s."""
         if not rows:
             return []
         try:
-            future = self.loop.generate(served.name, rows)
+            future = self.loop.generate(served.name, rows, partial=partial)
         except (Overloaded, ShuttingDown) as e:
             raise ApiError(str(e), 503) from None
         return await self.wait(future, client)
@@ -224,6 +224,22 @@ class Handlers:
         except (Overloaded, ShuttingDown) as e:
             raise ApiError(str(e), 503) from None
         return await self.wait(future, client)
+
+    def token_versions(self, req, completions: list, choices: list[Finished]) -> Optional[list[dict]]:
+        """Per choice {"token_versions": [index per token], "version_digests": [digest]} (the extension fields)
+        when the request asks for them (return_token_versions or partial_rollout), else None. A token's version is
+        the adapter digest the server held for its model when it sampled that token (null: the base)."""
+        if not (req.return_token_versions or req.partial_rollout):
+            return None
+        out = []
+        for k, c in enumerate(choices):
+            versions = completions[k].token_versions[:len(c.tokens)] if completions else []
+            index: dict = {}  # engine version -> its index in this choice's digests, in order of first use
+            for v in versions:
+                index.setdefault(int(v), len(index))
+            digests = [self.loop.digest_of(v) for v in index]
+            out.append({"token_versions": [index[int(v)] for v in versions], "version_digests": digests})
+        return out
 
     def finished(self, req, rule: StopRule, completions: list, count: int) -> list[Finished]:
         """The rows as the client sees them (the stopping rule applied); `count` empty rows at max_tokens 0."""
@@ -290,7 +306,7 @@ class Handlers:
             plan = await asyncio.to_thread(self.plan_completion, req, live.progress)
             return self.live_response(req, plan, live, chat=False)
         plan = await asyncio.to_thread(self.plan_completion, req)
-        completions = await self.generate(plan.served, plan.rows, client)
+        completions = await self.generate(plan.served, plan.rows, client, req.partial_rollout)
         choices = await asyncio.to_thread(self.finished, req, plan.rule, completions, len(plan.prompts) * req.n)
         of_choice = [k // req.n for k in range(len(choices))]  # choice -> its prompt
         k = req.logprobs
@@ -301,13 +317,15 @@ class Handlers:
             top = max(k or 0, prompt_k or 0, 1 if prompt_k is not None else 0)
             scores = await self.score(plan.served, [plan.prompts[j] + c.tokens for j, c in zip(of_choice, choices)],
                                       top, client)
-        body = await asyncio.to_thread(self._completion_body, req, plan, choices, of_choice, scores)
+        body = await asyncio.to_thread(lambda: self._completion_body(req, plan, choices, of_choice, scores,
+                                                                     self.token_versions(req, completions, choices)))
         if req.stream:
             return StreamingResponse(self._stream_completion(req, body, choices, [plan.prompts[j] for j in of_choice]),
                                      media_type="text/event-stream")
         return await json_response(body)
 
-    def _completion_body(self, req, plan: "Plan", choices: list[Finished], of_choice: list[int], scores) -> dict:
+    def _completion_body(self, req, plan: "Plan", choices: list[Finished], of_choice: list[int], scores,
+                         versions: Optional[list] = None) -> dict:
         out = []
         k = req.logprobs
         for idx, (j, c) in enumerate(zip(of_choice, choices)):
@@ -323,6 +341,8 @@ class Handlers:
             if req.return_token_ids:
                 choice["token_ids"] = list(c.tokens)
                 choice["prompt_token_ids"] = list(p)
+            if versions is not None:
+                choice.update(versions[idx])
             out.append(choice)
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": plan.served.name,
                 "choices": out, "usage": usage(sum(len(p) for p in plan.prompts), sum(len(c.tokens) for c in choices))}
@@ -425,16 +445,17 @@ class Handlers:
             return self.live_response(req, plan, live, chat=True)
         plan = await asyncio.to_thread(self.plan_chat, req)
         prompt = plan.prompts[0]
-        completions = await self.generate(plan.served, plan.rows, client)
+        completions = await self.generate(plan.served, plan.rows, client, req.partial_rollout)
         choices = await asyncio.to_thread(self.finished, req, plan.rule, completions, req.n)
         top = req.top_logprobs or 0
         scores = await self.score(plan.served, [prompt + c.tokens for c in choices], top, client) if top else None
-        body = await asyncio.to_thread(self._chat_body, req, plan, choices, scores)
+        body = await asyncio.to_thread(lambda: self._chat_body(req, plan, choices, scores,
+                                                               self.token_versions(req, completions, choices)))
         if req.stream:
             return StreamingResponse(self._stream_chat(req, body, choices), media_type="text/event-stream")
         return await json_response(body)
 
-    def _chat_body(self, req, plan: "Plan", choices: list[Finished], scores) -> dict:
+    def _chat_body(self, req, plan: "Plan", choices: list[Finished], scores, versions: Optional[list] = None) -> dict:
         prompt = plan.prompts[0]
         out = []
         parse = bool(req.tools) and req.tool_choice != "none"
@@ -450,6 +471,8 @@ class Handlers:
                 choice["logprobs"] = {"content": self._chat_logprobs(req, prompt, c, scores[idx] if scores else None)}
             if req.return_token_ids:
                 choice["token_ids"] = list(c.tokens)
+            if versions is not None:
+                choice.update(versions[idx])
             out.append(choice)
         return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": plan.served.name,
                 "choices": out, "usage": usage(len(prompt), sum(len(c.tokens) for c in choices))}

@@ -15,6 +15,14 @@ entry), no more rows go to the engine until it drains; then the registry attache
 (`Engine.set_params`: the decode copies made once). Scoring runs with the adapter it names attached to the held
 model; the engine decodes with its snapshot, whatever the held model carries meanwhile.
 
+Partial rollouts: a request that allows it (`generate(..., partial=True)`, the `partial_rollout` extension field)
+does not hold its adapter's weights for its whole rows. When the adapter it names is reloaded in place while its rows
+run, and every request with rows in the engine allows it, the engine switches to the new weights at the next round
+end with the rows in flight (`Engine.set_params(in_flight=True)`: no drain; the rows keep their caches and sample
+their next tokens with the new adapter). Each engine weight version is one registry entry, so a token's version
+names the digest it was sampled with (`digest_of`); with any other request in the engine the switch waits for a
+drain, as without partial rollouts.
+
 What stays bounded: `max_pending_rows` rows admitted and not answered (`Overloaded` beyond, HTTP 503; a lone
 request is always admitted), the engine's programs by its buckets. A request whose client went away is cancelled
 (`cancel`): it stops counting against the bound at once, its queued rows are dropped and its rows in the engine
@@ -149,6 +157,7 @@ class _Job:
     requests: Sequence[Request] = ()  # a generation job's rows
     sequences: Sequence[Sequence[int]] = ()  # a scoring job's
     top_k: int = 0
+    partial: bool = False  # its rows may continue under an in-place reload of its adapter (module docstring)
     results: list = dataclasses.field(default_factory=list)
     left: int = 0  # rows not answered
     over: bool = False  # answered (result or error): later rows of it are dropped
@@ -179,6 +188,7 @@ class ServeLoop:
         self.score_chunk_size = int(score_chunk_size)
         self.max_pending_rows = int(max_pending_rows)
         self._generating = None  # the registry entry the engine's weights are a snapshot of
+        self._digests: dict[int, Optional[str]] = {}  # engine weight version -> the adapter digest (None: the base)
         self._tickets: dict[Ticket, tuple[_Job, int]] = {}  # the worker's alone
         self._admitted: dict[int, _Job] = {}  # id(future) -> its job, while its rows are in the engine
         self._sweep = False  # a job in the engine was answered early (cancelled, failed): take its rows out
@@ -195,11 +205,16 @@ class ServeLoop:
             self._worker.start()
 
     # ------------------------------------------------------------------------------------------------ the API
-    def generate(self, model: str, requests: Sequence[Request]) -> concurrent.futures.Future:
-        """Queues a request's rows; its Future resolves to their Completions in order. Raises Overloaded or
-        ShuttingDown at once (nothing queued) when it cannot be taken."""
-        return self._queue(_Job(model, len(requests), concurrent.futures.Future(), requests=list(requests)),
-                           self._generate)
+    def generate(self, model: str, requests: Sequence[Request], partial: bool = False) -> concurrent.futures.Future:
+        """Queues a request's rows; its Future resolves to their Completions in order (their token_versions are
+        engine weight versions: `digest_of`). partial: the rows may continue under an in-place reload of `model`
+        (module docstring). Raises Overloaded or ShuttingDown at once (nothing queued) when it cannot be taken."""
+        return self._queue(_Job(model, len(requests), concurrent.futures.Future(), requests=list(requests),
+                                partial=bool(partial)), self._generate)
+
+    def digest_of(self, version: int) -> Optional[str]:
+        """The adapter digest (None: the base) of an engine weight version (a Completion's token_versions)."""
+        return self._digests[int(version)]
 
     def score(self, model: str, sequences: Sequence[Sequence[int]], top_k: int) -> concurrent.futures.Future:
         """Queues sequences to score; the Future resolves to their Scores in order."""
@@ -270,7 +285,8 @@ class ServeLoop:
                    "requests_waiting": len(self._generate) + len(self._score),
                    "compiled_programs": compiled_programs(), "pools": len(engine.pools),
                    "rows_generated": self._served["generate"], "rows_scored": self._served["score"],
-                   "rows_cancelled": self._served["cancelled"]}
+                   "rows_cancelled": self._served["cancelled"],
+                   "weight_swaps_in_flight": self._served["weight_swaps_in_flight"]}
         out.update({name: engine.stats[name] for name in COUNTERS})
         out["engine_cancelled"] = engine.stats["cancelled"]
         return out
@@ -307,6 +323,7 @@ class ServeLoop:
         """One turn: the waiting scoring requests (up to `slots` rows), the waiting rows handed to the engine (as
         far as the generating model allows), one engine step (a round of every pool with rows)."""
         self._run_scoring()
+        self._follow_reload()
         self._admit()
         self._cancel_answered()
         if self.engine.idle:
@@ -369,7 +386,8 @@ class ServeLoop:
                         return  # the engine drains first: one model per snapshot
                     self._generating = None
                     self.registry.attach(job.model)
-                    self.engine.set_params(None)  # a snapshot of what the held model carries now
+                    # a snapshot of what the held model carries now
+                    self._digests[self.engine.set_params(None)] = served.digest
                     self._generating = served
                 with self._cond:
                     if not self._generate or self._generate[0] is not job:
@@ -384,6 +402,24 @@ class ServeLoop:
                     if self._generate and self._generate[0] is job:
                         self._generate.popleft()
                 self._fail(job, e)
+
+    def _follow_reload(self) -> None:
+        """Partial rollouts (module docstring): the engine's adapter reloaded in place while only requests that
+        allow it have rows in the engine: the new weights from the next round, the rows in flight kept."""
+        generating = self._generating
+        if generating is None or self.engine.idle:
+            return
+        try:
+            served = self.registry.served(generating.name)
+        except Exception:  # noqa: BLE001 - unloaded meanwhile: its rows finish with the weights they have
+            return
+        if served is generating or not all(job.partial for job, _ in self._tickets.values()):
+            return
+        self._generating = None
+        self.registry.attach(served.name)
+        self._digests[self.engine.set_params(None, in_flight=True)] = served.digest
+        self._generating = served
+        self._served["weight_swaps_in_flight"] += 1
 
     def _cancel_answered(self) -> None:
         """Takes out of the engine the rows of jobs answered before their last row (a cancelled request, or one

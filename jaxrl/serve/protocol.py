@@ -78,6 +78,11 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False
+    # Extensions (jaxrl): each choice's `token_versions` (per token, an index into its `version_digests`: the
+    # adapter digest it was sampled with, null for the base); `partial_rollout`: the rows may continue under an
+    # in-place reload of their adapter (jaxrl.serve.loop), and return their token versions.
+    return_token_versions: bool = False
+    partial_rollout: bool = False
     skip_special_tokens: bool = True
     user: Optional[str] = None
     # Accepted only at their neutral values (NEUTRAL).
@@ -168,6 +173,10 @@ def refuse_unsupported(request: _Request) -> None:
     if request.best_of is not None and request.best_of != request.n:
         raise ApiError(f"best_of={request.best_of} with n={request.n}: this server does not rank candidates; leave "
                        "best_of out (or equal to n)", param="best_of")
+    for field in ("return_token_versions", "partial_rollout"):
+        if getattr(request, field, False) and getattr(request, "stream", False):
+            raise ApiError(f"`{field}` is not supported with stream=true (token versions come with the whole "
+                           "answer)", param=field)
     fmt = getattr(request, "response_format", None)
     if fmt and fmt.get("type", "text") != "text":
         raise ApiError(f"response_format {fmt.get('type')!r} is not supported (no guided decoding); leave it out",

@@ -27,7 +27,8 @@ it updates), `rollout/staleness_mean` / `_max` (in policy versions, one per roll
 its rollout's version), `rollout/dropped_stale`, and at a rollout's first step `time/trainer_idle_s` (the trainer's
 wait: the whole rollout when synchronous), `time/rollout_wait_s` and `time/rollout_idle_s` (the producer's wait for
 the staleness bound before that rollout). Partial rollouts (rows continued across an adapter update) are not
-built: every rollout is sampled whole by one version.
+used here: every rollout is sampled whole by one version (the engine and `launchers.serve` support them:
+`Engine.set_params(in_flight=True)`, the server's `partial_rollout` request field).
 """
 
 from __future__ import annotations
