@@ -3,6 +3,7 @@
 
     python -m benchmarks.bench_distill                                 # teacher 40 GRPO steps, students 30 steps
     python -m benchmarks.bench_distill --teacher_steps=60 --steps=40 --loss=jsd
+    python -m benchmarks.bench_distill --score=strict --steps=45         # a sparse (pass/fail) reward
 
 1. base/: a random tiny Qwen3.5 (2 layers, vocabulary 64) written as an HF folder, the start of every run;
 2. teacher/: GRPO from base for `teacher_steps` (configs/grpo_tiny.py), merged into an HF folder;
@@ -50,17 +51,20 @@ def quiet(c, steps: int, seed: int, base: str):
     return c
 
 
-def grpo_config(base: str, steps: int, seed: int, lr: float = 5e-3):
+def grpo_config(base: str, steps: int, seed: int, lr: float = 5e-3, score: str = "partial"):
     from configs import grpo_tiny
     c = quiet(grpo_tiny.get_config(), steps, seed, base)
     c.optimizer.learning_rate = lr
+    c.reward.score = score
     return c
 
 
-def distill_config(base: str, teacher: str, steps: int, seed: int, loss: str, lr: float = 5e-3):
+def distill_config(base: str, teacher: str, steps: int, seed: int, loss: str, lr: float = 5e-3,
+                   score: str = "partial"):
     from configs import distill_tiny, grpo_tiny
     c = quiet(distill_tiny.get_config(), steps, seed, base)
     c.optimizer.learning_rate = lr
+    c.reward.score = score  # logged only: distillation does not train on it (reward_weight 0)
     g = grpo_tiny.get_config().grpo
     d = c.distill
     d.teacher_path, d.loss = teacher, loss
@@ -101,6 +105,10 @@ def main(argv=None) -> dict:
     p.add_argument("--loss", default="forward_kl_topk", choices=("forward_kl_topk", "jsd", "reverse_kl"))
     p.add_argument("--lr", type=float, default=5e-3, help="both students' (GRPO's tuned rate)")
     p.add_argument("--distill_lr", type=float, default=0.0, help="distillation's, when another; 0 = --lr")
+    p.add_argument("--score", default="partial", choices=("partial", "strict"),
+                   help="the reward the students are measured (and GRPO trained) on: partial = the fraction of the 8 "
+                        "tokens in the right half (dense); strict = 1 only when all 8 are (the sparse, pass/fail kind "
+                        "of reward distillation is for). The teacher is trained on the partial reward either way")
     p.add_argument("--workdir", default="")
     args = p.parse_args(argv)
     from jaxrl.algorithms.run import run_training
@@ -113,14 +121,15 @@ def main(argv=None) -> dict:
     taught = run_training(grpo_config(base, args.teacher_steps, seed=1), teacher_run).records
     teacher = os.path.join(root, "teacher")
     export_checkpoint(teacher_run, base, teacher, merge=True, overwrite=True)
-    held_out = run_training(grpo_config(teacher, args.eval_steps, seed=7, lr=0.0), os.path.join(root, "eval")).records
+    held_out = run_training(grpo_config(teacher, args.eval_steps, seed=7, lr=0.0, score=args.score),
+                            os.path.join(root, "eval")).records
     teacher_reward = float(np.mean([r["reward/mean"] for r in held_out]))
     target = 0.9 * teacher_reward
     curves = {}
     distill_lr = args.distill_lr or args.lr
-    for name, cfg in (("grpo", grpo_config(base, args.steps, seed=2, lr=args.lr)),
+    for name, cfg in (("grpo", grpo_config(base, args.steps, seed=2, lr=args.lr, score=args.score)),
                       (f"distill_{args.loss}", distill_config(base, teacher, args.steps, seed=2, loss=args.loss,
-                                                              lr=distill_lr))):
+                                                              lr=distill_lr, score=args.score))):
         t = time.perf_counter()
         c = curve(run_training(cfg, os.path.join(root, name)).records)
         c["steps_to_90pct"], c["sampled_tokens_to_90pct"] = steps_to(c, target)
@@ -130,6 +139,7 @@ def main(argv=None) -> dict:
               "base_reward_step1": curves["grpo"]["reward"][0],
               "teacher_training_reward_last": round(float(taught[-1]["reward/mean"]), 4),
               "teacher_steps": args.teacher_steps, "steps": args.steps, "lr": args.lr, "distill_lr": distill_lr,
+              "score": args.score,
               "rows_per_step": GENS * PROMPTS,
               "curves": curves, "total_seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(result))

@@ -123,3 +123,18 @@ def test_episode_settings_are_checked():
         cfg = resolve_config(tiny_config("grpo", environment="code_feedback", max_episode_tokens=64))
         GRPOTask(cfg, build_model(cfg), make_mesh((1, 1, 1)))
 
+
+
+@pytest.mark.slow
+def test_episodes_train_with_rollout_correction_and_dynamic_sampling(base, tmp_path):
+    """Episodes through the rest of the online machinery: rollout correction over the sampled tokens of every turn
+    (mismatch logged, finite) and dynamic sampling drawing more episode groups until enough have a reward spread."""
+    cfg = episode_config(base, rollout_correction="token_truncate", dynamic_sampling=True, max_extra_draws=2)
+    records = run_training(cfg, str(tmp_path / "run")).records
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        for key in ("loss", "grad_norm", "reward/mean", "episode/turns_mean"):
+            assert np.isfinite(r[key]), (r["step"], key, r[key])
+        assert np.isfinite(r["mismatch/logp_abs_mean"]) and r["mismatch/logp_abs_max"] < 1e-3  # same weights
+        assert r["dynamic_sampling/drawn_groups"] >= 2 and 0 <= r["dynamic_sampling/extra_draws"] <= 2
+        assert r["dynamic_sampling/signal_groups"] <= r["dynamic_sampling/drawn_groups"]
