@@ -138,3 +138,26 @@ def test_episodes_train_with_rollout_correction_and_dynamic_sampling(base, tmp_p
         assert np.isfinite(r["mismatch/logp_abs_mean"]) and r["mismatch/logp_abs_max"] < 1e-3  # same weights
         assert r["dynamic_sampling/drawn_groups"] >= 2 and 0 <= r["dynamic_sampling/extra_draws"] <= 2
         assert r["dynamic_sampling/signal_groups"] <= r["dynamic_sampling/drawn_groups"]
+
+
+@pytest.mark.heavy  # a real `launchers.serve` process and a two-thread run
+def test_episodes_sampled_ahead_on_a_server(base, tmp_path):
+    """GRPO over episodes with rollout_backend='server' and overlap (max_staleness=1): the producer samples each
+    rollout's episodes on a real `launchers.serve` from the previous step's adapter (the served digest the
+    trainer's), so every rollout after the first trains one version behind, and the run's metrics stay finite."""
+    from serve_fixture import Served
+    server = Served(tmp_path, base["model"], f"--allowed_lora_roots={tmp_path.parents[1]}", "--batch_size=8",
+                    f"--max_prompt_len={P + E - CAP}", f"--max_model_len={P + E}")
+    try:
+        cfg = episode_config(base, steps=4, rollout_backend="server", rollout_servers=(server.url,),
+                             rollout_batch_size=8, max_staleness=1)
+        records = run_training(cfg, str(tmp_path / "run")).records
+    finally:
+        server.stop()
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1, 1]
+    for r in records:
+        assert r["rollout/served_digest"] == r["rollout/adapter_digest"]
+        for key in ("loss", "grad_norm", "reward/mean", "episode/turns_mean"):
+            assert np.isfinite(r[key]), (r["step"], key, r[key])
+    assert max(r["episode/turns_mean"] for r in records) > 1.0
