@@ -96,3 +96,28 @@ def test_held_slots_give_way_to_waiting_rows(model):
     fresh.run()
     assert again.wait().tokens == want.wait().tokens
     assert EXTEND_WIDTHS[0] < EXTEND_WIDTHS[-1]
+
+
+def test_sessions_on_a_mesh_equal_sessions_on_one_device(model):
+    """The trainer's mesh (rows over data x fsdp): extensions gather and scatter rows of sharded caches; a two-turn
+    session equals the same on one device."""
+    import jax
+    from jaxrl.parallel.mesh import make_mesh
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py fakes 8 CPU devices)")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 250, size=n).tolist() for n in (7, 19)]
+    out = []
+    for mesh in (None, make_mesh((4, 2, 1))):
+        engine = Engine(model, slots=8, prompt_buckets=(32,), generation_buckets=(BUDGET,), eos_token_ids=STOPS,
+                        mesh=mesh, round_steps=4)
+        first = [engine.submit(request(p, i, session=i)) for i, p in enumerate(prompts)]
+        engine.run()
+        turns = [p + t.wait().tokens + [9, 8, 7, 6, 5] * 4 for p, t in zip(prompts, first)]
+        second = [engine.submit(request(h, 100 + i, session=i)) for i, h in enumerate(turns)]
+        engine.run()
+        assert engine.stats["continued"] == 2
+        out.append([(t.wait().tokens, t.wait().logprobs) for t in first + second])
+    for (a, la), (b, lb) in zip(*out):
+        assert a == b
+        np.testing.assert_allclose(la, lb, atol=2e-5)
