@@ -270,7 +270,7 @@ def test_default_scans_the_passes_that_rematerialise(monkeypatch):
     chosen = {}
     with aot_real_shapes.H200(0.75 * 139 * 2**30):
         for name, spec in aot_real_shapes.PROGRAMS.items():
-            if spec["kind"] == "decode":
+            if spec["kind"] == "decode" or spec["kind"] in aot_real_shapes.PASSES:  # no backward, no remat choice
                 continue
             cfg = aot_real_shapes.model_config(spec["model"], "real", None)
             assert cfg.scan_layers is None and cfg.num_hidden_layers == 32
@@ -282,7 +282,7 @@ def test_default_scans_the_passes_that_rematerialise(monkeypatch):
             assert cfg.scan_decision(chosen[name]) == (4, "") and model.layer_cycle(chosen[name]) == (4, "")
             assert dataclasses.replace(cfg, scan_layers=False).scan_decision(chosen[name])[0] is None
     assert chosen == {"dpo_4b": "matmuls", "dpo_9b_mb1": "attention", "dpo_9b_mb2": "attention",
-                      "grpo_4b": "attention"}
+                      "grpo_4b": "attention", "distill_4b": "attention"}
 
 
 def test_default_rule_traces_the_unrolled_layers_and_says_why(scan_calls, monkeypatch, caplog):
