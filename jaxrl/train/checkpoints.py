@@ -106,6 +106,12 @@ class RunCheckpoints:
             return
         self.states.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                        meta=ocp.args.JsonSave(state_meta)))
+        self.save_adapters(step, adapter_params, adapter_meta, ema_params, ema_meta)
+
+    def save_adapters(self, step: int, adapter_params: dict, adapter_meta: dict,
+                      ema_params: Optional[dict] = None, ema_meta: Optional[dict] = None) -> None:
+        """Save the adapter (and the EMA adapter) of `step`: after its state in `save`; on resume, again for a state
+        whose adapter a kill between the two saves left unwritten (jaxrl.train.loop.Trainer.restore_latest)."""
         items = [(self.adapters, adapter_params, adapter_meta)]
         if ema_params:
             if self.emas is None:

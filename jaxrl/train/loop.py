@@ -240,12 +240,18 @@ class Trainer:
         if data_state is None:  # the step count is the task's position
             data_state = {"position": step}
         meta = {"step": step, "data_state": data_state, "config": self.config.to_json()}
+        self.ckpt.save(step, self.state, meta, *self._adapters(step))
+
+    def _adapters(self, step: int) -> tuple:
+        """(adapter params, meta, EMA params, EMA meta) of the state held now, as saved at `step`."""
         ema_meta = None
         if self.state.ema:  # its own adapter: the adapter's meta plus what it averages
             ema_meta = {**self._adapter_meta(step), "ema": {"decay": self.ema_decay, "step": step,
                                                             "over": "lora_factors"}}
-        self.ckpt.save(step, self.state, meta, adapter_params(self.state.params), self._adapter_meta(step),
-                       self.state.ema, ema_meta)
+        return adapter_params(self.state.params), self._adapter_meta(step), self.state.ema, ema_meta
+
+    def _save_adapters(self, step: int) -> None:
+        self.ckpt.save_adapters(step, *self._adapters(step))
 
     def restore_latest(self) -> int:
         """Restore the newest intact training state in the workdir; returns the steps it had done (0: none). A
@@ -262,6 +268,14 @@ class Trainer:
         stale = self.ckpt.drop_adapters_after(latest)
         logging.info("resumed from %s/%d (step %d)%s", self.ckpt.state_dir, latest, latest,
                      f"; removed adapter folders of unfinished steps {stale}" if stale else "")
+        emas = self.ckpt.emas.all_steps() if self.ckpt.emas is not None and self.state.ema else [latest]
+        if latest not in self.ckpt.adapter_steps() or latest not in emas:
+            # the process died after this state's save and before its adapter's (the state is saved first): the
+            # adapter an evaluation or an export reads is written now, from the state it would have been saved from
+            logging.warning("the adapter of step %d was never written (the run stopped between the two saves); "
+                            "writing it from the restored state", latest)
+            self._save_adapters(latest)
+            self.ckpt.wait()
         return latest
 
     def _write_config(self, start: int) -> None:
