@@ -19,7 +19,8 @@ Saves are atomic: Orbax writes each step into a temporary folder and renames it 
 killed during a save leaves the previous complete step as the newest one (unfinished temporaries are ignored
 and cleaned). The state of step N is saved before its adapter (and EMA adapter), so an adapter folder never
 outlives a state that failed to land; on resume, adapter and EMA folders newer than the restored state are removed
-(they are re-created, identically, as training reaches them again).
+(they are re-created, identically, as training reaches them again), and the restored state's own adapter, when a
+kill landed between the two saves, is written from it (`save_adapters`).
 
     ckpt = RunCheckpoints(workdir, keep=2, ema=True)
     ckpt.save(step, state, state_meta, adapter_params, adapter_meta, ema_params, ema_meta)
