@@ -98,6 +98,7 @@ def test_held_slots_give_way_to_waiting_rows(model):
     assert EXTEND_WIDTHS[0] < EXTEND_WIDTHS[-1]
 
 
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_sessions_on_a_mesh_equal_sessions_on_one_device(model):
     """The trainer's mesh (rows over data x fsdp): extensions gather and scatter rows of sharded caches; a two-turn
     session equals the same on one device."""

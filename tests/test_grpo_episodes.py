@@ -53,7 +53,7 @@ def episode_config(base, steps=2, **grpo):
     return cfg
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_a_tiny_grpo_run_over_episodes_trains_with_finite_metrics(base, tmp_path):
     cfg = episode_config(base)
     records = run_training(cfg, str(tmp_path / "run")).records

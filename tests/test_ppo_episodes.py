@@ -117,7 +117,7 @@ def episode_config(base, **ppo):
     return cfg
 
 
-@pytest.mark.slow  # a rollout of episodes and its three teacher-forced passes compile
+@pytest.mark.heavy  # a rollout of episodes and its three teacher-forced passes compile: long for the fast tier
 def test_a_ppo_rollout_of_episodes_trains_sampled_tokens_only(base):
     cfg = resolve_config(episode_config(base))
     model = build_model(cfg)
