@@ -76,11 +76,15 @@ def test_feedback_respects_its_character_budget():
     assert messages[0]["content"].endswith("```python code block.")
 
 
-@pytest.mark.parametrize("code,status", [
-    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout"),
-    ("import time\ntime.sleep(600)", "timeout"),
-    ("while True:\n    print('x' * 10000)", "output limit"),
-], ids=["fork_bomb", "sleep", "flood"])
+# Hostile programs an episode may run (tests/test_verifier_hostile.py's patterns): name -> code. Shared with the
+# python_tool tests.
+HOSTILE = {"fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+           "sleep": "import time\ntime.sleep(600)",
+           "flood": "while True:\n    print('x' * 10000)"}
+
+
+@pytest.mark.parametrize("code,status", [(HOSTILE["fork_bomb"], "timeout"), (HOSTILE["sleep"], "timeout"),
+                                         (HOSTILE["flood"], "output limit")], ids=["fork_bomb", "sleep", "flood"])
 def test_hostile_programs_in_an_episode_are_contained(code, status):
     """The episode's public tests run in the verifier's sandbox: killed in time, reported as feedback, nothing
     left running (tests/test_verifier_hostile.py's patterns)."""

@@ -17,6 +17,7 @@ from jaxrl.data.chat import format_chat, load_tokenizer, turn_delta_ids
 from jaxrl.data.problems import Problem
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 from jaxrl.rollout.collect import Collector
+from test_environments import HOSTILE
 from test_verifier_hostile import HOSTILE_TIMEOUT_S, sandbox_leftovers  # noqa: E402 - tests/ on the path
 
 SUM = Problem.from_dict({
@@ -109,11 +110,8 @@ def test_tool_output_keeps_both_ends_within_its_budget():
     assert text.endswith("ValueError: the end")
 
 
-@pytest.mark.parametrize("code,status", [
-    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "time limit"),
-    ("import time\ntime.sleep(600)", "time limit"),
-    ("while True:\n    print('x' * 10000)", "output limit"),
-], ids=["fork_bomb", "sleep", "flood"])
+@pytest.mark.parametrize("code,status", [(HOSTILE["fork_bomb"], "time limit"), (HOSTILE["sleep"], "time limit"),
+                                         (HOSTILE["flood"], "output limit")], ids=["fork_bomb", "sleep", "flood"])
 def test_hostile_tool_calls_are_contained(code, status):
     """The tool's program runs in the verifier's sandbox: killed in time, the reason told to the model, nothing
     left running (tests/test_verifier_hostile.py's patterns)."""

@@ -648,7 +648,8 @@ class Engine:
         live = np.asarray([r is not None and r.live for r in pool.occupant])
         pool.state, status, outputs = programs.decode_round(
             weights.structure, weights.leaves, self._decode_weights, pool.state, live, np.int32(self.round_steps),
-            np.int32(self._want_free(pool) + pool.held), mode=pool.mode, pad_id=self.pad_id, mesh=self.mesh)
+            np.int32(self._want_free(pool) + pool.held), mode=pool.mode, pad_id=self.pad_id, mesh=self.mesh,
+            holds=pool.sessions)
         if outputs is None:  # one device: the state's own buffers
             outputs = (pool.state.tokens, pool.state.logprobs)
         running, generated, stopped, steps = np.asarray(jax.device_get(status))

@@ -186,17 +186,20 @@ def _keep_idle(run: jax.Array, new, old):
     return new._replace(layers=layers)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("graphdef", "mode", "pad_id", "mesh", "holds"), donate_argnames=("state",))
 def decode_round(graphdef: Structure, params: list, decode_weights: dict, state: SlotState, live: jax.Array,
                  max_steps: jax.Array, want_free: jax.Array, *, mode: SamplingMode, pad_id: int,
-                 mesh: Optional[Mesh]) -> tuple:
+                 mesh: Optional[Mesh], holds: bool = False) -> tuple:
     """Up to max_steps decode steps over every slot; stops early when no slot runs or when at least want_free
     slots are free. live [B] bool: the slots the host holds a row for (a cancelled row's slot is not: it stops
-    running here, without a program of its own). Returns the state and what the host reads after a round: [4, B] int32 (rows running,
-    generated, stopped, and the steps made in every column: one transfer) and, on a mesh, the token and log-prob
+    running here, without a program of its own). holds (static): a session pool, whose held rows' Gated DeltaNet
+    states the masked steps must leave as they were (`_keep_idle`; other pools' steps carry no such select).
+    Returns the state and what the host reads after a round: [4, B] int32 (rows running, generated, stopped, and
+    the steps made in every column: one transfer) and, on a mesh, the token and log-prob
     buffers replicated (every process of a mesh over several processes reads every row; None without a mesh)."""
     num_slots, max_new = state.tokens.shape
-    TRACE_COUNTS[("engine_round", num_slots, state.cache.max_length, max_new, state.stop_ids.shape[1], mode)] += 1
+    TRACE_COUNTS[("engine_round", num_slots, state.cache.max_length, max_new, state.stop_ids.shape[1], mode,
+                  holds)] += 1
     model = graphdef.merge(params).use_decode_weights(decode_weights)
     state = state._replace(running=state.running & constrain_rows(jnp.asarray(live, bool), mesh))
 
@@ -211,7 +214,8 @@ def decode_round(graphdef: Structure, params: list, decode_weights: dict, state:
         # Free and finished slots run on a pad token, masked out (fixed shapes); nothing of theirs is kept.
         inputs = jnp.where(run, st.token, pad_id)[:, None]
         logits, cache = model(inputs, attention_mask=run[:, None].astype(jnp.int32), cache=st.cache)
-        cache = _keep_idle(run, cache, st.cache)
+        if holds:  # a session pool: its held rows keep their state (no select in other pools' steps)
+            cache = _keep_idle(run, cache, st.cache)
         new, lp = sample_tokens(logits[:, 0], token_keys(st.keys, st.generated), st.temperature[:, None],
                                 st.top_p[:, None], mode)
         # Idle slots write their old value back (at a column inside the buffer): nothing of theirs changes.

@@ -170,18 +170,8 @@ class Sampler:
                 ) -> Engine:
         """The Engine of one call: the smallest batch bucket holding its rows, the smallest prompt bucket holding
         its longest prompt, one pool."""
-        slots = next((b for b in self.batch_buckets if b >= num_rows), self.batch_size)
         prompt_len = pick_bucket(max(len(p) for p in arrays), self.prompt_buckets, "prompt length")
-        rows, prompts = insert_sizes(slots, n, self.multiple, self.max_new_tokens)
-        if self.insert_rows:
-            rows, prompts = self.insert_rows, prompts_per_rows(self.insert_rows, n, self.multiple)
-        engine = Engine(self.model, slots=slots, prompt_buckets=(prompt_len,),
-                        generation_buckets=(self.max_new_tokens,), eos_token_ids=self.stop_ids,
-                        pad_token_id=self.pad_id, mesh=self.mesh, insert_rows=rows,
-                        prompts_per_insert=min(rows, prompts), round_steps=round_steps or self.max_new_tokens,
-                        shrink=shrink, fuse_adapters=self.fuse_adapters)
-        engine.set_params(params)
-        return engine
+        return self._build(num_rows, n, (prompt_len,), self.max_new_tokens, params, shrink, round_steps)
 
     def session_engine(self, num_rows: int, session_tokens: int, *, params=None) -> Engine:
         """An engine for `num_rows` multi-turn sessions (episodes) of at most `session_tokens` tokens after their
@@ -191,15 +181,19 @@ class Sampler:
         soon as K rows finish their turn, so their environment steps are not kept waiting for the others'."""
         if session_tokens < self.max_new_tokens:
             raise ValueError(f"session_tokens={session_tokens} cannot hold one turn of {self.max_new_tokens}")
+        return self._build(num_rows, 1, self.prompt_buckets, int(session_tokens), params, False, self.round_steps)
+
+    def _build(self, num_rows: int, n: int, prompt_buckets: tuple, cap: int, params, shrink: bool,
+               round_steps: Optional[int]) -> Engine:
+        """An Engine of the smallest batch bucket holding `num_rows` rows (n per prompt), with its weights set."""
         slots = next((b for b in self.batch_buckets if b >= num_rows), self.batch_size)
-        rows, prompts = insert_sizes(slots, 1, self.multiple, self.max_new_tokens)
+        rows, prompts = insert_sizes(slots, n, self.multiple, self.max_new_tokens)
         if self.insert_rows:
-            rows, prompts = self.insert_rows, prompts_per_rows(self.insert_rows, 1, self.multiple)
-        engine = Engine(self.model, slots=slots, prompt_buckets=self.prompt_buckets,
-                        generation_buckets=(int(session_tokens),), eos_token_ids=self.stop_ids,
-                        pad_token_id=self.pad_id, mesh=self.mesh, insert_rows=rows,
-                        prompts_per_insert=min(rows, prompts), round_steps=self.round_steps or self.max_new_tokens,
-                        shrink=False, fuse_adapters=self.fuse_adapters)
+            rows, prompts = self.insert_rows, prompts_per_rows(self.insert_rows, n, self.multiple)
+        engine = Engine(self.model, slots=slots, prompt_buckets=prompt_buckets, generation_buckets=(cap,),
+                        eos_token_ids=self.stop_ids, pad_token_id=self.pad_id, mesh=self.mesh, insert_rows=rows,
+                        prompts_per_insert=min(rows, prompts), round_steps=round_steps or self.max_new_tokens,
+                        shrink=shrink, fuse_adapters=self.fuse_adapters)
         engine.set_params(params)
         return engine
 

@@ -50,7 +50,6 @@ from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, to_arrays
 from jaxrl.backends import JaxBackend, RolloutBackend, SamplingParams
 from jaxrl.backends.pool import make_pool
 from jaxrl.data.chat import format_chat, turn_delta_ids
-from jaxrl.generation.buckets import MIN_PROMPT_BUCKET
 from jaxrl.generation.engine import Request
 from jaxrl.rollout.collect import Collector
 
