@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import first_batch, make_rollout, tiny_config
-from jaxrl.algorithms.run import build_model, resolve_config, run_training
+from jaxrl.algorithms.run import build_model, load_run_plugins, resolve_config, run_training
 from jaxrl.algorithms.grpo_task import GRPOTask
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer
 from jaxrl.models import qwen35
@@ -71,6 +71,7 @@ def test_a_tiny_grpo_run_over_episodes_trains_with_finite_metrics(base, tmp_path
 @pytest.mark.slow
 def test_episode_rows_train_on_sampled_tokens_only(base, tmp_path):
     cfg = resolve_config(episode_config(base))
+    load_run_plugins(cfg)  # the `alphabet` environment (run_training registers a run's plug-ins itself)
     model = build_model(cfg)
     task = GRPOTask(cfg, model, make_mesh((1, 1, 1)))
     trainer = Trainer(cfg, model, task, str(tmp_path / "run"), mesh=make_mesh((1, 1, 1)))
