@@ -67,14 +67,14 @@ def demo_grpo_config(folder: str, steps: int):
     return c, os.fspath(demo.p["pretrained"])
 
 
-def start_server(base: str, root: str, name: str, max_prompt_len: int, batch_size: int) -> tuple:
-    """(process, url, log file) of `launchers.serve` on a free loopback port."""
+def start_server(base: str, root: str, name: str, max_prompt_len: int, batch_size: int, flags=()) -> tuple:
+    """(process, url, log file) of `launchers.serve` on a free loopback port (`flags`: more of its flags)."""
     ready = os.path.join(root, f"{name}.ready")
     log = open(os.path.join(root, f"{name}.log"), "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "launchers.serve", f"--base={base}", "--port=0", f"--ready_file={ready}",
          "--dtype=float32", f"--max_prompt_len={max_prompt_len}", f"--batch_size={batch_size}",
-         f"--allowed_lora_roots={root}"],
+         f"--allowed_lora_roots={root}", *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT})
     deadline = time.monotonic() + 600
     while not os.path.exists(ready):
@@ -88,12 +88,12 @@ def start_server(base: str, root: str, name: str, max_prompt_len: int, batch_siz
         return proc, f.read().strip(), log
 
 
-def serve_rollouts(config, base: str, root: str, count: int, procs: list) -> int:
+def serve_rollouts(config, base: str, root: str, count: int, procs: list, slots: int = 0, flags=()) -> int:
     """Starts `count` servers of `base` (appended to `procs`, for `stop_servers`) and points the config's GRPO
-    rollouts at them; returns the rows of a rollout (each server's batch size)."""
+    rollouts at them; returns the rows of a rollout (each server's batch size unless `slots`)."""
     rows = config.grpo.prompts_per_step * config.grpo.num_generations
     for k in range(count):
-        procs.append(start_server(base, root, f"serve{k}", config.data.max_prompt_len, rows))
+        procs.append(start_server(base, root, f"serve{k}", config.data.max_prompt_len, slots or rows, flags))
     config.grpo.rollout_backend = "server"
     config.grpo.rollout_servers = tuple(url for _, url, _ in procs)
     return rows
@@ -126,10 +126,12 @@ def one_run(config, workdir: str, overlap: bool) -> dict:
 
 
 @contextlib.contextmanager
-def served_demo_grpo(steps: int, servers: int, workdir: str | None, prefix: str, warm_up):
-    """The setting both benchmarks time in: the demo's GRPO config (`steps` steps) on `servers` real servers, in
-    `workdir` (default: a temporary folder, removed after), `warm_up(config of WARMUP_STEPS + 1 steps, root)` run
-    first to compile every program. Yields (config, root, info: rows, load average before, ...)."""
+def served_demo_grpo(steps: int, servers: int, workdir: str | None, prefix: str, warm_up, configure=None,
+                     slots: int = 0, server_flags=()):
+    """The setting both benchmarks time in: the demo's GRPO config (`steps` steps; `configure(config)` may change
+    it) on `servers` real servers (`slots` rows each, default a rollout's; `server_flags`), in `workdir` (default: a
+    temporary folder, removed after), `warm_up(config of WARMUP_STEPS + 1 steps, root)` run first to compile every
+    program. Yields (config, root, info: rows, load average before, ...)."""
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps must exceed the {WARMUP_STEPS} untimed steps of each run")
     own = workdir is None
@@ -138,9 +140,11 @@ def served_demo_grpo(steps: int, servers: int, workdir: str | None, prefix: str,
     info = {"steps": steps, "timed_steps": steps - WARMUP_STEPS, "servers": servers,
             "load_average_before": [round(x, 2) for x in os.getloadavg()], "cores": len(os.sched_getaffinity(0))}
     config, base = demo_grpo_config(os.path.join(root, "demo"), steps)
+    if configure is not None:
+        configure(config)
     procs = []
     try:
-        info["rows"] = serve_rollouts(config, base, root, servers, procs)
+        info["rows"] = serve_rollouts(config, base, root, servers, procs, slots, server_flags)
         warm = config.copy_and_resolve_references()
         warm.steps = WARMUP_STEPS + 1
         warm_up(warm, root)

@@ -56,7 +56,8 @@ def main(argv):
     server = CompletionServer(s.base, dtype=s.dtype, limits=limits, batch_size=s.batch_size,
                               prompt_buckets=s.prompt_buckets or None, generation_buckets=s.generation_buckets or None,
                               served_model_name=s.served_model_name, allow_lora_updating=updating,
-                              allowed_lora_roots=roots, round_steps=s.round_steps or DEFAULT_ROUND_STEPS)
+                              allowed_lora_roots=roots, round_steps=s.round_steps or DEFAULT_ROUND_STEPS,
+                              round_delay_s=s.debug_round_delay_s)
     sock = None
     try:
         for spec in s.lora_modules:

@@ -2,8 +2,10 @@
 under faults: the trainer SIGKILLed at six random moments (whatever it was doing: sampling ahead, training,
 writing a checkpoint or a rollout buffer) and the rollout server SIGKILLed while rows were in flight. After each
 fault the same command resumes, and the run ends bit-identical to an uninterrupted one: every rollout the producer
-made is trained exactly once, in order (none lost, none twice), with the same samples."""
+made is trained exactly once, in order (none lost, none twice), with the same samples. With partial rollouts (not
+bit-reproducible) the record proves the same: every step trained the samples the store holds for its rollout."""
 
+import os
 import re
 import signal
 import subprocess
@@ -58,6 +60,36 @@ def rows_in_flight(url: str) -> bool:
                if line.startswith(("jaxrl:num_rows_running", "jaxrl:num_rows_waiting")))
 
 
+def kill_at_random_moments(workdir, cache, args, rng, after_kill=None) -> list[str]:
+    """Starts the run KILLS times, each time SIGKILLing it at a random moment: once the process has made 0 to 2
+    steps, a random fraction of a second later (a warm run takes seconds, so a time alone would mostly land after
+    its end): whatever the trainer or its producer is doing then (starting or restoring, sampling ahead, training,
+    waiting for the producer's rollouts before a checkpoint, writing a checkpoint or a buffer). Returns what
+    happened each time; `after_kill()` runs after each kill."""
+    outcomes = []
+    for ahead, delay in zip(rng.integers(0, 3, size=KILLS), rng.uniform(0.0, 1.0, size=KILLS)):
+        proc = launch(workdir, cache, *args)
+        steps = StepLines(proc)
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and len(steps.seen) < ahead:  # 0 to 2 steps made by this process
+            assert time.monotonic() < deadline, "the trainer made no progress"
+            time.sleep(0.01)
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            steps.reader.join()
+            outcomes.append(f"killed {delay:.2f} s after steps {steps.seen}")
+            if after_kill is not None:
+                after_kill()
+        else:
+            proc.wait()
+            steps.reader.join()
+            assert proc.returncode == 0, "".join(steps.lines[-40:])
+            outcomes.append("finished")
+    return outcomes
+
+
 @pytest.mark.heavy
 def test_async_run_resumes_bit_exact_after_random_kills_and_a_server_killed_mid_row(tmp_path):
     base = build_base(tmp_path / "base")
@@ -86,30 +118,7 @@ def test_async_run_resumes_bit_exact_after_random_kills_and_a_server_killed_mid_
         assert f"127.0.0.1:{port}" in last and len(last) < 1000, err[-3000:]
         server = Served(tmp_path, base, *flags, port=port)
 
-        rng = np.random.default_rng(0)
-        outcomes = []
-        # A random moment of a run: once the process has made 0 to 2 steps, a random fraction of a second later
-        # (a warm run takes seconds, so a time alone would mostly land after its end): whatever the trainer or its
-        # producer is doing then (starting or restoring, sampling ahead, training, waiting for the producer's
-        # rollouts before a checkpoint, writing a checkpoint or a buffer).
-        for ahead, delay in zip(rng.integers(0, 3, size=KILLS), rng.uniform(0.0, 1.0, size=KILLS)):
-            proc = launch(killed, cache, *args)
-            steps = StepLines(proc)
-            deadline = time.monotonic() + 600
-            while proc.poll() is None and len(steps.seen) < ahead:  # 0 to 2 steps made by this process
-                assert time.monotonic() < deadline, "the trainer made no progress"
-                time.sleep(0.01)
-            time.sleep(delay)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                steps.reader.join()
-                outcomes.append(f"killed {delay:.2f} s after steps {steps.seen}")
-            else:
-                proc.wait()
-                steps.reader.join()
-                assert proc.returncode == 0, "".join(steps.lines[-40:])
-                outcomes.append("finished")
+        outcomes = kill_at_random_moments(killed, cache, args, np.random.default_rng(0))
         print("faults:", outcomes)
         assert outcomes.count("finished") < KILLS // 2, outcomes  # the faults hit a running trainer
 
@@ -119,3 +128,55 @@ def test_async_run_resumes_bit_exact_after_random_kills_and_a_server_killed_mid_
         assert max(r["rollout/staleness_max"] for r in metrics(killed)) <= 2
     finally:
         server.stop()
+
+
+@pytest.mark.heavy
+def test_partial_rollouts_train_every_written_rollout_once_after_random_kills(tmp_path):
+    """grpo.partial_rollouts (k = 2: two rollouts on the server at once, rows continued across versions) on a
+    server slowed so rows are in flight at every publish, the trainer SIGKILLed at six random moments. Such runs
+    are not bit-reproducible (which version reaches a row when is timing), so the proof is the record. After each
+    kill the rollouts its newest checkpoint covers (rollouts r .. r + k - 1 at a checkpoint of rollout r: the
+    checkpoint waited for them) are on disk; after the last resume every step is recorded once, each trained on
+    exactly the samples the store holds for its rollout (the digest it logged), and those of every covered rollout
+    are the ones on disk at the kill: read back, not sampled again, none lost. No token was over the bound."""
+    from jaxrl.algorithms.online.buffer import RolloutStore
+    from jaxrl.algorithms.online.task import samples_digest
+
+    base = build_base(tmp_path / "base")
+    server = Served(tmp_path, base, f"--allowed_lora_roots={tmp_path}", f"--max_prompt_len={PROMPT_BUCKET}",
+                    f"--prompt_buckets={PROMPT_BUCKET}", "--batch_size=2", "--max_model_len=128", "--round_steps=1",
+                    "--debug_round_delay_s=0.002")
+    cache = tmp_path / "jax_cache"
+    args = overrides(base, [server.url], "server") + [
+        "--config.grpo.max_staleness=2", "--config.grpo.partial_rollouts=True",
+        "--config.grpo.off_policy_loss=decoupled", f"--config.steps={STEPS}", "--config.grpo.max_new_tokens=16"]
+    run = tmp_path / "run"
+    covered: dict[int, str] = {}  # rollout -> the digest on disk when a kill left it covered by a checkpoint
+
+    def note_covered():
+        states = run / "checkpoints" / "state"
+        done = [int(n) for n in os.listdir(states) if n.isdigit()] if states.is_dir() else []
+        if not done or max(done) >= STEPS:
+            return
+        first = max(done) // 2  # the checkpoint's rollout (two steps a rollout)
+        for q in range(first, min(first + 2, STEPS // 2)):  # k = 2
+            digest = samples_digest(RolloutStore(str(run)).load(q)[0])
+            assert covered.setdefault(q, digest) == digest, f"rollout {q} changed on disk after its checkpoint"
+
+    try:
+        outcomes = kill_at_random_moments(run, cache, args, np.random.default_rng(1), note_covered)
+        print("faults:", outcomes)
+        assert outcomes.count("finished") < KILLS // 2, outcomes
+        final = train(run, cache, *args)
+        assert final.returncode == 0, final.stderr[-4000:]
+    finally:
+        server.stop()
+    records = metrics(run)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    store = RolloutStore(str(run))
+    rollouts = STEPS // 2  # two steps a rollout (num_iterations=2)
+    stored = {r: samples_digest(store.load(r)[0]) for r in range(rollouts)}
+    assert [r["rollout/samples_digest"] for r in records] == [stored[(r["step"] - 1) // 2] for r in records]
+    assert covered and all(stored[q] == digest for q, digest in covered.items()), (covered, stored)
+    assert all(r["rollout/staleness_max"] <= 2 and r["rollout/dropped_stale_samples"] == 0 for r in records)
+    assert all(np.isfinite(r["loss"]) for r in records)

@@ -312,6 +312,8 @@ class GRPOTask(OnlineTask):
                 buffer["is_weights"] = weights
         if self.decoupled:  # the behaviour side of the decoupled objective's weight (OnlineTask._decouple)
             buffer["sampler_logp"] = s.behaviour_logp
+        if s.token_versions is not None:  # partial rollouts: the version of each token (OnlineTask.batch's metrics)
+            buffer["token_versions"] = s.token_versions
         metrics.update(passes.timings())
         return buffer, metrics
 

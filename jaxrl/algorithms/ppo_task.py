@@ -51,6 +51,7 @@ the rollout's first step `time/{sample_s,score_s,policy_pass_s,ref_logp_s,mismat
 from __future__ import annotations
 
 import dataclasses
+import threading
 from functools import partial
 from typing import Optional
 
@@ -204,6 +205,7 @@ class PPOTask(OnlineTask):
         self.controller = (ppo_lib.AdaptiveKLController(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
                            if ppo.adaptive_kl else ppo_lib.FixedKLController(ppo.init_kl_coef))
         self.kl_coef = float(self.controller.init())
+        self._kl_lock = threading.Lock()
         self.chunk_size = config.logprob_chunk_size
         self.objective = PPOObjective.of(ppo, chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
@@ -261,39 +263,41 @@ class PPOTask(OnlineTask):
         turn_scores = None
         if s.turn_rewards is not None:  # episodes: each turn's reward where that turn ends, not the sum at the end
             turn_scores, scores = s.turn_rewards, np.zeros_like(scores)
-        kl_coef = self.kl_coef
-        adv, raw_adv, ret, kl = jax.device_get(returns_and_advantages(
-            cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), turn_scores,
-            estimator=ppo.kl_estimator,
-            gamma=ppo.gamma, lam=ppo.lam, whiten_rewards=ppo.whiten_rewards,
-            whiten_advantages=ppo.whiten_advantages))
-        m = mask > 0
-        n_tok = max(int(m.sum()), 1)
-        token_kl = float(np.where(m, kl, 0.0).sum() / n_tok)
-        lengths = m.sum(-1)
-        has_tokens = lengths > 0
-        # verl and OpenRLHF: each sequence's token mean, averaged over the sequences (with a token under the loss)
-        sequence_kl = float((np.where(m, kl, 0.0).sum(-1)[has_tokens] / lengths[has_tokens]).mean()
-                            if has_tokens.any() else 0.0)
-        metrics.update({
-            "kl_coef": kl_coef,
-            "rollout/kl": token_kl,
-            "rollout/kl_sequence": float(np.where(m, kl, 0.0).sum(-1).mean()),
-            "rollout/kl_sequence_mean": sequence_kl,
-            "advantage/mean": float(raw_adv[m].mean()) if m.any() else 0.0,
-            "advantage/std": float(raw_adv[m].std()) if m.any() else 0.0,
-            "advantage/min": float(raw_adv[m].min()) if m.any() else 0.0,
-            "advantage/max": float(raw_adv[m].max()) if m.any() else 0.0,
-            "value/mean": float(cur["values"][m].mean()) if m.any() else 0.0,
-            "return/mean": float(ret[m].mean()) if m.any() else 0.0,
-            "explained_variance": float(ppo_lib.explained_variance(cur["values"], ret, mask)),
-        })
-        # The controller sees the mean over sequences of each one's token-mean KL (verl, OpenRLHF), so a few long
-        # completions do not dominate it; n_steps = samples in the rollout.
-        self.kl_coef = float(self.controller.update(np.float32(kl_coef), np.float32(sequence_kl), len(scores)))
-        if not np.isfinite(self.kl_coef):
-            logging.warning("rollout %d: the KL controller produced %s; keeping %s", rollout, self.kl_coef, kl_coef)
-            self.kl_coef = kl_coef
+        # partial rollouts make rollouts on k producer threads: the coefficient read and its update stay one step
+        with self._kl_lock:
+            kl_coef = self.kl_coef
+            adv, raw_adv, ret, kl = jax.device_get(returns_and_advantages(
+                cur["logp"], ref, cur["values"], mask, scores, np.float32(kl_coef), turn_scores,
+                estimator=ppo.kl_estimator,
+                gamma=ppo.gamma, lam=ppo.lam, whiten_rewards=ppo.whiten_rewards,
+                whiten_advantages=ppo.whiten_advantages))
+            m = mask > 0
+            n_tok = max(int(m.sum()), 1)
+            token_kl = float(np.where(m, kl, 0.0).sum() / n_tok)
+            lengths = m.sum(-1)
+            has_tokens = lengths > 0
+            # verl and OpenRLHF: each sequence's token mean, averaged over the sequences (with a token under the loss)
+            sequence_kl = float((np.where(m, kl, 0.0).sum(-1)[has_tokens] / lengths[has_tokens]).mean()
+                                if has_tokens.any() else 0.0)
+            metrics.update({
+                "kl_coef": kl_coef,
+                "rollout/kl": token_kl,
+                "rollout/kl_sequence": float(np.where(m, kl, 0.0).sum(-1).mean()),
+                "rollout/kl_sequence_mean": sequence_kl,
+                "advantage/mean": float(raw_adv[m].mean()) if m.any() else 0.0,
+                "advantage/std": float(raw_adv[m].std()) if m.any() else 0.0,
+                "advantage/min": float(raw_adv[m].min()) if m.any() else 0.0,
+                "advantage/max": float(raw_adv[m].max()) if m.any() else 0.0,
+                "value/mean": float(cur["values"][m].mean()) if m.any() else 0.0,
+                "return/mean": float(ret[m].mean()) if m.any() else 0.0,
+                "explained_variance": float(ppo_lib.explained_variance(cur["values"], ret, mask)),
+            })
+            # The controller sees the mean over sequences of each one's token-mean KL (verl, OpenRLHF), so a few long
+            # completions do not dominate it; n_steps = samples in the rollout.
+            self.kl_coef = float(self.controller.update(np.float32(kl_coef), np.float32(sequence_kl), len(scores)))
+            if not np.isfinite(self.kl_coef):
+                logging.warning("rollout %d: the KL controller produced %s; keeping %s", rollout, self.kl_coef, kl_coef)
+                self.kl_coef = kl_coef
         buffer = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": mask,
                   "old_logp": cur["logp"], "old_values": cur["values"], "advantages": np.asarray(adv, np.float32),
                   "returns": np.asarray(ret, np.float32)}
@@ -301,6 +305,8 @@ class PPOTask(OnlineTask):
             buffer["is_weights"] = is_weights
         if self.decoupled:  # the behaviour side of the decoupled objective's weight (OnlineTask._decouple)
             buffer["sampler_logp"] = s.behaviour_logp
+        if s.token_versions is not None:  # partial rollouts: the version of each token (OnlineTask.batch's metrics)
+            buffer["token_versions"] = s.token_versions
         return buffer, metrics
 
 

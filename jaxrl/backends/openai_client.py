@@ -29,6 +29,8 @@ served digest returned for the trainer to check: `jaxrl.backends.pool`).
 Token versions (`return_token_versions=True`, `launchers.serve` only): requests ask for each token's adapter digest
 (the server's `token_versions` / `version_digests` extension fields), kept per token in
 `Generation.token_digests`; an answer without them, or with one per token missing, is a one-line error.
+`partial_rollout=True` also marks every request `partial_rollout` (its rows continue under an adapter reloaded in
+place while they run: `serve_adapter_version(..., in_place=True)`) and implies token versions.
 
 Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
 serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
@@ -195,7 +197,7 @@ class ServerBackend(RolloutBackend):
                  concurrency: int = ServerOptions.concurrency,
                  request_timeout_s: float = ServerOptions.request_timeout_s,
                  progress_every_s: float = ServerOptions.progress_every_s, return_token_versions: bool = False,
-                 **_unused):
+                 partial_rollout: bool = False, **_unused):
         if (url is None) == (launcher is None):
             raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
         self.base_dir = os.path.abspath(base_dir)
@@ -206,7 +208,9 @@ class ServerBackend(RolloutBackend):
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.concurrency, self.request_timeout_s = max(1, int(concurrency)), float(request_timeout_s)
         self.progress_every_s = float(progress_every_s)
-        self.return_token_versions = bool(return_token_versions)  # module docstring, 'Token versions'
+        # module docstring, 'Token versions'; partial rollouts need them (a row's tokens may come from several)
+        self.partial_rollout = bool(partial_rollout)
+        self.return_token_versions = bool(return_token_versions) or self.partial_rollout
         self.batch_size = self.concurrency  # prompts in flight at once (each its n samples)
         self.description: Optional[str] = None  # "vllm 0.33.0" / "jaxrl 0.1.0", once connected
         self._base_name: Optional[str] = None  # the server's base model id
@@ -321,7 +325,8 @@ class ServerBackend(RolloutBackend):
                 self._adapter_digest = adapter.digest()
         self._spec, self._adapter = spec, adapter
 
-    def serve_adapter_version(self, lora_name: str, folder: str, adapter, *, stale_prefix: str = "") -> str:
+    def serve_adapter_version(self, lora_name: str, folder: str, adapter, *, stale_prefix: str = "",
+                              in_place: bool = False) -> str:
         """Online training's adapter sync: loads the PEFT folder `folder` (holding `adapter`) as a new model
         `lora_name`, makes it what `generate` samples from, then unloads the version this backend loaded before;
         returns the digest the server reports serving under `lora_name` (`loaded_digest`), for the caller to
@@ -329,18 +334,23 @@ class ServerBackend(RolloutBackend):
 
         A model of the same name already listed (left by an earlier process of the same run, killed before it
         unloaded it) is unloaded first; so are, on the first call of this backend, the other models whose name
-        starts with `stale_prefix` (that process's last version)."""
+        starts with `stale_prefix` (that process's last version).
+
+        in_place: `lora_name` is reloaded in place when this backend loaded it before (`load_inplace`: partial
+        rollouts, whose requests in flight name it and continue under the new weights)."""
         self._serve_folder(self.base_dir, self._model_len, max(lora_rank_slot(adapter.rank), self.base_lora_rank))
         listed = [c["id"] for c in self.models() if c.get("parent")]
-        stale = [n for n in listed if n == lora_name or (stale_prefix and self._ours is None and
-                                                          n.startswith(stale_prefix))]
+        reload = in_place and self._ours == lora_name and lora_name in listed
+        stale = [n for n in listed if (n == lora_name and not reload) or (stale_prefix and self._ours is None and
+                                                                          n.startswith(stale_prefix))]
         for name in stale:
             status, payload = http_json("POST", self.url + "/v1/unload_lora_adapter", {"lora_name": name})
             if status != 200:
                 raise ServerError(f"the server at {self.url} lists adapter {name!r} (left by an earlier process of "
                                   f"this run) and refused to unload it: HTTP {status}: {error_message(payload)}")
         status, payload = http_json("POST", self.url + "/v1/load_lora_adapter",
-                                    {"lora_name": lora_name, "lora_path": os.path.abspath(folder)}, timeout=600)
+                                    {"lora_name": lora_name, "lora_path": os.path.abspath(folder),
+                                     **({"load_inplace": True} if reload else {})}, timeout=600)
         if status != 200:
             message = error_message(payload)
             hint = (" (launchers.serve: start it with --allowed_lora_roots=<a folder above the run's workdir>; "
@@ -396,6 +406,8 @@ class ServerBackend(RolloutBackend):
         n > 1 at temperature 0 (vllm/sampling_params.py:769-773), and greedy samples are all the same one."""
         n = 1 if float(sampling.temperature) == 0.0 else int(sampling.n)
         versions = {"return_token_versions": True} if self.return_token_versions else {}
+        if self.partial_rollout:
+            versions["partial_rollout"] = True
         return {**versions, "model": self._model, "prompt": [int(t) for t in prompt], "n": n,
                 "max_tokens": int(sampling.max_new_tokens), "temperature": float(sampling.temperature),
                 "top_p": float(sampling.top_p), "top_k": int(sampling.top_k),
@@ -467,6 +479,8 @@ class ServerBackend(RolloutBackend):
         logprobs = None if lp is None else [float(x) for x in lp]
         digests = self._token_digests(choice, len(tokens), j, i) if self.return_token_versions else None
         tokens, restored = with_stop_token(tokens, reason, choice.get("stop_reason"), self.stop_ids)
+        if restored and digests:  # the stop id put back was sampled with the row's last weights
+            digests = digests + digests[-1:]
         if restored or (logprobs is not None and len(logprobs) != len(tokens)):
             logprobs = None
         return Generation(tokens, reason, j, i, logprobs, digests)

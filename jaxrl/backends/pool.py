@@ -18,7 +18,10 @@ on every server as a new model `<run tag>-<version>` (POST /v1/load_lora_adapter
 and the digest each server reports serving under the new name (GET /v1/models: the JAX server's `adapter_digest`,
 read back from the attached parameters; vLLM's card names the folder, whose adapter is read back) compared with
 the trainer's `Adapter.digest()`. A server serving anything else fails the step (`AdapterSyncError`, naming the
-server). The run tag is a hash of the workdir, so two runs can share servers, and a resumed run replaces the
+server). With partial rollouts (`live=True`: `partial_rollouts`) every version is loaded under one name,
+`<run tag>-live`, in place (`load_inplace`): requests in flight name it, and their rows continue under the new
+version from the server's next round (each token's version comes back with it: `Generation.token_digests`); the
+folders of the newest k + 1 versions stay (every version a row in flight may still sample with). The run tag is a hash of the workdir, so two runs can share servers, and a resumed run replaces the
 versions its killed predecessor left loaded. The servers must be able to read the workdir at the same path
 (launchers.serve: `--allowed_lora_roots` above it).
 
@@ -49,6 +52,7 @@ from jaxrl.backends.vllm_backend import VLLMBackend, VLLMServer
 from jaxrl.utils.train_config import VLLMLaunchOptions
 
 ADAPTER_DIR = "rollout_adapters"  # <workdir>/rollout_adapters/<version>: the PEFT folder of the version served now
+LIVE_NAME = "live"  # partial rollouts: every version is served as model `<run tag>-live`, reloaded in place
 
 
 class AdapterSyncError(ServerError):
@@ -87,7 +91,8 @@ class ServerPool(RolloutBackend):
 
     name = "server"
 
-    def __init__(self, backends: Sequence[ServerBackend], *, base_dir: str, workdir: str):
+    def __init__(self, backends: Sequence[ServerBackend], *, base_dir: str, workdir: str, live: bool = False,
+                 keep_versions: int = 1):
         if not backends:
             raise ValueError("ServerPool needs at least one server")
         self.backends = list(backends)
@@ -96,6 +101,12 @@ class ServerPool(RolloutBackend):
         self.adapter_dir = os.path.join(os.path.abspath(workdir), ADAPTER_DIR)
         self.tag = run_tag(workdir)
         self.synced: Optional[str] = None  # the trainer digest every server serves now
+        # partial rollouts (module docstring): one model name for the run, reloaded in place under the rows in flight
+        self.live = bool(live)
+        # the PEFT folders of the newest versions kept (partial rollouts: k + 1, every version a row in flight may
+        # still be sampling with, so any token's log-prob can be reproduced from its version's folder)
+        self.keep_versions = max(1, int(keep_versions))
+        self._versions: list[str] = []  # versions synced, oldest first
 
     def urls(self) -> list[str]:
         return [b.url or f"(a {b.name} server not started yet)" for b in self.backends]
@@ -105,7 +116,7 @@ class ServerPool(RolloutBackend):
         (module docstring); returns the digest they serve. The same adapter as the last time is only re-checked."""
         adapter, version = policy.adapter(), policy.version
         want = adapter.digest()
-        name = f"{self.tag}-{version}"
+        name = f"{self.tag}-{LIVE_NAME if self.live else version}"
         if want == self.synced:
             served = _on_every_server(lambda b: b.loaded_digest(), self.backends, "adapter check")
         else:
@@ -113,7 +124,8 @@ class ServerPool(RolloutBackend):
             export_peft(adapter, folder, self.base_dir, overwrite=True)
             self.synced = None
             served = _on_every_server(lambda b: b.serve_adapter_version(name, folder, adapter,
-                                                                        stale_prefix=self.tag + "-"),
+                                                                        stale_prefix=self.tag + "-",
+                                                                        in_place=self.live),
                                       self.backends, f"adapter sync of version {version}")
         for backend, got in zip(self.backends, served):
             if got != want:
@@ -123,7 +135,8 @@ class ServerPool(RolloutBackend):
                     "what it was sent; the step stops rather than train on another policy's samples")
         if self.synced is None:
             self.synced = want
-            self._prune(keep=version)
+            self._versions = [v for v in self._versions if v != version] + [version]
+            self._prune(keep=self._versions[-self.keep_versions:])
         return served[0]
 
     def load(self, spec: ModelSpec, adapter=None) -> None:
@@ -137,12 +150,12 @@ class ServerPool(RolloutBackend):
             raise AdapterSyncError(f"the rollout servers serve different adapters: {sorted(map(str, digests))}")
         return digests.pop()
 
-    def _prune(self, keep: str) -> None:
-        """Removes the PEFT folders of versions no server serves any more (every one but `keep`)."""
+    def _prune(self, keep: Sequence[str]) -> None:
+        """Removes the PEFT folders of versions not in `keep` (no server serves them any more)."""
         if not os.path.isdir(self.adapter_dir):
             return
         for name in os.listdir(self.adapter_dir):
-            if name != keep:
+            if name not in keep:
                 shutil.rmtree(os.path.join(self.adapter_dir, name), ignore_errors=True)
 
     def generate(self, prompts, group_ids, sampling: SamplingParams) -> list[Generation]:
@@ -192,7 +205,7 @@ def make_pool(block, *, model_path: str, dtype: str, seed: int, workdir: str, st
     """The ServerPool of an algorithm block (its RolloutBackendSettings: rollout_backend, rollout_servers,
     rollout_server, rollout_vllm) for a run in `workdir` on the base `model_path`."""
     common = dict(stop_ids=stop_ids, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
-                  **dataclasses.asdict(block.rollout_server))
+                  partial_rollout=block.partial_rollouts, **dataclasses.asdict(block.rollout_server))
     servers = tuple(block.rollout_servers)
     if block.rollout_backend == "server":
         backends = [ServerBackend(model_path, url=url, **common) for url in servers]
@@ -211,4 +224,5 @@ def make_pool(block, *, model_path: str, dtype: str, seed: int, workdir: str, st
         raise ValueError(f"rollout_backend={block.rollout_backend!r} has no servers")
     logging.info("rollouts: %d %s server(s): %s", len(backends), block.rollout_backend,
                  ", ".join(b.url or "(started at the first rollout)" for b in backends))
-    return ServerPool(backends, base_dir=model_path, workdir=workdir)
+    return ServerPool(backends, base_dir=model_path, workdir=workdir, live=block.partial_rollouts,
+                      keep_versions=block.max_staleness + 1 if block.partial_rollouts else 1)

@@ -14,6 +14,7 @@ final stop id dropped, special tokens skipped; the rewards strip reasoning thems
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -33,6 +34,7 @@ class Sample:
     text: str  # completion_text(tokens)
     result: RewardResult
     logprobs: Optional[list[float]] = None  # per generated token under the sampled model (when the backend has them)
+    token_digests: Optional[list] = None  # per generated token, the adapter digest that sampled it (when reported)
 
     @property
     def truncated(self) -> bool:
@@ -42,13 +44,24 @@ class Sample:
 class Collector:
     """A backend, a reward and the decoding rule, used together (module docstring).
 
-    `last_times` holds the seconds of the last `collect` call: {"sample_s", "score_s"}.
+    `last_times` holds the seconds of the last `collect` call of the calling thread: {"sample_s", "score_s"}
+    (partial rollouts collect several rollouts at once, one thread each). Scoring is one call at a time: a reward
+    (a verifier's sandbox pool) is not shared between threads.
     """
 
     def __init__(self, backend: RolloutBackend, reward, *, tokenizer: Any = None, stop_ids: Sequence[int] = ()):
         self.backend, self.reward, self.tokenizer = backend, reward, tokenizer
         self.stop_ids = frozenset(int(t) for t in stop_ids)
-        self.last_times: dict[str, float] = {}
+        self._local = threading.local()
+        self._score_lock = threading.Lock()
+
+    @property
+    def last_times(self) -> dict[str, float]:
+        return getattr(self._local, "times", {})
+
+    @last_times.setter
+    def last_times(self, value: dict[str, float]) -> None:
+        self._local.times = value
 
     def decode(self, tokens: Sequence[int]) -> str:
         return completion_text(self.tokenizer, tokens, self.stop_ids)
@@ -64,10 +77,13 @@ class Collector:
     def score(self, generations: Sequence[Generation], problems: Sequence[Any]) -> list[Sample]:
         """Decodes and scores generations; `problems[g.prompt_index]` is what generation g answers."""
         texts = [self.decode(g.tokens) for g in generations]
-        results = self.reward.score(texts, [problems[g.prompt_index] for g in generations],
-                                    truncated=[g.finish_reason for g in generations]) if generations else []
+        results = []
+        if generations:
+            with self._score_lock:
+                results = self.reward.score(texts, [problems[g.prompt_index] for g in generations],
+                                            truncated=[g.finish_reason for g in generations])
         return [Sample(g.prompt_index, int(g.sample_index), list(g.tokens), g.finish_reason, text, result,
-                       g.logprobs) for g, text, result in zip(generations, texts, results)]
+                       g.logprobs, g.token_digests) for g, text, result in zip(generations, texts, results)]
 
     def collect(self, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], problems: Sequence[Any],
                 sampling: SamplingParams, *,

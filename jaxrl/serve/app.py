@@ -98,7 +98,8 @@ class CompletionServer:
 
     model / tokenizer: already loaded objects (tests); default from `base_dir` in `dtype`.
     allowed_lora_roots: folders under which POST /v1/load_lora_adapter may read (empty: runtime loading refused).
-    batch_size: the engine's slots per pool (and rows per scoring call); round_steps: decode steps per round.
+    batch_size: the engine's slots per pool (and rows per scoring call); round_steps: decode steps per round;
+    round_delay_s: a sleep after every round (`--debug_round_delay_s`: a slower accelerator emulated).
     start: run the serve loop's thread (False: a test drives `loop.step()` itself).
     """
 
@@ -107,7 +108,7 @@ class CompletionServer:
                  prompt_buckets: Optional[Sequence[int]] = None, generation_buckets: Optional[Sequence[int]] = None,
                  served_model_name: Optional[str] = None, allow_lora_updating: bool = True,
                  allowed_lora_roots: Sequence[str] = (), round_steps: int = DEFAULT_ROUND_STEPS,
-                 start: bool = True):
+                 round_delay_s: float = 0.0, start: bool = True):
         self.base_dir = os.path.abspath(base_dir)
         self.model = model if model is not None else qwen35.from_pretrained(base_dir, dtype=getattr(jnp, dtype))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(base_dir)
@@ -130,7 +131,8 @@ class CompletionServer:
                               prompt_buckets=tuple(prompt_buckets) if prompt_buckets else
                               default_prompt_buckets(self.max_prompt_len),
                               generation_buckets=gen, slots=batch_size, pad_id=self.tokenizer.pad_token_id,
-                              max_pending_rows=self.limits.max_pending_rows, round_steps=round_steps, start=start)
+                              max_pending_rows=self.limits.max_pending_rows, round_steps=round_steps,
+                              round_delay_s=round_delay_s, start=start)
         self.handlers = Handlers(self.tokenizer, self.registry, self.loop, self.limits, eos_ids=eos_ids,
                                  vocab_size=int(self.model.config.vocab_size))
         self.stopping = False  # set by a signal: every new request is answered 503

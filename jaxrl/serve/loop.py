@@ -36,6 +36,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from typing import Optional, Sequence
 
 import jax
@@ -169,14 +170,17 @@ class ServeLoop:
     slots: rows decoded at once per engine pool (the server's --batch_size); also rows per scoring call.
     round_steps: decode steps per round at most: a request that arrives while every slot of its pool decodes
       waits up to this many steps for a round end.
+    round_delay_s: seconds slept after every engine round (0: none): a slower accelerator emulated, for tests and
+      benchmarks of how rollouts are scheduled around the decode.
     start: run the worker thread (False: the caller calls `step()`, which is what the worker calls).
     """
 
     def __init__(self, model, registry: AdapterRegistry, *, max_model_len: int, prompt_buckets: Sequence[int],
                  generation_buckets: Sequence[int], slots: int = 32, pad_id: Optional[int] = None,
                  max_pending_rows: int = 8192, round_steps: int = DEFAULT_ROUND_STEPS, score_chunk_size: int = 512,
-                 start: bool = True):
+                 round_delay_s: float = 0.0, start: bool = True):
         self.model, self.registry = model, registry
+        self.round_delay_s = float(round_delay_s)
         self.slots = int(slots)
         self.pad_id = int(pad_id if pad_id is not None else (model.config.pad_token_id or 0))
         self.engine = Engine(model, slots=self.slots, prompt_buckets=prompt_buckets,
@@ -330,6 +334,8 @@ class ServeLoop:
             return
         try:
             done = self.engine.step()
+            if self.round_delay_s:
+                time.sleep(self.round_delay_s)
         except BaseException as e:  # noqa: BLE001 - the rows in the engine get the error; the loop goes on
             logger.exception("the generation engine's step failed")
             self.engine.fail_all(e)

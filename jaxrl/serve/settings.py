@@ -62,6 +62,9 @@ class ServeSettings:
     round_steps: int = flag_field(0, help="Decode steps per round at most: a request that finds every slot busy "
                                   "waits up to this many steps for one to free (0: the engine's "
                                   "DEFAULT_ROUND_STEPS).")
+    debug_round_delay_s: float = flag_field(0.0, help="Seconds the serve loop sleeps after every engine round: "
+                                            "emulates a slower accelerator for tests and benchmarks of rollout "
+                                            "scheduling (0: off).")
     backlog: int = flag_field(2048, help="Connections the listening socket queues.")
     graceful_shutdown_s: int = flag_field(30, help="On SIGINT / SIGTERM, how long requests in flight may take to "
                                           "finish.")

@@ -365,6 +365,12 @@ class RolloutBackendSettings(SettingsBlock):
                                    "decoupled needs max_staleness >= 1", choices=OFF_POLICY_LOSSES)
     overlap: bool = setting(False, doc="alias of max_staleness=1 (sample rollout r+1 on the servers while rollout r "
                             "trains, off-policy by one rollout, corrected with the behaviour policy's log-probs)")
+    partial_rollouts: bool = setting(False, doc="rows in flight continue under each new policy version: the "
+                                     "trainer reloads its adapter in place on the servers (one name for the run) at "
+                                     "every rollout's first step, and up to max_staleness rollouts run on the servers "
+                                     "at once (each token records the version that sampled it); needs "
+                                     "rollout_backend='server' (launchers.serve), max_staleness >= 1 and "
+                                     "off_policy_loss='decoupled'")
 
     @classmethod
     def migrate(cls, values: dict, where: str) -> dict:
@@ -424,6 +430,13 @@ class RolloutBackendSettings(SettingsBlock):
         if self.off_policy_loss == "decoupled" and not self.max_staleness:
             raise ValueError(f"{where}.off_policy_loss='decoupled' corrects updates on rollouts sampled ahead of "
                              f"training: it needs {where}.max_staleness >= 1")
+        if self.partial_rollouts and (backend != "server" or not self.max_staleness
+                                      or self.off_policy_loss != "decoupled"):
+            raise ValueError(f"{where}.partial_rollouts continues rows across policy versions: it needs "
+                             f"{where}.rollout_backend='server' (launchers.serve reports each token's version; got "
+                             f"{backend!r}), {where}.max_staleness >= 1 (got {self.max_staleness}) and "
+                             f"{where}.off_policy_loss='decoupled' (a row's tokens have several behaviour policies; "
+                             f"got {self.off_policy_loss!r})")
         if self.max_staleness and backend == "jax":
             raise ValueError(f"{where}.max_staleness={self.max_staleness} (or overlap) samples rollouts on the servers "
                              f"while the trainer trains: it needs {where}.rollout_backend='server' or 'vllm' (the "

@@ -337,13 +337,7 @@ class EpisodeRollouts(Rollouts):
             raise RuntimeError("EpisodeRollouts.run before open(workdir, model) (the task's setup opens it)")
         _, problems, group_ids = (self.source.prompts(rollout, self.prompts_per_rollout) if draw == 0 else
                                   self.source.extra_prompts(rollout, draw, self.prompts_per_rollout))
-        policy = self._policy(model, rollout)
-        t0 = time.perf_counter()
-        served = self.collector.backend.update_weights(policy)
-        self.last_sync, seconds = {}, time.perf_counter() - t0
-        if served is not None:
-            self.last_sync = {"rollout/adapter_digest": policy.adapter().digest(), "rollout/served_digest": served,
-                              "rollout/servers": float(len(self.collector.backend.backends))}
+        served, seconds = self.sync(self._policy(model, rollout))
         episodes = self.runner.run(problems, group_ids, self.sampling.replace(seed=self.sample_seed(rollout, draw)))
         for e in episodes:
             if e.error:

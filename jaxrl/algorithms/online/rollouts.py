@@ -22,12 +22,19 @@ is keyed by (`sample_seed(r)`, the prompt's group id, i) on every backend: the i
 server (`launchers.serve`) then draws the in-process engine's very tokens. Before each rollout the backend gets
 the policy (`RolloutBackend.update_weights`: the engine samples with the trainer's arrays; servers are sent the
 adapter and report its digest, which must be the trainer's).
+
+Partial rollouts (`partial_rollouts`, servers only): the task publishes each policy version itself (`publish`, at
+every rollout's first step; the servers reload it in place under the rows in flight) and `run` sends no adapter.
+Each token comes back with the digest that sampled it, mapped to the version that published it: `Sampled.
+token_versions`. Several rollouts may run at once, one thread each (the collector's timings and `last_sync` are
+per thread).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -37,7 +44,7 @@ from flax import nnx
 
 from jaxrl.algorithms.online.prompts import make_prompt_source, make_reward
 from jaxrl.backends import JaxBackend, Policy, RolloutBackend, SamplingParams
-from jaxrl.backends.pool import make_pool, policy_adapter
+from jaxrl.backends.pool import AdapterSyncError, make_pool, policy_adapter
 from jaxrl.generation.buckets import MIN_PROMPT_BUCKET
 from jaxrl.generation.sampling import SEED_BITS
 from jaxrl.rollout.collect import Collector
@@ -64,6 +71,9 @@ class Sampled:
     # episodes: [N, C] float32, each turn's environment reward at that turn's last sampled token (a row sums to its
     # `rewards`; 0 for a failed episode): where PPO's GAE gives them (jaxrl/algorithms/ppo_task.py); None otherwise
     turn_rewards: Optional[np.ndarray] = None
+    # partial rollouts: [N, C] int32, the policy version (the rollout whose first step published it) that sampled
+    # each completion token, -1 past the end; None when every token of the rollout has one version
+    token_versions: Optional[np.ndarray] = None
 
 
 def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], logprobs, prompt_indices,
@@ -112,7 +122,9 @@ class Rollouts:
         self.model_path, self.dtype = config.model_path, config.dtype
         self.lora_rank, self.lora_dropout = config.lora.rank, config.lora.dropout
         self.collector: Optional[Collector] = None
-        self.last_sync: dict = {}  # the adapter sync of the last run (server backends): its digests and servers
+        self.live = bool(getattr(sampling, "partial_rollouts", False))  # module docstring, 'Partial rollouts'
+        self.published: dict[str, int] = {}  # partial rollouts: adapter digest -> the newest version published with it
+        self._local = threading.local()
         if self.backend_name != "jax":
             where = f"{config.algorithm}.rollout_backend={self.backend_name!r}"
             if not config.model_path:
@@ -159,6 +171,54 @@ class Rollouts:
             self.collector.backend.close()
             self.collector = None
 
+    @property
+    def last_sync(self) -> dict:
+        """The adapter sync of this thread's last `run` (server backends): its digests and servers."""
+        return getattr(self._local, "sync", {})
+
+    @last_sync.setter
+    def last_sync(self, value: dict) -> None:
+        self._local.sync = value
+
+    def sync(self, policy: Policy) -> tuple[Optional[str], float]:
+        """Makes the backend sample from `policy` (`_policy`); sets `last_sync` and returns (the digest the servers
+        report serving, None for the jax backend; seconds)."""
+        t0 = time.perf_counter()
+        backend = self.collector.backend
+        served = backend.update_weights(policy)
+        self.last_sync, seconds = {}, time.perf_counter() - t0
+        if served is not None:  # servers: the digest they report serving, which must be the trainer's
+            self.last_sync = {"rollout/adapter_digest": policy.adapter().digest(), "rollout/served_digest": served,
+                              "rollout/servers": float(len(backend.backends))}
+        return served, seconds
+
+    def publish(self, model, rollout: int) -> dict:
+        """Partial rollouts: serves `model` as version `rollout` (the parameters at that rollout's first step) in
+        place under the rows in flight; returns its metrics (digests, `time/adapter_sync_s`)."""
+        if self.collector is None:
+            raise RuntimeError("Rollouts.publish before open(workdir, model) (the task's setup opens it)")
+        policy = self._policy(model, rollout)
+        # known before any server serves it: a row may come back with it as soon as the first server loaded it
+        self.published[policy.adapter().digest()] = rollout
+        served, seconds = self.sync(policy)
+        return {**self.last_sync, "rollout/published_version": float(rollout), "time/adapter_sync_s": seconds}
+
+    def token_versions(self, samples, width: int) -> np.ndarray:
+        """[N, width] int32: the published version of each sample's tokens (from their digests), -1 past the end.
+        A digest this run never published (another process reloaded the adapter) is an AdapterSyncError."""
+        out = np.full((len(samples), width), -1, np.int32)
+        for i, s in enumerate(samples):
+            digests = s.token_digests or []
+            unknown = {d for d in digests if d not in self.published}
+            if unknown or len(digests) != len(s.tokens):
+                raise AdapterSyncError(
+                    f"prompt {s.prompt_index} sample {s.sample_index}: tokens sampled by adapter digest(s) "
+                    f"{sorted(map(str, unknown))} that this run never published (published: "
+                    f"{sorted(self.published.values())}), or without a version per token; another process "
+                    "reloaded the run's adapter on a server")
+            out[i, :min(len(digests), width)] = [self.published[d] for d in digests[:width]]
+        return out
+
     def _policy(self, model, rollout: int) -> Policy:
         """The policy of rollout r; its adapter (a host copy) is made once, and only if a backend asks for it."""
         return Policy(f"r{rollout}", nnx.state(model), functools.cache(lambda: policy_adapter(model,
@@ -171,14 +231,12 @@ class Rollouts:
             raise RuntimeError("Rollouts.run before open(workdir, model) (the task's setup opens it)")
         prompts, problems, group_ids = (self.source.prompts(rollout, self.prompts_per_rollout) if draw == 0 else
                                         self.source.extra_prompts(rollout, draw, self.prompts_per_rollout))
-        policy = self._policy(model, rollout)
-        t0 = time.perf_counter()
-        backend = self.collector.backend
-        served = backend.update_weights(policy)
-        self.last_sync, seconds = {}, time.perf_counter() - t0
-        if served is not None:  # servers: the digest they report serving, which must be the trainer's
-            self.last_sync = {"rollout/adapter_digest": policy.adapter().digest(), "rollout/served_digest": served,
-                              "rollout/servers": float(len(backend.backends))}
+        if self.live:  # the task published the versions (module docstring, 'Partial rollouts')
+            if not self.published:
+                raise RuntimeError("partial rollouts: Rollouts.run before any version was published")
+            served, seconds, self.last_sync = None, 0.0, {}
+        else:
+            served, seconds = self.sync(self._policy(model, rollout))
         samples = self.collector.collect(prompts, group_ids, problems,
                                          self.sampling.replace(seed=self.sample_seed(rollout, draw)))
         arrays = to_arrays(prompts, [s.tokens for s in samples], [s.logprobs for s in samples],
@@ -190,7 +248,8 @@ class Rollouts:
                        strict=np.asarray([float(s.result.strict) for s in samples], np.float32),
                        prompt_lengths=np.asarray([len(prompts[s.prompt_index]) for s in samples], np.int32),
                        times={**self.collector.last_times, **({"adapter_sync_s": seconds} if served else {})},
-                       adapter=dict(self.last_sync))
+                       adapter=dict(self.last_sync),
+                       token_versions=self.token_versions(samples, self.max_new_tokens) if self.live else None)
 
 
 def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:

@@ -24,16 +24,29 @@ interrupted run had sampled from parameters it no longer has, and stays bit-exac
 versions (a resume with a smaller k) is dropped, counted and sampled again. Each step logs `rollout/policy_step`
 (the step of the parameters its rollout was sampled from), `rollout/staleness` (updates between those and the ones
 it updates), `rollout/staleness_mean` / `_max` (in policy versions, one per rollout; every token of a rollout has
-its rollout's version), `rollout/dropped_stale`, and at a rollout's first step `time/trainer_idle_s` (the trainer's
-wait: the whole rollout when synchronous), `time/rollout_wait_s` and `time/rollout_idle_s` (the producer's wait for
-the staleness bound before that rollout). Partial rollouts (rows continued across an adapter update) are not
-used here: every rollout is sampled whole by one version (the engine and `launchers.serve` support them:
-`Engine.set_params(in_flight=True)`, the server's `partial_rollout` request field).
+its rollout's version), `rollout/dropped_stale`, `rollout/samples_digest` (which samples the step trains), and at a
+rollout's first step `time/trainer_idle_s` (the trainer's wait: the whole rollout when synchronous),
+`time/rollout_wait_s` and `time/rollout_idle_s` (the producer's wait for the staleness bound before that rollout). Without partial rollouts every rollout is sampled whole by one version.
+
+Partial rollouts (`partial_rollouts`, launchers.serve only, with max_staleness k >= 1 and the decoupled loss): the
+producer runs up to k rollouts on the servers at once (prompts of rollouts r+1 .. r+k queued behind the long tail of
+the ones before them: the servers' slots stay full), and the policy is published at every rollout's first step
+(`Rollouts.publish`, before the trainer waits for that rollout): the servers reload the run's one adapter name in
+place and the rows in flight continue under the new version from their next round. Rollout q is submitted after
+version q - k is published, so each of its tokens is sampled by a version in [q - k, q]; every token's version comes
+back from the server (`Sampled.token_versions`, kept in the buffer) and the staleness metrics become per token:
+`rollout/staleness_mean` / `_max` over the rollout's sampled tokens, `rollout/version_span_max` (the most versions
+one sample's tokens span) and `rollout/partial_fraction` (samples whose tokens span several versions). A sample
+with a token over the bound (not possible unless a server misbehaves) is dropped from the loss and counted in
+`rollout/dropped_stale_samples`. The decoupled weight proximal / sampler is taken per token against the log-prob
+the sampler reported, so each token's own behaviour policy enters. Which version reaches a row when depends on
+timing: runs with partial rollouts are not bit-reproducible (a resume still trains every stored rollout once).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import queue
 import threading
@@ -42,6 +55,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -67,6 +81,13 @@ class OnlineTask(Task):
         self.max_staleness = int(block.max_staleness)  # overlap is max_staleness 1
         self.overlap = self.max_staleness > 0
         self.decoupled = self.overlap and block.off_policy_loss == "decoupled"
+        self.partial = bool(block.partial_rollouts)  # the config checks it comes with k >= 1 and decoupled
+        if self.partial and getattr(block, "environment", ""):
+            raise ValueError(f"{config.algorithm}.partial_rollouts with {config.algorithm}.environment="
+                             f"{block.environment!r}: an episode's turns are separate requests; partial rollouts "
+                             "cover single-turn rollouts only")
+        self.dropped_stale_samples = 0  # partial rollouts: samples with a token over the bound (this process)
+        self.publish_metrics: dict = {}  # partial rollouts: the sync metrics of the version published last
         self._on_policy = False
         self._pending: dict[int, concurrent.futures.Future] = {}  # rollout -> the producer's work on it
         self._producer_thread: Optional[Producer] = None
@@ -117,10 +138,14 @@ class OnlineTask(Task):
         step (with max_staleness k: taken from the producer, sampled up to k rollouts earlier), else (a run resumed
         inside a rollout, or ahead of training at a rollout the interrupted run had sampled) read back from the
         buffer the interrupted run wrote. With k > 0 it then has the producer sample ahead up to rollout + k."""
-        t0 = time.perf_counter()
         rollout = self.schedule.locate(step)[0]
         first = step % self.schedule.steps_per_rollout == 0
         self.rollout_timing = {}
+        if self.partial and first:  # the new version reaches the rows in flight before the trainer waits on them
+            published = self.rollouts.publish(policy, rollout)
+            self.publish_metrics = {k: v for k, v in published.items() if not k.startswith("time/")}
+            self.rollout_timing.update({k: v for k, v in published.items() if k.startswith("time/")})
+        t0 = time.perf_counter()
         pending = self._take_pending(rollout)
         if pending is not None:
             self._install(rollout, *pending)
@@ -134,10 +159,11 @@ class OnlineTask(Task):
                 self._install(rollout, *self._make(rollout, step, policy))
         else:
             self._install(rollout, *self._make(rollout, step, policy))
+        # the trainer's wait: the whole synchronous rollout, or what it waited for the producer (the publish before
+        # it and the proximal pass after it are work: time/adapter_sync_s, time/proximal_logp_s)
+        self.rollout_timing["time/trainer_idle_s"] = time.perf_counter() - t0
         if self.decoupled and first and not self.rollout_metrics.get("offpolicy/decoupled"):
             self._decouple(rollout, policy)
-        # the trainer's wait: the whole synchronous rollout, or what it waited for the producer
-        self.rollout_timing["time/trainer_idle_s"] = time.perf_counter() - t0
         if self.overlap and first:
             self._sample_ahead(rollout, step, policy)
         if (rollout + 1) * self.schedule.steps_per_rollout >= self.config.steps and not self._pending:
@@ -152,6 +178,7 @@ class OnlineTask(Task):
         metrics = {k: v if isinstance(v, str) else float(v) for k, v in metrics.items()}
         metrics.update(self.rollouts.last_sync)
         metrics["rollout/policy_step"] = float(step)
+        metrics["rollout/samples_digest"] = samples_digest(buffer)
         timing = {k: v for k, v in metrics.items() if k.startswith("time/")}
         kept = {k: v for k, v in metrics.items() if not k.startswith("time/")}
         timing["time/rollout_s"] = time.perf_counter() - t0
@@ -187,6 +214,18 @@ class OnlineTask(Task):
     def _install(self, rollout: int, buffer: dict, metrics: dict, timing: dict) -> None:
         self.buffer, self.rollout_metrics, self.buffer_rollout = buffer, metrics, rollout
         self.rollout_timing = {**self.rollout_timing, **timing}
+        if "token_versions" in buffer:
+            self._bound_tokens(rollout)
+
+    def _bound_tokens(self, rollout: int) -> None:
+        """Partial rollouts: the samples with a token over the bound dropped from the loss (counted), the per-token
+        staleness metrics set (module docstring)."""
+        dropped, metrics = bound_token_versions(self.buffer, rollout, self.max_staleness)
+        if dropped:
+            logging.warning("rollout %d: %d samples have tokens more than max_staleness=%d versions old: dropped "
+                            "from the loss (rollout/dropped_stale_samples)", rollout, dropped, self.max_staleness)
+            self.dropped_stale_samples += dropped
+        self.rollout_metrics = {**self.rollout_metrics, **metrics}
 
     def _decouple(self, rollout: int, policy) -> None:
         """The decoupled PPO objective (AReaL; `off_policy_loss='decoupled'`) for the rollout just installed: its
@@ -240,8 +279,8 @@ class OnlineTask(Task):
             logging.info("rollout %d: sampling ahead from the parameters of step %d", q, step)
 
     def _producer(self) -> "Producer":
-        if self._producer_thread is None:
-            self._producer_thread = Producer(self._make)
+        if self._producer_thread is None:  # partial rollouts: up to k rollouts on the servers at once
+            self._producer_thread = Producer(self._make, workers=self.max_staleness if self.partial else 1)
         return self._producer_thread
 
     def _take_pending(self, rollout: int) -> Optional[tuple[dict, dict, dict]]:
@@ -280,10 +319,13 @@ class OnlineTask(Task):
         host = {**self.rollout_metrics, **self.rollout_timing, "rollout": float(r), "rollout_pass": float(i)}
         if "rollout/policy_step" in self.rollout_metrics:
             host["rollout/staleness"] = float(step - self.rollout_metrics["rollout/policy_step"])
-            # in policy versions (one per rollout; every token of a rollout is sampled by one version)
-            versions = float(self._staleness(r, self.rollout_metrics))
-            host.update({"rollout/staleness_mean": versions, "rollout/staleness_max": versions,
-                         "rollout/dropped_stale": float(self.dropped_stale)})
+            if "rollout/version_span_max" not in self.rollout_metrics:
+                # in policy versions (one per rollout; every token of a rollout is sampled by one version)
+                versions = float(self._staleness(r, self.rollout_metrics))
+                host.update({"rollout/staleness_mean": versions, "rollout/staleness_max": versions})
+            host["rollout/dropped_stale"] = float(self.dropped_stale)
+        if self.partial:
+            host.update({**self.publish_metrics, "rollout/dropped_stale_samples": float(self.dropped_stale_samples)})
         self.rollout_timing = {}
         return out, host
 
@@ -318,16 +360,61 @@ class OnlineTask(Task):
         self.store.prune(min(steps) // self.schedule.steps_per_rollout)
 
 
-class Producer:
-    """The one thread that samples rollouts ahead of training, in the order they are submitted (one rollout on the
-    servers at a time, as a synchronous run has). `submit(rollout, step, policy)` -> a Future of `make(...)`.
-    The seconds it waited for work before a rollout (`time/rollout_idle_s`: the staleness bound holding it back)
-    join that rollout's timings."""
+def samples_digest(buffer: dict) -> str:
+    """A short digest of a rollout's samples (its token ids and which are real): logged with every step that trains
+    on it, so which samples a step trained is on record (a resumed run logs the digest of the rollout it read
+    back)."""
+    h = hashlib.sha256()
+    for key in ("input_ids", "attention_mask"):
+        h.update(np.ascontiguousarray(buffer[key]).tobytes())
+    return h.hexdigest()[:16]
 
-    def __init__(self, make):
+
+def bound_token_versions(buffer: dict, rollout: int, max_staleness: int) -> tuple[int, dict]:
+    """Drops from the loss (`completion_mask`, and `sequence_mask` where the buffer has one, set to 0 in place) the
+    samples of rollout `rollout` with a token sampled more than `max_staleness` versions before it (by the buffer's
+    `token_versions`); returns (samples dropped, the per-token staleness metrics of the samples kept)."""
+    versions = buffer["token_versions"]
+    real = versions >= 0
+    oldest = np.where(real, versions, np.iinfo(np.int32).max).min(-1)
+    stale = real.any(-1) & (rollout - oldest > max_staleness)
+    if stale.any():
+        buffer["completion_mask"] = np.where(stale[:, None], 0, buffer["completion_mask"]).astype(
+            buffer["completion_mask"].dtype)
+        if "sequence_mask" in buffer:
+            buffer["sequence_mask"] = np.where(stale, 0, buffer["sequence_mask"]).astype(buffer["sequence_mask"].dtype)
+    return int(stale.sum()), token_version_metrics(versions[~stale], rollout)
+
+
+def token_version_metrics(versions: np.ndarray, rollout: int) -> dict:
+    """Per-token staleness of a rollout trained at version `rollout` from its samples' token versions ([N, C],
+    -1 past the end): the mean and max over sampled tokens, the most versions one sample spans, and the fraction of
+    samples whose tokens come from more than one version (partial rollouts)."""
+    real = versions >= 0
+    if not real.any():
+        return {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/version_span_max": 0.0,
+                "rollout/partial_fraction": 0.0}
+    staleness = rollout - versions[real]
+    rows = real.any(-1)
+    newest = np.where(real, versions, -1).max(-1)[rows]
+    oldest = np.where(real, versions, np.iinfo(np.int32).max).min(-1)[rows]
+    return {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max()),
+            "rollout/version_span_max": float((newest - oldest).max()),
+            "rollout/partial_fraction": float((newest > oldest).mean())}
+
+
+class Producer:
+    """The threads that sample rollouts ahead of training, taking them in the order they are submitted: one
+    (`workers` = 1: one rollout on the servers at a time, as a synchronous run has) or, with partial rollouts, k (k
+    rollouts on the servers at once). `submit(rollout, step, policy)` -> a Future of `make(...)`. The seconds a
+    worker waited for work before a rollout (`time/rollout_idle_s`: the staleness bound holding it back) join that
+    rollout's timings."""
+
+    def __init__(self, make, workers: int = 1):
         self.make = make
         self.jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._work, name="jaxrl-rollout-producer", daemon=True).start()
+        for k in range(max(1, int(workers))):
+            threading.Thread(target=self._work, name=f"jaxrl-rollout-producer-{k}", daemon=True).start()
 
     def submit(self, rollout: int, step: int, policy) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
