@@ -13,7 +13,7 @@ reloaded in place under the rows in flight, the decoupled objective, which the s
 proximal pass per rollout on the trainer).
 
 Workload: `benchmarks.bench_overlap`'s (the demo's GRPO stage on its pretrained model: 8 prompts x 8 samples a
-step, one update per rollout, fp32, one device) with the cap raised to `max_new_tokens` (24): the pretrained
+step, one update per rollout, fp32, one device) with the cap raised to `max_new_tokens` (16): the pretrained
 model stops at a roughly constant rate per token, so about half its completions run to the cap and the rest are
 spread below it (the measured truncation rate and mean length are reported per run); under the demo's learning
 rate the policy learns to answer sooner, the faster the less stale its samples, so the synchronous run's rollouts

@@ -232,3 +232,25 @@ def test_ppo_with_partial_rollouts_trains_on_tagged_tokens(run):
     # per-token metrics: the buffers carried token versions (the run's buffers are pruned with its checkpoints)
     assert all("rollout/version_span_max" in s for s in steps)
     assert max(s["rollout/staleness_max"] for s in steps) >= 1
+
+
+@pytest.mark.heavy
+def test_a_run_resumed_inside_a_rollout_it_must_sample_again_publishes_first(run):
+    """Killed after step 3, the first of rollout 1's two (a checkpoint every step), and rollout 1's stored buffer
+    lost: the resumed process starts inside the rollout, having published nothing yet; it publishes its version
+    before sampling rollout 1 again (warned), and the run ends."""
+    root, urls = run["root"], run["urls"]
+    workdir = root / "resumed"
+    args = overrides(run["base"], urls, "server") + [
+        "--config.steps=4", "--config.checkpoint_every=1", "--config.grpo.num_iterations=2",
+        "--config.grpo.max_new_tokens=8",
+        f"--config.grpo.max_staleness={K}", "--config.grpo.partial_rollouts=True",
+        "--config.grpo.off_policy_loss=decoupled"]
+    first = train(workdir, root / "jax_cache", *args, kill_after=3)
+    assert first.returncode == -9, first.stderr[-3000:]
+    (workdir / "rollouts" / "1.npz").unlink()
+    second = train(workdir, root / "jax_cache", *args)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed at step 3, in rollout 1, but" in second.stderr and "sampling a new rollout" in second.stderr
+    steps = metrics(workdir)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(np.isfinite(s["loss"]) for s in steps)

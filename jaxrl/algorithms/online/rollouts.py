@@ -209,14 +209,15 @@ class Rollouts:
         out = np.full((len(samples), width), -1, np.int32)
         for i, s in enumerate(samples):
             digests = s.token_digests or []
-            unknown = {d for d in digests if d not in self.published}
+            published = dict(self.published)  # the trainer thread adds versions meanwhile
+            unknown = {d for d in digests if d not in published}
             if unknown or len(digests) != len(s.tokens):
                 raise AdapterSyncError(
                     f"prompt {s.prompt_index} sample {s.sample_index}: tokens sampled by adapter digest(s) "
                     f"{sorted(map(str, unknown))} that this run never published (published: "
-                    f"{sorted(self.published.values())}), or without a version per token; another process "
+                    f"{sorted(published.values())}), or without a version per token; another process "
                     "reloaded the run's adapter on a server")
-            out[i, :min(len(digests), width)] = [self.published[d] for d in digests[:width]]
+            out[i, :min(len(digests), width)] = [published[d] for d in digests[:width]]
         return out
 
     def _policy(self, model, rollout: int) -> Policy:

@@ -141,7 +141,9 @@ class OnlineTask(Task):
         rollout = self.schedule.locate(step)[0]
         first = step % self.schedule.steps_per_rollout == 0
         self.rollout_timing = {}
-        if self.partial and first:  # the new version reaches the rows in flight before the trainer waits on them
+        # the new version reaches the rows in flight before the trainer waits on them; a run resumed inside a
+        # rollout publishes too (a rollout it must sample again needs a version served)
+        if self.partial and (first or not self.rollouts.published):
             published = self.rollouts.publish(policy, rollout)
             self.publish_metrics = {k: v for k, v in published.items() if not k.startswith("time/")}
             self.rollout_timing.update({k: v for k, v in published.items() if k.startswith("time/")})
@@ -162,7 +164,8 @@ class OnlineTask(Task):
         # the trainer's wait: the whole synchronous rollout, or what it waited for the producer (the publish before
         # it and the proximal pass after it are work: time/adapter_sync_s, time/proximal_logp_s)
         self.rollout_timing["time/trainer_idle_s"] = time.perf_counter() - t0
-        if self.decoupled and first and not self.rollout_metrics.get("offpolicy/decoupled"):
+        # at its first step, or a run resumed inside a rollout it had to sample again: the proximal pass is due
+        if self.decoupled and not self.rollout_metrics.get("offpolicy/decoupled"):
             self._decouple(rollout, policy)
         if self.overlap and first:
             self._sample_ahead(rollout, step, policy)
@@ -229,8 +232,9 @@ class OnlineTask(Task):
 
     def _decouple(self, rollout: int, policy) -> None:
         """The decoupled PPO objective (AReaL; `off_policy_loss='decoupled'`) for the rollout just installed: its
-        `old_logp` becomes the proximal policy's (a teacher-forced pass with `policy`, the parameters at this, the
-        rollout's first step, so the clip is taken against where this rollout's updates start), and the behaviour
+        `old_logp` becomes the proximal policy's (a teacher-forced pass with `policy`, the parameters at the rollout's
+        first step, or at the step a resumed run sampled it again, so the clip is taken against where this
+        rollout's updates start), and the behaviour
         policy enters as the importance weight proximal / sampler per token (`is_weights`), truncated or masked by
         the block's rollout_correction mode at its bounds (token_truncate when the mode is none). The buffer is
         written back, so a resume inside the rollout trains on the same proximal log-probs."""
@@ -361,12 +365,14 @@ class OnlineTask(Task):
 
 
 def samples_digest(buffer: dict) -> str:
-    """A short digest of a rollout's samples (its token ids and which are real): logged with every step that trains
-    on it, so which samples a step trained is on record (a resumed run logs the digest of the rollout it read
-    back)."""
+    """A short digest of a rollout's samples (its token ids, which are real, and the sampler's log-probs where the
+    buffer keeps them: a rollout sampled again from other weights may draw the same tokens, never the same
+    log-probs): logged with every step that trains on it, so which samples a step trained is on record (a resumed
+    run logs the digest of the rollout it read back)."""
     h = hashlib.sha256()
-    for key in ("input_ids", "attention_mask"):
-        h.update(np.ascontiguousarray(buffer[key]).tobytes())
+    for key in ("input_ids", "attention_mask", "sampler_logp"):
+        if key in buffer:
+            h.update(np.ascontiguousarray(buffer[key]).tobytes())
     return h.hexdigest()[:16]
 
 
