@@ -122,7 +122,7 @@ class Rollouts:
         self.model_path, self.dtype = config.model_path, config.dtype
         self.lora_rank, self.lora_dropout = config.lora.rank, config.lora.dropout
         self.collector: Optional[Collector] = None
-        self.live = bool(getattr(sampling, "partial_rollouts", False))  # module docstring, 'Partial rollouts'
+        self.live = bool(sampling.partial_rollouts)  # module docstring, 'Partial rollouts'
         self.published: dict[str, int] = {}  # partial rollouts: adapter digest -> the newest version published with it
         self._local = threading.local()
         if self.backend_name != "jax":
@@ -207,9 +207,9 @@ class Rollouts:
         """[N, width] int32: the published version of each sample's tokens (from their digests), -1 past the end.
         A digest this run never published (another process reloaded the adapter) is an AdapterSyncError."""
         out = np.full((len(samples), width), -1, np.int32)
+        published = dict(self.published)  # the trainer thread adds versions meanwhile
         for i, s in enumerate(samples):
             digests = s.token_digests or []
-            published = dict(self.published)  # the trainer thread adds versions meanwhile
             unknown = {d for d in digests if d not in published}
             if unknown or len(digests) != len(s.tokens):
                 raise AdapterSyncError(

@@ -26,7 +26,8 @@ versions (a resume with a smaller k) is dropped, counted and sampled again. Each
 it updates), `rollout/staleness_mean` / `_max` (in policy versions, one per rollout; every token of a rollout has
 its rollout's version), `rollout/dropped_stale`, `rollout/samples_digest` (which samples the step trains), and at a
 rollout's first step `time/trainer_idle_s` (the trainer's wait: the whole rollout when synchronous),
-`time/rollout_wait_s` and `time/rollout_idle_s` (the producer's wait for the staleness bound before that rollout). Without partial rollouts every rollout is sampled whole by one version.
+`time/rollout_wait_s` and `time/rollout_idle_s` (the producer's wait for the staleness bound before that rollout).
+Without partial rollouts every rollout is sampled whole by one version.
 
 Partial rollouts (`partial_rollouts`, launchers.serve only, with max_staleness k >= 1 and the decoupled loss): the
 producer runs up to k rollouts on the servers at once (prompts of rollouts r+1 .. r+k queued behind the long tail of
@@ -82,7 +83,7 @@ class OnlineTask(Task):
         self.overlap = self.max_staleness > 0
         self.decoupled = self.overlap and block.off_policy_loss == "decoupled"
         self.partial = bool(block.partial_rollouts)  # the config checks it comes with k >= 1 and decoupled
-        if self.partial and getattr(block, "environment", ""):
+        if self.partial and getattr(block, "environment", ""):  # distillation blocks have no episodes
             raise ValueError(f"{config.algorithm}.partial_rollouts with {config.algorithm}.environment="
                              f"{block.environment!r}: an episode's turns are separate requests; partial rollouts "
                              "cover single-turn rollouts only")
