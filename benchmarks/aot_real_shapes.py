@@ -298,7 +298,9 @@ def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: f
     from jaxrl.train.optim import make_optimizer
     from jaxrl.train.state import ParamCodec, init_train_state
     from jaxrl.train.step import jit_train_step, make_micro_loss, make_train_step, merge_micro
-    from jaxrl.utils.train_config import DistillConfig, GRPOConfig, OptimizerConfig
+    from jaxrl.algorithms.distill_config import DistillConfig
+    from jaxrl.algorithms.grpo_config import GRPOConfig
+    from jaxrl.train.settings import OptimizerConfig
 
     model = abstract_model(cfg, remat)
     graphdef, trainable, frozen = lora.split_lora(model)

@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each path (after one warm-up)")
     args = parser.parse_args(argv)
 
-    from jaxrl.algorithms.online.episodes import EpisodeRunner
+    from jaxrl.environments.runner import EpisodeRunner
     from jaxrl.backends import JaxBackend, SamplingParams
     from jaxrl.rollout.collect import Collector
 

@@ -93,9 +93,10 @@ def agreement(a, b) -> dict:
 
 
 def run(args) -> dict:
-    from jaxrl.export.peft import export_peft
+    from jaxrl.models.peft import export_peft
     from jaxrl.models.qwen35.config import load_hf_config
-    from jaxrl.backends import JaxBackend, ModelSpec, SamplingParams, make_backend
+    from jaxrl.backends import JaxBackend, ModelSpec, SamplingParams
+    from jaxrl.backends.settings import BackendContext, ServerRollout, VLLMLaunchOptions, VLLMRollout
     from jaxrl.data.chat import chat_stop_ids, encode_prompts, load_tokenizer
     from jaxrl.rollout.keys import problem_key
 
@@ -124,12 +125,13 @@ def run(args) -> dict:
             if server_proc.poll() is not None:
                 raise RuntimeError("launchers.serve exited")
             time.sleep(0.5)
-        server = make_backend("server", base_dir=base, url=open(ready).read().strip(), out_dir=args.out,
-                              stop_ids=stop_ids, max_prompt_len=args.max_prompt_len, max_new_tokens=cap)
+    context = BackendContext(base, stop_ids=tuple(stop_ids), max_prompt_len=args.max_prompt_len, max_new_tokens=cap,
+                             seed=0, out_dir=args.out)
+    if args.tiny:
+        server = ServerRollout((open(ready).read().strip(),)).build(context)
     else:
-        server = make_backend("vllm", base_dir=base, out_dir=args.out, python=args.vllm_python, stop_ids=stop_ids,
-                              max_prompt_len=args.max_prompt_len, max_new_tokens=cap, seed=0,
-                              gpu_memory_utilization=args.gpu_memory_utilization)
+        server = VLLMRollout(launch=VLLMLaunchOptions(
+            python=args.vllm_python or "", gpu_memory_utilization=args.gpu_memory_utilization)).build(context)
     jax_backend = JaxBackend(base, dtype="bfloat16", batch_size=args.batch_size, max_prompt_len=args.max_prompt_len,
                              stop_ids=stop_ids, pad_id=tok.pad_token_id)
     out = {"base": base, "device": _device(), "update_rel": args.update_rel, "adapter_modules": len(adapter.modules),

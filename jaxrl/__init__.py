@@ -7,4 +7,4 @@ Packages, bottom to top (`LAYERS`). A package imports only packages below it, at
 """
 
 LAYERS = ("utils", "ops", "parallel", "models", "data", "rewards", "export", "generation", "serve", "backends",
-          "rollout", "train", "algorithms", "evaluation", "diagnostics", "sweep")
+          "rollout", "environments", "train", "algorithms", "evaluation", "diagnostics", "sweep")

@@ -7,7 +7,10 @@ r"""Evaluate the base model and checkpoints on a problems file: metrics, paired 
     # docs/guides/vllm.md: adapters served unmerged as LoRA) or on a running server (--backend=server --server_url=URL)
     python -m launchers.evaluate --problems=lcb.jsonl --base=/models/Qwen3.5-4B --out=eval_lcb \
         --adapters=dpo28=/adapters/dpo_step28 --models=merged125=/export/merged_125 --backend=vllm \
-        --batch_size=512 --backend_kwargs='{"python": "~/.venvs/vllm", "tensor_parallel_size": 1}'
+        --server_concurrency=512 --vllm_python=~/.venvs/vllm --vllm_tensor_parallel_size=1
+    # the backend flags: --server_<key> (concurrency, request_timeout_s, progress_every_s), --vllm_<key> (python,
+    # tensor_parallel_size, data_parallel_size, gpu_memory_utilization, extra_args, startup_timeout_s, max_loras),
+    # --vllm_max_lora_rank (jaxrl.backends.flags); --backend_kwargs='{...}' is their deprecated JSON form
 
 Writes to --out (default RUN_DIR/eval): results.json, results.md, samples/<model>.jsonl, audit.json, and the
 resume cache cache/<model>.jsonl. Rerun the same command after an interruption: finished samples are kept.

@@ -4,9 +4,15 @@
         --num_samples=8 --temperature=1.0 --max_new_tokens=4096 --reward=code [--adapter=CKPT_DIR]
 
     # on vLLM 0.33 (its own environment, docs/guides/vllm.md), the adapter served as LoRA; or on a running server
-    python -m launchers.rollout ... --backend=vllm --batch_size=1024 \
-        --backend_kwargs='{"python": "~/.venvs/vllm", "data_parallel_size": 8}'
+    python -m launchers.rollout ... --backend=vllm --server_concurrency=128 \
+        --vllm_python=~/.venvs/vllm --vllm_data_parallel_size=8
     python -m launchers.rollout ... --backend=server --server_url=http://127.0.0.1:8000
+
+The backend flags: --server_<key> (how requests reach a server: concurrency, request_timeout_s, progress_every_s),
+--vllm_<key> (the `vllm serve` --backend=vllm starts: python, tensor_parallel_size, data_parallel_size,
+gpu_memory_utilization, extra_args, startup_timeout_s, max_loras) and --vllm_max_lora_rank, one per key of the
+typed option blocks (jaxrl.backends.flags); --backend_kwargs='{"data_parallel_size": 8}' is their deprecated JSON
+form (mapped onto them with a warning).
 
     # several hosts (the flags of launchers.train): each process samples every n-th problem on its devices
     # (--mesh_shape, default all local devices data-parallel), then process 0 merges them into --out
@@ -34,7 +40,7 @@ from jaxrl.rollout import flags as rollout_flags
 from jaxrl.rollout.runner import run_rollouts
 from launchers import _main
 
-_F = rollout_flags.define_flags()  # a flag per RolloutConfig field, --server_url, --coordinator_address, ...
+_F = rollout_flags.define_flags()  # a flag per RolloutConfig field, --server_*, --vllm_*, --coordinator_address, ...
 flags.adopt_module_key_flags(rollout_flags)  # --helpshort lists them as this launcher's own
 
 

@@ -46,7 +46,6 @@ def main(argv):
         raise app.UsageError(f"--max_logprobs={limits.max_logprobs}: a k of top log-probs, or -1 (the vocabulary)")
     from jaxrl.serve.app import CompletionServer, is_loopback, url_of
     from jaxrl.serve.protocol import ApiError
-    from jaxrl.generation.engine import DEFAULT_ROUND_STEPS
     loopback = is_loopback(s.host)
     updating = loopback if s.enable_lora_updating is None else s.enable_lora_updating
     roots = list(s.allowed_lora_roots) or ([os.getcwd()] if loopback else [])
@@ -56,7 +55,7 @@ def main(argv):
     server = CompletionServer(s.base, dtype=s.dtype, limits=limits, batch_size=s.batch_size,
                               prompt_buckets=s.prompt_buckets or None, generation_buckets=s.generation_buckets or None,
                               served_model_name=s.served_model_name, allow_lora_updating=updating,
-                              allowed_lora_roots=roots, round_steps=s.round_steps or DEFAULT_ROUND_STEPS,
+                              allowed_lora_roots=roots, round_steps=s.round_steps,
                               round_delay_s=s.debug_round_delay_s)
     sock = None
     try:

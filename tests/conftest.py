@@ -42,7 +42,8 @@ def make_rollout(task, model, rollout: int = 0, workdir: str = ""):
     task's rollouts on `model` (what its setup does; the in-process backend needs no workdir), samples, closes."""
     task.rollouts.open(workdir, model)
     try:
-        return task.make_rollout(rollout, model)
+        buffer, metrics, _ = task.make_rollout(rollout, model)
+        return buffer, metrics
     finally:
         task.rollouts.close()
 

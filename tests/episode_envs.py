@@ -1,6 +1,6 @@
 """Environments the episode tests load as `environment` plug-ins (by file path, as a user's config would)."""
 
-from jaxrl.algorithms.environments import Environment
+from jaxrl.environments.base import Environment
 
 ALPHABETS = {"digits": set("0123456789"), "letters": set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")}
 

@@ -140,7 +140,7 @@ def test_partial_rollouts_train_every_written_rollout_once_after_random_kills(tm
     exactly the samples the store holds for its rollout (the digest it logged), and those of every covered rollout
     are the ones on disk at the kill: read back, not sampled again, none lost. No token was over the bound."""
     from jaxrl.algorithms.online.buffer import RolloutStore
-    from jaxrl.algorithms.online.task import samples_digest
+    from jaxrl.algorithms.online.controller import samples_digest
 
     base = build_base(tmp_path / "base")
     server = Served(tmp_path, base, f"--allowed_lora_roots={tmp_path}", f"--max_prompt_len={PROMPT_BUCKET}",

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxrl.export import export_average, export_checkpoint
 from jaxrl.export.average import (RESIDUAL_WARN, average_checkpoints, average_name, average_steps,
                                   normalised_weights)
-from jaxrl.export.peft import read_adapter
+from jaxrl.models.peft import read_adapter
 from jaxrl.models import qwen35
 from jaxrl.models.adapters import A_SUFFIX, B_SUFFIX, Adapter, attach, load_adapter, write_adapter_checkpoint
 from jaxrl.models.lora import linears

@@ -1,4 +1,4 @@
-"""One typed default per config key (jaxrl/utils/train_config.py): the family configs build from it, a config not
+"""One typed default per config key (declared by its owner, composed in jaxrl/algorithms/config.py): the family configs build from it, a config not
 built on configs/base.py resolves to the same values, a typo in any block is an error naming the nearest valid key,
 the resolved TrainConfig is typed, and run_training writes it to config.json."""
 
@@ -12,7 +12,8 @@ import pytest
 
 from configs import base, distill, distill_tiny, dpo_tiny, grpo_tiny, ppo_tiny, sft_tiny
 from jaxrl.algorithms.run import resolve_config, run_training
-from jaxrl.utils import train_config
+from jaxrl.algorithms import config as train_config
+from jaxrl.algorithms.tasks import default_config, get_algorithm
 from jaxrl.utils.typed_config import ConfigKeyError, setting, to_plain
 
 
@@ -26,7 +27,7 @@ def test_configs_are_built_from_the_schema_without_importing_jax():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
     for algorithm in ("sft", "dpo", "grpo", "ppo", "distill"):
-        assert to_plain(base.get_config(algorithm)) == to_plain(train_config.default_config(algorithm))
+        assert to_plain(base.get_config(algorithm)) == to_plain(default_config(algorithm))
 
 
 @pytest.mark.parametrize("make", [sft_tiny.get_config, dpo_tiny.get_config, grpo_tiny.get_config,
@@ -34,7 +35,7 @@ def test_configs_are_built_from_the_schema_without_importing_jax():
 def test_family_configs_are_complete(make):
     c = make()
     before = to_plain(c)
-    assert train_config.complete(c) == before  # nothing to fill, nothing refused
+    assert train_config.complete(c, get_algorithm(c.algorithm)) == before  # nothing to fill, nothing refused
     assert resolve_config(c).to_json() == before
 
 
@@ -128,7 +129,7 @@ def test_an_algorithm_of_your_own_may_declare_its_blocks():
     build.config_blocks = {"mine": MineConfig}
     resolved = resolve_config(c, build)
     assert resolved.block("mine") == MineConfig(alpha=2.0, beta=0.5)
-    assert (resolved.dtype, resolved.data, "data" in resolved.to_json()) == ("bfloat16", None, False)
+    assert (resolved.dtype, resolved.block("data"), "data" in resolved.to_json()) == ("bfloat16", None, False)
     c.mine.alhpa = 3.0
     with pytest.raises(ConfigKeyError, match="did you mean 'mine.alpha'"):
         resolve_config(c, build)

@@ -77,7 +77,7 @@ def _run_objective(objective, model, batch, normalisers=None, grad=False):
 @pytest.mark.heavy  # long for the fast tier (make test-heavy, CI run it)
 def test_objective_equals_dpo_on_an_independent_forward():
     c = resolve_config(tiny_config("dpo"))
-    model = build_model(c, mesh_from_config(c))
+    model = build_model(c, mesh_from_config(c.mesh))
     recs = _ragged_pairs(6, 256, seed=0)
     seqs = dpo_data.build_sequences(dpo_data.pretokenized_pairs(recs), dpo_data.SequenceConfig(
         max_length=32, pad_multiple=16))
@@ -185,7 +185,7 @@ def _pattern_rate(model, prompts, targets):
 @pytest.mark.slow
 def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
     c = resolve_config(tiny_config("dpo"))
-    mesh = mesh_from_config(c)
+    mesh = mesh_from_config(c.mesh)
     model = build_model(c, mesh)
     task = DPOTask(c, model, mesh)
     workdir = str(tmp_path / "run")
@@ -267,7 +267,7 @@ def test_dpo_learns_the_preferred_pattern_on_cpu(tmp_path):
 def untrained():
     """(model, mesh) of the tiny config, for tests that only build tasks (they never change the model)."""
     c = resolve_config(tiny_config("dpo"))
-    mesh = mesh_from_config(c)
+    mesh = mesh_from_config(c.mesh)
     return build_model(c, mesh), mesh
 
 

@@ -105,7 +105,7 @@ def ema0_run(tmp_path_factory):
 
 
 def test_decay_zero_writes_the_checkpoint_itself_as_its_ema(ema0_run):
-    from jaxrl.export.peft import read_adapter
+    from jaxrl.models.peft import read_adapter
     _, workdir = ema0_run
     assert sorted(os.listdir(workdir / EMA_ROOT)) == ["2", "3"]
     for step in (2, 3):

@@ -1,4 +1,4 @@
-"""Environments of episodes (jaxrl.algorithms.environments): code_feedback on the real sandbox (public-test
+"""Environments of episodes (jaxrl.environments): code_feedback on the real sandbox (public-test
 failures as the next message, the reward on the hidden tests, hostile programs contained), and the `environment`
 plug-in kind's checks."""
 
@@ -8,7 +8,9 @@ import time
 import pytest
 
 from jaxrl.algorithms import plugins
-from jaxrl.algorithms.environments import ENVIRONMENTS, CodeFeedback, Environment, Turn
+from jaxrl.environments.base import Environment, Turn
+from jaxrl.environments.code_feedback import CodeFeedback
+from jaxrl.environments.registry import ENVIRONMENTS
 from jaxrl.data.problems import Problem
 from jaxrl.utils.registry import PluginError
 from test_verifier_hostile import HOSTILE_TIMEOUT_S, sandbox_leftovers  # noqa: E402 - tests/ on the path

@@ -1,4 +1,4 @@
-"""Token-exact episodes (jaxrl/algorithms/online/episodes.py) on a tiny model through the jax rollout backend:
+"""Token-exact episodes (jaxrl/environments/runner.py) on a tiny model through the jax rollout backend:
 every sampled position holds the sampler's ids and log-probs for that very history, every environment position
 the template's delta with mask 0, the teacher-forced pass over the row reproduces the sampler's log-probs, and an
 environment that raises fails its episode only."""
@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.algorithms.environments import Environment
+from jaxrl.environments.base import Environment
 from jaxrl.algorithms.online import passes
-from jaxrl.algorithms.online.episodes import EpisodeRunner, episodes_to_sampled, turn_group_id
+from jaxrl.algorithms.online.rollouts import episodes_to_sampled
+from jaxrl.environments.runner import EpisodeRunner, turn_group_id
 from jaxrl.backends import JaxBackend, SamplingParams
 from jaxrl.data.chat import chat_stop_ids, load_tokenizer, turn_delta_ids
 from jaxrl.data.problems import load_problems

@@ -34,7 +34,7 @@ def env(tmp_path_factory):
     from jaxrl.evaluation.runner import ModelSpec, checkpoint_specs
     from jaxrl.models.adapters import Adapter, write_adapter_checkpoint
     from jaxrl.export.merge import export_merged
-    from jaxrl.export.peft import export_peft
+    from jaxrl.models.peft import export_peft
     from jaxrl.models import qwen35
     from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
@@ -479,10 +479,11 @@ def test_vllm_backend_without_its_environment_fails_before_any_work(env, tmp_pat
     """vLLM runs from its own environment (docs/guides/vllm.md); without one, the evaluator refuses to start with the two
     lines that make it, and nothing is written."""
     from jaxrl.backends import ServerError
+    from jaxrl.backends.options import VLLMLaunchOptions
     from jaxrl.backends.vllm_backend import ENV_RECIPE
     out = tmp_path / "eval_vllm"
     with pytest.raises(ServerError, match="no vLLM environment at") as e:
-        evaluator(env, out, backend="vllm", backend_kwargs={"python": str(tmp_path / "no_venv")})
+        evaluator(env, out, backend="vllm", vllm=VLLMLaunchOptions(python=str(tmp_path / "no_venv")))
     assert all(line in str(e.value) for line in ENV_RECIPE)
     assert not (out / "cache").exists()
 

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.export import export_checkpoint
-from jaxrl.export.peft import read_adapter
+from jaxrl.models.peft import read_adapter
 from jaxrl.models.adapters import Adapter, AdapterError, write_adapter_checkpoint
 from jaxrl.export.audit import FolderSource, MergedSource, fingerprint
-from jaxrl.export.peft import LAYOUT_PREFIXES, LayoutError, export_peft, load_peft_adapter
+from jaxrl.models.peft import LAYOUT_PREFIXES, LayoutError, export_peft, load_peft_adapter
 from jaxrl.models import qwen35
 from jaxrl.models.lora import ALL_LINEAR, linears
 from jaxrl.utils.io import atomic_folder

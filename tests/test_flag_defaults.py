@@ -18,6 +18,9 @@ from typing import Optional
 import pytest
 from absl import app, flags
 
+from jaxrl.backends.flags import LEGACY_KEYS, backend_spec
+from jaxrl.backends.options import ServerOptions, VLLMLaunchOptions
+from jaxrl.backends.settings import BackendContext, JaxRollout, ServerRollout, VLLMRollout
 from jaxrl.evaluation import flags as evaluate_flags
 from jaxrl.evaluation.runner import EvalConfig
 from jaxrl.rollout import flags as rollout_flags
@@ -88,8 +91,11 @@ def test_the_launchers_flag_defaults_are_the_config_defaults(name):
     assert differing_defaults(cls, cfg) == []
     assert {k: getattr(cfg, k) for k in required} == required
     # every field with a default is a flag, except the NOT_A_FLAG ones (evaluate's models and reference rows come
-    # from other flags: --adapters / --models, --references NAME=HF_DIR)
-    assert set(dataclass_flags.flag_names(cls)) | {"models", "references"} >= {f.name for f in dataclasses.fields(cls)}
+    # from other flags: --adapters / --models, --references NAME=HF_DIR; the backend option blocks from one flag per
+    # key, --server_<key> / --vllm_<key>: jaxrl.backends.flags), whose defaults are the blocks' own
+    assert set(dataclass_flags.flag_names(cls)) | {"models", "references", "server", "vllm"} >= \
+        {f.name for f in dataclasses.fields(cls)}
+    assert (cfg.server, cfg.vllm) == (ServerOptions(), VLLMLaunchOptions())
 
 
 def test_a_flag_default_that_differs_from_its_field_is_found():
@@ -192,6 +198,127 @@ def test_a_launchers_flag_that_differs_from_its_field_is_found():
     parsed = probe("build_pairs", "--seed=3", "--pairing=all", "--verbose")
     assert differing_in_probe("build_pairs", parsed) == ["PairConfig.pairing", "BuildPairsSettings.seed",
                                                          "LogSettings.verbose"]
+
+
+# ------------------------------------------------------------------------------- the backends' option flags
+
+
+def parsed_with(name: str, *args: str):
+    """The config launchers.<name> builds from its required flags and `args`."""
+    _, module, required = LAUNCHERS[name]
+    values = flags.FlagValues()
+    holders = module.define_flags(values)
+    values([name] + [f"--{k}={v}" for k, v in required.items()] + list(args))
+    return module.build_config(holders)
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_one_flag_per_key_of_the_backends_option_blocks(name):
+    """--server_<key> for every ServerOptions key, --vllm_<key> for every VLLMLaunchOptions key (made from the
+    blocks: a key added there is a flag here), with the block's default and doc."""
+    from jaxrl.utils.typed_config import keys_of
+    _, module, _ = LAUNCHERS[name]
+    values = flags.FlagValues()
+    module.define_flags(values)
+    for prefix, cls in (("server_", ServerOptions), ("vllm_", VLLMLaunchOptions)):
+        for key, k in keys_of(cls).items():
+            assert prefix + key in module.NAMES
+            flag = values[prefix + key]
+            assert flag.default == (list(k.default) if isinstance(k.default, tuple) else k.default), flag.name
+            assert not k.doc or k.doc in flag.help
+    assert {"server_url", "vllm_max_lora_rank", "backend_kwargs"} <= set(module.NAMES)
+
+
+VLLM_FLAGS = ("--backend=vllm", "--vllm_python=/venvs/vllm", "--vllm_tensor_parallel_size=2",
+              "--vllm_gpu_memory_utilization=0.5", "--vllm_extra_args=--enforce-eager",
+              "--vllm_extra_args=--max-num-seqs=8", "--vllm_max_loras=2", "--vllm_max_lora_rank=32",
+              "--server_concurrency=7", "--server_progress_every_s=0")
+VLLM_JSON = {"python": "/venvs/vllm", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.5,
+             "extra_args": ["--enforce-eager", "--max-num-seqs=8"], "max_loras": 2, "max_lora_rank": 32,
+             "concurrency": 7, "progress_every_s": 0}
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_the_backend_flags_make_the_typed_spec_and_the_deprecated_json_the_same_one(name):
+    cfg = parsed_with(name, *VLLM_FLAGS)
+    want = VLLMRollout((), ServerOptions(concurrency=7, progress_every_s=0.0), VLLMLaunchOptions(
+        python="/venvs/vllm", tensor_parallel_size=2, gpu_memory_utilization=0.5,
+        extra_args=("--enforce-eager", "--max-num-seqs=8"), max_loras=2))
+    assert backend_spec(cfg) == want and cfg.vllm_max_lora_rank == 32
+    with pytest.warns(FutureWarning) as caught:
+        assert parsed_with(name, "--backend=vllm", f"--backend_kwargs={json.dumps(VLLM_JSON)}") == cfg
+    [warning] = caught  # one warning, naming every new flag
+    assert str(warning.message) == f"--backend_kwargs is deprecated: give {' '.join(VLLM_FLAGS[1:])} instead"
+    # a key given both ways with the same value is the same setting
+    with pytest.warns(FutureWarning, match="give --server_concurrency=7 instead"):
+        assert parsed_with(name, *VLLM_FLAGS, '--backend_kwargs={"concurrency": 7}') == cfg
+    # the server backends and the jax backend
+    url = "http://127.0.0.1:8000"
+    assert backend_spec(parsed_with(name, "--backend=server", f"--server_url={url}/", "--server_concurrency=3")) == \
+        ServerRollout((url,), ServerOptions(concurrency=3))
+    assert backend_spec(parsed_with(name, "--backend=vllm", f"--server_url={url}")) == VLLMRollout((url,))
+    with pytest.warns(FutureWarning, match="give --server_url="):
+        assert backend_spec(parsed_with(name, "--backend=server", f'--backend_kwargs={{"url": "{url}"}}')) == \
+            ServerRollout((url,))
+    assert backend_spec(parsed_with(name)) == JaxRollout()
+
+
+@pytest.mark.parametrize("args, message", [
+    (('--backend=vllm', '--backend_kwargs={"gpu_util": 0.5}'),
+     f"--backend_kwargs: unknown key 'gpu_util'; valid keys: {', '.join(LEGACY_KEYS)} (each is a flag now: "
+     "--server_url, --vllm_max_lora_rank, --server_<key>, --vllm_<key>)"),
+    (('--backend=vllm', '--backend_kwargs={"concurency": 8}'),
+     f"--backend_kwargs: unknown key 'concurency' (did you mean 'concurrency'?); valid keys: "
+     f"{', '.join(LEGACY_KEYS)} (each is a flag now: --server_url, --vllm_max_lora_rank, --server_<key>, "
+     "--vllm_<key>)"),
+    (('--backend=vllm', '--server_concurrency=16', '--backend_kwargs={"concurrency": 8}'),
+     "--backend_kwargs key 'concurrency'=8 and --server_concurrency=16 disagree; give --server_concurrency only"),
+    (('--backend=vllm', '--vllm_max_lora_rank=8', '--backend_kwargs={"max_lora_rank": 64}'),
+     "--backend_kwargs key 'max_lora_rank'=64 and --vllm_max_lora_rank=8 disagree; give --vllm_max_lora_rank only"),
+    (('--backend=server', '--server_url=http://a:1', '--backend_kwargs={"url": "http://b:2"}'),
+     "--backend_kwargs key 'url'='http://b:2' and --server_url='http://a:1' disagree; give --server_url only"),
+    (('--backend=vllm', '--backend_kwargs={"data_parallel_size": "8"}'),
+     "--backend_kwargs key 'data_parallel_size'='8': expected int, got str; give --vllm_data_parallel_size instead"),
+    (('--backend=vllm', '--backend_kwargs=[1]'), "--backend_kwargs must be a JSON object"),
+    (('--backend=server',), "--backend=server needs --server_url"),
+    (('--server_concurrency=3', '--server_url=http://a:1'),
+     "--server_url, --server_concurrency: options of --backend=server or vllm; --backend is 'jax'"),
+    (('--backend=vllm', '--server_url=http://a:1', '--vllm_python=/v', '--vllm_max_lora_rank=8'),
+     "--vllm_python, --vllm_max_lora_rank: launch options of the vLLM that --backend=vllm starts without "
+     "--server_url; --backend is 'vllm' with --server_url=http://a:1"),
+    (('--backend=server', '--server_url=localhost:8000'),
+     "--server_url: ['localhost:8000'] are not base URLs (http://host:port)"),
+])
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_backend_flags_that_do_not_fit_are_one_line_usage_errors(name, args, message):
+    with pytest.raises(app.UsageError) as e:
+        parsed_with(name, *args)
+    assert str(e.value) == message
+
+
+def test_the_vllm_flags_reach_the_server_it_starts(monkeypatch, tmp_path):
+    """The launch options of the config (--vllm_*) are the `vllm serve` command of the VLLMBackend built from it:
+    nothing starts until a model is loaded, so this needs no vLLM (its install check answers 0.33 here)."""
+    from jaxrl.backends import vllm_backend
+    monkeypatch.setattr(vllm_backend, "installed_vllm", lambda python: "0.33.0")
+    cfg = parsed_with("evaluate", *(a.replace("/venvs/vllm", sys.executable) for a in VLLM_FLAGS))
+    backend = backend_spec(cfg).build(BackendContext(str(tmp_path), stop_ids=(1,), max_prompt_len=64,
+                                                     max_new_tokens=32, dtype="float32", seed=5,
+                                                     out_dir=str(tmp_path), lora_rank=cfg.vllm_max_lora_rank))
+    assert isinstance(backend, vllm_backend.VLLMBackend) and backend.url is None
+    assert (backend.concurrency, backend.progress_every_s, backend.base_lora_rank) == (7, 0.0, 32)
+    command = " ".join(backend.launcher.command(str(tmp_path), 96, max_lora_rank=32))
+    for part in (f"{sys.executable} -m vllm.entrypoints.cli.main serve", "--dtype float32", "--seed 5",
+                 "--tensor-parallel-size 2", "--gpu-memory-utilization 0.5", "--max-lora-rank 32 --max-loras 2",
+                 "--enforce-eager --max-num-seqs=8"):
+        assert part in command, part
+    # the constructors take no stray keyword (a misspelt option is Python's TypeError, not ignored)
+    from jaxrl.backends.jax_backend import JaxBackend
+    from jaxrl.backends.openai_client import ServerBackend
+    for make, stray in ((vllm_backend.VLLMBackend, "max_lora"), (ServerBackend, "seed"), (JaxBackend, "out_dir")):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{stray}'"):
+            make(str(tmp_path), url="http://127.0.0.1:1", **{stray: 8}) if make is not JaxBackend else \
+                make(str(tmp_path), **{stray: 8})
 
 
 def test_listed_flags_reads_absl_help():

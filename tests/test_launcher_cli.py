@@ -40,6 +40,16 @@ def test_help_exits_0_and_prints_the_launchers_flags(name):
                                         "--helpshort"),
     (("plan", "--sd_diff=0.1", "--power=2"), "plan: --power=2.0: expected a value in (0, 1)"),
     (("rollout", "--problems=P", "--model=M"), "rollout: --out is required"),
+    # the deprecated --backend_kwargs: an unknown key, and a key that contradicts its flag (jaxrl.backends.flags)
+    (("rollout", "--problems=P", "--model=M", "--out=O", "--backend=vllm", '--backend_kwargs={"gpu_util": 0.5}'),
+     "rollout: --backend_kwargs: unknown key 'gpu_util'; valid keys: url, max_lora_rank, concurrency, "
+     "request_timeout_s, progress_every_s, python, tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
+     "extra_args, startup_timeout_s, max_loras (each is a flag now: --server_url, --vllm_max_lora_rank, "
+     "--server_<key>, --vllm_<key>)"),
+    (("evaluate", "--problems=P", "--base=B", "--out=O", "--backend=vllm", "--server_concurrency=4",
+      '--backend_kwargs={"concurrency": 8}'),
+     "evaluate: --backend_kwargs key 'concurrency'=8 and --server_concurrency=4 disagree; give --server_concurrency "
+     "only"),
 ])
 def test_usage_errors_are_one_line_with_status_2(tmp_path, args, message):
     args = [a.replace("=W", f"={tmp_path / 'w'}").replace("=O", f"={tmp_path / 'o'}") for a in args]

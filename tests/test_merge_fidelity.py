@@ -59,7 +59,7 @@ def torch_logits(base, merged_dir, adapter, tmp_path):
     from peft import PeftModel
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from jaxrl.export.peft import export_peft
+    from jaxrl.models.peft import export_peft
     import hf_tiny
     peft_dir = str(tmp_path / "peft")
     if not os.path.isdir(peft_dir):

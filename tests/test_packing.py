@@ -299,7 +299,7 @@ def test_sft_task_packs_each_step_and_logs_the_fill_ratio(tmp_path):
 
     from configs import sft_tiny
     from jaxrl.algorithms.sft_task import SFTTask
-    from jaxrl.utils.train_config import resolve
+    from jaxrl.algorithms.run import resolve_config as resolve
     rng = np.random.default_rng(7)
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"input_ids": rng.integers(2, 256, int(n)).tolist()}) + "\n"

@@ -26,7 +26,7 @@ SAMPLED_ATOL = 2e-4  # the sampler's decode path vs a teacher-forced pass, fp32 
 
 
 def test_token_version_metrics_and_the_bound():
-    from jaxrl.algorithms.online.task import bound_token_versions, token_version_metrics
+    from jaxrl.algorithms.online.controller import bound_token_versions, token_version_metrics
 
     versions = np.array([[3, 3, 4, -1],   # spans 3..4
                          [4, 4, 4, 4],    # one version
@@ -148,7 +148,7 @@ def test_every_token_is_tagged_with_the_version_that_sampled_it(run):
 
     import jax.numpy as jnp
 
-    from jaxrl.export.peft import read_peft_adapter
+    from jaxrl.models.peft import read_peft_adapter
     from jaxrl.models import qwen35
 
     workdir = run["workdir"]
@@ -188,7 +188,7 @@ def test_every_token_is_tagged_with_the_version_that_sampled_it(run):
 
 @pytest.mark.heavy
 def test_no_step_trains_a_token_over_the_bound_and_the_metrics_are_per_token(run):
-    from jaxrl.algorithms.online.task import token_version_metrics
+    from jaxrl.algorithms.online.controller import token_version_metrics
 
     steps = metrics(run["workdir"])
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import make_rollout, tiny_config
 from jaxrl.algorithms import ppo as ppo_lib
-from jaxrl.algorithms.online.episodes import Episode, turn_reward_row
+from jaxrl.algorithms.online.rollouts import turn_reward_row
+from jaxrl.environments.runner import Episode
 from jaxrl.algorithms.ppo_task import PPOTask, returns_and_advantages
 from jaxrl.algorithms.run import build_model, resolve_config
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer

@@ -1,4 +1,4 @@
-"""The `python_tool` environment (jaxrl.algorithms.environments.PythonTool) on the real sandbox: a tool call's
+"""The `python_tool` environment (jaxrl.environments.python_tool.PythonTool) on the real sandbox: a tool call's
 output comes back as a `tool` message, a turn without a call is the final answer scored by the verifier, a
 malformed call is an error observation and the episode goes on, hostile tool programs are contained as the
 verifier's are; and an episode of hand-written turns (a random tiny model cannot sample a valid call) through the
@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from jaxrl.algorithms.environments import ENVIRONMENTS, PYTHON_TOOL, PythonTool, Turn
-from jaxrl.algorithms.online.episodes import EpisodeRunner
+from jaxrl.environments.base import Turn
+from jaxrl.environments.python_tool import PYTHON_TOOL, PythonTool
+from jaxrl.environments.registry import ENVIRONMENTS
+from jaxrl.environments.runner import EpisodeRunner
 from jaxrl.backends.base import Generation, RolloutBackend
 from jaxrl.backends import SamplingParams
 from jaxrl.data.chat import format_chat, load_tokenizer, turn_delta_ids

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_request_timeout_is_sized_from_max_tokens():
     from jaxrl.backends.openai_client import request_timeout
-    from jaxrl.utils.train_config import ServerOptions
+    from jaxrl.backends.settings import ServerOptions
     assert ServerOptions.request_timeout_s == 0.0  # sized by default, not a flat hour
     assert request_timeout(16) == pytest.approx(61.6) and request_timeout(4096) == pytest.approx(469.6)
     assert request_timeout(4096, 5.0) == 5.0  # a configured value wins

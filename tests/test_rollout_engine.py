@@ -12,6 +12,7 @@ occurs in these tests).
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,8 +92,9 @@ def test_the_engine_samples_its_golden_rows(model, temperature, top_p, top_k):
 @pytest.mark.slow
 def test_requests_join_free_slots_with_their_own_settings(model):
     """The server-facing API: requests submitted while others are in flight join at the next round, from another
-    thread too (`serve_forever`); a request's own cap, stop ids and sampling mode (a greedy one waits until the
-    sampled rows drain) give exactly what a sampler call gives for its key, and the golden rows."""
+    thread too (the rounds run on a thread of their own, as a server's serve loop runs them: jaxrl/serve/loop.py);
+    a request's own cap, stop ids and sampling mode (a greedy one waits until the sampled rows drain) give exactly
+    what a sampler call gives for its key, and the golden rows."""
     engine = Engine(model, slots=4, insert_rows=1, **ENGINE)
     prompts = prompts_of([7, 19, 30, 4, 11], seed=3)
     sampled = dict(seed=11, temperature=1.0, top_p=0.9)
@@ -105,7 +107,18 @@ def test_requests_join_free_slots_with_their_own_settings(model):
         "greedy": engine.submit(Request(prompts[2], group_id=2, sample_index=0)),
     }
     stop = threading.Event()
-    worker = threading.Thread(target=engine.serve_forever, args=(stop,))
+
+    def rounds():  # a server's device thread: a round while there is work; a failing round fails every waiter
+        while not stop.is_set():
+            if engine.idle:
+                time.sleep(0.005)
+                continue
+            try:
+                engine.step()
+            except Exception as e:  # noqa: BLE001 - the waits below raise it instead of timing out
+                engine.fail_all(e)
+
+    worker = threading.Thread(target=rounds)
     worker.start()
     try:
         extra = engine.submit(Request(prompts[3], group_id=3, sample_index=0, **sampled))

@@ -152,7 +152,7 @@ def test_held_sampler_uses_new_weights_without_recompiling(adapted):
 def test_adapter_checkpoint_loads_for_rollouts(adapted, tmp_path):
     """`launchers.rollout --adapter`: a trainer adapter checkpoint attached to a fresh base model samples exactly
     what the trained model samples."""
-    from jaxrl.export.peft import read_adapter
+    from jaxrl.models.peft import read_adapter
     from jaxrl.models.adapters import attach
     from jaxrl.train.checkpoints import RunCheckpoints
 

@@ -30,7 +30,7 @@ def env(tmp_path_factory):
     import jax.numpy as jnp
 
     from jaxrl.data.chat import load_tokenizer
-    from jaxrl.export.peft import export_peft
+    from jaxrl.models.peft import export_peft
     from jaxrl.models import qwen35
     from jaxrl.models.adapters import Adapter
     from jaxrl.models.lora import linears

@@ -3,6 +3,7 @@ JAX-backed OpenAI-compatible server): token ids, seeds, stop ids, log-probs and 
 rollout / evaluation paths through it, sample for sample what the in-process jax backend draws. Plus the clear
 errors of a missing, too old or foreign server and of a missing vLLM environment."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ def env(tmp_path_factory):
     import jax.numpy as jnp
 
     from jaxrl.models.adapters import Adapter, write_adapter_checkpoint
-    from jaxrl.export.peft import export_peft
+    from jaxrl.models.peft import export_peft
     from jaxrl.models import qwen35
     from jaxrl.models.lora import linears
     from jaxrl.models.qwen35.config import tiny
@@ -105,10 +106,16 @@ def jax_backend(env, adapter=None):
     return backend
 
 
-def server_backend(env, **kw):
-    from jaxrl.backends import make_backend
-    return make_backend("server", base_dir=env["base"], url=env["url"], out_dir=str(env["root"] / "backend"),
-                        stop_ids=env["stop_ids"], max_prompt_len=PROMPT_LEN, max_new_tokens=CAP, **kw)
+def context(env, **kw):
+    """What the tests build backends for (jaxrl.backends.settings.BackendContext)."""
+    from jaxrl.backends.settings import BackendContext
+    return BackendContext(env["base"], stop_ids=tuple(env["stop_ids"]), max_prompt_len=PROMPT_LEN,
+                          max_new_tokens=CAP, **kw)
+
+
+def server_backend(env):
+    from jaxrl.backends.settings import ServerRollout
+    return ServerRollout((env["url"],)).build(context(env, out_dir=str(env["root"] / "backend")))
 
 
 def sampling(**kw):
@@ -128,7 +135,7 @@ def assert_same(got, want):
 def test_server_samples_equal_the_jax_backend_for_the_same_keys(env):
     """Base, an adapter served at start-up (--lora_modules) and one loaded at run time from a trainer checkpoint:
     the server's samples are the in-process jax backend's, token for token, and each adapter changes them."""
-    from jaxrl.export.peft import read_adapter
+    from jaxrl.models.peft import read_adapter
     from jaxrl.backends import ModelSpec
     backend = server_backend(env)
     assert backend.description.startswith("jaxrl")
@@ -233,7 +240,7 @@ def test_adapter_switching_and_refusals(env):
     status, payload = post(env["url"], "/v1/load_lora_adapter", {"lora_name": "t", "lora_path": env["text_layout"]})
     assert status == 400 and "text layout" in payload["error"]["message"]
 
-    from jaxrl.export.peft import read_peft_adapter
+    from jaxrl.models.peft import read_peft_adapter
     backend = server_backend(env)
     with pytest.raises(ServerError, match="rejected adapter 'wrong'.*text layout"):
         backend._load_adapter(ModelSpec("wrong", "adapter", env["text_layout"]),
@@ -267,9 +274,9 @@ def test_rollouts_and_evaluation_through_the_server_match_the_jax_backend(env):
                   max_prompt_len=PROMPT_LEN, prompt_buckets=(PROMPT_LEN,), reward=REWARD, batch_size=BATCH,
                   seed=4, dtype="float32", progress=False, adapter=env["peft1"], save_logprobs=True)
     records = {}
-    for backend, kwargs in (("jax", {}), ("server", {"url": env["url"]})):
+    for backend, kwargs in (("jax", {}), ("server", {"server_url": env["url"]})):
         out = env["root"] / f"rollouts_{backend}.jsonl"
-        run_rollouts(RolloutConfig(out=str(out), backend=backend, backend_kwargs=kwargs, **common),
+        run_rollouts(RolloutConfig(out=str(out), backend=backend, **kwargs, **common),
                      tokenizer=env["tok"])
         records[backend] = [json.loads(line) for line in out.read_text().splitlines()]
         meta = json.loads((env["root"] / f"rollouts_{backend}.jsonl.meta.json").read_text())
@@ -284,9 +291,9 @@ def test_rollouts_and_evaluation_through_the_server_match_the_jax_backend(env):
                prompt_buckets=(PROMPT_LEN,), reward=REWARD, batch_size=BATCH, dtype="float32", seed=4,
                n_resamples=200, progress=False)
     samples = {}
-    for backend, kwargs in (("jax", {}), ("server", {"url": env["url"]})):
-        ev = Evaluator(EvalConfig(out=str(env["root"] / f"eval_{backend}"), backend=backend, backend_kwargs=kwargs,
-                                  **cfg), model=env["model"] if backend == "jax" else None, tokenizer=env["tok"])
+    for backend, kwargs in (("jax", {}), ("server", {"server_url": env["url"]})):
+        ev = Evaluator(EvalConfig(out=str(env["root"] / f"eval_{backend}"), backend=backend, **kwargs, **cfg),
+                       model=env["model"] if backend == "jax" else None, tokenizer=env["tok"])
         try:
             samples[backend] = {name: ev.sample_model(name) for name in ev.specs}
             assert ev.settings("a1")["backend"] == backend
@@ -322,23 +329,25 @@ class _VersionServer:
 
 
 def test_missing_old_or_foreign_servers_and_vllm_environments_fail_clearly(env, tmp_path):
-    from jaxrl.backends import ServerError, make_backend
+    from jaxrl.backends import ServerError
+    from jaxrl.backends.settings import ServerRollout, VLLMLaunchOptions, VLLMRollout
     from jaxrl.backends.vllm_backend import ENV_RECIPE, VLLMServer, free_port
     with pytest.raises(ServerError, match="no server answers at http://127.0.0.1:"):
-        make_backend("server", base_dir=env["base"], url=f"http://127.0.0.1:{free_port()}")
+        ServerRollout((f"http://127.0.0.1:{free_port()}",)).build(context(env))
     old = _VersionServer("0.30.0")
     try:
         with pytest.raises(ServerError, match="vLLM 0.30.0, older than the vLLM 0.33"):
-            make_backend("vllm", base_dir=env["base"], url=old.url)
+            VLLMRollout((old.url,)).build(context(env))
     finally:
         old.httpd.shutdown()
     with pytest.raises(ServerError, match="is a jaxrl .* server, not vLLM"):
-        make_backend("vllm", base_dir=env["base"], url=env["url"])
+        VLLMRollout((env["url"],)).build(context(env))
+    here = context(env, out_dir=str(tmp_path))
     with pytest.raises(ServerError, match="no vLLM environment at") as e:
-        make_backend("vllm", base_dir=env["base"], out_dir=str(tmp_path), python=str(tmp_path / "nowhere"))
+        VLLMRollout(launch=VLLMLaunchOptions(python=str(tmp_path / "nowhere"))).build(here)
     assert ENV_RECIPE[1] in str(e.value)
     with pytest.raises(ServerError, match="has no vLLM installed"):
-        make_backend("vllm", base_dir=env["base"], out_dir=str(tmp_path), python=sys.executable)
+        VLLMRollout(launch=VLLMLaunchOptions(python=sys.executable)).build(here)
     # the command a launched server runs: LoRA on, parallelism passed through, the model's generation defaults off
     server = VLLMServer(python=sys.executable, tokenizer=env["base"], seed=3, tensor_parallel_size=2,
                         data_parallel_size=4, extra_args=["--enforce-eager"], check_install=False)
@@ -379,3 +388,67 @@ def test_rollout_launcher_on_the_server_backend(env, tmp_path):
     # resuming the file with the jax backend is refused: the two backends' samples are never mixed
     proc = run([a for a in argv if not a.startswith(("--backend", "--server_url"))])
     assert proc.returncode == 1 and "backend: 'server' -> None" in proc.stderr, proc.stderr[-2000:]
+
+
+def parsed(module, *args):
+    """The config launchers.rollout / launchers.evaluate (its flags `module`) build from `args`."""
+    from absl import flags
+    values = flags.FlagValues()
+    holders = module.define_flags(values)
+    values(["launcher", *args])
+    return module.build_config(holders)
+
+
+def test_the_backend_flags_reach_the_built_backend_and_the_deprecated_json_builds_the_same(env, tmp_path,
+                                                                                          monkeypatch):
+    """--server_concurrency / --server_request_timeout_s (flags made from ServerOptions) reach the ServerBackend
+    that evaluation and rollouts build from the config (backend_spec(cfg).build); --backend_kwargs with the same
+    keys gives the same config, hence the same backend, with one warning naming the flags. Settings recorded for a
+    resume are the same both ways."""
+    from jaxrl.backends import openai_client
+    from jaxrl.evaluation import flags as evaluate_flags
+    from jaxrl.evaluation.runner import Evaluator
+    from jaxrl.rollout import flags as rollout_flags
+    from jaxrl.rollout.runner import run_rollouts
+
+    built = []
+
+    class Recorded(openai_client.ServerBackend):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(openai_client, "ServerBackend", Recorded)  # what the specs resolve when they build
+    typed = ("--backend=server", f"--server_url={env['url']}", "--server_concurrency=3",
+             "--server_request_timeout_s=120")
+    legacy = ("--backend=server",
+              "--backend_kwargs=" + json.dumps({"url": env["url"], "concurrency": 3, "request_timeout_s": 120}))
+
+    common = (f"--problems={env['problems']}", f"--base={env['base']}", f"--adapters=a1={env['peft1']}",
+              "--num_samples=1", f"--max_new_tokens={CAP}", f"--max_prompt_len={PROMPT_LEN}", f"--reward={REWARD}",
+              "--dtype=float32")
+    cfg = parsed(evaluate_flags, *common, f"--out={tmp_path / 'eval'}", *typed)
+    with pytest.warns(FutureWarning, match=f"--backend_kwargs is deprecated: give --server_url={env['url']} "
+                                           "--server_concurrency=3 --server_request_timeout_s=120 instead"):
+        assert parsed(evaluate_flags, *common, f"--out={tmp_path / 'eval'}", *legacy) == cfg
+    ev = Evaluator(cfg, tokenizer=env["tok"])
+    try:
+        assert ev.backend is built[-1] and ev.backend.url == env["url"]
+        assert (ev.backend.concurrency, ev.backend.request_timeout_s) == (3, 120.0)
+    finally:
+        ev.close()
+
+    common = (f"--problems={env['problems']}", f"--model={env['base']}", "--num_samples=2", f"--max_new_tokens={CAP}",
+              f"--max_prompt_len={PROMPT_LEN}", f"--reward={REWARD}", "--seed=2", "--dtype=float32", "--limit=1",
+              "--noprogress")
+    metas = []
+    for args in (typed, legacy):
+        out = tmp_path / f"rollouts_{len(metas)}.jsonl"
+        with pytest.warns(FutureWarning) if args is legacy else contextlib.nullcontext():
+            cfg = parsed(rollout_flags, *common, f"--out={out}", *args)
+        run_rollouts(cfg, tokenizer=env["tok"])
+        assert isinstance(built[-1], Recorded) and built[-1].url == env["url"]
+        assert (built[-1].concurrency, built[-1].request_timeout_s) == (3, 120.0)
+        metas.append(json.loads(out.with_name(out.name + ".meta.json").read_text())["settings"])
+        assert len(out.read_text().splitlines()) == 2
+    assert metas[0]["backend"] == "server" and metas[0] == metas[1]  # the same settings: each resumes the other

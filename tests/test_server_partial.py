@@ -46,7 +46,7 @@ def served_digest(url, name):
 def env(tmp_path_factory):
     import jax.numpy as jnp
 
-    from jaxrl.export.peft import export_peft
+    from jaxrl.models.peft import export_peft
     from jaxrl.models import qwen35
     from jaxrl.models.adapters import Adapter
     from jaxrl.models.lora import linears
@@ -74,7 +74,7 @@ def forward_with(model, folder):
     import jax
     from flax import nnx
 
-    from jaxrl.export.peft import read_peft_adapter
+    from jaxrl.models.peft import read_peft_adapter
     from jaxrl.models.adapters import attach, detach
 
     attach(model, read_peft_adapter(str(folder))[0])
@@ -176,7 +176,7 @@ def test_the_server_backend_keeps_each_tokens_digest(env, tmp_path):
     one the server reports serving (`loaded_digest`); without the flag none is asked for."""
     from jaxrl.backends.base import ModelSpec, SamplingParams
     from jaxrl.backends.openai_client import ServerBackend
-    from jaxrl.export.peft import read_peft_adapter
+    from jaxrl.models.peft import read_peft_adapter
 
     folder = env["adapters"] / "a1"
     adapter = read_peft_adapter(str(folder))[0]

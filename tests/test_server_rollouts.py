@@ -99,7 +99,7 @@ def test_server_rollouts_equal_the_jax_backend_and_serve_the_trainers_adapter(en
     from jaxrl.algorithms.online.rollouts import Rollouts as RolloutEngine
     from jaxrl.algorithms.run import build_model, resolve_config
     from jaxrl.backends.pool import AdapterSyncError, policy_adapter
-    from jaxrl.export.peft import export_peft
+    from jaxrl.models.peft import export_peft
     from jaxrl.models.lora import iter_lora
     from jaxrl.parallel.mesh import make_mesh
     from jaxrl.backends.openai_client import http_json
@@ -206,7 +206,7 @@ def test_the_served_adapter_is_the_trainers_at_every_rollout(runs, env):
     """metrics.jsonl logs, at every rollout, the trainer's adapter digest and the one both servers reported serving:
     equal, and equal to the digest of the adapter checkpoint of the step the rollout was sampled at. After the
     last rollout no adapter of the run stays loaded."""
-    from jaxrl.export.peft import read_adapter
+    from jaxrl.models.peft import read_adapter
     by_rollout = {}
     for r in metrics(runs["server"]):
         assert r["rollout/served_digest"] == r["rollout/adapter_digest"]
@@ -388,12 +388,13 @@ def test_rollout_backend_settings_are_checked():
 def test_a_config_json_written_with_rollout_backend_kwargs_resumes_with_the_same_options():
     """A run started before the typed blocks wrote its options into rollout_backend_kwargs; reading that
     config.json back gives the block a run with the typed keys gets."""
-    from jaxrl.utils import train_config
-    old = train_config.default_config("grpo").to_dict()
+    from jaxrl.algorithms.run import resolve_config
+    from jaxrl.algorithms.tasks import default_config
+    old = default_config("grpo").to_dict()
     old["grpo"].update(rollout_backend="vllm", rollout_backend_kwargs={"request_timeout_s": 60, "max_loras": 2})
     del old["grpo"]["rollout_server"], old["grpo"]["rollout_vllm"]  # keys its writer did not have
     with pytest.warns(FutureWarning):
-        got = train_config.resolve(json.loads(json.dumps(old))).grpo
+        got = resolve_config(json.loads(json.dumps(old))).grpo
     assert got.rollout_server.request_timeout_s == 60.0 and isinstance(got.rollout_server.request_timeout_s, float)
     assert got.rollout_vllm.max_loras == 2 and got.rollout_backend_kwargs == {}
 
@@ -414,17 +415,17 @@ def test_vllm_rollout_servers_are_started_as_evaluation_starts_them(tmp_path):
     run's rank, the run's seed and dtype, room for a prompt and its completion, and the launch options of
     rollout_vllm; its log in the workdir. (vLLM itself does not run here: the command is checked.)"""
     from conftest import tiny_config
-    from jaxrl.backends import pool as server_rollouts
     from jaxrl.algorithms.run import resolve_config
+    from jaxrl.backends.settings import BackendContext
     c = tiny_config("grpo", rollout_backend="vllm", rollout_server={"concurrency": 16}, rollout_vllm={
         "python": sys.executable, "data_parallel_size": 2, "gpu_memory_utilization": 0.5,
         "extra_args": ["--enforce-eager"]})
     c.model_path = str(tmp_path / "base")
     c.seed = 3
     cfg = resolve_config(c)
-    pool = server_rollouts.make_pool(cfg.grpo, model_path=cfg.model_path, dtype=cfg.dtype, seed=cfg.seed,
-                                     workdir=str(tmp_path / "run"), stop_ids=(1,), max_prompt_len=32,
-                                     max_new_tokens=8, lora_rank=cfg.lora.rank, check_install=False)
+    pool = cfg.grpo.rollout_spec.build(BackendContext(
+        cfg.model_path, stop_ids=(1,), max_prompt_len=32, max_new_tokens=8, dtype=cfg.dtype, seed=cfg.seed,
+        run_dir=str(tmp_path / "run"), lora_rank=cfg.lora.rank, check_install=False))
     (backend,) = pool.backends
     assert backend.name == "vllm" and backend.url is None and backend.concurrency == 16  # started at first sync
     assert backend.base_lora_rank == cfg.lora.rank

@@ -105,7 +105,7 @@ def test_batch_that_cannot_split_over_the_mesh_fails_clearly(parts):
 
 def test_mesh_from_config():
     cfg = resolve_config(ml_collections.ConfigDict({"mesh": {"shape": (2, -1, 2)}}))
-    assert dict(mesh_from_config(cfg).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh_from_config(cfg.mesh).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert make_mesh((1, 1, 1)).devices.size == 1  # a subset of the devices on one process
     with pytest.raises(MeshConfigError, match="needs 16 devices"):
         make_mesh((2, 8, 1))

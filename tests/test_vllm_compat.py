@@ -16,7 +16,7 @@ import os
 import pytest
 from safetensors import safe_open
 
-from jaxrl.export.peft import export_peft
+from jaxrl.models.peft import export_peft
 from jaxrl.models.lora import LoRAError, apply_lora_from_config, vllm_unpackable
 from jaxrl.backends.openai_client import LORA_RANKS, lora_rank_slot
 from test_export import random_adapter
@@ -253,7 +253,7 @@ def test_partial_gdn_targets_pack_exactly_when_the_refusal_says(base, tmp_path, 
 def test_unpackable_targets_are_refused_at_training_start(base):
     import dataclasses
 
-    from jaxrl.utils.train_config import LoRAConfig
+    from jaxrl.models.settings import LoRAConfig
     from jaxrl.models import qwen35
     import jax.numpy as jnp
     model = qwen35.from_pretrained(base[0], dtype=jnp.float32)

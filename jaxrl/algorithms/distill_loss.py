@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.utils.train_config import DISTILL_LOSSES
+from jaxrl.algorithms.distill_config import DISTILL_LOSSES
 
 __all__ = ["DISTILL_LOSSES", "LOG_FLOOR", "bucketed", "forward_kl_topk", "generalized_jsd", "jsd_topk",
            "reverse_kl_advantages", "topk_divergence"]

@@ -49,7 +49,8 @@ from jaxrl.backends.teacher_client import ServerTeacher, VLLMTeacher
 from jaxrl.data.stream import epoch_stream, token_rows
 from jaxrl.models import qwen35
 from jaxrl.ops.logprobs import support_logprobs
-from jaxrl.utils.train_config import DistillConfig, TrainConfig
+from jaxrl.algorithms.config import TrainConfig
+from jaxrl.algorithms.distill_config import DistillConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,7 @@ class DistillTask(OnlineTask):
             self.teacher = JaxTeacher.load(d.teacher_path, d.teacher_adapter, dtype=config.dtype, mesh=mesh,
                                            compute={k: getattr(config, k) for k in qwen35.COMPUTE_FIELDS},
                                            compile_options=dict(config.compile_options) or None)
-        super().__init__(config, Schedule(rows, rows, 1, config.seed), rollouts, d)
+        super().__init__(config, Schedule(rows, rows, 1, config.seed), rollouts)
         self.chunk_size = config.logprob_chunk_size
         self.objective = DistillObjective(loss_name=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature,
                                           reward_weight=d.reward_weight, chunk_size=self.chunk_size)
@@ -219,7 +220,7 @@ class DistillTask(OnlineTask):
             inside = (scores["top_ids"][:self.student_rows] == sampled[..., None]).any(-1)
             metrics["distill/outside_topk"] = float((~inside)[student].mean())
         metrics["distill/student_rows"] = self.student_rows / rows
-        return buffer, metrics
+        return buffer, metrics, None  # synchronous and on-policy: no sampler's data to keep
 
 
 def build_distill(config: TrainConfig, model, mesh) -> DistillTask:

@@ -65,7 +65,8 @@ from jaxrl.train import batched_forward
 from jaxrl.train.objective import target_mask
 from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
-from jaxrl.utils.train_config import DPOConfig, DPODataConfig, TrainConfig
+from jaxrl.algorithms.config import TrainConfig
+from jaxrl.algorithms.dpo_config import DPOConfig, DPODataConfig
 REF_CACHE = "ref_logps.npz"
 DATA_STATS = "data_stats.json"
 

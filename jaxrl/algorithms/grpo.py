@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.utils.registry import Registry
-from jaxrl.utils.train_config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
+from jaxrl.algorithms.grpo_config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
 
 __all__ = [
     "SCALE_REWARDS",

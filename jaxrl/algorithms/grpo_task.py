@@ -29,7 +29,7 @@ the recomputed old log-probs when those are at temperature 1), or, in an on-poli
 step's own forward (the weights and the `mismatch/*` metrics computed inside the step): never a second pass of
 the same parameters. The comparison is made whatever the mode, for the `mismatch/*` metrics.
 
-Episodes (`environment` set; jaxrl/algorithms/online/episodes.py): each row is a multi-turn episode of a policy
+Episodes (`environment` set; jaxrl/environments/runner.py): each row is a multi-turn episode of a policy
 and an environment, one token sequence whose completion columns (`max_episode_tokens` wide) hold every turn's
 sampled tokens (completion mask 1) and every observation (mask 0); the reward is the episode's, the advantages are
 per episode within groups of `num_generations` episodes of a problem, and the loss runs over the sampled tokens of
@@ -73,11 +73,12 @@ from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule, check_rows
-from jaxrl.algorithms.online.episodes import EpisodeRollouts
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
+from jaxrl.algorithms.online.controller import proximal_pass
 from jaxrl.algorithms.online.task import OnlineTask
-from jaxrl.utils.train_config import GRPOConfig, TrainConfig
+from jaxrl.algorithms.config import TrainConfig
+from jaxrl.algorithms.grpo_config import GRPOConfig
 
 
 class StepNormalisers(NamedTuple):
@@ -118,7 +119,7 @@ class GRPOObjective:
 
     @classmethod
     def of(cls, grpo: GRPOConfig, *, chunk_size: int, mismatch_in_step: bool = False) -> "GRPOObjective":
-        # episodes: the completion columns are the episode's (jaxrl/algorithms/online/episodes.py)
+        # episodes: the completion columns are the episode's (jaxrl/algorithms/online/rollouts.py)
         width = grpo.max_episode_tokens if grpo.environment else grpo.max_new_tokens
         return cls(max_new_tokens=width, aggregation=grpo.aggregation, beta=grpo.beta,
                    kl_estimator=grpo.kl_estimator, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
@@ -177,10 +178,10 @@ class GRPOTask(OnlineTask):
             logging.warning("grpo.num_generations=1: every group has zero variance and zero advantage")
         global_batch = config.batch.global_batch
         check_rows(grpo.rows_per_rollout, global_batch, "grpo.prompts_per_step x grpo.num_generations")
-        rollouts = (EpisodeRollouts if grpo.environment else Rollouts)(
-            config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo)
+        rollouts = Rollouts(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo,
+                            episodes=grpo if grpo.environment else None, async_policy=grpo.async_policy)
         super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed),
-                         rollouts, grpo)
+                         rollouts, grpo.async_policy, proximal_pass(grpo, config, mesh))
         self.on_policy = self.schedule.steps_per_rollout == 1
         # The sampler's log-probs match a teacher-forced pass to ~1e-6 in float32 only; in bf16 its KV-cache
         # decode drifts, so the first update's ratio would not be 1.
@@ -206,7 +207,7 @@ class GRPOTask(OnlineTask):
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "advantages", "sequence_mask") + (
             ("ref_logp",) if grpo.beta != 0.0 else ()) + (() if self.on_policy else ("old_logp",)) + (
             ("behaviour_logp", "rollout_mask") if self.mismatch_in_step else
-            ("is_weights",) if corrected or self.decoupled else ())
+            ("is_weights",) if corrected or self.async_policy.decoupled else ())
         self.mesh = mesh
 
     def shaped_rewards(self, s: Sampled) -> tuple[np.ndarray, Optional[np.ndarray]]:
@@ -310,12 +311,8 @@ class GRPOTask(OnlineTask):
             metrics.update(mismatch)
             if weights is not None:
                 buffer["is_weights"] = weights
-        if self.decoupled:  # the behaviour side of the decoupled objective's weight (OnlineTask._decouple)
-            buffer["sampler_logp"] = s.behaviour_logp
-        if s.token_versions is not None:  # partial rollouts: the version of each token (OnlineTask.batch's metrics)
-            buffer["token_versions"] = s.token_versions
         metrics.update(passes.timings())
-        return buffer, metrics
+        return buffer, metrics, s
 
 
 def take_groups(draws: list, order: list, group: int) -> Sampled:

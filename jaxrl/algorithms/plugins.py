@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.algorithms import dpo, grpo, kl
-from jaxrl.algorithms.environments import ENVIRONMENTS, Turn, check_messages
+from jaxrl.environments.base import Turn, as_environment, check_messages
+from jaxrl.environments.registry import ENVIRONMENTS
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rewards.registry import REWARDS, as_factory, example_problem
 from jaxrl.utils.registry import PluginError, Registry, origin_of, resolve
@@ -119,7 +120,7 @@ DPO_LOSS_SIGNATURE = "fn(p: jaxrl.algorithms.dpo.PairInputs) -> per-pair losses,
 ADVANTAGE_SIGNATURE = "fn(rewards: float array [N], num_generations: int) -> advantages, float array [N]"
 KL_SIGNATURE = "fn(logp: float array [B, T], ref_logp: float array [B, T]) -> per-token KL, float array [B, T]"
 ENVIRONMENT_SIGNATURE = ("a class (**environment_options) with reset(problem) -> messages and step(turn: "
-                         "jaxrl.algorithms.environments.Turn) -> (messages, reward: float, done: bool); messages: "
+                         "jaxrl.environments.base.Turn) -> (messages, reward: float, done: bool); messages: "
                          "[{'role': str, 'content': str}, ...]")
 REWARD_SIGNATURE = ("fn(completion: str, problem: jaxrl.data.problems.Problem, **kwargs) -> bool | float in "
                     "[0, 1] | RewardResult, or a Reward class (with score(completions, problems, truncated))")
@@ -199,6 +200,8 @@ def _check_reward(label: str, target: Any, options: Mapping[str, bool]) -> None:
 def _check_environment(label: str, target: Any, options: Mapping[str, bool]) -> None:
     """One episode of the toy problem: constructed without options, reset, then one last turn stepped; the messages
     must be role/content dicts, the reward one finite number, done a bool."""
+    if not isinstance(target, type):
+        raise PluginError(f"{label}: {target!r} is not a class; expected {ENVIRONMENT_SIGNATURE}")
     problem = example_problem()
     turn = Turn("```python\nprint(input())\n```", (1, 2, 3), "stop", index=0, last=True)
     try:
@@ -274,7 +277,8 @@ def _admit(kind: str, name: str, obj: Any, label: str, options: Mapping[str, Any
     if have is not None and have != origin:
         raise PluginError(f"{label}: the name {name!r} is already taken by {have}; choose another name")
     k.check(label, obj, options)
-    entry = as_factory(obj) if kind == "reward" else obj
+    # a reward as a factory; an environment with the protocol's attributes at their defaults (`as_environment`)
+    entry = as_factory(obj) if kind == "reward" else as_environment(obj) if kind == "environment" else obj
     info = dpo.PLUGIN_SPEC._replace(**options) if kind == "dpo_loss" else None
     k.registry.add(name, entry, origin=origin, info=info)
 

@@ -18,7 +18,7 @@ Ziegler et al. controller (`kl_target`, `kl_horizon`; updated after each rollout
 of each sequence's token-mean KL, as verl and OpenRLHF; n_steps = N); it is host state saved with every
 checkpoint.
 
-Episodes (`environment` set; jaxrl/algorithms/online/episodes.py): each row is a multi-turn episode, its
+Episodes (`environment` set; jaxrl/environments/runner.py): each row is a multi-turn episode, its
 completion columns (`max_episode_tokens` wide) every turn's sampled tokens (mask 1) and every observation (mask 0).
 Environment tokens are not actions: they get no KL reward, no value target, no advantage and no loss, and GAE
 skips them (`ppo.gae` passes its carry through a masked position), so the chain runs from a turn's last sampled
@@ -66,12 +66,13 @@ from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import ppo as ppo_lib
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule
-from jaxrl.algorithms.online.episodes import EpisodeRollouts
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
+from jaxrl.algorithms.online.controller import proximal_pass
 from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.models.lora import LoRAParam
-from jaxrl.utils.train_config import PPOConfig, TrainConfig
+from jaxrl.algorithms.config import TrainConfig
+from jaxrl.algorithms.ppo_config import PPOConfig
 
 
 def _lr_scaled(x: jax.Array, scale: float) -> jax.Array:
@@ -193,9 +194,10 @@ class PPOTask(OnlineTask):
             raise ValueError(f"ppo.prompts_per_rollout x ppo.num_generations = {rows} rows must equal ppo.minibatches "
                              f"({ppo.minibatches}) x the global batch batch.micro_batch_size x batch.grad_accum "
                              f"({global_batch})")
-        rollouts = (EpisodeRollouts if ppo.environment else Rollouts)(
-            config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo)
-        super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo)
+        rollouts = Rollouts(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo,
+                            episodes=ppo if ppo.environment else None, async_policy=ppo.async_policy)
+        super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo.async_policy,
+                         proximal_pass(ppo, config, mesh))
         lr = config.optimizer.learning_rate
         value_lr = ppo.value_learning_rate or lr
         if not (value_lr > 0 and lr > 0):
@@ -209,7 +211,7 @@ class PPOTask(OnlineTask):
         self.chunk_size = config.logprob_chunk_size
         self.objective = PPOObjective.of(ppo, chunk_size=self.chunk_size)
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
-                           "returns") + (("is_weights",) if ppo.rollout_correction != "none" or self.decoupled
+                           "returns") + (("is_weights",) if ppo.rollout_correction != "none" or self.async_policy.decoupled
                                          else ())
         if ppo.critic_warmup_steps and config.optimizer.weight_decay:
             logging.warning("ppo.critic_warmup_steps=%d with optimizer.weight_decay=%s: the LoRA factors get no "
@@ -303,11 +305,7 @@ class PPOTask(OnlineTask):
                   "returns": np.asarray(ret, np.float32)}
         if is_weights is not None:
             buffer["is_weights"] = is_weights
-        if self.decoupled:  # the behaviour side of the decoupled objective's weight (OnlineTask._decouple)
-            buffer["sampler_logp"] = s.behaviour_logp
-        if s.token_versions is not None:  # partial rollouts: the version of each token (OnlineTask.batch's metrics)
-            buffer["token_versions"] = s.token_versions
-        return buffer, metrics
+        return buffer, metrics, s
 
 
 def build_ppo(config: TrainConfig, model, mesh) -> PPOTask:

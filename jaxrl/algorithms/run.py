@@ -4,7 +4,7 @@
     run_config = resolve_config(config)          # -> TrainConfig: every missing key at its default, typos refused
     model = build_model(run_config, mesh)        # the base model of `model_path` / `model_preset`, LoRA attached
 
-Order: the config is resolved once, into a `TrainConfig` that everything below reads (jaxrl.utils.train_config:
+Order: the config is resolved once, into a `TrainConfig` that everything below reads (jaxrl.algorithms.config:
 a config not built on configs/base.py gets the same defaults; an unknown key in any block is an error naming it
 and the nearest valid one; values are validated), then checked against the run already in the workdir, then the
 plug-ins are loaded (a broken user objective fails before any model or data work), then the mesh, the micro-batch
@@ -17,41 +17,44 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+from typing import Mapping
 
 import jax.numpy as jnp
 from absl import logging
 
 from jaxrl.algorithms import plugins
-from jaxrl.algorithms.tasks import get_task_factory
+from jaxrl.algorithms import config as run_config
+from jaxrl.algorithms.config import TrainConfig
+from jaxrl.algorithms.tasks import Algorithm, algorithm_of, get_algorithm
 from jaxrl.models import qwen35
 from jaxrl.models.lora import apply_lora_from_config
 from jaxrl.models.qwen35.init import init_model_jit
 from jaxrl.parallel.mesh import mesh_from_config
 from jaxrl.rewards import REWARDS
 from jaxrl.train.loop import RunResult, Trainer, check_same_run
-from jaxrl.utils import train_config
-from jaxrl.utils.train_config import RewardConfig, TrainConfig
-from jaxrl.utils.typed_config import keys_of, unknown_key_error
+from jaxrl.rewards.settings import RewardConfig
+from jaxrl.utils.typed_config import keys_of, plain_mapping, unknown_key_error
 
 
-def resolve_config(config, factory=None) -> TrainConfig:
+def resolve_config(config, algorithm=None) -> TrainConfig:
     """The TrainConfig of `config` (a ConfigDict, a mapping, or a TrainConfig): every key checked against the
-    schema of its algorithm (the blocks `factory.config_blocks` declares for an algorithm of your own), the
-    reward's constructor arguments and the model overrides included. ConfigKeyError naming the key (and the
-    nearest valid one) otherwise."""
+    schema of its algorithm (`algorithm`: an Algorithm, or a user's task factory with the blocks it declares in
+    `config_blocks`; default: the one `config.algorithm` names), the reward's constructor arguments and the model
+    overrides included. ConfigKeyError naming the key (and the nearest valid one) otherwise."""
     if isinstance(config, TrainConfig):
         return config
-    if factory is None:
-        factory = get_task_factory(_algorithm_of(config))
-    resolved = train_config.resolve(config, getattr(factory, "config_blocks", None))
-    _check_reward_arguments(resolved.reward)
+    name = _algorithm_of(config)
+    algorithm = get_algorithm(name) if algorithm is None else algorithm_of(name, algorithm)
+    resolved = run_config.resolve(config, algorithm)
+    _check_reward_arguments(resolved.block("reward"))
     _check_model_overrides(resolved.model_overrides)
     return resolved
 
 
 def _algorithm_of(config) -> str:
-    value = config.get("algorithm", None) if hasattr(config, "get") else None
-    return value or train_config.TrainConfig.algorithm
+    items = plain_mapping(config)
+    value = items.get("algorithm") if isinstance(items, Mapping) else None
+    return value or TrainConfig.algorithm
 
 
 def _check_reward_arguments(reward) -> None:
@@ -80,10 +83,11 @@ def load_run_plugins(config: TrainConfig) -> list[dict]:
     """Import, check and register the run's plug-ins: `plugins`, then the deprecated `dpo.plugin` alias (with a
     warning). Returns what was registered ({"kind", "name", "path"})."""
     entries = plugins.parse_plugins(config.plugins)
-    if config.dpo is not None and config.dpo.plugin:
+    dpo = config.block("dpo")
+    if dpo is not None and dpo.plugin:
         logging.warning("dpo.plugin is deprecated: write it as plugins=('dpo_loss:%s',) (one entry per function)",
-                        config.dpo.plugin)
-        entries += plugins.dpo_plugin_entries(config.dpo.plugin)
+                        dpo.plugin)
+        entries += plugins.dpo_plugin_entries(dpo.plugin)
     loaded = plugins.load_plugins(entries)
     for entry in loaded:
         logging.info("plug-in %s %r loaded from %s", entry["kind"], entry["name"], entry["path"])
@@ -148,12 +152,13 @@ def fit_micro_batch_to_mesh(config: TrainConfig, mesh) -> TrainConfig:
 def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunResult:
     """Build the model and the algorithm's task from the config and run (resuming from the workdir). `config`: a
     ConfigDict (a family file), a config.json's dict, or a TrainConfig."""
-    factory = get_task_factory(config.algorithm if isinstance(config, TrainConfig) else _algorithm_of(config))
-    config = resolve_config(config, factory)
+    algorithm: Algorithm = get_algorithm(config.algorithm if isinstance(config, TrainConfig) else
+                                         _algorithm_of(config))
+    config = resolve_config(config, algorithm)
     check_same_run(config, workdir)  # a workdir holding a run of another shape: refused before any work
     load_run_plugins(config)  # user objectives checked before any model or data work
-    mesh = mesh if mesh is not None else mesh_from_config(config)
+    mesh = mesh if mesh is not None else mesh_from_config(config.mesh)
     config = fit_micro_batch_to_mesh(config, mesh)
     model = build_model(config, mesh)
-    task = factory(config, model, mesh)
+    task = algorithm(config, model, mesh)
     return Trainer(config, model, task, workdir, mesh=mesh, **trainer_kwargs).run()

@@ -27,7 +27,7 @@ from jaxrl.data import packing
 from jaxrl.data.stream import epoch_stream, token_rows, warn_if_under_a_batch
 from jaxrl.train.objective import NextToken
 from jaxrl.train.task import Task
-from jaxrl.utils.train_config import TrainConfig
+from jaxrl.algorithms.config import TrainConfig
 
 
 # Packed row lengths are multiples of this (of seq_len / 8 when that is smaller, so short test rows still get a

@@ -5,19 +5,26 @@ one servable model, one version of a trainer's policy.
     backend.update_weights(policy)                                  # online training: the trainer's current policy
     gens = backend.generate(prompts, group_ids, SamplingParams(n=8, max_new_tokens=4096, temperature=1.0))
     for j, gens_j in backend.stream(prompts, group_ids, sampling, prompts_per_call=8): ...
+    backend.generate_rows(rows, sampling, then=next_turn, session_tokens=E)   # rows, and the rows they lead to
     backend.close()
 
 Rows are prompt-major (prompt j -> rows j*n ... j*n+n-1). `tokens` are the generated ids up to and including the
 stop token; `finish_reason` is "stop" (a stop id ended it) or "length" (the cap did). Sample keys derive from
 (seed, group id, sample index) on every backend (jaxrl.generation.sampling), so a sample does not depend on its
 batch, its server or the backend that drew it.
+
+Rows that lead to more rows (the turns of multi-turn episodes, jaxrl.environments.runner) go through
+`generate_rows`: each `RowRequest` carries its tokens so far, its key and, for a row whose next turn will continue
+it, its `session`. The jax backend keeps such a row's slot with its caches and feeds only what the next request
+appends; a server prefills the whole history again. Either way the tokens are the same (the keys are the rows').
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Sequence
+import time
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 from jaxrl.generation.sampling import SamplingParams
 
@@ -76,6 +83,24 @@ class Policy:
     adapter: Callable[[], Any]  # -> jaxrl.models.adapters.Adapter
 
 
+@dataclasses.dataclass(frozen=True)
+class RowRequest:
+    """One row for `RolloutBackend.generate_rows`: its tokens so far (`prompt`: a first prompt, or a session's whole
+    history) and its sample key (seed, `group_id`, `sample_index`). `session`: the row's next turn will continue it
+    (jax: its slot and caches are kept; servers prefill again); `prompt_key`: rows of one prompt that share its
+    prefill, the K first turns of a problem keyed as one prompt x K samples (sample indices 0 .. K-1)."""
+
+    prompt: tuple
+    group_id: int
+    sample_index: int = 0
+    session: Optional[Hashable] = None
+    prompt_key: Optional[Hashable] = None
+
+
+# What `generate_rows` calls when a row finishes: its next row (the same session), or None when it ends there.
+NextRow = Callable[[RowRequest, Generation], Optional[RowRequest]]
+
+
 class RolloutBackend(abc.ABC):
     """What every backend provides (module docstring). `batch_size`: rows a caller hands one `generate` call (the
     engine's slots several times over, a server's requests in flight); `name`: jax | server | vllm."""
@@ -103,11 +128,24 @@ class RolloutBackend(abc.ABC):
         `prompts_per_call` prompts; the jax backend streams every prompt through one engine."""
         yield from chunked_stream(self, prompts, group_ids, sampling, prompts_per_call)
 
-    def session_engine(self, sampling: SamplingParams, num_rows: int, session_tokens: int):
-        """A `jaxrl.generation.Engine` whose multi-turn rows continue in place (live-row continuation: an
-        episode's next turn feeds only what the environment appended), or None where turns go over a wire (each
-        turn is then a `generate` call on the whole history, as token ids)."""
-        return None
+    def generate_rows(self, rows: Sequence[RowRequest], sampling: SamplingParams, *, then: NextRow,
+                      session_tokens: int = 0) -> dict:
+        """Generates every row (`sampling.n` is ignored: one generation a row), calling `then(row, generation)` on
+        this thread as each finishes; the row it returns is generated too. `session_tokens` > 0: rows with a
+        `session` continue from turn to turn (at most that many tokens after their first prompt) where the backend
+        keeps rows live. Returns {"sample_s": the seconds spent generating}.
+
+        Here (a backend that generates a call at a time, over a wire): in waves, each wave one `generate` call per
+        group of rows sharing a prompt (n = K) and one for the rest (n = 1), the rows a wave leads to forming the
+        next; every session's history is prefilled again."""
+        pending, seconds = list(rows), 0.0
+        while pending:
+            t0 = time.perf_counter()
+            generations = generate_wave(self, pending, sampling)
+            seconds += time.perf_counter() - t0
+            pending = [nxt for row, gen in zip(pending, generations)
+                       for nxt in (then(row, gen),) if nxt is not None]
+        return {"sample_s": seconds}
 
     def loaded_digest(self) -> Optional[str]:
         """Digest of the LoRA adapter the loaded model carries, read back from where it is served (None: none)."""
@@ -136,3 +174,29 @@ def chunked_stream(backend, prompts: Sequence[Sequence[int]], group_ids: Sequenc
             g.prompt_index += start
         for k, rows in enumerate(by_prompt):
             yield start + k, rows
+
+
+def generate_wave(backend, rows: Sequence[RowRequest], sampling: SamplingParams) -> list[Generation]:
+    """One generation per row, in row order: the rows sharing a prompt (`prompt_key`, sample indices 0 .. K-1) as
+    one prompt of n = K samples (its keys: (seed, group id, i)), every other row as a prompt of its own (n = 1)."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.prompt_key is not None:
+            groups.setdefault(row.prompt_key, []).append(i)
+    shared = [members for members in groups.values()
+              if [rows[i].sample_index for i in members] == list(range(len(members)))
+              and all(rows[i].prompt == rows[members[0]].prompt for i in members)]
+    out: list[Optional[Generation]] = [None] * len(rows)
+    for k in sorted({len(m) for m in shared}):  # one call per group size (n is a call's)
+        batch = [m for m in shared if len(m) == k]
+        gens = backend.generate([rows[m[0]].prompt for m in batch], [rows[m[0]].group_id for m in batch],
+                                sampling.replace(n=k))
+        for g in gens:
+            out[batch[g.prompt_index][g.sample_index]] = g
+    rest = [i for i, g in enumerate(out) if g is None]
+    if rest:
+        gens = backend.generate([rows[i].prompt for i in rest], [rows[i].group_id for i in rest],
+                                sampling.replace(n=1))
+        for g in gens:
+            out[rest[g.prompt_index]] = g
+    return out

@@ -12,13 +12,16 @@ Two ways to hold a model:
 from __future__ import annotations
 
 import collections
-from typing import Optional, Sequence
+import itertools
+import time
+from typing import Any, Optional, Sequence
 
 import jax.numpy as jnp
 from absl import logging
 
-from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
+from jaxrl.backends.base import Generation, ModelSpec, NextRow, Policy, RolloutBackend, RowRequest, SamplingParams
 from jaxrl.generation import Sampler
+from jaxrl.generation.engine import Request
 from jaxrl.generation.programs import engine_programs
 from jaxrl.models import qwen35
 from jaxrl.models.adapters import attach, attached_digest, detach
@@ -27,6 +30,13 @@ from jaxrl.parallel.sharding import batch_shards
 DTYPES = ("bfloat16", "float32")
 ENGINE_COUNTERS = ("rows", "decode_steps", "slot_steps", "rounds", "inserts", "prefilled_prompts", "prefilled_tokens",
                    "generated_tokens")
+SESSION_COUNTERS = ("continued", "extended_tokens", "extensions")  # a session engine's: rows continued in place
+
+
+def _session_order(row: RowRequest, submitted: int) -> tuple:
+    """The order in which rows finished in the same round are handed on: by session (an episode's number), then
+    by submission."""
+    return (0, row.session, submitted) if isinstance(row.session, int) else (1, 0, submitted)
 
 
 class JaxBackend(RolloutBackend):
@@ -35,7 +45,7 @@ class JaxBackend(RolloutBackend):
     def __init__(self, base_dir: Optional[str] = None, *, dtype: Optional[str] = "bfloat16", batch_size: int = 64,
                  max_prompt_len: int = 4096, prompt_buckets: Optional[Sequence[int]] = None,
                  stop_ids: Sequence[int] = (), pad_id: Optional[int] = None, model=None, mesh=None,
-                 collect_factor: int = 4, shrink: Optional[bool] = None, **_unused):
+                 collect_factor: int = 4, shrink: Optional[bool] = None):
         """dtype: compute dtype of models loaded from folders; None with `model=` (take the model's own).
         mesh: rows split over its data x fsdp axes, weights placed by the sharding rules; `batch_size` (rows decoded
         at once: the engine's slots) is rounded up to a multiple of data x fsdp.
@@ -131,10 +141,53 @@ class JaxBackend(RolloutBackend):
         return [Generation(list(out.tokens[i]), out.finish_reasons[i], out.prompt_indices[i], out.sample_indices[i],
                            [float(x) for x in out.logprobs[i]]) for i in range(len(out))]
 
-    def session_engine(self, sampling: SamplingParams, num_rows: int, session_tokens: int):
-        """An engine of this backend's weights whose episode rows continue in place (`Sampler.session_engine`)."""
-        return self.sampler(int(sampling.max_new_tokens)).session_engine(num_rows, session_tokens,
-                                                                         params=self._params)
+    def generate_rows(self, rows: Sequence[RowRequest], sampling: SamplingParams, *, then: NextRow,
+                      session_tokens: int = 0) -> dict:
+        """`RolloutBackend.generate_rows`; with `session_tokens` > 0 every row goes through one session engine
+        (`Sampler.session_engine`): a row whose next turn continues it keeps its slot with its caches, and that turn
+        feeds only what its request appends. Rows run independently: whenever a round ends, the rows that finished
+        are handed to `then` (in session order) and the rows it returns join before the next round, so no row waits
+        for the slowest turn of the others; the schedule is still a function of the requests (no clock), so the
+        tokens are the same every run. The engine's counters of the call come back beside `sample_s`."""
+        if session_tokens <= 0:
+            return super().generate_rows(rows, sampling, then=then)
+        cap = int(sampling.max_new_tokens)
+        engine = self.sampler(cap).session_engine(len(rows), session_tokens, params=self._params)
+        pending: dict[int, tuple[RowRequest, Any]] = {}  # submission number -> (row, its ticket)
+        counter = itertools.count()
+
+        def submit(row: RowRequest) -> None:
+            ticket = engine.submit(Request(list(row.prompt), group_id=row.group_id, sample_index=row.sample_index,
+                                           seed=int(sampling.seed), max_new_tokens=cap,
+                                           temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                                           top_k=int(sampling.top_k), prompt_key=row.prompt_key,
+                                           session=row.session, session_tokens=session_tokens))
+            pending[next(counter)] = (row, ticket)
+
+        seconds = 0.0
+        for row in rows:
+            submit(row)
+        while pending:
+            t0 = time.perf_counter()
+            if engine.idle:
+                raise RuntimeError(f"the session engine went idle with {len(pending)} rows unfinished")
+            engine.step()
+            seconds += time.perf_counter() - t0
+            done = sorted(((k, row, ticket) for k, (row, ticket) in pending.items() if ticket.done),
+                          key=lambda item: _session_order(item[1], item[0]))
+            for k, row, ticket in done:
+                del pending[k]
+                c = ticket.wait()
+                follow = then(row, Generation(list(c.tokens), c.finish_reason, 0, row.sample_index,
+                                              [float(x) for x in c.logprobs]))
+                if follow is not None:
+                    submit(follow)
+                elif row.session is not None:
+                    engine.end_session(row.session)
+        stats = {k: v for k, v in engine.stats.items() if k in ENGINE_COUNTERS or k in SESSION_COUNTERS}
+        self.counters.update(stats)
+        engine.release()
+        return {"sample_s": seconds, **{f"engine/{k}": float(v) for k, v in engine.stats.items()}}
 
     def stream(self, prompts, group_ids, sampling: SamplingParams, *, prompts_per_call: int):
         """(prompt index, its `sampling.n` generations) for every prompt, in order, from one engine fed as it goes

@@ -55,13 +55,13 @@ import urllib.request
 from typing import Optional, Sequence
 
 from jaxrl.export.merge import read_provenance
-from jaxrl.export.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
+from jaxrl.models.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
 from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
 from jaxrl.backends.waiting import send_all
 from jaxrl.generation.sampling import request_seed
 from jaxrl.generation.stopping import with_stop_token
 from jaxrl.serve.protocol import JAXRL_SERVER
-from jaxrl.utils.train_config import ServerOptions
+from jaxrl.backends.options import ServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float
             reason = getattr(e, "reason", e)
             if isinstance(reason, TimeoutError):
                 raise ServerError(f"the server at {url} did not answer within {timeout:g} s (a hung or overloaded "
-                                  "server; the timeout is rollout_server.request_timeout_s, or --backend_kwargs "
-                                  "request_timeout_s for evaluation)") from None
+                                  "server; the timeout is rollout_server.request_timeout_s, or "
+                                  "--server_request_timeout_s for offline rollouts and evaluation)") from None
             if isinstance(reason, RESET_ERRORS) and attempt < retries:
                 logger.warning("%s %s: connection reset (%s); retrying in %.1f s", method, url, reason, pause)
                 time.sleep(pause)
@@ -197,7 +197,7 @@ class ServerBackend(RolloutBackend):
                  concurrency: int = ServerOptions.concurrency,
                  request_timeout_s: float = ServerOptions.request_timeout_s,
                  progress_every_s: float = ServerOptions.progress_every_s, return_token_versions: bool = False,
-                 partial_rollout: bool = False, **_unused):
+                 partial_rollout: bool = False):
         if (url is None) == (launcher is None):
             raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
         self.base_dir = os.path.abspath(base_dir)

@@ -1,7 +1,7 @@
 """A pool of servers as one backend: what online GRPO / PPO sample on with `rollout_backend` = server | vllm.
 
-    pool = make_pool(config.grpo, model_path=..., dtype="bfloat16", seed=0, workdir=run_dir, stop_ids=(1,),
-                     max_prompt_len=64, max_new_tokens=512, lora_rank=16)
+    pool = config.grpo.rollout_spec.build(BackendContext(model_path, stop_ids=(1,), max_prompt_len=64,
+                                                         max_new_tokens=512, run_dir=run_dir, lora_rank=16))
     served = pool.update_weights(Policy("r7", params, lambda: policy_adapter(policy)))   # every server checked
     gens = pool.generate(prompts, group_ids, SamplingParams(n=8, max_new_tokens=512, temperature=1.0, seed=s))
 
@@ -42,14 +42,14 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxrl.export.peft import export_peft
+from jaxrl.models.peft import export_peft
 from jaxrl.models import lora
 from jaxrl.models.adapters import Adapter
 from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
 from jaxrl.backends.openai_client import ServerBackend, ServerError
 from jaxrl.backends.waiting import send_all
 from jaxrl.backends.vllm_backend import VLLMBackend, VLLMServer
-from jaxrl.utils.train_config import VLLMLaunchOptions
+from jaxrl.backends.options import VLLMLaunchOptions
 
 ADAPTER_DIR = "rollout_adapters"  # <workdir>/rollout_adapters/<version>: the PEFT folder of the version served now
 LIVE_NAME = "live"  # partial rollouts: every version is served as model `<run tag>-live`, reloaded in place
@@ -198,31 +198,3 @@ def vllm_server(options: VLLMLaunchOptions, *, model_path: str, dtype: str, seed
     `jaxrl.backends.vllm_backend.VLLMServer`), with the block's `rollout_vllm` options."""
     return VLLMServer(tokenizer=os.path.abspath(model_path), dtype=dtype, seed=seed, log_path=log_path,
                       check_install=check_install, **dataclasses.asdict(options))
-
-
-def make_pool(block, *, model_path: str, dtype: str, seed: int, workdir: str, stop_ids: Sequence[int],
-              max_prompt_len: int, max_new_tokens: int, lora_rank: int, check_install: bool = True) -> ServerPool:
-    """The ServerPool of an algorithm block (its RolloutBackendSettings: rollout_backend, rollout_servers,
-    rollout_server, rollout_vllm) for a run in `workdir` on the base `model_path`."""
-    common = dict(stop_ids=stop_ids, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
-                  partial_rollout=block.partial_rollouts, **dataclasses.asdict(block.rollout_server))
-    servers = tuple(block.rollout_servers)
-    if block.rollout_backend == "server":
-        backends = [ServerBackend(model_path, url=url, **common) for url in servers]
-    elif block.rollout_backend == "vllm" and servers:
-        backends = [VLLMBackend(model_path, url=url, **common) for url in servers]
-    elif block.rollout_backend == "vllm":
-        launcher = vllm_server(block.rollout_vllm, model_path=model_path, dtype=dtype, seed=seed,
-                               log_path=os.path.join(workdir, "vllm_server.log"), check_install=check_install)
-        backend = ServerBackend(model_path, launcher=launcher, out_dir=workdir, **common)
-        backend.name = "vllm"
-        backend.base_lora_rank = int(lora_rank)
-        backends = [backend]
-        logging.info("rollouts: starting `%s` at the first rollout", launcher.shell_command(
-            os.path.abspath(model_path), max_prompt_len + max_new_tokens, lora_rank))
-    else:
-        raise ValueError(f"rollout_backend={block.rollout_backend!r} has no servers")
-    logging.info("rollouts: %d %s server(s): %s", len(backends), block.rollout_backend,
-                 ", ".join(b.url or "(started at the first rollout)" for b in backends))
-    return ServerPool(backends, base_dir=model_path, workdir=workdir, live=block.partial_rollouts,
-                      keep_versions=block.max_staleness + 1 if block.partial_rollouts else 1)

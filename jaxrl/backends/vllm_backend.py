@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 from jaxrl.backends.openai_client import (TARGET_VLLM, ServerBackend, ServerError, http_json,
                                                   lora_rank_slot, parse_version)
-from jaxrl.utils.train_config import VLLMLaunchOptions as _LAUNCH  # the launch options' one set of defaults
+from jaxrl.backends.options import VLLMLaunchOptions as _LAUNCH  # the launch options' one set of defaults
 
 VLLM_VERSION = "0.33.0"
 VLLM_REQUIREMENT = f"vllm=={VLLM_VERSION}"
@@ -207,7 +207,9 @@ class VLLMBackend(ServerBackend):
     python: the vLLM environment (interpreter or venv folder; default $JAXRL_VLLM_PYTHON, else DEFAULT_VENV).
     max_lora_rank: the LoRA rank the server on the base starts with (raised, with a restart, for a larger adapter;
       0 = no LoRA until an adapter is loaded).
-    tensor_parallel_size / data_parallel_size / gpu_memory_utilization / extra_args: passed to `vllm serve`.
+    tensor_parallel_size / data_parallel_size / gpu_memory_utilization / max_loras / extra_args: passed to
+      `vllm serve` (the launch options, jaxrl.backends.options.VLLMLaunchOptions); the other keywords (stop_ids,
+      max_prompt_len, max_new_tokens, the ServerOptions) are ServerBackend's.
     """
 
     name = "vllm"
@@ -216,7 +218,7 @@ class VLLMBackend(ServerBackend):
                  python: Optional[str] = None, dtype: str = "bfloat16", seed: int = 0,
                  tensor_parallel_size: int = _LAUNCH.tensor_parallel_size,
                  data_parallel_size: int = _LAUNCH.data_parallel_size,
-                 gpu_memory_utilization: float = _LAUNCH.gpu_memory_utilization,
+                 gpu_memory_utilization: float = _LAUNCH.gpu_memory_utilization, max_loras: int = _LAUNCH.max_loras,
                  extra_args: Sequence[str] = _LAUNCH.extra_args, startup_timeout_s: float = _LAUNCH.startup_timeout_s,
                  max_lora_rank: int = 16, **kwargs):
         launcher = None
@@ -224,8 +226,8 @@ class VLLMBackend(ServerBackend):
             log = os.path.join(out_dir, "vllm_server.log") if out_dir else None
             launcher = VLLMServer(python=python, tokenizer=os.path.abspath(base_dir), dtype=dtype, seed=seed,
                                   tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                                  gpu_memory_utilization=gpu_memory_utilization, extra_args=extra_args,
-                                  log_path=log, startup_timeout_s=startup_timeout_s)
+                                  gpu_memory_utilization=gpu_memory_utilization, max_loras=max_loras,
+                                  extra_args=extra_args, log_path=log, startup_timeout_s=startup_timeout_s)
         super().__init__(base_dir, url=url, launcher=launcher, out_dir=out_dir, **kwargs)
         self.base_lora_rank = int(max_lora_rank or 0)  # so the base's server takes the run's adapters unrestarted
         if url is not None and not (self.description or "").startswith("vllm"):

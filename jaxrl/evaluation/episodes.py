@@ -1,5 +1,5 @@
 """Evaluation over multi-turn episodes (launchers.evaluate --environment=NAME --max_turns=T): each of a problem's
-samples is an episode sampled by the training's EpisodeRunner (jaxrl/algorithms/online/episodes.py) through the
+samples is an episode sampled by the training's EpisodeRunner (jaxrl/environments/runner.py) through the
 evaluation backend, written as one SAMPLES record with its turns, and summarised as solved-within-t.
 
     stream = EpisodeStream(runner)                  # Collector.stream's signature: what SamplingLoop draws with
@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl.algorithms.online.episodes import Episode, EpisodeRunner
+from jaxrl.environments.runner import Episode, EpisodeRunner
 from jaxrl.evaluation.stats import mean_interval
 
 __all__ = ["EpisodeSample", "EpisodeStream", "episode_markdown", "episode_record", "episode_summary"]

@@ -1,6 +1,7 @@
 """The command-line flags of `python -m launchers.evaluate`, defined once: one per EvalConfig field (its name, type,
 default and help are declared on the field; jaxrl.utils.dataclass_flags makes the flag), the flags that choose the
-models and the protocol (below), --server_url and the distributed flags. The sweep runner checks a sweep's
+models and the protocol (below), the flags of the backends' option blocks (--server_<key>, --vllm_<key>, the
+deprecated --backend_kwargs: jaxrl.backends.flags) and the distributed flags. The sweep runner checks a sweep's
 `evaluate` block against NAMES.
 
     holders = define_flags()                    # {name: absl FlagHolder}
@@ -21,14 +22,14 @@ from jaxrl.evaluation import protocol
 from jaxrl.evaluation.analysis import sampling_warning
 from jaxrl.evaluation.runner import BASE, EvalConfig, ModelSpec, checkpoint_specs, default_reward_kwargs
 from jaxrl.parallel.distributed import FLAGS as DISTRIBUTED_FLAGS
-from jaxrl.backends.flags import SERVER_FLAGS, backend_options
+from jaxrl.backends.flags import BACKEND_FLAGS, backend_options, check_backend
 from jaxrl.rollout.runner import check_reward_choice
 from jaxrl.utils import dataclass_flags
 
 __all__ = ["NAMES", "build_config", "define_flags"]
 
-# The flags that are not EvalConfig fields (the models, the protocol, re-sampling; --server_url joins
-# --backend_kwargs, shared with launchers.rollout; --coordinator_address, ... shared with launchers.train):
+# The flags that are not EvalConfig fields (the models, the protocol, re-sampling; --server_<key> / --vllm_<key>
+# and --backend_kwargs, shared with launchers.rollout; --coordinator_address, ... shared with launchers.train):
 # (name, absl kind, default, [enum values,] help)
 _OTHER_FLAGS = (
     ("checkpoints", "string", None, "A run workdir: evaluate its adapter checkpoints (step_<N>), EMA adapters "
@@ -52,7 +53,7 @@ _OTHER_FLAGS = (
     ("withdraw", "string", None, "The --out of a confirmation run by mistake: withdraw it (kept in the ledger, marked "
      "withdrawn; its claim becomes exploratory), so the model can be confirmed again. Needs --reason."),
     ("reason", "string", "", "Why the confirmation is withdrawn (--withdraw); recorded in the ledger."),
-) + SERVER_FLAGS + DISTRIBUTED_FLAGS
+) + BACKEND_FLAGS + DISTRIBUTED_FLAGS
 NAMES = dataclass_flags.flag_names(EvalConfig) + tuple(f[0] for f in _OTHER_FLAGS)
 
 
@@ -87,9 +88,10 @@ def _default_base(workdir):
 
 def _config(holders: dict, problems: str, base: str, out: str, models: list, baseline: str) -> EvalConfig:
     """EvalConfig of the flags (sampling, reward, backend, statistics) for these models."""
-    _, backend_kwargs = backend_options(holders)  # --backend_kwargs with --server_url joined in
-    return dataclass_flags.config_from_flags(EvalConfig, holders, problems=problems, base=base, out=out,
-                                             models=models, baseline=baseline, backend_kwargs=backend_kwargs)
+    cfg = dataclass_flags.config_from_flags(EvalConfig, holders, problems=problems, base=base, out=out,
+                                            models=models, baseline=baseline, **backend_options(holders))
+    check_backend(cfg)
+    return cfg
 
 
 def build_config(holders: dict, selection: Optional[dict] = None) -> EvalConfig:
@@ -201,10 +203,11 @@ def _confirmation_config(holders: dict, selection: dict) -> EvalConfig:
                                  f"{want!r} in {selection['path']}): a confirmation evaluates with the settings the "
                                  f"model was selected with; drop --{key}")
     spec = ModelSpec(model["name"], source["kind"], source["path"], step=model.get("step"))
-    _, backend_kwargs = backend_options(holders)
-    return dataclass_flags.config_from_flags(EvalConfig, holders, **settings, base=base,
-                                             problems=holders["problems"].value, out=holders["out"].value,
-                                             models=[spec], baseline=BASE, backend_kwargs=backend_kwargs)
+    cfg = dataclass_flags.config_from_flags(EvalConfig, holders, **settings, base=base,
+                                            problems=holders["problems"].value, out=holders["out"].value,
+                                            models=[spec], baseline=BASE, **backend_options(holders))
+    check_backend(cfg)
+    return cfg
 
 
 def _json_flag(name: str, value: str) -> dict:

@@ -70,11 +70,11 @@ from typing import Callable, Mapping, Optional, Sequence
 import jax
 
 from jaxrl.algorithms import plugins
-from jaxrl.algorithms.environments import ENVIRONMENTS
-from jaxrl.algorithms.online.episodes import EpisodeRunner
 from jaxrl.data import formats
 from jaxrl.data.chat import OVERLONG_POLICIES, chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
+from jaxrl.environments.registry import ENVIRONMENTS
+from jaxrl.environments.runner import EpisodeRunner
 from jaxrl.evaluation.analysis import COMPARED, analyze, sampling_warning  # [stats]
 from jaxrl.evaluation.censoring import load_resampled
 from jaxrl.evaluation.episodes import EpisodeStream, episode_markdown, episode_record, episode_summary
@@ -82,16 +82,19 @@ from jaxrl.evaluation.protocol import read_protocol, refuse_overwrite
 from jaxrl.evaluation.stats import write_results
 from jaxrl.export.audit import FolderSource, MergedSource, audit
 from jaxrl.export.merge import FIDELITY_WARN, is_lossy, read_provenance
-from jaxrl.export.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
+from jaxrl.models.peft import LayoutError, is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
 from jaxrl.models.adapters import (ADAPTERS, AVERAGES, CHECKPOINTS, EMA, CheckpointNotFound, adapter_root,
                                    adapter_steps, run_folder)
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.parallel import distributed
 from jaxrl.parallel.mesh import local_mesh
 from jaxrl.rewards import get_reward
-from jaxrl.backends import MODEL_KINDS, ModelSpec, SamplingParams, make_backend
-from jaxrl.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
+from jaxrl.backends.base import MODEL_KINDS, ModelSpec, SamplingParams
+from jaxrl.backends.flags import (backend_field, backend_spec, max_lora_rank_field, mesh_shape_field, server_field,
+                                  server_url_field, vllm_field)
 from jaxrl.backends.jax_backend import DTYPES
+from jaxrl.backends.options import ServerOptions, VLLMLaunchOptions
+from jaxrl.backends.settings import BackendContext
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.runner import REWARD_HELP, check_model_folder
@@ -143,8 +146,11 @@ class EvalConfig:
     reward_kwargs: dict = flag_field(default_factory=dict, help="JSON keyword arguments of the reward, e.g. "
                                                                 "'{\"timeout_s\": 10, \"workers\": 8}'.")
     baseline: str = flag_field(BASE, help="The model every other one is compared with.")
-    backend: str = backend_field()
-    backend_kwargs: dict = backend_kwargs_field()
+    backend: str = backend_field()  # built from backend_spec(cfg) (jaxrl.backends.flags)
+    server_url: Optional[str] = server_url_field()  # server | vllm: a running server
+    server: ServerOptions = server_field()  # server | vllm: the --server_* flags
+    vllm: VLLMLaunchOptions = vllm_field()  # vllm without server_url: the --vllm_* flags
+    vllm_max_lora_rank: int = max_lora_rank_field()
     truncation_threshold: float = flag_field(0.10, help="Warn when more completions than this hit the cap.")
     seed: int = seed_field(0, help="Sampling and bootstrap seed.")
     dtype: str = flag_field("bfloat16", choices=DTYPES, help="Compute dtype.")
@@ -338,13 +344,12 @@ class Evaluator:
         # episodes: the last turn's prompt is the first prompt and the episode so far
         longest = cfg.max_prompt_len + (episode_tokens(cfg) - cfg.max_new_tokens if cfg.environment else 0)
         if backend is None:
-            pad = self.tokenizer.pad_token_id
             mesh = local_mesh(cfg.mesh_shape) if cfg.backend == "jax" and cfg.mesh_shape is not None else None
-            backend = make_backend(cfg.backend, base_dir=cfg.base, out_dir=str(self.out), dtype=cfg.dtype,
-                                   batch_size=cfg.batch_size, max_prompt_len=longest,
-                                   prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=self.stop_ids,
-                                   pad_id=pad, model=model, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                                   mesh=mesh, **cfg.backend_kwargs)
+            backend = backend_spec(cfg).build(BackendContext(
+                cfg.base, stop_ids=tuple(self.stop_ids), max_prompt_len=longest, max_new_tokens=cfg.max_new_tokens,
+                pad_id=self.tokenizer.pad_token_id, model=model, dtype=cfg.dtype, seed=cfg.seed,
+                batch_size=cfg.batch_size, prompt_buckets=tuple(cfg.prompt_buckets) or None, mesh=mesh,
+                out_dir=str(self.out), lora_rank=cfg.vllm_max_lora_rank))
         self.backend = backend
         self.collector = Collector(backend, reward, tokenizer=self.tokenizer, stop_ids=self.stop_ids)
         self.episodes = None

@@ -10,10 +10,10 @@
     export_average("run", base=None, out=None, average=[20, 24, 28], weights=[1, 1, 2], rank=16)
     run_export(settings)    # an ExportSettings (the flags of launchers.export): whichever of the two it asks for
 
-Modules: `peft` (PEFT layout, export and import, layout checks; `read_adapter` of any adapter folder), `audit`
-(fingerprints and tensor-level comparisons of any set of checkpoints), `merge` (LoRA merged into the full
-container), `average` (averaged checkpoints as one adapter). The in-memory Adapter (trainer checkpoints, attach /
-detach on the JAX model) is `jaxrl.models.adapters`.
+Modules: `audit` (fingerprints and tensor-level comparisons of any set of checkpoints), `merge` (LoRA merged into
+the full container), `average` (averaged checkpoints as one adapter). The adapter formats live with the model:
+the in-memory Adapter (trainer checkpoints, attach / detach on the JAX model) is `jaxrl.models.adapters`, the PEFT
+folder layout (export and import, layout checks; `read_adapter` of any adapter folder) `jaxrl.models.peft`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Optional, Sequence
 
 from jaxrl.export.average import average_checkpoints, average_name, average_steps
 from jaxrl.export.merge import export_merged
-from jaxrl.export.peft import export_peft, read_adapter
+from jaxrl.models.peft import export_peft, read_adapter
 from jaxrl.models.adapters import AVERAGES, Adapter, run_folder
 from jaxrl.utils.dataclass_flags import flag_field
 
-LAYOUTS = ("auto", "container", "text")  # PEFT key layouts (jaxrl.export.peft); auto: the base's
+LAYOUTS = ("auto", "container", "text")  # PEFT key layouts (jaxrl.models.peft); auto: the base's
 MERGE_DTYPES = ("stored", "float32")  # merged weights: the base's stored dtype (merge_dtype None), or fp32
 
 
@@ -80,7 +80,7 @@ def export_checkpoint(checkpoint: str, base: Optional[str], out: str, *, step: O
 
     checkpoint: a run workdir, its checkpoints/ or adapters/ folder, one adapters/<step> folder, or a PEFT folder.
     base: the base HF folder; None = the model_path recorded in the adapter checkpoint.
-    layout: PEFT key layout, "auto" (the base's), "container" or "text" (see `jaxrl.export.peft`).
+    layout: PEFT key layout, "auto" (the base's), "container" or "text" (see `jaxrl.models.peft`).
     merge_dtype: merged exports only: None (the base's stored dtype) or "float32" (`jaxrl.export.merge`).
     """
     return export_adapter(read_adapter(checkpoint, step), checkpoint, base, out, merge=merge, layout=layout,

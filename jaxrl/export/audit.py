@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from jaxrl.export.peft import read_adapter
+from jaxrl.models.peft import read_adapter
 from jaxrl.models.adapters import Adapter, check_against_model, merged_weight
 from jaxrl.models.qwen35.checkpoint import read_weight_map
 from jaxrl.models.qwen35.config import load_hf_config

@@ -47,7 +47,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxrl.export.audit import FolderSource, fingerprint as fingerprint_of
-from jaxrl.export.peft import PROVENANCE
+from jaxrl.models.peft import PROVENANCE
 from jaxrl.models import qwen35
 from jaxrl.models.adapters import Adapter, AdapterError, attach, check_against_model, merged_weight
 from jaxrl.models.qwen35.checkpoint import read_weight_map

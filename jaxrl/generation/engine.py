@@ -4,7 +4,7 @@ training and serving (its device programs: jaxrl/generation/programs.py).
     engine = Engine(model, slots=64, prompt_buckets=(512,), generation_buckets=(4096,), eos_token_ids=(eos,))
     engine.set_params(params)       # the weights of the rows admitted from now on (None: the model's)
     ticket = engine.submit(Request(prompt_ids, group_id=g, sample_index=i, seed=s, temperature=1.0))
-    engine.run()                    # or engine.step() per round; serve_forever(stop) steps from a worker thread
+    engine.run()                    # or engine.step() per round (a server's thread: jaxrl/serve/loop.py)
     ticket.wait().tokens, .logprobs, .finish_reason
 
 How it schedules (on the host, between rounds; nothing in Python per token):
@@ -66,7 +66,6 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import jax
 import numpy as np
-from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -391,7 +390,6 @@ class Engine:
         self._version = -1
         self.pools: dict[tuple, _Pool] = {}
         self._lock = threading.Lock()
-        self._submitted = threading.Condition(self._lock)
         self._sessions: dict[Hashable, tuple[_Pool, _Row]] = {}  # held rows by session
         self.stats = {"rows": 0, "finished": 0, "generated_tokens": 0, "decode_steps": 0, "slot_steps": 0,
                       "rounds": 0, "inserts": 0, "prefilled_prompts": 0, "prefilled_tokens": 0, "shrinks": 0,
@@ -459,17 +457,15 @@ class Engine:
         """Queues a request (thread safe); it joins free slots at the next round (or, continuing a held session,
         its own slot). ValueError for a bad request."""
         ticket = Ticket(request)
-        with self._submitted:
+        with self._lock:
             held = self._sessions.pop(request.session, None) if request.session is not None else None
             if held is not None:
                 row, _ = self._check(request, ticket, continuing=True)
                 if self._continue(*held, row):
-                    self._submitted.notify_all()
                     return ticket
                 self._free_held(*held)
             row, own = self._check(request, ticket)
             self._place(row, own).queue.append(row)
-            self._submitted.notify_all()
         return ticket
 
     def _continue(self, pool: _Pool, held: _Row, row: _Row) -> bool:
@@ -595,20 +591,6 @@ class Engine:
         """Steps until nothing is queued or in flight."""
         while not self.idle:
             self.step()
-
-    def serve_forever(self, stop: threading.Event, poll_s: float = 0.05) -> None:
-        """A server's worker loop: steps while there is work, sleeps on new submissions otherwise, until `stop`.
-        A failing step fails every ticket in flight or queued (each caller gets the error), and the loop goes on."""
-        while not stop.is_set():
-            with self._submitted:
-                if all(pool.idle for pool in self.pools.values()):
-                    self._submitted.wait(poll_s)
-                    continue
-            try:
-                self.step()
-            except Exception as e:  # noqa: BLE001  every waiting caller must hear of it
-                logging.exception("generation engine step failed")
-                self.fail_all(e)
 
     def fail_all(self, error: BaseException) -> None:
         """Every row queued or in flight fails with `error`; the pools are emptied (their caches freed)."""

@@ -3,14 +3,16 @@
 Device side (inside the engine's decode loop, `running_after`): a row ends when its new token is one of its stop ids
 (finish_reason "stop"; the id is kept in its tokens) or when it has generated its cap (finish_reason "length").
 A row's cap is its max_new_tokens, which the caller bounds by the model length: `max_tokens_within` says how
-many tokens the context leaves after a prompt.
+many tokens the context leaves after a prompt (the server's cap of a request that names none).
 
 Host side (`StopRule`, what a client sees): the stop ids a row runs with (EOS unless ignored, the requested ids,
 and every stop string that is one token), stop strings matched on the decoded text and cut there (the string
 left out unless asked for), the `stop_reason` (the string, or a requested id that is not an EOS id), and the
-text of a completion (`completion_text`: the final stop id dropped, special tokens skipped). Clients read the
-same rule back (`with_stop_token`: a server that drops the stop token from `token_ids` gets it back, so a
-completion's length counts it on every backend).
+text of a completion (`completion_text`: the final stop id dropped, special tokens skipped), and how much of a
+running row's text is sure to be in its answer (`StopRule.sure_length`: what a stream may send before the row
+ends, as vLLM's detokenizer holds back what could still be a stop string). Clients read the same rule back
+(`with_stop_token`: a server that drops the stop token from `token_ids` gets it back, so a completion's length
+counts it on every backend).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxrl.rewards.toy import token_text
+from jaxrl.data.token_ids import token_text
 
 __all__ = ["Finished", "StopRule", "completion_text", "hits_stop", "max_tokens_within", "running_after",
            "with_stop_token"]
@@ -136,6 +138,18 @@ class StopRule:
         elif ended_on is not None and ended_on in self.requested_ids and ended_on not in self.eos_ids:
             stop_reason = ended_on
         return Finished(tokens, lps, text, finish_reason, stop_reason)
+
+    def sure_length(self, text: str) -> int:
+        """How many leading characters of a running row's decoded `text` are sure to be in its answer, whatever it
+        samples next (a stream sends no more): up to the first stop string the text holds (`cut_at_string` cuts
+        there; whether the string itself is sent is decided once the row ends), else all but the last len(longest
+        stop string) - 1 characters, which could still be the start of one. Negative when the text is shorter than
+        that: not even an empty piece is sure then."""
+        found = [text.find(s) for s in self.strings if s in text]
+        if found:
+            return min(found)
+        longest = max((len(s) for s in self.strings), default=0)
+        return len(text) - max(longest - 1, 0)
 
     def cut_at_string(self, tokenizer, tokens: list[int], text: str, skip_special_tokens: bool
                       ) -> Optional[tuple[list[int], str, str]]:

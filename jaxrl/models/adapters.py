@@ -2,7 +2,7 @@
 reads, and attaching it to the JAX model.
 
     params, meta = load_adapter(path, step=None)  # a workdir, its checkpoints/, adapters/ or adapters/<step>
-    adapter = read_trainer_adapter(path, step)    # the same as an Adapter (PEFT folders: jaxrl.export.peft)
+    adapter = read_trainer_adapter(path, step)    # the same as an Adapter (PEFT folders: jaxrl.models.peft)
     attach(model, adapter)                        # in place; replaces whatever adapters the model carried
     detach(model)                                 # back to the bare base model
     adapter.delta(module)                         # s * B @ A, [out, in] fp32: what a merge adds to the base weight

@@ -43,7 +43,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.layers import Linear
-from jaxrl.utils.train_config import LoRAConfig
+from jaxrl.models.settings import LoRAConfig
 from jaxrl.utils.tree import dotted
 
 # The 12 projections of the Qwen3.5 language tower (PEFT's `all-linear` minus the vision tower and lm_head).
@@ -270,7 +270,7 @@ def vllm_unpackable(paths) -> list[str]:
 
 
 def apply_lora_from_config(model: nnx.Module, lora: LoRAConfig, seed: int = 0) -> dict:
-    """`apply_lora` from a run's `lora` block (jaxrl.utils.train_config.LoRAConfig).
+    """`apply_lora` from a run's `lora` block (jaxrl.models.settings.LoRAConfig).
 
     Refuses (LoRAError) targets whose adapter vLLM 0.33 could not serve (`vllm_unpackable`), before any training,
     unless `lora.allow_vllm_unpackable` is true (the adapter still works in jaxrl and PEFT).

@@ -1,6 +1,6 @@
 """The device mesh from the config: `mesh.shape = (data, fsdp, tensor)`.
 
-    mesh = mesh_from_config(config)          # e.g. (1, -1, 1): FSDP over every device
+    mesh = mesh_from_config(config.mesh)     # a run's `mesh` block, e.g. (1, -1, 1): FSDP over every device
     mesh = make_mesh((2, 2, 2))
     mesh = local_mesh((-1, 1, 1))            # this process's devices only, all data-parallel (rollouts, eval)
 
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.utils.train_config import TrainConfig
+from jaxrl.parallel.settings import MeshConfig
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
@@ -70,6 +70,6 @@ def local_mesh(shape: Sequence[int] = (-1, 1, 1)) -> Mesh:
     return _mesh(shape, list(jax.local_devices()), span_all=False)
 
 
-def mesh_from_config(config: TrainConfig) -> Mesh:
-    """A run's `mesh.shape` -> Mesh."""
-    return make_mesh(config.mesh.shape)
+def mesh_from_config(mesh: MeshConfig) -> Mesh:
+    """A run's `mesh` block (`mesh.shape`) -> Mesh."""
+    return make_mesh(mesh.shape)

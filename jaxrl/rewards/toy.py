@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxrl.data.token_ids import token_text  # noqa: F401 - the text TokenBlockReward scores, named here too
 from jaxrl.rewards.base import (RewardResult, TruncationPolicy, check_batch, normalize_truncated,
                                 problem_field, truncated_result)
 from jaxrl.rewards.extract import strip_reasoning
@@ -33,7 +34,8 @@ def expected_answer(problem: Any) -> str:
 
 
 class _PerSampleReward:
-    """Shared batch logic: truncation, reasoning stripping, then a per-sample check."""
+    """Shared batch logic: truncation (the one loop of every toy reward), then a per-sample score: reasoning
+    stripping and a check by default."""
 
     def __init__(self, truncation: TruncationPolicy = "zero"):
         self.truncation = truncation
@@ -45,21 +47,21 @@ class _PerSampleReward:
         """The score of one answer (reasoning stripped): pass/fail from `check`; partial-credit rewards override."""
         return RewardResult.from_tests(["pass" if self.check(answer, problem) else "wrong"])
 
+    def score_one(self, completion: str, problem: Any) -> RewardResult:
+        """The score of one completion that was not truncated: its reasoning stripped (an unclosed <think>:
+        wrong), then `result`."""
+        answer = strip_reasoning(completion)
+        if answer is None:
+            return RewardResult.nothing_ran("unclosed_think", n_tests=1, status="wrong")
+        return self.result(answer, problem)
+
     def score(self, completions: Sequence[str], problems: Sequence[Any],
               truncated: Sequence[bool | str] | None = None) -> list[RewardResult]:
+        """A truncated completion scores by the truncation policy, any other one by `score_one`."""
         check_batch(completions, problems)
-        results = []
-        for completion, problem, cut in zip(completions, problems,
-                                            normalize_truncated(truncated, len(completions))):
-            if cut:
-                results.append(truncated_result(self.truncation))
-                continue
-            answer = strip_reasoning(completion)
-            if answer is None:
-                results.append(RewardResult.nothing_ran("unclosed_think", n_tests=1, status="wrong"))
-                continue
-            results.append(self.result(answer, problem))
-        return results
+        return [truncated_result(self.truncation) if cut else self.score_one(completion, problem)
+                for completion, problem, cut in zip(completions, problems,
+                                                    normalize_truncated(truncated, len(completions)))]
 
 
 class ExactMatchReward(_PerSampleReward):
@@ -180,23 +182,15 @@ class FunctionReward(_PerSampleReward):
         super().__init__(truncation)
         self.fn, self.kwargs = fn, kwargs
 
-    def score(self, completions, problems, truncated=None):  # noqa: D102 - see _PerSampleReward.score
-        check_batch(completions, problems)
-        results = []
-        for completion, problem, cut in zip(completions, problems,
-                                            normalize_truncated(truncated, len(completions))):
-            if cut:
-                results.append(truncated_result(self.truncation))
-                continue
-            value = self.fn(completion, problem, **self.kwargs)
-            if isinstance(value, RewardResult):
-                results.append(value)
-            else:
-                partial = float(value)
-                if not 0.0 <= partial <= 1.0:
-                    raise ValueError(f"{self.fn!r} returned {value!r}; rewards are in [0, 1]")
-                results.append(RewardResult(partial=partial, strict=partial >= 1.0, tests=[]))
-        return results
+    def score_one(self, completion: str, problem: Any) -> RewardResult:
+        """The function's value on the completion as it is (reasoning kept: the function decides)."""
+        value = self.fn(completion, problem, **self.kwargs)
+        if isinstance(value, RewardResult):
+            return value
+        partial = float(value)
+        if not 0.0 <= partial <= 1.0:
+            raise ValueError(f"{self.fn!r} returned {value!r}; rewards are in [0, 1]")
+        return RewardResult(partial=partial, strict=partial >= 1.0, tests=[])
 
 
 # ------------------------------------------------------------------------------------------------- token task
@@ -246,11 +240,6 @@ class TokenTask:
             ids.append([int(t) for t in filler] + [self.first + c])
             problems.append({"id": f"token_task/{rollout}/{j}", "lo": lo, "hi": hi, "score_tokens": self.score_tokens})
         return ids, problems
-
-
-def token_text(tokens: Sequence[int]) -> str:
-    """Completion token ids as text ("17 42 1"): what the Reward protocol scores for tokenizer-less tasks."""
-    return " ".join(str(int(t)) for t in tokens)
 
 
 class TokenBlockReward:

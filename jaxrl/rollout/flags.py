@@ -1,5 +1,6 @@
 """The command-line flags of `python -m launchers.rollout`: one per RolloutConfig field (its name, type, default and
-help are declared on the field; jaxrl.utils.dataclass_flags makes the flag), plus --server_url and the
+help are declared on the field; jaxrl.utils.dataclass_flags makes the flag), plus the flags of the backends'
+option blocks (--server_<key>, --vllm_<key>, the deprecated --backend_kwargs: jaxrl.backends.flags) and the
 distributed flags (--coordinator_address, ...).
 
     holders = define_flags()          # {name: absl FlagHolder}
@@ -12,14 +13,15 @@ from __future__ import annotations
 from absl import flags
 
 from jaxrl.parallel.distributed import FLAGS as DISTRIBUTED_FLAGS
-from jaxrl.backends.flags import SERVER_FLAGS, backend_options
+from jaxrl.backends.flags import BACKEND_FLAGS, backend_options, check_backend
 from jaxrl.rollout.runner import RolloutConfig
 from jaxrl.utils import dataclass_flags
 
 __all__ = ["NAMES", "build_config", "define_flags"]
 
-# the flags that are not RolloutConfig fields: --server_url (it joins backend_kwargs), --coordinator_address, ...
-_OTHER_FLAGS = SERVER_FLAGS + DISTRIBUTED_FLAGS
+# the flags that are not RolloutConfig fields: --server_<key> / --vllm_<key> (they make its `server` / `vllm`),
+# --backend_kwargs (deprecated), --coordinator_address, ...
+_OTHER_FLAGS = BACKEND_FLAGS + DISTRIBUTED_FLAGS
 NAMES = dataclass_flags.flag_names(RolloutConfig) + tuple(f[0] for f in _OTHER_FLAGS)
 
 
@@ -32,7 +34,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, flags
 
 def build_config(holders: dict[str, flags.FlagHolder]) -> RolloutConfig:
     """The RolloutConfig of the parsed flags; app.UsageError for a missing --problems / --model / --out or a bad
-    value (nothing is loaded or written here)."""
+    value, a backend option that does not fit --backend (nothing is loaded or written here)."""
     dataclass_flags.check_required(RolloutConfig, holders)
-    _, backend_kwargs = backend_options(holders)  # --backend_kwargs with --server_url joined in
-    return dataclass_flags.config_from_flags(RolloutConfig, holders, backend_kwargs=backend_kwargs)
+    cfg = dataclass_flags.config_from_flags(RolloutConfig, holders, **backend_options(holders))
+    check_backend(cfg)
+    return cfg

@@ -50,14 +50,17 @@ from typing import Callable, Mapping, Optional
 
 from jaxrl.data.chat import OVERLONG_POLICIES, chat_stop_ids, encode_prompts, load_tokenizer
 from jaxrl.data.problems import load_problems
-from jaxrl.export.peft import read_adapter
+from jaxrl.models.peft import read_adapter
 from jaxrl.models.qwen35.config import load_hf_config
 from jaxrl.parallel.mesh import local_mesh
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.rewards import REWARDS, get_reward
-from jaxrl.backends import BACKENDS, JaxBackend, ModelSpec, SamplingParams, make_backend
-from jaxrl.backends.flags import backend_field, backend_kwargs_field, mesh_shape_field
+from jaxrl.backends.base import ModelSpec, SamplingParams
+from jaxrl.backends.flags import (backend_field, backend_spec, max_lora_rank_field, mesh_shape_field, server_field,
+                                  server_url_field, vllm_field)
 from jaxrl.backends.jax_backend import DTYPES
+from jaxrl.backends.options import ServerOptions, VLLMLaunchOptions
+from jaxrl.backends.settings import BackendContext, RolloutSpec
 from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
 from jaxrl.rollout.writer import ResumableJsonl
@@ -147,8 +150,11 @@ class RolloutConfig:
                                           "+ADAPTER with --adapter).")
     save_logprobs: bool = flag_field(False, help="Also write token_ids and per-token logprobs.")
     progress: bool = flag_field(True, help="Show a progress bar.")
-    backend: str = backend_field()  # jax | vllm | server (jaxrl.backends)
-    backend_kwargs: dict = backend_kwargs_field()  # e.g. {"url": ...}, vLLM's parallel sizes
+    backend: str = backend_field()  # jax | vllm | server (jaxrl.backends); built from backend_spec(cfg)
+    server_url: Optional[str] = server_url_field()  # server | vllm: a running server
+    server: ServerOptions = server_field()  # server | vllm: the --server_* flags (jaxrl.backends.flags)
+    vllm: VLLMLaunchOptions = vllm_field()  # vllm without server_url: the --vllm_* flags
+    vllm_max_lora_rank: int = max_lora_rank_field()
     mesh_shape: Optional[tuple[int, ...]] = mesh_shape_field()  # jax backend: (data, fsdp, tensor) over this
     #                                     process's devices; None = one device without a mesh
 
@@ -223,8 +229,7 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
                          f"max_prompt_len={cfg.max_prompt_len}, prompt_buckets={list(cfg.prompt_buckets)}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    spec = backend_spec(cfg)  # the backend's typed spec: a choice its options do not fit fails here
     if reward is None:
         check_reward_choice(cfg.reward, {})
     if model is None or tokenizer is None:
@@ -256,7 +261,8 @@ def run_rollouts(cfg: RolloutConfig, *, model=None, tokenizer=None, reward=None,
             if is_main_process() else _no_lock():
         # read again under the lock: what another writer added before it let go is never drawn twice
         loop = SamplingLoop(log, kept, cfg.num_samples, _done_on_disk(log, cfg, out, kept), label=f"rollouts {out}")
-        return _sample(cfg, problems, skipped, loop, out, sampling, adapter, model, tokenizer, reward, on_batch)
+        return _sample(cfg, spec, problems, skipped, loop, out, sampling, adapter, model, tokenizer, reward,
+                       on_batch)
 
 
 def _done_on_disk(log: ResumableJsonl, cfg: RolloutConfig, out: Path, kept: list) -> set[tuple[str, int]]:
@@ -279,25 +285,22 @@ def _no_lock():
     yield  # processes other than 0 write only their own part files
 
 
-def _sample(cfg: RolloutConfig, problems, skipped, loop: SamplingLoop, out: Path, sampling: SamplingParams, adapter,
-            model, tokenizer, reward, on_batch) -> dict:
+def _sample(cfg: RolloutConfig, spec: RolloutSpec, problems, skipped, loop: SamplingLoop, out: Path,
+            sampling: SamplingParams, adapter, model, tokenizer, reward, on_batch) -> dict:
     """The sampling of run_rollouts, under the output's lock: the backend, the loop, the summary."""
     if reward is None:
         reward = get_reward(cfg.reward)
     model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name + (f"+{cfg.adapter}" if cfg.adapter else "")
     eos = model.config.eos_token_id if model is not None else load_hf_config(cfg.model)[0].eos_token_id
     stop_ids = chat_stop_ids(tokenizer, eos)
-    if cfg.backend == "jax":
-        backend = JaxBackend(cfg.model, model=model, dtype=None if model is not None else cfg.dtype,
-                             batch_size=cfg.batch_size, max_prompt_len=cfg.max_prompt_len,
-                             prompt_buckets=tuple(cfg.prompt_buckets) or None, stop_ids=stop_ids,
-                             pad_id=tokenizer.pad_token_id,
-                             mesh=None if cfg.mesh_shape is None else local_mesh(cfg.mesh_shape))
-    else:  # a server: the adapter is served as LoRA from a PEFT folder exported next to the output
-        backend = make_backend(cfg.backend, base_dir=cfg.model, out_dir=str(out.parent / f"{out.name}.backend"),
-                               stop_ids=stop_ids, max_prompt_len=cfg.max_prompt_len,
-                               max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, dtype=cfg.dtype,
-                               **cfg.backend_kwargs)
+    jax = cfg.backend == "jax"
+    # a server: the adapter is served as LoRA from a PEFT folder exported next to the output (out_dir)
+    backend = spec.build(BackendContext(
+        cfg.model, stop_ids=tuple(stop_ids), max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
+        pad_id=tokenizer.pad_token_id, model=model, dtype=None if jax and model is not None else cfg.dtype,
+        seed=cfg.seed, batch_size=cfg.batch_size, prompt_buckets=tuple(cfg.prompt_buckets) or None,
+        mesh=local_mesh(cfg.mesh_shape) if jax and cfg.mesh_shape is not None else None,
+        out_dir=str(out.parent / f"{out.name}.backend"), lora_rank=cfg.vllm_max_lora_rank))
     if model is None or cfg.backend != "jax":
         backend.load(ModelSpec("rollout", "adapter" if adapter is not None else "base", cfg.adapter), adapter)
     collector = Collector(backend, reward, tokenizer=tokenizer, stop_ids=stop_ids)

@@ -98,8 +98,9 @@ class CompletionServer:
 
     model / tokenizer: already loaded objects (tests); default from `base_dir` in `dtype`.
     allowed_lora_roots: folders under which POST /v1/load_lora_adapter may read (empty: runtime loading refused).
-    batch_size: the engine's slots per pool (and rows per scoring call); round_steps: decode steps per round;
-    round_delay_s: a sleep after every round (`--debug_round_delay_s`: a slower accelerator emulated).
+    batch_size: the engine's slots per pool (and rows per scoring call); round_steps: decode steps per round (0,
+    the default of --round_steps: the engine's DEFAULT_ROUND_STEPS); round_delay_s: a sleep after every round
+    (`--debug_round_delay_s`: a slower accelerator emulated).
     start: run the serve loop's thread (False: a test drives `loop.step()` itself).
     """
 
@@ -131,8 +132,8 @@ class CompletionServer:
                               prompt_buckets=tuple(prompt_buckets) if prompt_buckets else
                               default_prompt_buckets(self.max_prompt_len),
                               generation_buckets=gen, slots=batch_size, pad_id=self.tokenizer.pad_token_id,
-                              max_pending_rows=self.limits.max_pending_rows, round_steps=round_steps,
-                              round_delay_s=round_delay_s, start=start)
+                              max_pending_rows=self.limits.max_pending_rows,
+                              round_steps=round_steps or DEFAULT_ROUND_STEPS, round_delay_s=round_delay_s, start=start)
         self.handlers = Handlers(self.tokenizer, self.registry, self.loop, self.limits, eos_ids=eos_ids,
                                  vocab_size=int(self.model.config.vocab_size))
         self.stopping = False  # set by a signal: every new request is answered 503

@@ -41,7 +41,7 @@ from fastapi.responses import Response, StreamingResponse
 from jaxrl.data.chat import chat_stop_ids, render_chat
 from jaxrl.generation.engine import Cancelled, Request
 from jaxrl.generation.sampling import SEED_BITS, request_seed, split_request_seed
-from jaxrl.generation.stopping import Finished, StopRule
+from jaxrl.generation.stopping import Finished, StopRule, max_tokens_within
 from jaxrl.serve.loop import Overloaded, ServeLoop, ShuttingDown
 from jaxrl.data.tool_calls import parse_tool_calls
 from jaxrl.serve.protocol import (MAX_SEED, ApiError, ChatCompletionRequest, CompletionRequest, new_id, now,
@@ -112,10 +112,9 @@ class Handlers:
     def max_tokens(self, requested: Optional[int], prompts: list[list[int]], field: str = "max_tokens") -> int:
         """The completion cap: as requested (None: the rest of the context, as vLLM), within max_model_len."""
         longest = max(len(p) for p in prompts)
-        room = self.max_model_len - longest
         if requested is None:
-            return max(room, 0)
-        if int(requested) > room:
+            return max_tokens_within(self.max_model_len, longest)
+        if longest + int(requested) > self.max_model_len:
             raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                            f"requested {longest + int(requested)} tokens ({longest} in the prompt, {int(requested)} "
                            f"in the completion). Please reduce the prompt or {field}.", param=field)
@@ -507,13 +506,10 @@ class Handlers:
     def _live_pieces(self, req, rule: StopRule, tokens: list, sent: int, sent_text: str) -> list[str]:
         """The per-token pieces of a running row after its first `sent` tokens that are sure to be in its answer:
         its text so far, less a last character still missing bytes, cut before any stop string it holds and less
-        what could still become the start of one. A token's piece depends on the tokens up to it only, so these
-        are the pieces the finished row will have."""
+        what could still become the start of one (the rule's `sure_length`). A token's piece depends on the tokens
+        up to it only, so these are the pieces the finished row will have."""
         pieces = token_pieces(self.tokenizer, tokens, req.skip_special_tokens)
-        text = "".join(pieces)
-        found = [text.find(s) for s in rule.strings if s in text]
-        longest = max((len(s) for s in rule.strings), default=0)
-        sure = len(text[:min(found)]) if found else len(text) - max(longest - 1, 0)
+        sure = rule.sure_length("".join(pieces))
         out, at = [], len(sent_text)
         for piece in pieces[sent:]:
             if at + len(piece) > sure:

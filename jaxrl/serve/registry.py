@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from jaxrl.export.peft import is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
+from jaxrl.models.peft import is_peft_folder, mismatch_message, read_adapter, read_peft_adapter
 from jaxrl.models.adapters import AdapterError, attach, attached_digest, check_against_model, detach
 from jaxrl.serve.protocol import ApiError
 

@@ -44,7 +44,8 @@ from typing import Any, Optional, Sequence
 import ml_collections
 
 from jaxrl.algorithms.plugins import absolute_paths
-from jaxrl.utils import train_config
+from jaxrl.algorithms import config as run_config
+from jaxrl.algorithms.tasks import registered
 from jaxrl.utils.typed_config import ConfigKeyError
 from jaxrl.utils.registry import import_file
 
@@ -194,8 +195,11 @@ class SweepSpec:
             if not key.startswith(ARG_PREFIX):
                 set_key(config, key, value, where=f"{self.where} ({point.name})")
         try:  # every key at its default where the base config has none, as the trainer will write it
-            resolved = train_config.complete(config,
-                                             strict=config.get("algorithm", None) in train_config.ALGORITHMS)
+            # a registered algorithm's blocks are known: any other key is a typo; a user's "pkg.module:factory" is
+            # not imported here, so its blocks are taken as they are
+            name = config.get("algorithm", None)
+            algorithm = registered(name or run_config.TrainConfig.algorithm)
+            resolved = run_config.complete(config, algorithm, strict=name is not None and algorithm is not None)
         except ConfigKeyError as e:
             raise SweepError(f"{self.where} ({point.name}): {e}") from None
         if resolved.get("plugins"):

@@ -4,7 +4,7 @@
     Trainer(config, model, task, workdir, mesh=mesh).run()            # resumes from workdir by itself
 
 or all of it from a config: `jaxrl.algorithms.run.run_training(config, workdir)` (what `launchers/train.py`
-calls). `config` is a resolved `jaxrl.utils.train_config.TrainConfig`; the Task contract and the order in which
+calls). `config` is a resolved `jaxrl.algorithms.config.TrainConfig` (the loop reads its `RunSettings` part); the Task contract and the order in which
 its phases are called: jaxrl.train.task.
 
 Each step: (rollout when due) -> batch -> split into [grad_accum, micro_batch_size, ...] -> sharded over data x
@@ -56,7 +56,7 @@ from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_b
 from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils import interrupt
 from jaxrl.utils.io import check_not_locked, folder_lock_file, iter_json_lines, writer_lock
-from jaxrl.utils.train_config import TrainConfig
+from jaxrl.train.settings import RunSettings
 
 
 _LOCK_HINT = "wait for it to finish (it resumes from its own checkpoints), or use another --workdir"
@@ -106,7 +106,7 @@ STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_pre
 _PRESENCE_KEYS = ("ema.decay",)
 
 
-def check_same_run(config: TrainConfig, workdir: str, step: Optional[int] = None) -> None:
+def check_same_run(config: RunSettings, workdir: str, step: Optional[int] = None) -> None:
     """ResumeError when `workdir` holds a run (a training state; `step`: its newest, found on disk when None) whose
     config.json differs from `config` in a key that shapes the training state (STATE_KEYS). Reads only."""
     path = os.path.join(workdir, CONFIG_FILE)
@@ -147,11 +147,11 @@ class Trainer:
     and checkpoint (the launcher's test-only kill switch).
     """
 
-    def __init__(self, config: TrainConfig, model: nnx.Module, task, workdir: str, *, mesh=None,
+    def __init__(self, config: RunSettings, model: nnx.Module, task, workdir: str, *, mesh=None,
                  fault_fn: Optional[Callable] = None, fault_group: Optional[str] = None,
                  on_step_end: Optional[Callable] = None):
         self.config, self.task, self.workdir = config, task, workdir
-        self.mesh = mesh if mesh is not None else mesh_from_config(config)
+        self.mesh = mesh if mesh is not None else mesh_from_config(config.mesh)
         self.fault_fn, self.on_step_end = fault_fn, on_step_end
         self.steps = config.steps
         self.micro_batch_size = config.batch.micro_batch_size

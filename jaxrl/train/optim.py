@@ -24,7 +24,7 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
-from jaxrl.utils.train_config import SCHEDULES, OptimizerConfig, OptimizerConfigError
+from jaxrl.train.settings import SCHEDULES, OptimizerConfig, OptimizerConfigError
 
 __all__ = ["OptimizerConfig", "OptimizerConfigError", "SCHEDULES", "make_optimizer", "make_schedule",
            "warmup_steps"]

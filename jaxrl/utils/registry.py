@@ -8,6 +8,7 @@ Every registry of the project is a `Registry`: the DPO losses, advantage and KL 
     KL_ESTIMATORS.get("k1"); KL_ESTIMATORS.names(); "k1" in KL_ESTIMATORS
 
     obj = resolve("package.module:attr")        # or "path/to/file.py:attr"; PluginError naming what is wrong
+    __getattr__ = lazy_exports(__name__, {"Thing": "package.module"})   # a package's names, imported on use
 
 A registry adds what it is given, unchecked: it is how a module lists its own built-ins. User plug-ins come in
 through `jaxrl.algorithms.plugins`, which checks them on example inputs first. An entry may carry `info` for its
@@ -26,7 +27,7 @@ import re
 import sys
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-__all__ = ["PluginError", "Registry", "import_file", "nearest", "origin_of", "resolve"]
+__all__ = ["PluginError", "Registry", "import_file", "lazy_exports", "nearest", "origin_of", "resolve"]
 
 
 class PluginError(ValueError):
@@ -93,6 +94,20 @@ def resolve(spec: str, *, callable_only: bool = True) -> Any:
     if callable_only and not callable(obj):
         raise PluginError(f"plug-in {spec!r}: {attr} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's module-level `__getattr__` (PEP 562) that imports `exports[name]` (a module) on first use of
+    `name`: a package whose settings module must stay light (configs import it without jax) can still offer its
+    heavy classes at the top (`from jaxrl.backends import JaxBackend`)."""
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__
 
 
 def origin_of(obj: Any) -> str:

@@ -20,22 +20,31 @@ is checked against them key by key and turned into the dataclass once.
 A wrong key is a `ConfigKeyError` naming it and the nearest valid one ("unknown config key 'dpo.betta'; did you
 mean 'dpo.beta'?"); a value of the wrong type one naming the key and the type expected. Types are checked
 loosely where configs legitimately differ: an int is a float, a list is a tuple (JSON has no tuples), a
-ConfigDict is a dict. A key made with `choices=` takes one of them (the one home of those choices). A block whose
-class names an `EXTRA_KEYS` field keeps the keys it does not declare there (the reward's constructor arguments); one
-with a `migrate(values, where)` classmethod has its completed values passed through it before they are used (a
-deprecated key moved to its new home). No jax here: configs import this module.
+ConfigDict is a dict. A key made with `choices=` takes one of them (the one home of those choices).
+
+Blocks that derive from `Block` may say more about themselves: `EXTRA_KEYS` names a field that keeps the keys the
+class does not declare (the reward's constructor arguments); `RETIRED_KEYS` lists keys a block no longer has,
+accepted (and dropped) at their old default so that a config.json written before still resolves, refused with the
+reason otherwise; `migrate(values, where)` gets the completed values before they are used (a deprecated key moved
+to its new home). A `Block` composed of parts (`class GRPOConfig(SamplingSettings, ...)`) names itself in `NAME`,
+and each part checks its own keys in a cooperative `__post_init__` (each calls `super().__post_init__()`).
+Blocks of a user's algorithm may be plain dataclasses: they then have none of these. No jax here: configs import
+this module.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, ClassVar, Iterable, Mapping, Optional
+
+import ml_collections
 
 from jaxrl.utils.registry import nearest
 
-__all__ = ["ANY", "ConfigKeyError", "Key", "block", "build_block", "complete_block", "defaults_of", "is_block",
-           "keys_of", "setting", "to_plain", "unknown_key_error"]
+__all__ = ["ANY", "Block", "ConfigKeyError", "Key", "at_least", "block", "block_json", "build_block", "complete_block",
+           "defaults_of", "is_block", "is_config_dict", "keys_of", "plain_mapping", "setting", "to_plain",
+           "unknown_key_error"]
 
 ANY = None  # setting(types=ANY): any value
 _KEY = "jaxrl_key"  # dataclasses.field metadata: the field's Key
@@ -45,13 +54,54 @@ class ConfigKeyError(ValueError):
     """A config key that does not exist, or a value of the wrong type; the message names the key."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Base of config blocks (module docstring): what a block may say about its keys beyond their fields."""
+
+    NAME: ClassVar[str] = ""  # the block's name in messages (a block composed of parts: grpo, ppo, ...)
+    EXTRA_KEYS: ClassVar[Optional[str]] = None  # the field that keeps undeclared keys
+    RETIRED_KEYS: ClassVar[Mapping[str, tuple]] = {}  # key -> (its old default, why it is gone)
+
+    @classmethod
+    def migrate(cls, values: dict, where: str) -> dict:
+        """The completed values, deprecated keys moved to their homes (a subclass's; here: as they are)."""
+        return values
+
+    def __post_init__(self):
+        pass  # the end of the parts' cooperative checks
+
+
+def _block_protocol(cls) -> tuple[Optional[str], Mapping[str, tuple]]:
+    """(EXTRA_KEYS, RETIRED_KEYS) of a block class: a `Block`'s own, none for a plain dataclass (a user's)."""
+    if isinstance(cls, type) and issubclass(cls, Block):
+        return cls.EXTRA_KEYS, cls.RETIRED_KEYS
+    return None, {}
+
+
+def at_least(where: str, minimums: Mapping[str, int], obj) -> None:
+    """ValueError naming `where.key` for the first of `minimums` ({key: lowest value}) that `obj` holds below it."""
+    for key, minimum in minimums.items():
+        value = getattr(obj, key)
+        if value < minimum:
+            raise ValueError(f"{where}.{key} must be >= {minimum}, got {value}")
+
+
+def is_config_dict(value: Any) -> bool:
+    """Whether `value` is an ml_collections ConfigDict (a family file's config, or a block of one)."""
+    return isinstance(value, ml_collections.ConfigDict)
+
+
+def plain_mapping(value: Any) -> Any:
+    """A ConfigDict as the plain dict it holds; anything else as it is."""
+    return value.to_dict() if is_config_dict(value) else value
+
+
 def to_plain(value: Any) -> Any:
     """ConfigDicts and config dataclasses (and tuples inside them) as plain Python: dicts and lists, as
     config.json holds them."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if hasattr(value, "to_dict"):
-        value = value.to_dict()
+    value = plain_mapping(value)
     if isinstance(value, Mapping):
         return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -92,7 +142,7 @@ class Key:
         out = []
         for t in types:
             out.extend(_LOOSE.get(t, (t,)))
-        if hasattr(self.default, "to_dict") or isinstance(self.default, Mapping):
+        if is_config_dict(self.default) or isinstance(self.default, Mapping):
             out.append(Mapping)
         return tuple(out)
 
@@ -100,7 +150,7 @@ class Key:
         accepted = self.accepted()
         if accepted is None or (value is None and (self.default is None or type(None) in accepted)):
             return
-        if hasattr(value, "to_dict") and any(t in (dict, Mapping) for t in accepted):
+        if is_config_dict(value) and any(t in (dict, Mapping) for t in accepted):
             return
         if isinstance(value, bool) and bool not in accepted and any(t in (int, float) for t in accepted):
             ok = False  # True is an int to Python, not to a reader of the config
@@ -149,7 +199,7 @@ def is_block(cls: Any) -> bool:
 
 def keys_of(cls) -> dict[str, Key]:
     """{key: Key} of a block class, in field order (the `EXTRA_KEYS` field, not a key itself, left out)."""
-    extra = getattr(cls, "EXTRA_KEYS", None)
+    extra, _ = _block_protocol(cls)
     out = {}
     for f in dataclasses.fields(cls):
         if f.name == extra or not f.init:
@@ -172,8 +222,7 @@ def _items(value: Any, where: str) -> list:
         return []
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = to_plain(value)
-    if hasattr(value, "to_dict"):
-        value = value.to_dict()
+    value = plain_mapping(value)
     if not isinstance(value, Mapping):
         raise ConfigKeyError(f"config key {where}: expected a block of keys, got {type(value).__name__} {value!r}")
     return list(value.items())
@@ -182,11 +231,17 @@ def _items(value: Any, where: str) -> list:
 def complete_block(cls, value: Any, where: str) -> dict:
     """The block `value` (a mapping or None) as plain Python with every key: the defaults of `cls` overlaid with
     the keys given, each checked (ConfigKeyError for an unknown key unless the class keeps extra keys, or a
-    value of the wrong type). Key order: the class's, then extra keys as given."""
+    value of the wrong type; a retired key at anything but its old default). Key order: the class's, then extra
+    keys as given."""
     keys = keys_of(cls)
-    extra = getattr(cls, "EXTRA_KEYS", None)
+    extra, retired = _block_protocol(cls)
     out = defaults_of(cls)
     for key, v in _items(value, where):
+        if key in retired and key not in keys:
+            old_default, why = retired[key]
+            if to_plain(v) != to_plain(old_default):
+                raise ConfigKeyError(f"config key {where}.{key}={v!r}: {why}")
+            continue  # a config.json written when the block still had it, at its default: nothing to keep
         if key in keys and keys[key].block:
             out[key] = complete_block(keys[key].block, v, f"{where}.{key}")
         elif key in keys:
@@ -196,14 +251,23 @@ def complete_block(cls, value: Any, where: str) -> dict:
             out[key] = to_plain(v)
         else:
             raise unknown_key_error(where, key, keys)
-    migrate = getattr(cls, "migrate", None)
-    return migrate(out, where) if migrate else out
+    return cls.migrate(out, where) if isinstance(cls, type) and issubclass(cls, Block) else out
+
+
+def block_json(value: Any) -> dict:
+    """A built block as config.json holds it: plain values, its extra keys (EXTRA_KEYS) beside the declared ones,
+    as the config gives them."""
+    plain = to_plain(value)
+    extra, _ = _block_protocol(type(value))
+    if extra:
+        plain.update(plain.pop(extra))
+    return plain
 
 
 def build_block(cls, value: Any, where: str):
     """`cls` from the block `value` (complete_block, then the class's own validation in __post_init__)."""
     values = complete_block(cls, value, where)
-    extra = getattr(cls, "EXTRA_KEYS", None)
+    extra, _ = _block_protocol(cls)
     keys = keys_of(cls)
     kwargs = {k: build_block(keys[k].block, v, f"{where}.{k}") if keys[k].block else v
               for k, v in values.items() if k in keys}

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.algorithms import kl as kl_lib
-from jaxrl.utils.train_config import ROLLOUT_CORRECTIONS
+from jaxrl.algorithms.online.settings import ROLLOUT_CORRECTIONS
 
 
 def _f32(x):

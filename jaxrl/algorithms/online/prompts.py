@@ -17,7 +17,8 @@ from jaxrl.data.stream import epoch_stream
 from jaxrl.rewards import get_reward
 from jaxrl.rewards.toy import TokenTask
 from jaxrl.rollout.keys import problem_key
-from jaxrl.utils.train_config import OnlineDataConfig, RewardConfig
+from jaxrl.algorithms.online.settings import OnlineDataConfig
+from jaxrl.rewards.settings import RewardConfig
 
 
 class PromptSource:

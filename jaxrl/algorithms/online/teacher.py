@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.data.chat import load_tokenizer
-from jaxrl.export.peft import read_peft_adapter
+from jaxrl.models.peft import read_peft_adapter
 from jaxrl.models import qwen35
 from jaxrl.models.adapters import attach
 from jaxrl.models.qwen35.config import load_hf_config

@@ -17,7 +17,7 @@ import os
 from typing import Any, Optional
 
 from jaxrl.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from jaxrl.utils.train_config import default_of as run_default
+from jaxrl.models.settings import model_default
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -29,7 +29,7 @@ _ACCEPTED_ACTIVATIONS = ("silu",)
 _ACCEPTED_ROPE_TYPES = ("default",)
 GDN_STATE_DTYPES = ("float32", "bfloat16")
 # The computation settings among the fields: they may differ between two models that load the same weights. Each
-# is also a run-config key of the same name, whose default (jaxrl/utils/train_config.py) is the field's default.
+# is also a run-config key of the same name, whose default (jaxrl/models/settings.py) is the field's default.
 COMPUTE_FIELDS = ("gdn_chunk_size", "gdn_state_dtype", "attention_implementation", "scan_layers")
 
 
@@ -63,15 +63,15 @@ class Qwen35Config:
     eos_token_id: Optional[int | tuple[int, ...]] = None
     # Computation settings (not part of the HF architecture; `Qwen35.set_compute` changes them on a built model).
     # Chunk length of the chunked gated delta rule (the reference uses 64).
-    gdn_chunk_size: int = run_default("gdn_chunk_size")
+    gdn_chunk_size: int = model_default("gdn_chunk_size")
     # Storage dtype of the Gated DeltaNet recurrent state in decode caches: "float32" (the reference, HF's
     # `mamba_ssm_dtype`) or "bfloat16" (half the bytes a decode step moves; the update's math stays fp32).
-    gdn_state_dtype: str = run_default("gdn_state_dtype")
+    gdn_state_dtype: str = model_default("gdn_state_dtype")
     # Full-attention kernel of training and prefill (jaxrl.ops.attention.resolve_implementation).
-    attention_implementation: str = run_default("attention_implementation")
+    attention_implementation: str = model_default("attention_implementation")
     # Training forward: scan the repeating block of layers instead of unrolling them (Qwen35.hidden_states).
     # None: when the pass rematerialises its layers (`scan_decision`); True / False: always / never.
-    scan_layers: Optional[bool] = run_default("scan_layers")
+    scan_layers: Optional[bool] = model_default("scan_layers")
 
     def __post_init__(self):
         if not self.layer_types:

@@ -1,0 +1,71 @@
+"""`algorithm = "grpo"`: its config blocks (`BLOCKS`, registered in jaxrl.algorithms.tasks; the task:
+jaxrl.algorithms.grpo_task; the loss: jaxrl.algorithms.grpo, which takes its choices from here). No jax here:
+configs import this module."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl.algorithms.online.settings import OnlineDataConfig, OnlineSettings
+from jaxrl.rewards.settings import RewardConfig
+from jaxrl.utils.typed_config import at_least, setting
+
+__all__ = ["AGGREGATIONS", "BLOCKS", "GRPOConfig", "IMPORTANCE_SAMPLING_LEVELS", "SCALE_REWARDS"]
+
+SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sequence_mean", "token_mean", "dr_grpo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(OnlineSettings):
+    NAME = "grpo"
+    num_generations: int = setting(8, doc="K samples per prompt (a group)")
+    prompts_per_step: int = setting(20, doc="prompts per rollout (= per optimizer step when N = B_global)")
+    max_new_tokens: int = setting(4096, doc="the completion cap")
+    num_iterations: int = setting(1, doc="passes over each rollout (TRL num_iterations, 'mu')")
+    scale_rewards: str = setting("group", doc="group | batch | none (Dr. GRPO)", choices=SCALE_REWARDS)
+    advantage_estimator: str = setting("grpo", doc="grpo (honours scale_rewards) | rloo | dr_grpo | "
+                                       "grpo_batch_std | a plug-in")
+    epsilon_low: float = setting(0.2)
+    epsilon_high: float = setting(0.2, doc="DAPO clip-higher: 0.28")
+    delta: float = setting(0.0, doc="> 0: two-sided clipping, the ratio is also capped at delta (INTELLECT-2; e.g. "
+                           "4.0)")
+    importance_sampling_level: str = setting("token", doc="token | sequence (GSPO)",
+                                             choices=IMPORTANCE_SAMPLING_LEVELS)
+    beta: float = setting(0.04, doc="KL coefficient; 0 skips the reference pass")
+    kl_estimator: str = setting("k3", doc="k1 | k2 | k3 | low_var_kl | abs | k3+ | a plug-in")
+    aggregation: str = setting("sequence_mean", doc="sequence_mean (grpo) | token_mean (dapo) | dr_grpo",
+                               choices=AGGREGATIONS)
+    mask_truncated: bool = setting(False, doc="truncated completions give no gradient (still counted as "
+                                   "sequences)")
+    drop_zero_variance_groups: bool = setting(False, doc="groups whose rewards are all equal leave the loss and its "
+                                              "normalisers")
+    overlong_buffer: int = setting(0, doc="> 0: DAPO soft overlong penalty over the last `overlong_buffer` tokens "
+                                   "of the cap")
+    overlong_penalty: float = setting(1.0, doc="its maximum")
+    recompute_old_logprobs: bool = setting(False, doc="teacher-forced old log-probs instead of the sampler's "
+                                           "(forced when the compute dtype is not float32 or temperature != 1)")
+    dynamic_sampling: bool = setting(False, doc="draw more prompt groups until prompts_per_step of them have "
+                                     "rewards that differ (DAPO / verl filter_groups)")
+    max_extra_draws: int = setting(4, doc="dynamic_sampling: at most this many extra draws of prompts_per_step "
+                                   "prompts per rollout; then the step trains on what it has")
+
+    def __post_init__(self):
+        at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1,
+                          "max_extra_draws": 0}, self)
+        if self.delta and self.delta <= 1.0 + self.epsilon_high:
+            raise ValueError(f"grpo.delta={self.delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
+        super().__post_init__()
+
+    def turn_budget(self) -> tuple[int, int]:
+        return self.max_new_tokens, self.overlong_buffer
+
+    @property
+    def rows_per_rollout(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+# the blocks a run of grpo has, in the order its family config lists them (registered in
+# jaxrl.algorithms.tasks)
+BLOCKS = {"grpo": GRPOConfig, "data": OnlineDataConfig, "reward": RewardConfig}
