@@ -20,7 +20,7 @@ Programs (bf16 base weights, LoRA r16 / alpha 32 on all 12 projections, fp32 ada
                teacher_top_k 16: the student's log-probs on the teacher's top-16 support inside the step), 4B, the
                GRPO step's rows (20 x 8 = 160 of 2,048 + 4,096 tokens, micro-batch 4 x 40); the object adds the
                9B teacher's resident bf16 weights (`teacher_resident_gib`, the in-process teacher) to its peak
-  teacher_9b   the in-process teacher's pass (`jaxrl.algorithms.online.teacher._teacher_pass`: a frozen bf16 9B
+  teacher_9b   the in-process teacher's pass (`jaxrl.backends.jax_teacher.teacher_pass`: a frozen bf16 9B
                without LoRA, top-16 support of every completion token), logprob_batch_size 8 rows of 2,048 + 4,096
                tokens a call; the object adds the 4B student's resident state (bf16 weights, fp32 adapters and
                AdamW moments) to its peak
@@ -196,18 +196,19 @@ def resident_gib(cfg, trainable: bool) -> float:
 def pass_program(spec: dict, cfg):
     """(jitted pass, positional args, static kwargs, abstract model) of a forward-only pass: the in-process
     teacher's (`teacher`) or GRPO's reference (`reference`), `rows` rows of P + C tokens a call, as
-    `jaxrl.train.batched_forward` calls them (chunk_size = TrainConfig.logprob_chunk_size's default 512)."""
+    `jaxrl.parallel.batched_forward` calls them (chunk_size = TrainConfig.logprob_chunk_size's default 512)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxrl.algorithms.online import passes, teacher
+    from jaxrl.algorithms.online import passes
+    from jaxrl.backends import jax_teacher
     T, C = spec["prompt_len"] + spec["new_tokens"], spec["new_tokens"]
     ids = jax.ShapeDtypeStruct((spec["rows"], T), jnp.int32)
     if spec["kind"] == "teacher":
         model = abstract_model(cfg, "none", adapters=False)
-        fn = jax.jit(teacher._teacher_pass, static_argnames=("graphdef", "max_new_tokens", "k", "temperature",
-                                                             "chunk_size"))
+        fn = jax.jit(jax_teacher.teacher_pass, static_argnames=("graphdef", "max_new_tokens", "k", "temperature",
+                                                                "chunk_size"))
         static = dict(max_new_tokens=C, k=spec["top_k"], temperature=1.0, chunk_size=512)
     else:
         model = abstract_model(cfg, "none")

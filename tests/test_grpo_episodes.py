@@ -162,3 +162,43 @@ def test_episodes_sampled_ahead_on_a_server(base, tmp_path):
         for key in ("loss", "grad_norm", "reward/mean", "episode/turns_mean"):
             assert np.isfinite(r[key]), (r["step"], key, r[key])
     assert max(r["episode/turns_mean"] for r in records) > 1.0
+
+
+@pytest.mark.heavy  # a real `launchers.serve` process, k = 2 rollouts on it at once
+def test_episodes_take_partial_rollouts_with_a_version_per_sampled_token(base, tmp_path):
+    """GRPO over episodes with partial rollouts (max_staleness=2, decoupled) on a real `launchers.serve`: every
+    rollout's stored `token_versions` give each sampled token a published version in [r - k, r] that never
+    decreases along an episode, and observation tokens (mask 0) none (-1); the per-token staleness metrics equal a
+    recomputation from the stored buffers; the run's metrics stay finite."""
+    from jaxrl.algorithms.online.buffer import RolloutStore
+    from jaxrl.algorithms.online.controller import token_version_metrics
+    from serve_fixture import Served
+    k = 2
+    server = Served(tmp_path, base["model"], f"--allowed_lora_roots={tmp_path.parents[1]}", "--batch_size=8",
+                    f"--max_prompt_len={P + E - CAP}", f"--max_model_len={P + E}", "--debug_round_delay_s=0.005")
+    try:
+        cfg = episode_config(base, steps=4, rollout_backend="server", rollout_servers=(server.url,),
+                             rollout_batch_size=8, max_staleness=k, partial_rollouts=True,
+                             off_policy_loss="decoupled")
+        cfg.keep_checkpoints = None  # every state kept: no rollout buffer is pruned
+        records = run_training(cfg, str(tmp_path / "run")).records
+    finally:
+        server.stop()
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    store = RolloutStore(str(tmp_path / "run"))
+    for r in records:
+        rollout = r["step"] - 1
+        for key in ("loss", "grad_norm", "reward/mean", "episode/turns_mean", "offpolicy/is_weight_mean"):
+            assert np.isfinite(r[key]), (r["step"], key, r[key])
+        assert r["rollout/staleness_max"] <= k and r["rollout/dropped_stale_samples"] == 0
+        buffer, _ = store.load(rollout)
+        versions, mask = buffer["token_versions"], buffer["completion_mask"]
+        sampled, trained = versions >= 0, mask.sum(-1) > 0  # (a masked episode's row is all 0s)
+        assert sampled.any() and not sampled[trained][mask[trained] == 0].any()  # observations carry no version
+        assert ((versions[sampled] >= rollout - k) & (versions[sampled] <= rollout)).all()
+        for row in versions:
+            real = row[row >= 0]
+            assert (np.diff(real) >= 0).all()  # a later turn never samples with an older version
+        again = token_version_metrics(versions, rollout)
+        assert {key: r[key] for key in again} == pytest.approx(again)
+    assert max(r["episode/turns_mean"] for r in records) > 1.0

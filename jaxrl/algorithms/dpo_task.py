@@ -11,10 +11,10 @@ instead (tests, demo). Sequences, the `max_length` policy and its counts: `jaxrl
 A held-out slice (`eval_fraction`, or a separate `eval_pairs` file) is scored at every checkpoint.
 
 Objective (`DPOObjective`, the micro-batch contract of jaxrl.train.objective): chosen and rejected rows go
-through ONE forward ([2b, T]); per-sequence log-probs are sums over completion tokens (chunked
-`token_logprobs`); the reference log-probs come from the batch (precomputed once with the adapters off and
-cached in `<workdir>/ref_logps.npz`, `dpo.precompute_ref_logps=True`) or from a second forward with the
-adapters off under `stop_gradient`; the loss is `combined_dpo_loss` with the global pair / chosen-token counts,
+through ONE forward ([2b, T]); per-sequence log-probs are sums over completion tokens (the one teacher-forced
+pass, `jaxrl.models.teacher_forced.next_token_logprobs`); the reference log-probs come from the batch (precomputed
+once with the adapters off and cached in `<workdir>/ref_logps.npz`, `dpo.precompute_ref_logps=True`) or from a
+second forward with the adapters off under `stop_gradient`; the loss is `combined_dpo_loss` with the global pair / chosen-token counts,
 so any micro-batch split gives the same update.
 
 Metrics per step (global means over the step's pairs): loss (the trainer's), `loss/<type>`,
@@ -58,10 +58,9 @@ from jaxrl.data import dpo_data, packing
 from jaxrl.data.chat import load_tokenizer
 from jaxrl.data.pairs import read_pairs, read_problem_messages, verify_cohort
 from jaxrl.data.stream import epoch_stream, warn_if_under_a_batch
-from jaxrl.models.lora import adapters_disabled
-from jaxrl.ops.logprobs import token_logprobs
+from jaxrl.models.teacher_forced import next_token_logprobs
+from jaxrl.parallel import batched_forward
 from jaxrl.parallel.distributed import is_main_process
-from jaxrl.train import batched_forward
 from jaxrl.train.objective import target_mask
 from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils.io import atomic_write_bytes, atomic_write_json, read_jsonl
@@ -88,23 +87,24 @@ def _rows(batch, side: str) -> dict:
             "loss_mask": batch[f"{side}_loss_mask"]}
 
 
-def pair_token_logps(model, batch, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+def pair_token_logps(model, batch, chunk_size: int, adapters: bool = True) -> tuple[jax.Array, jax.Array]:
     """(token log-probs [2b, T-1], target mask [2b, T-1]) of chosen rows 0..b-1 then rejected rows b..2b-1,
-    from one forward. Position t holds log p(x_{t+1} | x_<=t); the mask is 1 on completion targets only."""
+    from one forward (adapters False: the reference's, with the LoRA adapters off). Position t holds
+    log p(x_{t+1} | x_<=t); the mask is 1 on completion targets only."""
     both = {k: jnp.concatenate([_rows(batch, "chosen")[k], _rows(batch, "rejected")[k]]) for k in
             ("input_ids", "attention_mask", "loss_mask")}
-    ids = both["input_ids"]
-    hidden, _ = model.hidden_states(ids, both["attention_mask"])
-    logp = token_logprobs(hidden[:, :-1], model.head_weight(), ids[:, 1:], chunk_size=chunk_size)
+    logp = next_token_logprobs(model, both["input_ids"], both["attention_mask"], chunk_size=chunk_size,
+                               adapters=adapters).logp
     return logp, target_mask(both)
 
 
-def pair_sequence_logps(model, batch, chunk_size: int) -> tuple[jax.Array, jax.Array]:
-    """(chosen_logps [b], rejected_logps [b]): sums of completion-token log-probs (padded or packed rows)."""
+def pair_sequence_logps(model, batch, chunk_size: int, adapters: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(chosen_logps [b], rejected_logps [b]): sums of completion-token log-probs (padded or packed rows), with
+    the adapters on (the policy) or off (the reference)."""
     if is_packed(batch):
-        c, _, r, _ = packed_sequence_sums(model, batch, chunk_size)
+        c, _, r, _ = packed_sequence_sums(model, batch, chunk_size, adapters)
         return c, r
-    logp, mask = pair_token_logps(model, batch, chunk_size)
+    logp, mask = pair_token_logps(model, batch, chunk_size, adapters)
     sums, _ = dpo_lib.sequence_logps(logp, mask)
     b = sums.shape[0] // 2
     return sums[:b], sums[b:]
@@ -119,16 +119,15 @@ def is_packed(batch) -> bool:
     return "segment_ids" in batch
 
 
-def packed_sequence_sums(model, batch, chunk_size: int):
+def packed_sequence_sums(model, batch, chunk_size: int, adapters: bool = True):
     """(chosen_logps, chosen_lengths, rejected_logps, rejected_lengths), each [b], of a packed micro-batch of b
     pairs (b rows): one forward over the packed rows (each sequence computed as if alone in its row,
     `Qwen35.hidden_states(segment_ids=)`), the chunked token log-probs, and per-sequence sums gathered by
     `sequence_index`: the numbers `pair_token_logps` + `sequence_logps` give on padded rows, up to the order of
-    float sums."""
-    ids, seg = batch["input_ids"], batch["segment_ids"]
-    pairs = ids.shape[0]
-    hidden, _ = model.hidden_states(ids, batch["attention_mask"], segment_ids=seg)
-    logp = token_logprobs(hidden[:, :-1], model.head_weight(), ids[:, 1:], chunk_size=chunk_size)
+    float sums. adapters False: the reference's (the LoRA adapters off)."""
+    pairs = batch["input_ids"].shape[0]
+    logp = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"], segment_ids=batch["segment_ids"],
+                               chunk_size=chunk_size, adapters=adapters).logp
     keep = target_mask(batch) > 0
     index = batch["sequence_index"][:, 1:].reshape(-1)
     # jnp.where keeps a padded position's garbage (even inf) out of the sums, as `sequence_logps` does
@@ -201,8 +200,7 @@ class DPOObjective:
         if self.reference == "batch":
             ref_c, ref_r = micro_batch["ref_chosen_logps"], micro_batch["ref_rejected_logps"]
         elif self.reference == "adapters_off":
-            with adapters_disabled(model):
-                ref_c, ref_r = pair_sequence_logps(model, micro_batch, self.chunk_size)
+            ref_c, ref_r = pair_sequence_logps(model, micro_batch, self.chunk_size, adapters=False)
             ref_c, ref_r = jax.lax.stop_gradient(ref_c), jax.lax.stop_gradient(ref_r)
         else:
             ref_c = ref_r = None
@@ -242,18 +240,14 @@ def pair_metrics(sums: dpo_lib.SequenceSums, beta: float, num_pairs) -> dict[str
 
 
 def _logps(graphdef, state, batch, *, adapters: bool, chunk_size: int):
-    model = nnx.merge(graphdef, state)
-    if adapters:
-        return pair_sequence_logps(model, batch, chunk_size)
-    with adapters_disabled(model):
-        return pair_sequence_logps(model, batch, chunk_size)
+    return pair_sequence_logps(nnx.merge(graphdef, state), batch, chunk_size, adapters)
 
 
 def sequence_logps_all(model, arrays: dict, *, adapters: bool, batch_size: int, chunk_size: int = 512,
                        mesh=None, compile_options: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
     """(chosen_logps [N], rejected_logps [N]) of every pair in `arrays` (dpo_data.ARRAY_KEYS, [N, T]) under
     `model` with its adapters on or off; one jitted program, `batch_size` pairs a call
-    (jaxrl.train.batched_forward.map_batches)."""
+    (jaxrl.parallel.batched_forward.map_batches)."""
     program = batched_forward.jit_program(_logps, ("graphdef", "adapters", "chunk_size"), compile_options, mesh)
     graphdef, state = nnx.split(model)
     chosen, rejected = batched_forward.map_batches(

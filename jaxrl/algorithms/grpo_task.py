@@ -185,7 +185,7 @@ class GRPOTask(OnlineTask):
         self.on_policy = self.schedule.steps_per_rollout == 1
         # The sampler's log-probs match a teacher-forced pass to ~1e-6 in float32 only; in bf16 its KV-cache
         # decode drifts, so the first update's ratio would not be 1.
-        compute_dtype = jnp.dtype(getattr(model, "dtype", None) or config.dtype)
+        compute_dtype = jnp.dtype(model.dtype)
         low_precision = compute_dtype != jnp.float32
         # A rollout correction compares the trainer's log-probs with the sampler's, so the ratio's denominator must
         # be the trainer's too (TRL recomputes them whenever its vLLM correction is on).

@@ -52,6 +52,7 @@ from jaxrl.environments.registry import ENVIRONMENTS
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rewards.registry import REWARDS, as_factory, example_problem
 from jaxrl.utils.registry import PluginError, Registry, origin_of, resolve
+from jaxrl.utils.typed_config import plain_mapping
 
 __all__ = ["KINDS", "Kind", "PluginEntry", "PluginError", "REFERENCES", "absolute_paths", "check_references",
            "dpo_plugin_entries", "get", "load", "load_plugins", "names", "parse_plugins",
@@ -370,8 +371,7 @@ def parse_plugins(value: Any, where: str = "plugins") -> list[PluginEntry]:
     string may hold several entries separated by ';'. Raises PluginError naming the entry."""
     if value is None or value == "" or value == ():
         return []
-    if hasattr(value, "to_dict"):
-        value = value.to_dict()
+    value = plain_mapping(value)
     if isinstance(value, str):
         value = [s for s in (p.strip() for p in value.split(";")) if s]
     if isinstance(value, dict):
@@ -379,8 +379,7 @@ def parse_plugins(value: Any, where: str = "plugins") -> list[PluginEntry]:
     out = []
     for i, item in enumerate(value):
         w = f"{where}[{i}]"
-        if hasattr(item, "to_dict"):
-            item = item.to_dict()
+        item = plain_mapping(item)
         if isinstance(item, str):
             entry = _parse_string(item, w)
         elif isinstance(item, dict):

@@ -200,3 +200,28 @@ def generate_wave(backend, rows: Sequence[RowRequest], sampling: SamplingParams)
         for g in gens:
             out[rest[g.prompt_index]] = g
     return out
+
+
+class Scorer(abc.ABC):
+    """What every teacher of distillation provides beside `RolloutBackend`: the teacher-forced scores of given
+    rows. Members: the model in this process (jaxrl.backends.jax_teacher.JaxTeacher) and OpenAI-compatible or vLLM
+    servers (jaxrl.backends.teacher_client: ServerTeacher, VLLMTeacher), each built from its typed spec
+    (`JaxTeacherSpec | ServerTeacherSpec | VLLMTeacherSpec`, jaxrl.backends.scorers); `name`: jax | server | vllm.
+
+        scores = scorer.score(arrays, k=16, temperature=1.0, batch_size=8, chunk_size=512)
+        # {"logp": [N, C] the taken token's, "top_logp" / "top_ids": [N, C, k] most likely first,
+        #  "rest_logp": [N, C] the log-mass of every other token}; zero (ids 0) off the completion mask
+        scorer.close()
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def score(self, arrays: dict, *, k: int, temperature: float, batch_size: int, chunk_size: int) -> dict:
+        """The scores of every row of `arrays` (input_ids, attention_mask [N, P + C], completion_mask [N, C]):
+        completion token t (column P + t) as predicted from the columns before it. float32 arrays, top_ids int32.
+        batch_size / chunk_size: rows per call and logit rows per chunk of an in-process pass (servers batch on
+        their own)."""
+
+    def close(self) -> None:
+        """Frees what the scorer holds (nothing by default)."""

@@ -23,6 +23,7 @@ import warnings
 from typing import Any, ClassVar, Optional, Sequence
 
 from jaxrl.backends.options import ServerOptions, VLLMLaunchOptions
+from jaxrl.backends.scorers import SCORER_SPECS
 from jaxrl.utils.registry import resolve
 from jaxrl.utils.typed_config import Block, block, complete_block, defaults_of, keys_of, setting, unknown_key_error
 
@@ -175,8 +176,8 @@ def _pool(spec, backends: list, context: BackendContext):
 
 ROLLOUT_SPECS = {spec.name: spec for spec in (JaxRollout, ServerRollout, VLLMRollout)}
 ROLLOUT_BACKENDS = tuple(ROLLOUT_SPECS)
-TEACHER_BACKENDS = ROLLOUT_BACKENDS  # a distillation teacher: in this process, or servers scoring over HTTP
-SERVED_TEACHERS = ("server", "vllm")  # the teacher backends that score over HTTP (teacher_servers)
+TEACHER_BACKENDS = tuple(SCORER_SPECS)  # a distillation teacher (jaxrl.backends.scorers): this process, or servers
+SERVED_TEACHERS = tuple(name for name, spec in SCORER_SPECS.items() if spec.served)  # scoring over HTTP
 
 
 # ------------------------------------------------------------------------ the keys of an algorithm block

@@ -1,6 +1,7 @@
 """The teacher of on-policy distillation on OpenAI-compatible servers (`distill.teacher_backend = "server"` |
 "vllm"): every row's teacher-forced top-k log-probs from POST /v1/completions, in the arrays the in-process teacher
-(jaxrl/algorithms/online/teacher.py) makes, so the loss cannot tell which one scored a batch.
+(jaxrl/backends/jax_teacher.py) makes, so the loss cannot tell which one scored a batch. Both are `Scorer`s
+(jaxrl.backends.base), built from their specs (`ServerTeacherSpec`, `VLLMTeacherSpec`: jaxrl.backends.scorers).
 
     teacher = ServerTeacher(["http://127.0.0.1:8001"], k=16, width=P + C)     # probes every server: ServerError
     teacher = VLLMTeacher(["http://gpu-host:8000"], k=16, width=P + C)        # vLLM's prompt_logprobs
@@ -42,6 +43,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxrl.backends.base import Scorer
 from jaxrl.backends.openai_client import (RETRY_BACKOFF_S, ServerError, error_message, http_json, request_timeout,
                                           same_folder)
 from jaxrl.backends.waiting import send_all
@@ -103,11 +105,12 @@ def rest_logp(top_logp: np.ndarray) -> np.ndarray:
         return np.where(mass > 0, np.log(np.maximum(mass, 1e-300)), LOG_FLOOR)
 
 
-class ServerTeacher:
+class ServerTeacher(Scorer):
     """A teacher served over HTTP (module docstring). `width`: the longest row (P + C) a step sends; `vocab_size`:
     the student's, which every returned id must be below; `teacher_path`: the folder the servers should serve
     (a warning when a server reports another)."""
 
+    name = "server"
     K_FIELD = "logprobs"  # the request field that carries k (named in a refusal)
 
     def __init__(self, urls: Sequence[str], *, k: int, width: int, vocab_size: int = 0, teacher_path: str = "",
@@ -169,7 +172,7 @@ class ServerTeacher:
     # ------------------------------------------------------------------------------------------------ score
     def score(self, arrays: dict, *, k: int, temperature: float, batch_size: int = 0, chunk_size: int = 0) -> dict:
         """The teacher's view of every row of `arrays` (input_ids, attention_mask [N, P + C], completion_mask
-        [N, C]), as JaxTeacher.score: zero (ids 0) off the completion mask. batch_size / chunk_size: the
+        [N, C]), as the in-process teacher's (JaxTeacher.score): zero (ids 0) off the completion mask. batch_size / chunk_size: the
         in-process teacher's; the servers batch on their own."""
         if int(k) != self.k:
             raise ValueError(f"ServerTeacher was probed for k={self.k}, asked for k={k}")
@@ -255,6 +258,7 @@ class VLLMTeacher(ServerTeacher):
     `distill.teacher_top_k` is refused by the probe, naming the server. A server must hold P + C + 1 tokens
     (`--max-model-len`)."""
 
+    name = "vllm"
     K_FIELD = "prompt_logprobs"
 
     def _body(self, model: str, sequence: list[int]) -> dict:

@@ -49,6 +49,7 @@ from jaxrl.diagnostics.flags import DiagnoseSettings
 from jaxrl.diagnostics.generation_diff import trim_text
 from jaxrl.evaluation.stats import mcnemar_exact, paired_bootstrap
 from jaxrl.rewards import get_reward
+from jaxrl.rewards.base import close_reward
 
 __all__ = ["audit_pairs", "length_bias", "semantic_audit"]
 
@@ -123,8 +124,8 @@ def semantic_audit(pairs: Sequence[Mapping], problems, *, verifier=None, reward:
                                  truncated=[pairs[i].get("chosen_finish_reason") == "length" for i in checked]) \
             if checked else []
     finally:
-        if own and hasattr(verifier, "close"):
-            verifier.close()
+        if own:
+            close_reward(verifier)
     failures, not_strict, below = [], 0, 0
     for i, res in zip(checked, results):
         p = pairs[i]

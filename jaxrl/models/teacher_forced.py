@@ -1,41 +1,112 @@
 """The one teacher-forced pass: the log-probability a model gives each next token of given sequences, computed the
-way training computes it (`Qwen35.hidden_states` over the whole sequence, then the chunked `token_logprobs`, never
-[B, T, V] at once). Every consumer computes it here: the training objectives, DPO's reference pass, online RL's
-reference / old / mismatch passes (jaxrl/algorithms/online/passes.py) and the server's scoring (`echo`, top-k
-log-probs).
+way training computes it (`Qwen35.hidden_states` over the whole sequence, then a chunked head of
+jaxrl.ops.logprobs, never [B, T, V] at once). Every consumer computes it here: the SFT objective
+(jaxrl.train.objective.NextToken), DPO's policy and reference passes (jaxrl.algorithms.dpo_task, packed rows
+included), online RL's reference / old / mismatch passes (jaxrl/algorithms/online/passes.py), distillation's
+student (jaxrl.algorithms.distill_task.DistillObjective) and in-process teacher (jaxrl.backends.jax_teacher), and
+the server's scoring (`echo`, top-k log-probs: jaxrl.serve.loop).
 
     out = next_token_logprobs(model, ids, mask, start=P - 1)      # logp[:, t] = log p(ids[t + start + 1] | ...)
-    out.logp [B, T - 1 - start], out.entropy (entropy=True), out.top_logp / out.top_ids / out.rank (top_k > 0), out.hidden
+    out.logp [B, T - 1 - start], out.hidden, out.entropy (entropy=True)
+    next_token_logprobs(..., head=Head.top_k(k))                  # + top_logp / top_ids [.., k], rank
+    next_token_logprobs(..., head=Head.top_k(k, rest=True))       # + top_logp / top_ids [.., k], rest_logp
+    next_token_logprobs(..., head=Head.support(ids))              # + support_logp [.., k], rest_logp, argmax
+
+Heads (`Head`), what is read off each position's logits besides the taken token's log-prob:
+  Head.logp()                the taken token's log-prob only (the default; `entropy=True` adds the entropy):
+                             `token_logprobs`, differentiable (SFT, DPO, online RL);
+  Head.top_k(k)              the k most likely tokens and their log-probs, and the taken token's rank (vLLM's):
+                             `token_logprobs(top_k=k)`, what a server returns (`top_k=k` says the same);
+  Head.top_k(k, rest=True)   a teacher's side of a distillation support: the k most likely, their log-probs and
+                             the log-mass of every other token (`topk_support`: the log-softmax after subtracting
+                             the max, as the student's side computes it; no rank, no gradient);
+  Head.support(ids)          a student's side of it: log-probs at the given ids [B, L, k] (a teacher's top ids),
+                             the remainder's log-mass and the argmax (`support_logprobs`, differentiable).
+The two top-k forms are not one: the server's numbers are those it has always returned (logits - logsumexp), the
+teacher's round as the student's support does (max subtracted first), so the losses compare like with like.
 
 Positions: the hidden state at position t predicts token t + 1, so the pass over positions [start, T - 1) gives
 the log-probs of tokens [start + 1, T): start 0 scores every token but the first (a server's echo, SFT, DPO);
-start P - 1 scores a completion that starts at column P (online RL: nothing is computed over the prompt).
+start P - 1 scores a completion that starts at column P (online RL, distillation: nothing is computed over the
+prompt), `completion_start(input_ids, C)` for a completion of C columns at the end of the row.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import dataclasses
+from typing import Any, NamedTuple, Optional
 
 import jax
 
 from jaxrl.models.lora import adapters_disabled
-from jaxrl.ops.logprobs import token_logprobs
+from jaxrl.ops.logprobs import support_logprobs, token_logprobs, topk_support
+
+HEADS = ("logp", "top_k", "top_k_rest", "support")
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """What a pass reads off each position's logits (module docstring); build one with `Head.logp()`,
+    `Head.top_k(k)`, `Head.top_k(k, rest=True)` or `Head.support(ids)`."""
+
+    kind: str = "logp"
+    k: int = 0
+    ids: Any = None  # Head.support: [B, L, k] int token ids
+
+    def __post_init__(self):
+        if self.kind not in HEADS:
+            raise ValueError(f"Head kind {self.kind!r}; choose one of {HEADS}")
+        if self.kind in ("top_k", "top_k_rest") and self.k < 1:
+            raise ValueError(f"Head.top_k needs k >= 1, got {self.k}")
+        if self.kind == "support" and self.ids is None:
+            raise ValueError("Head.support needs the support's token ids")
+
+    @classmethod
+    def logp(cls) -> "Head":
+        return cls()
+
+    @classmethod
+    def top_k(cls, k: int, *, rest: bool = False) -> "Head":
+        return cls("top_k_rest" if rest else "top_k", int(k))
+
+    @classmethod
+    def support(cls, ids) -> "Head":
+        return cls("support", int(ids.shape[-1]), ids)
 
 
 class TeacherForced(NamedTuple):
     logp: jax.Array  # [B, L] fp32, L = T - 1 - start
     hidden: jax.Array  # [B, L, H]: the hidden states that predict them (a value head reads them)
-    entropy: Optional[jax.Array] = None  # [B, L] fp32
-    top_logp: Optional[jax.Array] = None  # [B, L, k] fp32, most likely first
-    top_ids: Optional[jax.Array] = None  # [B, L, k] int32
-    rank: Optional[jax.Array] = None  # [B, L] int32 (top_k > 0): the token's rank, 1 = most likely (vLLM's)
+    entropy: Optional[jax.Array] = None  # [B, L] fp32 (entropy=True)
+    top_logp: Optional[jax.Array] = None  # [B, L, k] fp32, most likely first (Head.top_k)
+    top_ids: Optional[jax.Array] = None  # [B, L, k] int32 (Head.top_k)
+    rank: Optional[jax.Array] = None  # [B, L] int32 (Head.top_k(k)): the token's rank, 1 = most likely (vLLM's)
+    rest_logp: Optional[jax.Array] = None  # [B, L] fp32: log-mass off the support (top_k(k, rest=True), support)
+    support_logp: Optional[jax.Array] = None  # [B, L, k] fp32: log-probs at Head.support's ids
+    argmax: Optional[jax.Array] = None  # [B, L] int32: the most likely token (Head.support)
 
 
-def next_token_logprobs(model, input_ids: jax.Array, attention_mask: jax.Array, *, start: int = 0,
-                        temperature: float = 1.0, chunk_size: int = 512, entropy: bool = False, top_k: int = 0,
-                        segment_ids: Optional[jax.Array] = None, adapters: bool = True) -> TeacherForced:
-    """The pass of the module docstring over input_ids / attention_mask [B, T]. adapters False: with the model's
-    LoRA adapters disabled (the reference policy). segment_ids: packed rows (`Qwen35.hidden_states`)."""
+def completion_start(input_ids: jax.Array, width: int) -> int:
+    """The `start` of a pass over a completion of `width` columns at the end of `input_ids` [B, P + width]: column
+    P + t (completion token t) is predicted by column P + t - 1, so start = P - 1."""
+    return input_ids.shape[1] - int(width) - 1
+
+
+def next_token_logprobs(model, input_ids: jax.Array, attention_mask: Optional[jax.Array], *, start: int = 0,
+                        temperature: float = 1.0, chunk_size: int = 512, entropy: bool = False,
+                        head: Optional[Head] = None, top_k: int = 0, segment_ids: Optional[jax.Array] = None,
+                        adapters: bool = True) -> TeacherForced:
+    """The pass of the module docstring over input_ids / attention_mask [B, T]. head: what is read besides the
+    taken token's log-prob (default Head.logp()); `top_k=k` is `head=Head.top_k(k)`. adapters False: with the
+    model's LoRA adapters disabled (the reference policy). segment_ids: packed rows (`Qwen35.hidden_states`)."""
+    if top_k:
+        if head is not None:
+            raise ValueError("next_token_logprobs: give head= or top_k=, not both")
+        head = Head.top_k(top_k)
+    head = Head.logp() if head is None else head
+    if entropy and head.kind != "logp":
+        raise ValueError(f"next_token_logprobs: entropy=True goes with Head.logp() only, not {head.kind}")
+
     def forward():
         hidden, _ = model.hidden_states(input_ids, attention_mask, segment_ids=segment_ids)
         return hidden[:, start:-1]
@@ -46,14 +117,22 @@ def next_token_logprobs(model, input_ids: jax.Array, attention_mask: jax.Array, 
         with adapters_disabled(model):
             hidden = forward()
     targets = input_ids[:, start + 1:]
-    head = model.head_weight()
-    if top_k:
-        logp, top_logp, top_ids, rank = token_logprobs(hidden, head, targets, chunk_size=chunk_size,
-                                                       temperature=temperature, top_k=top_k)
+    weight = model.head_weight()
+    if head.kind == "top_k":
+        logp, top_logp, top_ids, rank = token_logprobs(hidden, weight, targets, chunk_size=chunk_size,
+                                                       temperature=temperature, top_k=head.k)
         return TeacherForced(logp, hidden, top_logp=top_logp, top_ids=top_ids, rank=rank)
+    if head.kind == "top_k_rest":
+        logp, top_logp, top_ids, rest = topk_support(hidden, weight, targets, head.k, chunk_size=chunk_size,
+                                                     temperature=temperature)
+        return TeacherForced(logp, hidden, top_logp=top_logp, top_ids=top_ids, rest_logp=rest)
+    if head.kind == "support":
+        logp, on, rest, argmax = support_logprobs(hidden, weight, targets, head.ids, chunk_size=chunk_size,
+                                                  temperature=temperature)
+        return TeacherForced(logp, hidden, support_logp=on, rest_logp=rest, argmax=argmax)
     if entropy:
-        logp, ent = token_logprobs(hidden, head, targets, chunk_size=chunk_size, temperature=temperature,
+        logp, ent = token_logprobs(hidden, weight, targets, chunk_size=chunk_size, temperature=temperature,
                                    return_entropy=True)
         return TeacherForced(logp, hidden, entropy=ent)
-    return TeacherForced(token_logprobs(hidden, head, targets, chunk_size=chunk_size, temperature=temperature),
+    return TeacherForced(token_logprobs(hidden, weight, targets, chunk_size=chunk_size, temperature=temperature),
                          hidden)

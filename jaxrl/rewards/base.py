@@ -53,6 +53,14 @@ class Reward(Protocol):
               truncated: Sequence[bool | str] | None = None) -> list[RewardResult]: ...
 
 
+def close_reward(reward: Any) -> None:
+    """Frees what a reward holds (the code verifier: its sandbox pool). `close` is optional in the protocol (a
+    plug-in reward may hold nothing): the one place that asks whether a reward has it."""
+    close = getattr(reward, "close", None)
+    if close is not None:
+        close()
+
+
 def normalize_truncated(truncated: Sequence[bool | str] | None, n: int) -> list[bool]:
     """Accept booleans or rollout finish reasons ("length" means truncated, "stop" does not)."""
     if truncated is None:

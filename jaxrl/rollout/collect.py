@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from jaxrl.backends.base import Generation, RolloutBackend, SamplingParams
 from jaxrl.generation.stopping import completion_text
-from jaxrl.rewards.base import RewardResult
+from jaxrl.rewards.base import RewardResult, close_reward
 
 
 @dataclasses.dataclass
@@ -130,7 +130,5 @@ class Collector:
 
     def close(self) -> None:
         """Closes the reward (its sandboxes: a plug-in reward may hold none) and the backend."""
-        close = getattr(self.reward, "close", None)
-        if close is not None:
-            close()
+        close_reward(self.reward)
         self.backend.close()

@@ -39,14 +39,14 @@ import itertools
 import json
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import ml_collections
 
 from jaxrl.algorithms.plugins import absolute_paths
 from jaxrl.algorithms import config as run_config
 from jaxrl.algorithms.tasks import registered
-from jaxrl.utils.typed_config import ConfigKeyError
+from jaxrl.utils.typed_config import ConfigKeyError, plain_mapping
 from jaxrl.utils.registry import import_file
 
 SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "name", "description")
@@ -80,8 +80,7 @@ def fmt(value: Any) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "to_dict"):
-        value = value.to_dict()
+    value = plain_mapping(value)
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -401,7 +400,8 @@ def set_key(config, key: str, value: Any, where: str = "sweep") -> None:
 
 
 def _unknown(where: str, key: str, missing: str, node) -> None:
-    known = sorted(node.keys()) if hasattr(node, "keys") else []
+    node = plain_mapping(node)
+    known = sorted(node.keys()) if isinstance(node, Mapping) else []
     leaf = missing.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, known, n=3)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else (

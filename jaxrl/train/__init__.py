@@ -5,6 +5,6 @@
 
 Modules: task (the Task contract and its phases), objective (the loss protocol, next-token), optim (AdamW +
 schedules), state (TrainState), step (the jitted step), checkpoints (Orbax layout), metrics (jsonl, TensorBoard,
-progress), batched_forward (many rows through one jitted forward), loop (Trainer). Algorithms, their tasks and
-`run_training` (config -> model + task -> Trainer) live in jaxrl.algorithms; nothing here imports them.
+progress), loop (Trainer). Many rows through one jitted forward: jaxrl.parallel.batched_forward. Algorithms, their
+tasks and `run_training` (config -> model + task -> Trainer) live in jaxrl.algorithms; nothing here imports them.
 """

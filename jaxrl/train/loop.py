@@ -43,6 +43,7 @@ from flax import nnx
 
 from jaxrl.data.formats import CONFIG_FILE
 from jaxrl.models.lora import lora_targets_report
+from jaxrl.models.qwen35.model import Qwen35
 from jaxrl.parallel import sharding as shd
 from jaxrl.parallel.distributed import barrier, is_main_process
 from jaxrl.parallel.mesh import mesh_from_config
@@ -186,8 +187,8 @@ class Trainer:
             self.lora_report = lora_targets_report(model)
         except ValueError:
             self.lora_report = None
-        model_cfg = getattr(model, "config", None)
-        self.model_config = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else None
+        # what checkpoints record of the model (a Qwen3.5; another module, as a test's, records nothing)
+        self.model_config = model.config.to_dict() if isinstance(model, Qwen35) else None
         self.main = is_main_process()
         self._exit = contextlib.ExitStack()  # the workdir's lock, released at the end of run()
         self._exit.enter_context(workdir_lock(workdir))  # before Orbax opens (and cleans) the checkpoint folders

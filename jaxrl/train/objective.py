@@ -25,7 +25,7 @@ from typing import Any, Mapping, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxrl.ops.logprobs import token_logprobs
+from jaxrl.models.teacher_forced import next_token_logprobs
 
 Batch = Mapping[str, jax.Array]
 
@@ -70,9 +70,9 @@ class NextToken:
     batch (every target token weighs the same, whichever micro-batch holds it).
 
     Metrics (additive shares): `nll` (= loss), `target_tokens` (count in the micro-batch; sums to the global
-    count). Log-probs are computed by the chunked `token_logprobs` (never [B, T, V] at once). Packed rows (a
-    `segment_ids` key, SFT's data.pack) give every sequence's tokens the log-probs of its padded row, so the loss
-    is the padded batch's.
+    count). Log-probs are the one teacher-forced pass (`jaxrl.models.teacher_forced.next_token_logprobs`: the
+    chunked `token_logprobs`, never [B, T, V] at once). Packed rows (a `segment_ids` key, SFT's data.pack) give
+    every sequence's tokens the log-probs of its padded row, so the loss is the padded batch's.
     """
 
     chunk_size: int = 512
@@ -81,10 +81,8 @@ class NextToken:
         return {"num_tokens": jnp.maximum(jnp.sum(target_mask(batch)), 1.0)}
 
     def loss(self, model, micro_batch: Batch, normalisers, rng):
-        ids = micro_batch["input_ids"]
-        hidden, _ = model.hidden_states(ids, micro_batch.get("attention_mask"),
-                                        segment_ids=micro_batch.get("segment_ids"))
-        logp = token_logprobs(hidden[:, :-1], model.head_weight(), ids[:, 1:], chunk_size=self.chunk_size)
+        logp = next_token_logprobs(model, micro_batch["input_ids"], micro_batch.get("attention_mask"),
+                                   segment_ids=micro_batch.get("segment_ids"), chunk_size=self.chunk_size).logp
         mask = target_mask(micro_batch)
         weights = mask / normalisers["num_tokens"]
         # jnp.where keeps a padded position's garbage (even inf) out of the sum; a NaN *weight* still propagates.

@@ -61,7 +61,7 @@ def make_schedule(opt: OptimizerConfig, total_steps: int) -> Callable:
 
 def make_optimizer(opt: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
     """(gradient transformation, schedule) of an `optimizer` block (its values are validated where it is built:
-    jaxrl.utils.train_config.OptimizerConfig): learning_rate, schedule, warmup_steps / warmup_ratio,
+    jaxrl.train.settings.OptimizerConfig): learning_rate, schedule, warmup_steps / warmup_ratio,
     weight_decay, b1, b2, eps, max_grad_norm (<= 0 disables clipping)."""
     schedule = make_schedule(opt, total_steps)
     parts = []

@@ -11,7 +11,7 @@
 All are the one pass of jaxrl.models.teacher_forced over the sequence layout of jaxrl/algorithms/online/
 rollouts.py (completion token t, column P + t, is predicted by the hidden state of column P + t - 1, so every
 per-token array is [N, C] and nothing is computed over the prompt), run by one jitted program `batch_size` rows a
-call (jaxrl.train.batched_forward). `policy_forward` is the same pass inside the losses' jitted step.
+call (jaxrl.parallel.batched_forward). `policy_forward` is the same pass inside the losses' jitted step.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Optional
 import numpy as np
 from flax import nnx
 
-from jaxrl.models.teacher_forced import next_token_logprobs
-from jaxrl.train import batched_forward
+from jaxrl.models.teacher_forced import completion_start, next_token_logprobs
+from jaxrl.parallel import batched_forward
 
 
 class Role(enum.Enum):
@@ -36,7 +36,7 @@ class Role(enum.Enum):
 def completion_pass(model, input_ids, attention_mask, max_new_tokens: int, *, chunk_size: int, temperature: float,
                     entropy: bool = False, adapters: bool = True):
     """The teacher-forced pass over the completion columns: (hidden [b, C, H], logp [b, C], entropy or None)."""
-    out = next_token_logprobs(model, input_ids, attention_mask, start=input_ids.shape[1] - max_new_tokens - 1,
+    out = next_token_logprobs(model, input_ids, attention_mask, start=completion_start(input_ids, max_new_tokens),
                               temperature=temperature, chunk_size=chunk_size, entropy=entropy, adapters=adapters)
     return out.hidden, out.logp, out.entropy
 

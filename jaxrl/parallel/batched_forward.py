@@ -1,5 +1,5 @@
 """Batched forward passes over many rows with one jitted program: DPO reference / held-out log-probs, online
-log-probs and values of rollouts.
+log-probs and values of rollouts, the in-process distillation teacher's scores (jaxrl.backends.jax_teacher).
 
     program = jit_program(pass_fn, ("graphdef", "adapters"), config.compile_options, mesh)
     out = map_batches(lambda batch: program(graphdef, state, batch, adapters=False), arrays, keys,
