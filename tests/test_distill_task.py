@@ -165,7 +165,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(teacher, tmp_pa
     cfg.data.tokenizer = ours
     _refused(cfg, str(tmp_path / "run"), theirs, ours, "tokenizer")
     # the same tokenizer on both sides passes this check (and the run goes on to train)
-    from jaxrl.algorithms.online.teacher import check_same_vocabulary
+    from jaxrl.backends.jax_teacher import check_same_vocabulary
     build_tiny_tokenizer(ours, ["abcdef ghij"], vocab_size=64, printable_ascii=False)
     check_same_vocabulary(ours, 64, theirs)
 
@@ -207,7 +207,7 @@ def test_reward_weight_adds_its_group_advantage_to_every_token_as_documented(tea
     import jax.numpy as jnp
     from flax import nnx
     from jaxrl.algorithms.distill_task import DistillObjective
-    from jaxrl.algorithms.online.teacher import JaxTeacher
+    from jaxrl.backends.jax_teacher import JaxTeacher
     from jaxrl.models import qwen35
     from jaxrl.models.teacher_forced import next_token_logprobs
     from test_teacher_server import rollout_arrays
@@ -250,7 +250,7 @@ def test_a_peft_teacher_adapter_gives_the_adapted_models_log_probs(teacher, tmp_
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForCausalLM
-    from jaxrl.algorithms.online.teacher import JaxTeacher
+    from jaxrl.backends.jax_teacher import JaxTeacher
     from test_teacher_server import rollout_arrays
     torch.manual_seed(0)
     hf = Qwen3_5ForCausalLM.from_pretrained(teacher, torch_dtype=torch.float32).eval()

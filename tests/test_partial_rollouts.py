@@ -68,11 +68,15 @@ def test_partial_rollout_settings_are_checked():
     from jaxrl.algorithms.run import resolve_config
 
     server = dict(rollout_backend="server", rollout_servers=("http://127.0.0.1:8000",))
-    for block in (dict(rollout_backend="vllm", max_staleness=2, off_policy_loss="decoupled"),
-                  dict(server, off_policy_loss="behaviour", max_staleness=2),
-                  dict(server)):
-        with pytest.raises(ValueError, match="grpo.partial_rollouts continues rows across policy versions"):
+    # each refusal names the requirements that are not met, and only those
+    needs = {"backend": "grpo.rollout_backend='server'", "k": "grpo.max_staleness >= 1",
+             "decoupled": "grpo.off_policy_loss='decoupled'"}
+    for block, unmet in ((dict(rollout_backend="vllm", max_staleness=2, off_policy_loss="decoupled"), {"backend"}),
+                         (dict(server, off_policy_loss="behaviour", max_staleness=2), {"decoupled"}),
+                         (dict(server), {"k", "decoupled"})):
+        with pytest.raises(ValueError, match="grpo.partial_rollouts continues rows across policy versions") as e:
             resolve_config(tiny_config("grpo", partial_rollouts=True, **block))
+        assert {name for name, text in needs.items() if text in str(e.value)} == unmet, str(e.value)
     ok = resolve_config(tiny_config("grpo", partial_rollouts=True, max_staleness=2, off_policy_loss="decoupled",
                                     **server))
     assert ok.grpo.partial_rollouts and ok.grpo.max_staleness == 2

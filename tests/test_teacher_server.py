@@ -1,6 +1,6 @@
 """`distill.teacher_backend = "server"` and "vllm" (jaxrl/backends/teacher_client.py) against a real
 `launchers.serve` process of the teacher folder at float32, over loopback (vLLM's `prompt_logprobs` form: the server
-answers it as vLLM does): the same arrays as the in-process teacher (jaxrl/algorithms/online/teacher.py), the same
+answers it as vLLM does): the same arrays as the in-process teacher (jaxrl/backends/jax_teacher.py), the same
 losses, and a server that cannot serve refused before any step."""
 
 import http.server
@@ -74,7 +74,7 @@ def rollout_arrays(n=6, P=6, C=8, seed=0):
 @pytest.mark.parametrize("client, k", [(ServerTeacher, K), (VLLMTeacher, K), (VLLMTeacher, 24)])
 def test_server_teacher_arrays_equal_the_in_process_teachers(folders, server, client, k):
     """Both request forms (echo + logprobs; vLLM's prompt_logprobs), and a k over vLLM's default bound of 20."""
-    from jaxrl.algorithms.online.teacher import JaxTeacher
+    from jaxrl.backends.jax_teacher import JaxTeacher
     arrays = rollout_arrays()
     local = JaxTeacher.load(folders[0], dtype="float32").score(arrays, k=k, temperature=1.0, batch_size=4)
     remote = client([server.url], k=k, width=14, vocab_size=64, teacher_path=folders[0]).score(
@@ -99,7 +99,7 @@ def test_prompt_logprobs_come_in_vllms_shape(folders, server):
     decoded_token} holding the prompt token first (its rank in the whole vocabulary, from the in-process full
     ranking at k = V) and the top k at ranks 1..k (k entries when the token is among them, k + 1 when not); a k
     over --max_logprobs refused with vLLM's message."""
-    from jaxrl.algorithms.online.teacher import JaxTeacher
+    from jaxrl.backends.jax_teacher import JaxTeacher
     seq = [int(t) for t in np.random.default_rng(1).integers(2, 64, 12)]
     status, body = http_json("POST", server.url + "/v1/completions", {
         "model": folders[0], "prompt": seq, "max_tokens": 1, "prompt_logprobs": K, "temperature": 0.0,
@@ -383,3 +383,59 @@ def test_a_teacher_server_killed_mid_run_fails_one_line_and_the_run_resumes_from
     assert [r["step"] for r in records] == list(range(done[-1] + 1, 7)), [r["step"] for r in records]
     assert all(np.isfinite(r["loss"]) for r in records)
     print("failed after step", done[-1], "with:", message)
+
+
+# --------------------------------------------------------------------------------- the specs that build them
+
+
+def test_the_teacher_backends_are_the_scorer_specs():
+    from jaxrl.backends.scorers import SCORER_SPECS, JaxTeacherSpec, ServerTeacherSpec, VLLMTeacherSpec
+    from jaxrl.backends.settings import SERVED_TEACHERS, TEACHER_BACKENDS
+    assert TEACHER_BACKENDS == tuple(SCORER_SPECS) == ("jax", "server", "vllm")
+    assert SERVED_TEACHERS == ("server", "vllm")
+    assert [SCORER_SPECS[n] for n in TEACHER_BACKENDS] == [JaxTeacherSpec, ServerTeacherSpec, VLLMTeacherSpec]
+
+
+def _teacher_block(teacher, backend, **block):
+    from jaxrl.algorithms.distill_config import DistillConfig
+    return DistillConfig(teacher_path=teacher, teacher_backend=backend, temperature=1.0, teacher_top_k=K, **block)
+
+
+def test_the_jax_spec_builds_the_in_process_teacher(folders):
+    """distill.teacher_backend='jax' (+ teacher_adapter '') -> JaxTeacherSpec -> a JaxTeacher (a Scorer) of the
+    teacher folder, loaded in the context's dtype."""
+    from jaxrl.backends.base import Scorer
+    from jaxrl.backends.jax_teacher import JaxTeacher
+    from jaxrl.backends.scorers import JaxTeacherSpec, ScorerContext
+    spec = _teacher_block(folders[0], "jax").teacher_spec
+    assert spec == JaxTeacherSpec(folders[0], "") and not spec.served
+    teacher = spec.build(ScorerContext(width=14, top_k=K, vocab_size=64, dtype="float32"))
+    assert type(teacher) is JaxTeacher and isinstance(teacher, Scorer) and teacher.name == "jax"
+    assert teacher.model.embed_tokens[...].dtype == np.float32
+    out = teacher.score(rollout_arrays(), k=K, temperature=1.0, batch_size=4)
+    assert {k: v.shape for k, v in out.items()} == {"logp": (6, 8), "top_logp": (6, 8, K), "top_ids": (6, 8, K),
+                                                     "rest_logp": (6, 8)}
+    teacher.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["server", "vllm"])
+def test_a_served_spec_builds_its_client_probed_against_the_real_server(folders, server, backend):
+    """distill.teacher_backend='server' | 'vllm' with the block's teacher_servers and teacher_server options ->
+    ServerTeacherSpec | VLLMTeacherSpec -> the client of that class, which probed the running launchers.serve at
+    the context's width and k, with those options; it scores as a Scorer."""
+    from jaxrl.backends.base import Scorer
+    from jaxrl.backends.options import ServerOptions
+    from jaxrl.backends.scorers import SCORER_SPECS, ScorerContext
+    options = ServerOptions(concurrency=3, request_timeout_s=120.0, progress_every_s=0.0)
+    spec = _teacher_block(folders[0], backend, teacher_servers=(server.url,), teacher_server=options).teacher_spec
+    assert type(spec) is SCORER_SPECS[backend] and spec.served
+    assert (spec.urls, spec.options, spec.path) == ((server.url,), options, folders[0])
+    teacher = spec.build(ScorerContext(width=14, top_k=K, vocab_size=64))
+    assert type(teacher) is {"server": ServerTeacher, "vllm": VLLMTeacher}[backend]
+    assert isinstance(teacher, Scorer) and teacher.name == backend
+    assert (teacher.urls, teacher.k, teacher.width, teacher.vocab_size) == ([server.url], K, 14, 64)
+    assert (teacher.concurrency, teacher.timeout_s, teacher.progress_every_s) == (3, 120.0, 0.0)
+    out = teacher.score(rollout_arrays(), k=K, temperature=1.0)
+    assert out["top_ids"].shape == (6, 8, K) and np.isfinite(out["logp"]).all()
+    teacher.close()

@@ -43,7 +43,7 @@ from jaxrl.parallel.settings import MeshConfig
 from jaxrl.train.settings import TRAIN_BLOCKS, RunSettings
 from jaxrl.utils.registry import resolve as resolve_reference
 from jaxrl.utils.typed_config import (Block, ConfigKeyError, block_json, build_block, complete_block, is_config_dict,
-                                      keys_of, setting, to_plain, unknown_key_error)
+                                      keys_of, setting, to_plain, unknown_key_error, without_retired)
 
 __all__ = ["Algorithm", "CORE_BLOCKS", "LABELS", "OPEN_DATA", "TrainConfig", "complete", "default_config",
            "default_of", "resolve"]
@@ -128,6 +128,13 @@ class TrainConfig(RunSettings, ModelSettings, AlgorithmChoice):
                                  f"algorithm {self.__dict__.get('algorithm')!r}: {sorted(blocks or ())}; "
                                  f"config.block(name) is None for a block the run does not have)")
         return blocks[name]
+
+    def restate(self, written: dict) -> dict:
+        out = dict(written)
+        for name, value in self.blocks.items():
+            if value is not None and isinstance(out.get(name), dict):
+                out[name] = without_retired(type(value), out[name])
+        return out
 
     def block(self, name: str) -> Any:
         """An algorithm block by name (`data`, `dpo`, ..., or a user algorithm's declared block); None if absent."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.algorithms.online.settings import OnlineDataConfig, SamplingSettings
+from jaxrl.backends.scorers import JaxTeacherSpec, ScorerSpec, ServerTeacherSpec, VLLMTeacherSpec
 from jaxrl.backends.settings import (SERVED_TEACHERS, TEACHER_BACKENDS, RolloutBackendSettings, ServerOptions,
                                      check_server_urls, server_url)
 from jaxrl.rewards.settings import RewardConfig
@@ -110,6 +111,16 @@ class DistillConfig(RolloutBackendSettings, SamplingSettings):
     @property
     def rows_per_rollout(self) -> int:
         return self.prompts_per_step * self.num_generations
+
+    @property
+    def teacher_spec(self) -> ScorerSpec:
+        """The teacher_backend choice as its typed member (jaxrl.backends.scorers), its options taken from the
+        block; `build(ScorerContext(...))` makes the teacher."""
+        if self.teacher_backend == JaxTeacherSpec.name:
+            return JaxTeacherSpec(self.teacher_path, self.teacher_adapter)
+        if self.teacher_backend == ServerTeacherSpec.name:
+            return ServerTeacherSpec(self.teacher_servers, self.teacher_server, self.teacher_path)
+        return VLLMTeacherSpec(self.teacher_servers, self.teacher_server, self.teacher_path)
 
 
 # the blocks a run of distill has, in the order its family config lists them (registered in

@@ -9,11 +9,13 @@ Each step (one update per rollout, on-policy: prompts_per_step x num_generations
      backend (jax | server | vllm, adapter sync included: `Rollouts`), scored by `config.reward`; the other rows are
      responses of `distill.sft_path` (`SFTResponses`), in a stream seeded by (seed, step) so a resumed run takes the
      same ones;
-  2. the teacher (jaxrl/algorithms/online/teacher.py in this process, or the servers of `teacher_servers` through
-     jaxrl/backends/teacher_client.py: ours by echo + logprobs, vLLM's by prompt_logprobs) scores every completion token: the sampled token's log-prob and its top
+  2. the teacher (a `Scorer` built from `distill.teacher_spec`, jaxrl.backends.scorers: jaxrl/backends/jax_teacher.py
+     in this process, or the servers of `teacher_servers` through jaxrl/backends/teacher_client.py: ours by echo +
+     logprobs, vLLM's by prompt_logprobs) scores every completion token: the sampled token's log-prob and its top
      `teacher_top_k` support with the remainder's mass, at `temperature`;
-  3. the update (`DistillObjective`): the student's log-probs on that support (jaxrl.ops.logprobs.support_logprobs,
-     inside the step) and, per completion token, the loss of jaxrl/algorithms/distill_loss.py: reverse_kl as the
+  3. the update (`DistillObjective`): the student's log-probs on that support (the one teacher-forced pass with the
+     support head, jaxrl.models.teacher_forced `Head.support`: jaxrl.ops.logprobs.support_logprobs, inside the
+     step) and, per completion token, the loss of jaxrl/algorithms/distill_loss.py: reverse_kl as the
      advantage A_t = log p_teacher(x_t) - log p_student(x_t) of a policy-gradient term -A_t * ratio_t (ratio 1 with a
      gradient: computed from the step's own log-probs, so it is exactly on-policy), jsd / forward_kl_topk as the
      divergence itself; plus, with `reward_weight`, -reward_weight x (reward - group mean) x ratio_t. Token mean over
@@ -44,11 +46,11 @@ from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms.online.buffer import Schedule
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
-from jaxrl.algorithms.online.teacher import JaxTeacher, check_same_vocabulary
-from jaxrl.backends.teacher_client import ServerTeacher, VLLMTeacher
+from jaxrl.backends.jax_teacher import check_same_vocabulary
+from jaxrl.backends.scorers import ScorerContext
 from jaxrl.data.stream import epoch_stream, token_rows
 from jaxrl.models import qwen35
-from jaxrl.ops.logprobs import support_logprobs
+from jaxrl.models.teacher_forced import Head, completion_start, next_token_logprobs
 from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.distill_config import DistillConfig
 
@@ -71,11 +73,10 @@ class DistillObjective:
     def loss(self, model, mb, normalisers, rng):
         mask = mb["completion_mask"]
         ids = mb["input_ids"]
-        start = ids.shape[1] - mask.shape[1] - 1  # completion token t (column P + t) is predicted by column P + t - 1
-        hidden, _ = model.hidden_states(ids, mb["attention_mask"])
-        logp, s_top, s_rest, s_argmax = support_logprobs(hidden[:, start:-1], model.head_weight(), ids[:, start + 1:],
-                                                         mb["teacher_top_ids"], chunk_size=self.chunk_size,
-                                                         temperature=self.temperature)
+        student = next_token_logprobs(model, ids, mb["attention_mask"], start=completion_start(ids, mask.shape[1]),
+                                      temperature=self.temperature, chunk_size=self.chunk_size,
+                                      head=Head.support(mb["teacher_top_ids"]))
+        logp, s_top, s_rest, s_argmax = student.logp, student.support_logp, student.rest_logp, student.argmax
         sg = jax.lax.stop_gradient
         t_top, t_rest, t_logp = mb["teacher_top_logp"], mb["teacher_rest_logp"], mb["teacher_logp"]
         ratio = jnp.exp(logp - sg(logp))  # 1, with the gradient of logp: the on-policy policy-gradient term
@@ -173,17 +174,12 @@ class DistillTask(OnlineTask):
                                  config.seed) if self.student_rows < rows else None)
         student_dir = config.data.tokenizer or config.model_path
         check_same_vocabulary(student_dir, model.config.vocab_size, d.teacher_path)
-        if d.teacher_backend in ("server", "vllm"):  # probes every server: one that cannot serve refuses the run here
-            o = d.teacher_server
-            client = VLLMTeacher if d.teacher_backend == "vllm" else ServerTeacher
-            self.teacher = client(d.teacher_servers, k=d.teacher_top_k, teacher_path=d.teacher_path,
-                                         width=config.data.max_prompt_len + d.max_new_tokens,
-                                         vocab_size=model.config.vocab_size, concurrency=o.concurrency,
-                                         request_timeout_s=o.request_timeout_s, progress_every_s=o.progress_every_s)
-        else:
-            self.teacher = JaxTeacher.load(d.teacher_path, d.teacher_adapter, dtype=config.dtype, mesh=mesh,
-                                           compute={k: getattr(config, k) for k in qwen35.COMPUTE_FIELDS},
-                                           compile_options=dict(config.compile_options) or None)
+        # a served teacher probes every server here: one that cannot serve refuses the run
+        self.teacher = d.teacher_spec.build(ScorerContext(
+            width=config.data.max_prompt_len + d.max_new_tokens, top_k=d.teacher_top_k,
+            vocab_size=model.config.vocab_size, dtype=config.dtype, mesh=mesh,
+            compute={k: getattr(config, k) for k in qwen35.COMPUTE_FIELDS},
+            compile_options=dict(config.compile_options) or None))
         super().__init__(config, Schedule(rows, rows, 1, config.seed), rollouts)
         self.chunk_size = config.logprob_chunk_size
         self.objective = DistillObjective(loss_name=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature,

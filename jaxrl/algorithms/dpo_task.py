@@ -14,8 +14,8 @@ Objective (`DPOObjective`, the micro-batch contract of jaxrl.train.objective): c
 through ONE forward ([2b, T]); per-sequence log-probs are sums over completion tokens (the one teacher-forced
 pass, `jaxrl.models.teacher_forced.next_token_logprobs`); the reference log-probs come from the batch (precomputed
 once with the adapters off and cached in `<workdir>/ref_logps.npz`, `dpo.precompute_ref_logps=True`) or from a
-second forward with the adapters off under `stop_gradient`; the loss is `combined_dpo_loss` with the global pair / chosen-token counts,
-so any micro-batch split gives the same update.
+second forward with the adapters off under `stop_gradient`; the loss is `combined_dpo_loss` with the global pair /
+chosen-token counts, so any micro-batch split gives the same update.
 
 Metrics per step (global means over the step's pairs): loss (the trainer's), `loss/<type>`,
 `preference_accuracy`, `reward_margin`, `chosen_rewards`, `rejected_rewards` (beta * log-ratio),

@@ -29,8 +29,9 @@ served digest returned for the trainer to check: `jaxrl.backends.pool`).
 Token versions (`return_token_versions=True`, `launchers.serve` only): requests ask for each token's adapter digest
 (the server's `token_versions` / `version_digests` extension fields), kept per token in
 `Generation.token_digests`; an answer without them, or with one per token missing, is a one-line error.
-`partial_rollout=True` also marks every request `partial_rollout` (its rows continue under an adapter reloaded in
-place while they run: `serve_adapter_version(..., in_place=True)`) and implies token versions.
+`partial=True` (partial rollouts) also marks every request `partial_rollout` (the wire's name: its rows continue under
+an adapter reloaded in place while they run: `serve_adapter_version(..., in_place=True)`) and implies token
+versions.
 
 Clear errors (ServerError) when no server answers, when it is older than vLLM 0.33 (GET /version), when it
 serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
@@ -197,7 +198,7 @@ class ServerBackend(RolloutBackend):
                  concurrency: int = ServerOptions.concurrency,
                  request_timeout_s: float = ServerOptions.request_timeout_s,
                  progress_every_s: float = ServerOptions.progress_every_s, return_token_versions: bool = False,
-                 partial_rollout: bool = False):
+                 partial: bool = False):
         if (url is None) == (launcher is None):
             raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
         self.base_dir = os.path.abspath(base_dir)
@@ -209,8 +210,8 @@ class ServerBackend(RolloutBackend):
         self.concurrency, self.request_timeout_s = max(1, int(concurrency)), float(request_timeout_s)
         self.progress_every_s = float(progress_every_s)
         # module docstring, 'Token versions'; partial rollouts need them (a row's tokens may come from several)
-        self.partial_rollout = bool(partial_rollout)
-        self.return_token_versions = bool(return_token_versions) or self.partial_rollout
+        self.partial = bool(partial)
+        self.return_token_versions = bool(return_token_versions) or self.partial
         self.batch_size = self.concurrency  # prompts in flight at once (each its n samples)
         self.description: Optional[str] = None  # "vllm 0.33.0" / "jaxrl 0.1.0", once connected
         self._base_name: Optional[str] = None  # the server's base model id
@@ -406,7 +407,7 @@ class ServerBackend(RolloutBackend):
         n > 1 at temperature 0 (vllm/sampling_params.py:769-773), and greedy samples are all the same one."""
         n = 1 if float(sampling.temperature) == 0.0 else int(sampling.n)
         versions = {"return_token_versions": True} if self.return_token_versions else {}
-        if self.partial_rollout:
+        if self.partial:  # the wire's name of the setting
             versions["partial_rollout"] = True
         return {**versions, "model": self._model, "prompt": [int(t) for t in prompt], "n": n,
                 "max_tokens": int(sampling.max_new_tokens), "temperature": float(sampling.temperature),

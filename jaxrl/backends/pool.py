@@ -18,7 +18,7 @@ on every server as a new model `<run tag>-<version>` (POST /v1/load_lora_adapter
 and the digest each server reports serving under the new name (GET /v1/models: the JAX server's `adapter_digest`,
 read back from the attached parameters; vLLM's card names the folder, whose adapter is read back) compared with
 the trainer's `Adapter.digest()`. A server serving anything else fails the step (`AdapterSyncError`, naming the
-server). With partial rollouts (`live=True`: `partial_rollouts`) every version is loaded under one name,
+server). With partial rollouts (`partial=True`: `partial_rollouts`) every version is loaded under one name,
 `<run tag>-live`, in place (`load_inplace`): requests in flight name it, and their rows continue under the new
 version from the server's next round (each token's version comes back with it: `Generation.token_digests`); the
 folders of the newest k + 1 versions stay (every version a row in flight may still sample with). The run tag is a hash of the workdir, so two runs can share servers, and a resumed run replaces the
@@ -91,7 +91,7 @@ class ServerPool(RolloutBackend):
 
     name = "server"
 
-    def __init__(self, backends: Sequence[ServerBackend], *, base_dir: str, workdir: str, live: bool = False,
+    def __init__(self, backends: Sequence[ServerBackend], *, base_dir: str, workdir: str, partial: bool = False,
                  keep_versions: int = 1):
         if not backends:
             raise ValueError("ServerPool needs at least one server")
@@ -102,7 +102,7 @@ class ServerPool(RolloutBackend):
         self.tag = run_tag(workdir)
         self.synced: Optional[str] = None  # the trainer digest every server serves now
         # partial rollouts (module docstring): one model name for the run, reloaded in place under the rows in flight
-        self.live = bool(live)
+        self.partial = bool(partial)
         # the PEFT folders of the newest versions kept (partial rollouts: k + 1, every version a row in flight may
         # still be sampling with, so any token's log-prob can be reproduced from its version's folder)
         self.keep_versions = max(1, int(keep_versions))
@@ -116,7 +116,7 @@ class ServerPool(RolloutBackend):
         (module docstring); returns the digest they serve. The same adapter as the last time is only re-checked."""
         adapter, version = policy.adapter(), policy.version
         want = adapter.digest()
-        name = f"{self.tag}-{LIVE_NAME if self.live else version}"
+        name = f"{self.tag}-{LIVE_NAME if self.partial else version}"
         if want == self.synced:
             served = _on_every_server(lambda b: b.loaded_digest(), self.backends, "adapter check")
         else:
@@ -125,7 +125,7 @@ class ServerPool(RolloutBackend):
             self.synced = None
             served = _on_every_server(lambda b: b.serve_adapter_version(name, folder, adapter,
                                                                         stale_prefix=self.tag + "-",
-                                                                        in_place=self.live),
+                                                                        in_place=self.partial),
                                       self.backends, f"adapter sync of version {version}")
         for backend, got in zip(self.backends, served):
             if got != want:

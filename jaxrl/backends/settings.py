@@ -162,7 +162,7 @@ class VLLMRollout(RolloutSpec):
 def _pooled(spec, context: BackendContext) -> dict:
     """The keyword arguments of one server of a training run's pool."""
     return dict(stop_ids=context.stop_ids, max_prompt_len=context.max_prompt_len,
-                max_new_tokens=context.max_new_tokens, partial_rollout=context.partial,
+                max_new_tokens=context.max_new_tokens, partial=context.partial,
                 **dataclasses.asdict(spec.options))
 
 
@@ -171,7 +171,7 @@ def _pool(spec, backends: list, context: BackendContext):
     logger.info("rollouts: %d %s server(s): %s", len(backends), spec.name,
                 ", ".join(b.url or "(started at the first rollout)" for b in backends))
     return resolve("jaxrl.backends.pool:ServerPool")(backends, base_dir=context.base_dir, workdir=context.run_dir,
-                                                     live=context.partial, keep_versions=context.keep_versions)
+                                                     partial=context.partial, keep_versions=context.keep_versions)
 
 
 ROLLOUT_SPECS = {spec.name: spec for spec in (JaxRollout, ServerRollout, VLLMRollout)}

@@ -172,8 +172,8 @@ class ServerTeacher(Scorer):
     # ------------------------------------------------------------------------------------------------ score
     def score(self, arrays: dict, *, k: int, temperature: float, batch_size: int = 0, chunk_size: int = 0) -> dict:
         """The teacher's view of every row of `arrays` (input_ids, attention_mask [N, P + C], completion_mask
-        [N, C]), as the in-process teacher's (JaxTeacher.score): zero (ids 0) off the completion mask. batch_size / chunk_size: the
-        in-process teacher's; the servers batch on their own."""
+        [N, C]), as the in-process teacher's (JaxTeacher.score): zero (ids 0) off the completion mask.
+        batch_size / chunk_size: the in-process teacher's; the servers batch on their own."""
         if int(k) != self.k:
             raise ValueError(f"ServerTeacher was probed for k={self.k}, asked for k={k}")
         if float(temperature) != 1.0:

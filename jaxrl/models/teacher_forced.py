@@ -94,15 +94,11 @@ def completion_start(input_ids: jax.Array, width: int) -> int:
 
 def next_token_logprobs(model, input_ids: jax.Array, attention_mask: Optional[jax.Array], *, start: int = 0,
                         temperature: float = 1.0, chunk_size: int = 512, entropy: bool = False,
-                        head: Optional[Head] = None, top_k: int = 0, segment_ids: Optional[jax.Array] = None,
+                        head: Optional[Head] = None, segment_ids: Optional[jax.Array] = None,
                         adapters: bool = True) -> TeacherForced:
     """The pass of the module docstring over input_ids / attention_mask [B, T]. head: what is read besides the
-    taken token's log-prob (default Head.logp()); `top_k=k` is `head=Head.top_k(k)`. adapters False: with the
-    model's LoRA adapters disabled (the reference policy). segment_ids: packed rows (`Qwen35.hidden_states`)."""
-    if top_k:
-        if head is not None:
-            raise ValueError("next_token_logprobs: give head= or top_k=, not both")
-        head = Head.top_k(top_k)
+    taken token's log-prob (default Head.logp()). adapters False: with the model's LoRA adapters disabled (the
+    reference policy). segment_ids: packed rows (`Qwen35.hidden_states`)."""
     head = Head.logp() if head is None else head
     if entropy and head.kind != "logp":
         raise ValueError(f"next_token_logprobs: entropy=True goes with Head.logp() only, not {head.kind}")

@@ -80,6 +80,7 @@ logger = logging.getLogger(__name__)
 _RESUME_KEYS = ("problems", "model", "adapter_step", "adapter_digest", "num_samples", "temperature", "top_p",
                 "top_k", "max_new_tokens", "max_prompt_len", "enable_thinking", "reward", "seed", "dtype",
                 "model_name", "backend")
+_OF_THE_ADAPTER = ("adapter_step", "adapter_digest")  # read off the checkpoint --adapter resolved to, not the flags
 # The rewards a flag may name, read from the registry (plug-ins registered later are accepted too).
 REWARD_HELP = (f"Reward: {', '.join(REWARDS.names())} (jaxrl.rewards; code is the sandboxed verifier), or "
                "module:function of your own.")
@@ -182,7 +183,7 @@ def done_samples(existing: list[tuple[int, dict]], path: Path, num_samples: int)
 
 def _settings(cfg: RolloutConfig, adapter) -> dict:
     """The settings the samples depend on (`<out>.meta.json`); `adapter`: the one --adapter resolved to."""
-    settings = {k: getattr(cfg, k) for k in (*_RESUME_KEYS, "adapter") if hasattr(cfg, k)}
+    settings = {k: getattr(cfg, k) for k in (*_RESUME_KEYS, "adapter") if k not in _OF_THE_ADAPTER}
     settings["adapter_step"] = None if adapter is None else adapter.step
     settings["adapter_digest"] = None if adapter is None else adapter.digest()
     for k in ("problems", "model", "adapter"):  # the same files named another way are the same settings

@@ -47,7 +47,7 @@ from flax import nnx
 from jaxrl.generation.buckets import batch_buckets, length_buckets, pick_bucket
 from jaxrl.generation.engine import DEFAULT_ROUND_STEPS, Cancelled, Completion, Engine, Request, Ticket
 from jaxrl.generation.programs import TRACE_COUNTS
-from jaxrl.models.teacher_forced import next_token_logprobs
+from jaxrl.models.teacher_forced import Head, next_token_logprobs
 from jaxrl.serve.registry import AdapterRegistry
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ def top_k_bucket(k: int, vocab_size: int = 0) -> int:
 def _score(graphdef, params, ids: jax.Array, mask: jax.Array, *, top_k: int, chunk_size: int):
     """ids, mask [B, T] (right-padded) -> logp [B, T-1] of ids[:, 1:], top values / ids [B, T-1, top_k]."""
     SCORE_TRACES[("score", ids.shape, top_k)] += 1
-    out = next_token_logprobs(nnx.merge(graphdef, params), ids, mask, top_k=top_k, chunk_size=chunk_size)
+    out = next_token_logprobs(nnx.merge(graphdef, params), ids, mask, chunk_size=chunk_size,
+                              head=Head.top_k(top_k) if top_k else Head.logp())
     if not top_k:
         empty = jnp.zeros(out.logp.shape + (0,))
         return out.logp, empty, empty.astype(jnp.int32), jnp.zeros(out.logp.shape, jnp.int32)

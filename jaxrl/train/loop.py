@@ -288,7 +288,7 @@ class Trainer:
         new = self.config.to_json()
         try:
             with open(path) as f:
-                old = json.load(f)
+                old = self.config.restate(json.load(f))  # as this version writes the same settings
         except (OSError, json.JSONDecodeError):
             old = None
         if old == new:

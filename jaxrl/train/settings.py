@@ -125,6 +125,11 @@ class RunSettings(Block):
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     ema: EMAConfig = dataclasses.field(default_factory=EMAConfig)
 
+    def restate(self, written: dict) -> dict:
+        """A config.json an earlier version wrote, as this version writes the same settings (a composed config drops
+        the keys its blocks retired): what a resumed run compares its config with."""
+        return dict(written)
+
     def run_problems(self) -> list[str]:
         """What is wrong with the run-level keys, one message each (the composed config raises them together)."""
         bad = []

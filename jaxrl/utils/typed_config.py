@@ -44,7 +44,7 @@ from jaxrl.utils.registry import nearest
 
 __all__ = ["ANY", "Block", "ConfigKeyError", "Key", "at_least", "block", "block_json", "build_block", "complete_block",
            "defaults_of", "is_block", "is_config_dict", "keys_of", "plain_mapping", "setting", "to_plain",
-           "unknown_key_error"]
+           "unknown_key_error", "without_retired"]
 
 ANY = None  # setting(types=ANY): any value
 _KEY = "jaxrl_key"  # dataclasses.field metadata: the field's Key
@@ -252,6 +252,12 @@ def complete_block(cls, value: Any, where: str) -> dict:
         else:
             raise unknown_key_error(where, key, keys)
     return cls.migrate(out, where) if isinstance(cls, type) and issubclass(cls, Block) else out
+
+
+def without_retired(cls, values: Mapping[str, Any]) -> dict:
+    """A block's keys as an earlier version wrote them, less the keys `cls` has retired (its RETIRED_KEYS)."""
+    _, retired = _block_protocol(cls)
+    return {k: v for k, v in values.items() if k not in retired}
 
 
 def block_json(value: Any) -> dict:

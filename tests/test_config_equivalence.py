@@ -1,0 +1,74 @@
+"""Every config resolves to the values it resolved to before the settings moved to their owners (issue 47): the
+corpus `tests/fixtures/config_corpus/2e1e1a6.jsonl.gz` holds every config the whole test suite (all tiers) and
+every preset of every family file under configs/ resolved on commit 2e1e1a6, with what `resolve` / `complete`
+returned then (the input as JSON, the output as config.json holds it, or the error). Each resolves the same now:
+the same keys with the same values (types included: 1 is not 1.0), the same errors. The one intended difference is named:
+distillation's block no longer has the asynchronous keys it inherited and refused (`RETIRED`); a config.json
+written before, which holds them at their defaults, still resolves."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxrl.algorithms import config as run_config
+from jaxrl.algorithms.run import resolve_config
+from jaxrl.algorithms.tasks import registered
+
+CORPUS = Path(__file__).resolve().parent / "fixtures" / "config_corpus" / "2e1e1a6.jsonl.gz"
+# block -> keys the block no longer has (and had at these defaults in every config.json of 2e1e1a6)
+RETIRED = {"distill": {"max_staleness": 0, "off_policy_loss": "behaviour", "overlap": False, "partial_rollouts": False}}
+
+
+def records() -> list[dict]:
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def without_retired(output: dict) -> dict:
+    out = dict(output)
+    for block, keys in RETIRED.items():
+        if block in out:
+            assert all(out[block][k] == v for k, v in keys.items()), (block, {k: out[block][k] for k in keys})
+            out[block] = {k: v for k, v in out[block].items() if k not in keys}
+    return out
+
+
+def test_the_corpus_covers_every_algorithm_and_both_entry_points():
+    recs = records()
+    assert len(recs) >= 200
+    assert {r["input"].get("algorithm") or "sft" for r in recs} == {"sft", "dpo", "grpo", "ppo", "distill"}
+    assert {r["fn"] for r in recs} == {"resolve", "complete"}
+
+
+@pytest.mark.parametrize("record", records(), ids=lambda r: f"{r['fn']}-{r['input'].get('algorithm') or 'sft'}")
+def test_every_config_resolves_as_before(record):
+    config = record["input"]
+    if record["fn"] == "resolve":
+        run = lambda: resolve_config(json.loads(json.dumps(config))).to_json()  # noqa: E731
+    else:
+        name = config.get("algorithm")
+        algorithm = registered(name or run_config.TrainConfig.algorithm)
+        run = lambda: run_config.complete(config, algorithm,  # noqa: E731
+                                          strict=record["strict"] and name is not None and algorithm is not None)
+    if "error" in record:
+        kind, _, message = record["error"].partition(": ")
+        with pytest.raises(Exception) as raised:
+            run()
+        assert type(raised.value).__name__ == kind and str(raised.value) == message
+        return
+    want = without_retired(record["output"])
+    got = run()
+    assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)  # the same keys and values
+
+
+def test_a_config_json_of_2e1e1a6_with_the_retired_keys_resolves_and_another_value_is_refused():
+    distill = next(r for r in records() if r["fn"] == "resolve" and r["input"].get("algorithm") == "distill")
+    old = distill["output"]
+    assert all(k in old["distill"] for k in RETIRED["distill"])  # what such a config.json holds
+    assert "max_staleness" not in resolve_config(old).to_json()["distill"]
+    changed = json.loads(json.dumps(old))
+    changed["distill"]["max_staleness"] = 1
+    with pytest.raises(ValueError, match=r"distill.max_staleness=1: distillation trains on-policy"):
+        resolve_config(changed)
