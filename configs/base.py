@@ -8,9 +8,10 @@ config file, any key overridable on the command line):
         --config.data.source=jsonl
 
 Every key, its one default and what it means are declared next to the code that owns it and composed in
-jaxrl/algorithms/config.py; a run fills a config's missing keys from there and refuses an unknown one. The defaults follow the users' earlier stack (the users' report): LoRA
-r16/alpha32 on all linear projections, checkpoints every 4 optimizer steps, AdamW with a linear decay,
-micro-batch 1 x grad_accum 8, bf16 base weights, a stop after 10 non-finite updates in a row.
+jaxrl/algorithms/config.py; a run fills a config's missing keys from there and refuses an unknown one. The
+defaults follow the users' earlier stack (the users' report): LoRA r16/alpha32 on all linear projections,
+checkpoints every 4 optimizer steps, AdamW with a linear decay, micro-batch 1 x grad_accum 8, bf16 base weights, a
+stop after 10 non-finite updates in a row.
 """
 
 import ml_collections

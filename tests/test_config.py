@@ -1,6 +1,7 @@
-"""One typed default per config key (declared by its owner, composed in jaxrl/algorithms/config.py): the family configs build from it, a config not
-built on configs/base.py resolves to the same values, a typo in any block is an error naming the nearest valid key,
-the resolved TrainConfig is typed, and run_training writes it to config.json."""
+"""One typed default per config key (declared by its owner, composed in jaxrl/algorithms/config.py): the family
+configs build from it, a config not built on configs/base.py resolves to the same values, a typo in any block is an
+error naming the nearest valid key, the resolved TrainConfig is typed, and run_training writes it to
+config.json."""
 
 import dataclasses
 import json

@@ -2,8 +2,8 @@
 corpus `tests/fixtures/config_corpus/2e1e1a6.jsonl.gz` holds every config the whole test suite (all tiers) and
 every preset of every family file under configs/ resolved on commit 2e1e1a6, with what `resolve` / `complete`
 returned then (the input as JSON, the output as config.json holds it, or the error). Each resolves the same now:
-the same keys with the same values (types included: 1 is not 1.0), the same errors. The one intended difference is named:
-distillation's block no longer has the asynchronous keys it inherited and refused (`RETIRED`); a config.json
+the same keys with the same values (types included: 1 is not 1.0), the same errors. The one intended difference is
+named: distillation's block no longer has the asynchronous keys it inherited and refused (`RETIRED`); a config.json
 written before, which holds them at their defaults, still resolves."""
 
 import gzip

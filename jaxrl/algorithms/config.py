@@ -130,6 +130,8 @@ class TrainConfig(RunSettings, ModelSettings, AlgorithmChoice):
         return blocks[name]
 
     def restate(self, written: dict) -> dict:
+        """A config.json an earlier version wrote, as this version writes the same settings (the keys this run's
+        blocks retired dropped): what a resumed run compares its config with (jaxrl.train.loop)."""
         out = dict(written)
         for name, value in self.blocks.items():
             if value is not None and isinstance(out.get(name), dict):

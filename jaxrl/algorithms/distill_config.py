@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.algorithms.online.settings import OnlineDataConfig, SamplingSettings
-from jaxrl.backends.scorers import JaxTeacherSpec, ScorerSpec, ServerTeacherSpec, VLLMTeacherSpec
+from jaxrl.backends.scorers import SCORER_SPECS, ScorerSpec
 from jaxrl.backends.settings import (SERVED_TEACHERS, TEACHER_BACKENDS, RolloutBackendSettings, ServerOptions,
                                      check_server_urls, server_url)
 from jaxrl.rewards.settings import RewardConfig
@@ -116,11 +116,8 @@ class DistillConfig(RolloutBackendSettings, SamplingSettings):
     def teacher_spec(self) -> ScorerSpec:
         """The teacher_backend choice as its typed member (jaxrl.backends.scorers), its options taken from the
         block; `build(ScorerContext(...))` makes the teacher."""
-        if self.teacher_backend == JaxTeacherSpec.name:
-            return JaxTeacherSpec(self.teacher_path, self.teacher_adapter)
-        if self.teacher_backend == ServerTeacherSpec.name:
-            return ServerTeacherSpec(self.teacher_servers, self.teacher_server, self.teacher_path)
-        return VLLMTeacherSpec(self.teacher_servers, self.teacher_server, self.teacher_path)
+        return SCORER_SPECS[self.teacher_backend].of(path=self.teacher_path, adapter=self.teacher_adapter,
+                                                     urls=self.teacher_servers, options=self.teacher_server)
 
 
 # the blocks a run of distill has, in the order its family config lists them (registered in

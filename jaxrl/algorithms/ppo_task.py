@@ -210,9 +210,9 @@ class PPOTask(OnlineTask):
         self._kl_lock = threading.Lock()
         self.chunk_size = config.logprob_chunk_size
         self.objective = PPOObjective.of(ppo, chunk_size=self.chunk_size)
+        weighted = ppo.rollout_correction != "none" or self.async_policy.decoupled
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "old_logp", "old_values", "advantages",
-                           "returns") + (("is_weights",) if ppo.rollout_correction != "none" or self.async_policy.decoupled
-                                         else ())
+                           "returns") + (("is_weights",) if weighted else ())
         if ppo.critic_warmup_steps and config.optimizer.weight_decay:
             logging.warning("ppo.critic_warmup_steps=%d with optimizer.weight_decay=%s: the LoRA factors get no "
                             "gradient in the warm-up, but AdamW's decay still shrinks them", ppo.critic_warmup_steps,

@@ -10,9 +10,9 @@
 Every algorithm is registered the one way: an `Algorithm` (jaxrl.algorithms.config) of its name, the config
 blocks it reads (config dataclasses whose fields are `jaxrl.utils.typed_config.setting`s: their keys are checked,
 `config.<block>` holds the built dataclass; a block declared as None is taken as it is), the family-config labels
-it records, and its factory. A built-in declares its blocks in its jax-free `<name>_config.py` and its factory in `<name>_task.py`
-(imported when a run builds it), and is registered below with `register_task`, as a user's module registers its
-own. A factory gets the resolved `TrainConfig`, the policy model (LoRA already attached; it may add
+it records, and its factory. A built-in declares its blocks in its jax-free `<name>_config.py` and its factory in
+`<name>_task.py` (imported when a run builds it), and is registered below with `register_task`, as a user's module
+registers its own. A factory gets the resolved `TrainConfig`, the policy model (LoRA already attached; it may add
 modules such as a value head before returning) and the mesh, and returns a Task.
 
 No jax here: configs import this module (through jaxrl.algorithms.config).

@@ -30,7 +30,8 @@ _EXPORTS = {
     "VLLMBackend": "jaxrl.backends.vllm_backend",
     "BackendContext": "jaxrl.backends.settings", "ROLLOUT_BACKENDS": "jaxrl.backends.settings",
     "ROLLOUT_SPECS": "jaxrl.backends.settings",
-    "Scorer": "jaxrl.backends.base", "SCORER_SPECS": "jaxrl.backends.scorers", "ScorerContext": "jaxrl.backends.scorers",
+    "Scorer": "jaxrl.backends.base", "SCORER_SPECS": "jaxrl.backends.scorers",
+    "ScorerContext": "jaxrl.backends.scorers",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

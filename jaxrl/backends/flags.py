@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from absl import app, flags
 
-from jaxrl.backends.options import ServerOptions, VLLMLaunchOptions
+from jaxrl.backends.options import DEFAULT_MAX_LORA_RANK, ServerOptions, VLLMLaunchOptions
 from jaxrl.backends.settings import (ROLLOUT_BACKENDS, JaxRollout, RolloutSpec, ServerRollout, VLLMRollout,
                                      check_server_urls, server_url)
 from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
@@ -47,7 +47,6 @@ OPTION_BLOCKS = (
     ("server", ServerOptions, "server_", "--backend=server | vllm"),
     ("vllm", VLLMLaunchOptions, "vllm_", "--backend=vllm without --server_url (the `vllm serve` it starts)"),
 )
-DEFAULT_MAX_LORA_RANK = 16  # the LoRA rank a started vLLM enables on the base (VLLMBackend's default)
 _ABSL_KINDS = {int: "integer", float: "float", str: "string", bool: "bool", tuple: "multi_string"}
 
 
@@ -118,9 +117,9 @@ def vllm_field() -> Any:
 
 
 def max_lora_rank_field() -> Any:
-    return flag_field(DEFAULT_MAX_LORA_RANK, bounds=(1, None), help=(
+    return flag_field(DEFAULT_MAX_LORA_RANK, bounds=(0, None), help=(
         "--backend=vllm without --server_url: the LoRA rank the started server enables on the base (raised, with a "
-        "restart, for a larger adapter)."))
+        "restart, for a larger adapter; 0: no LoRA until an adapter is loaded)."))
 
 
 def mesh_shape_field() -> Any:
@@ -141,8 +140,8 @@ def _typed(flag: str, value: Any) -> Any:
             raise ValueError(f"expected a URL string, got {type(value).__name__}")
         return value
     if flag == "vllm_max_lora_rank":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"expected an integer >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"expected an integer >= 0, got {value!r}")
         return value
     for _, cls, prefix, _ in OPTION_BLOCKS:
         if flag.startswith(prefix) and flag[len(prefix):] in keys_of(cls):

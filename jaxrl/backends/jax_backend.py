@@ -165,29 +165,31 @@ class JaxBackend(RolloutBackend):
             pending[next(counter)] = (row, ticket)
 
         seconds = 0.0
-        for row in rows:
-            submit(row)
-        while pending:
-            t0 = time.perf_counter()
-            if engine.idle:
-                raise RuntimeError(f"the session engine went idle with {len(pending)} rows unfinished")
-            engine.step()
-            seconds += time.perf_counter() - t0
-            done = sorted(((k, row, ticket) for k, (row, ticket) in pending.items() if ticket.done),
-                          key=lambda item: _session_order(item[1], item[0]))
-            for k, row, ticket in done:
-                del pending[k]
-                c = ticket.wait()
-                follow = then(row, Generation(list(c.tokens), c.finish_reason, 0, row.sample_index,
-                                              [float(x) for x in c.logprobs]))
-                if follow is not None:
-                    submit(follow)
-                elif row.session is not None:
-                    engine.end_session(row.session)
-        stats = {k: v for k, v in engine.stats.items() if k in ENGINE_COUNTERS or k in SESSION_COUNTERS}
-        self.counters.update(stats)
-        engine.release()
-        return {"sample_s": seconds, **{f"engine/{k}": float(v) for k, v in engine.stats.items()}}
+        try:
+            for row in rows:
+                submit(row)
+            while pending:
+                t0 = time.perf_counter()
+                if engine.idle:
+                    raise RuntimeError(f"the session engine went idle with {len(pending)} rows unfinished")
+                engine.step()
+                seconds += time.perf_counter() - t0
+                done = sorted(((k, row, ticket) for k, (row, ticket) in pending.items() if ticket.done),
+                              key=lambda item: _session_order(item[1], item[0]))
+                for k, row, ticket in done:
+                    del pending[k]
+                    c = ticket.wait()
+                    follow = then(row, Generation(list(c.tokens), c.finish_reason, 0, row.sample_index,
+                                                  [float(x) for x in c.logprobs]))
+                    if follow is not None:
+                        submit(follow)
+                    elif row.session is not None:
+                        engine.end_session(row.session)
+            stats = dict(engine.stats)
+        finally:
+            engine.release()  # the held sessions and the slots' caches
+        self.counters.update({k: v for k, v in stats.items() if k in ENGINE_COUNTERS or k in SESSION_COUNTERS})
+        return {"sample_s": seconds, **{f"engine/{k}": float(v) for k, v in stats.items()}}
 
     def stream(self, prompts, group_ids, sampling: SamplingParams, *, prompts_per_call: int):
         """(prompt index, its `sampling.n` generations) for every prompt, in order, from one engine fed as it goes

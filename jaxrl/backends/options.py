@@ -9,7 +9,11 @@ import dataclasses
 
 from jaxrl.utils.typed_config import Block, setting
 
-__all__ = ["ServerOptions", "VLLMLaunchOptions"]
+__all__ = ["DEFAULT_MAX_LORA_RANK", "ServerOptions", "VLLMLaunchOptions"]
+
+# The LoRA rank a vLLM started on the base enables (raised, with a restart, for a larger adapter; 0: no LoRA until an
+# adapter is loaded): evaluation's and offline rollouts' default, and VLLMBackend's.
+DEFAULT_MAX_LORA_RANK = 16
 
 
 @dataclasses.dataclass(frozen=True)

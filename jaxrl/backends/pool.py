@@ -1,7 +1,7 @@
 """A pool of servers as one backend: what online GRPO / PPO sample on with `rollout_backend` = server | vllm.
 
-    pool = config.grpo.rollout_spec.build(BackendContext(model_path, stop_ids=(1,), max_prompt_len=64,
-                                                         max_new_tokens=512, run_dir=run_dir, lora_rank=16))
+    pool = block.rollout_spec.build(BackendContext(model_path, stop_ids=(1,), max_prompt_len=64, max_new_tokens=512,
+                                                   run_dir=run_dir, lora_rank=16))   # an online block's servers
     served = pool.update_weights(Policy("r7", params, lambda: policy_adapter(policy)))   # every server checked
     gens = pool.generate(prompts, group_ids, SamplingParams(n=8, max_new_tokens=512, temperature=1.0, seed=s))
 

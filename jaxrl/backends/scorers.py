@@ -2,8 +2,8 @@
 (jaxrl.backends.base): `JaxTeacherSpec | ServerTeacherSpec | VLLMTeacherSpec`, each `build(context) -> Scorer`, the
 way the rollout backends are built from `JaxRollout | ServerRollout | VLLMRollout` (jaxrl.backends.settings).
 
-    spec = config.distill.teacher_spec    # the block's choice (teacher_backend, teacher_path, teacher_adapter,
-                                          # teacher_servers, teacher_server.*) as its typed member
+    spec = block.teacher_spec             # a distillation block's choice (teacher_backend, teacher_path,
+                                          # teacher_adapter, teacher_servers, teacher_server.*) as its typed member
     teacher = spec.build(ScorerContext(width=P + C, top_k=k, vocab_size=V, dtype="bfloat16", mesh=mesh))
     scores = teacher.score(arrays, k=k, temperature=1.0, batch_size=8, chunk_size=512)
 
@@ -50,6 +50,12 @@ class ScorerSpec:
     name: ClassVar[str] = ""
     served: ClassVar[bool] = False
 
+    @classmethod
+    def of(cls, *, path: str, adapter: str, urls: tuple, options: ServerOptions) -> "ScorerSpec":
+        """The member from a block's teacher keys (teacher_path, teacher_adapter, teacher_servers,
+        teacher_server.*), each member taking what it uses."""
+        raise NotImplementedError
+
     def build(self, context: ScorerContext):
         raise NotImplementedError
 
@@ -62,6 +68,10 @@ class JaxTeacherSpec(ScorerSpec):
     name: ClassVar[str] = "jax"
     path: str = ""
     adapter: str = ""
+
+    @classmethod
+    def of(cls, *, path: str, adapter: str, urls: tuple, options: ServerOptions) -> "JaxTeacherSpec":
+        return cls(path, adapter)
 
     def build(self, context: ScorerContext):
         return resolve("jaxrl.backends.jax_teacher:JaxTeacher").load(
@@ -80,6 +90,10 @@ class ServerTeacherSpec(ScorerSpec):
     urls: tuple = ()
     options: ServerOptions = ServerOptions()
     path: str = ""
+
+    @classmethod
+    def of(cls, *, path: str, adapter: str, urls: tuple, options: ServerOptions) -> "ServerTeacherSpec":
+        return cls(tuple(urls), options, path)
 
     def build(self, context: ScorerContext):
         o = self.options

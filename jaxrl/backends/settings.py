@@ -22,7 +22,7 @@ import re
 import warnings
 from typing import Any, ClassVar, Optional, Sequence
 
-from jaxrl.backends.options import ServerOptions, VLLMLaunchOptions
+from jaxrl.backends.options import DEFAULT_MAX_LORA_RANK, ServerOptions, VLLMLaunchOptions
 from jaxrl.backends.scorers import SCORER_SPECS
 from jaxrl.utils.registry import resolve
 from jaxrl.utils.typed_config import Block, block, complete_block, defaults_of, keys_of, setting, unknown_key_error
@@ -71,7 +71,8 @@ class BackendContext:
     mesh: Any = None
     out_dir: Optional[str] = None
     run_dir: Optional[str] = None
-    lora_rank: int = 0  # the LoRA rank a started vLLM enables from the start (0: its default)
+    lora_rank: int = DEFAULT_MAX_LORA_RANK  # the LoRA rank a started vLLM enables from the start (0: none until
+    # an adapter is loaded); a training run: its lora.rank
     partial: bool = False  # training: rows continue under each new version (partial rollouts)
     keep_versions: int = 1  # training: the newest versions' PEFT folders kept
     check_install: bool = True  # a vLLM the run starts: check its environment has vLLM first (tests: False)
@@ -82,6 +83,12 @@ class RolloutSpec:
 
     name: ClassVar[str] = ""
 
+    @classmethod
+    def of(cls, *, urls: tuple, options: ServerOptions, launch: VLLMLaunchOptions) -> "RolloutSpec":
+        """The member from a block's keys (rollout_servers, rollout_server.*, rollout_vllm.*), each member taking
+        what it uses."""
+        raise NotImplementedError
+
     def build(self, context: BackendContext):
         raise NotImplementedError
 
@@ -91,6 +98,10 @@ class JaxRollout(RolloutSpec):
     """This process's engine (jaxrl.backends.jax_backend), on `context.model` or the base loaded from base_dir."""
 
     name: ClassVar[str] = "jax"
+
+    @classmethod
+    def of(cls, *, urls: tuple, options: ServerOptions, launch: VLLMLaunchOptions) -> "JaxRollout":
+        return cls()
 
     def build(self, context: BackendContext):
         backend = resolve("jaxrl.backends.jax_backend:JaxBackend")
@@ -106,6 +117,10 @@ class ServerRollout(RolloutSpec):
     name: ClassVar[str] = "server"
     urls: tuple = ()
     options: ServerOptions = ServerOptions()
+
+    @classmethod
+    def of(cls, *, urls: tuple, options: ServerOptions, launch: VLLMLaunchOptions) -> "ServerRollout":
+        return cls(tuple(urls), options)
 
     def build(self, context: BackendContext):
         if context.run_dir is not None:
@@ -129,6 +144,10 @@ class VLLMRollout(RolloutSpec):
     options: ServerOptions = ServerOptions()
     launch: VLLMLaunchOptions = VLLMLaunchOptions()
 
+    @classmethod
+    def of(cls, *, urls: tuple, options: ServerOptions, launch: VLLMLaunchOptions) -> "VLLMRollout":
+        return cls(tuple(urls), options, launch)
+
     def build(self, context: BackendContext):
         if context.run_dir is not None:
             return _pool(self, self._pooled_servers(context), context)
@@ -136,7 +155,7 @@ class VLLMRollout(RolloutSpec):
             raise ValueError(f"backend {self.name!r} samples on one server here, got {len(self.urls)} URLs")
         return resolve("jaxrl.backends.vllm_backend:VLLMBackend")(
             context.base_dir, out_dir=context.out_dir, url=self.urls[0] if self.urls else None,
-            dtype=context.dtype or "bfloat16", seed=context.seed, max_lora_rank=context.lora_rank or 16,
+            dtype=context.dtype or "bfloat16", seed=context.seed, max_lora_rank=context.lora_rank,
             stop_ids=context.stop_ids, max_prompt_len=context.max_prompt_len, max_new_tokens=context.max_new_tokens,
             **dataclasses.asdict(self.launch), **dataclasses.asdict(self.options))
 
@@ -204,11 +223,8 @@ class RolloutBackendSettings(Block):
     @property
     def rollout_spec(self) -> RolloutSpec:
         """The choice as its typed member (its options taken from the block)."""
-        if self.rollout_backend == JaxRollout.name:
-            return JaxRollout()
-        if self.rollout_backend == ServerRollout.name:
-            return ServerRollout(self.rollout_servers, self.rollout_server)
-        return VLLMRollout(self.rollout_servers, self.rollout_server, self.rollout_vllm)
+        return ROLLOUT_SPECS[self.rollout_backend].of(urls=self.rollout_servers, options=self.rollout_server,
+                                                      launch=self.rollout_vllm)
 
     @classmethod
     def migrate(cls, values: dict, where: str) -> dict:

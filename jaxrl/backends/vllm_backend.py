@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 
 from jaxrl.backends.openai_client import (TARGET_VLLM, ServerBackend, ServerError, http_json,
                                                   lora_rank_slot, parse_version)
+from jaxrl.backends.options import DEFAULT_MAX_LORA_RANK
 from jaxrl.backends.options import VLLMLaunchOptions as _LAUNCH  # the launch options' one set of defaults
 
 VLLM_VERSION = "0.33.0"
@@ -113,7 +114,7 @@ class VLLMServer:
         self._log = None
         self._atexit = False
 
-    def command(self, model_dir: str, max_model_len: int, max_lora_rank: int = 16,
+    def command(self, model_dir: str, max_model_len: int, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
                 port: Optional[int] = None) -> list[str]:
         """The argv of `vllm serve` for `model_dir` (module docstring)."""
         args = [self.python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
@@ -131,7 +132,7 @@ class VLLMServer:
             args += ["--api-server-count", "1"]
         return args + self.extra_args
 
-    def shell_command(self, model_dir: str, max_model_len: int, max_lora_rank: int = 16) -> str:
+    def shell_command(self, model_dir: str, max_model_len: int, max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> str:
         return "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True " + " ".join(
             shlex.quote(a) for a in self.command(model_dir, max_model_len, max_lora_rank))
 
@@ -220,7 +221,7 @@ class VLLMBackend(ServerBackend):
                  data_parallel_size: int = _LAUNCH.data_parallel_size,
                  gpu_memory_utilization: float = _LAUNCH.gpu_memory_utilization, max_loras: int = _LAUNCH.max_loras,
                  extra_args: Sequence[str] = _LAUNCH.extra_args, startup_timeout_s: float = _LAUNCH.startup_timeout_s,
-                 max_lora_rank: int = 16, **kwargs):
+                 max_lora_rank: int = DEFAULT_MAX_LORA_RANK, **kwargs):
         launcher = None
         if url is None:
             log = os.path.join(out_dir, "vllm_server.log") if out_dir else None

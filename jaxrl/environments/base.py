@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import threading
 from typing import Any, Mapping, Optional
 
 from jaxrl.rewards.code import CodeVerifier
@@ -82,10 +83,19 @@ def as_environment(cls: type) -> type:
     return type(cls.__name__, (cls, Environment), {"__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
-@functools.lru_cache(maxsize=4)
+_VERIFIERS_LOCK = threading.Lock()
+
+
 def shared_verifier(options: str) -> CodeVerifier:
     """One sandbox pool per verifier setting (`options`: its keyword arguments as sorted JSON), shared by every
-    episode of the process (starting workers is the expensive part; the pool runs one batch of jobs at a time)."""
+    episode of the process (starting workers is the expensive part; the pool runs one batch of jobs at a time, and
+    episodes of several rollouts may start at once: partial rollouts sample on several threads)."""
+    with _VERIFIERS_LOCK:
+        return _verifier(options)
+
+
+@functools.lru_cache(maxsize=4)
+def _verifier(options: str) -> CodeVerifier:
     return CodeVerifier(**json.loads(options))
 
 

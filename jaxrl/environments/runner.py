@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from jaxrl.backends.base import Generation, RowRequest, SamplingParams
 from jaxrl.data.chat import format_chat, turn_delta_ids
-from jaxrl.environments.base import Turn, check_messages
+from jaxrl.environments.base import Turn, as_environment, check_messages
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rollout.collect import Collector
 
@@ -116,6 +116,9 @@ class EpisodeRunner:
         if max_episode_tokens < max_new_tokens:
             raise ValueError(f"max_episode_tokens={max_episode_tokens} cannot hold one turn of max_new_tokens="
                              f"{max_new_tokens}")
+        # a class given directly (not through the registry) gets the protocol's attributes too
+        if isinstance(environment, type):
+            environment = as_environment(environment)
         self.collector, self.environment, self.tokenizer = collector, environment, tokenizer
         self.enable_thinking, self.max_turns = bool(enable_thinking), int(max_turns)
         self.max_new_tokens, self.max_episode_tokens = int(max_new_tokens), int(max_episode_tokens)
@@ -251,7 +254,7 @@ class EpisodeRunner:
     def _score(self, episodes: Sequence[Episode], problems: Sequence[Any]) -> None:
         """Single-turn episodes: every completion scored by the collector's reward in one call (problem-major)."""
         generations = [Generation(e.tokens, e.finish_reason, e.problem_index, e.sample_index) for e in episodes]
-        for e, sample in zip(episodes, self.collector.score(generations, problems)):
+        for e, sample in zip(episodes, self.collector.score(generations, problems, [e.texts[0] for e in episodes])):
             e.result = sample.result
             e.solved = bool(sample.result.strict)
 

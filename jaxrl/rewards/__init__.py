@@ -18,7 +18,8 @@ _EXPORTS = {
     "REWARDS": "jaxrl.rewards.registry", "available_rewards": "jaxrl.rewards.registry",
     "get_reward": "jaxrl.rewards.registry", "register_reward": "jaxrl.rewards.registry",
     "ArithmeticReward": "jaxrl.rewards.toy", "CharsetReward": "jaxrl.rewards.toy",
-    "ExactMatchReward": "jaxrl.rewards.toy", "FunctionReward": "jaxrl.rewards.toy", "PatternReward": "jaxrl.rewards.toy",
+    "ExactMatchReward": "jaxrl.rewards.toy", "FunctionReward": "jaxrl.rewards.toy",
+    "PatternReward": "jaxrl.rewards.toy",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -74,9 +74,11 @@ class Collector:
             return []
         return self.backend.generate(prompts, group_ids, sampling)
 
-    def score(self, generations: Sequence[Generation], problems: Sequence[Any]) -> list[Sample]:
-        """Decodes and scores generations; `problems[g.prompt_index]` is what generation g answers."""
-        texts = [self.decode(g.tokens) for g in generations]
+    def score(self, generations: Sequence[Generation], problems: Sequence[Any],
+              texts: Optional[Sequence[str]] = None) -> list[Sample]:
+        """Decodes and scores generations; `problems[g.prompt_index]` is what generation g answers. `texts`: their
+        decoded texts, when the caller has them (`decode` of the same tokens)."""
+        texts = [self.decode(g.tokens) for g in generations] if texts is None else list(texts)
         results = []
         if generations:
             with self._score_lock:

@@ -4,8 +4,8 @@
     Trainer(config, model, task, workdir, mesh=mesh).run()            # resumes from workdir by itself
 
 or all of it from a config: `jaxrl.algorithms.run.run_training(config, workdir)` (what `launchers/train.py`
-calls). `config` is a resolved `jaxrl.algorithms.config.TrainConfig` (the loop reads its `RunSettings` part); the Task contract and the order in which
-its phases are called: jaxrl.train.task.
+calls). `config` is a resolved `jaxrl.algorithms.config.TrainConfig` (what the loop reads of it: `TrainerConfig`); the
+Task contract and the order in which its phases are called: jaxrl.train.task.
 
 Each step: (rollout when due) -> batch -> split into [grad_accum, micro_batch_size, ...] -> sharded over data x
 fsdp -> one jitted step (accumulation, update, non-finite masking) -> metrics line. Every `checkpoint_every` steps
@@ -57,7 +57,7 @@ from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_b
 from jaxrl.train.task import Task, TaskContext
 from jaxrl.utils import interrupt
 from jaxrl.utils.io import check_not_locked, folder_lock_file, iter_json_lines, writer_lock
-from jaxrl.train.settings import RunSettings
+from jaxrl.train.settings import TrainerConfig
 
 
 _LOCK_HINT = "wait for it to finish (it resumes from its own checkpoints), or use another --workdir"
@@ -107,7 +107,7 @@ STATE_KEYS = ("lora.rank", "lora.targets", "algorithm", "model_path", "model_pre
 _PRESENCE_KEYS = ("ema.decay",)
 
 
-def check_same_run(config: RunSettings, workdir: str, step: Optional[int] = None) -> None:
+def check_same_run(config: TrainerConfig, workdir: str, step: Optional[int] = None) -> None:
     """ResumeError when `workdir` holds a run (a training state; `step`: its newest, found on disk when None) whose
     config.json differs from `config` in a key that shapes the training state (STATE_KEYS). Reads only."""
     path = os.path.join(workdir, CONFIG_FILE)
@@ -148,7 +148,7 @@ class Trainer:
     and checkpoint (the launcher's test-only kill switch).
     """
 
-    def __init__(self, config: RunSettings, model: nnx.Module, task, workdir: str, *, mesh=None,
+    def __init__(self, config: TrainerConfig, model: nnx.Module, task, workdir: str, *, mesh=None,
                  fault_fn: Optional[Callable] = None, fault_group: Optional[str] = None,
                  on_step_end: Optional[Callable] = None):
         self.config, self.task, self.workdir = config, task, workdir

@@ -10,13 +10,14 @@ No jax here: configs import this module (through jaxrl.algorithms.config).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
+from jaxrl.parallel.settings import MeshConfig
 from jaxrl.utils.seeds import seed_problem
 from jaxrl.utils.typed_config import Block, setting
 
 __all__ = ["BatchConfig", "EMAConfig", "LoggingConfig", "OptimizerConfig", "OptimizerConfigError", "RunSettings",
-           "SCHEDULES", "WANDB_MODES"]
+           "SCHEDULES", "TrainerConfig", "WANDB_MODES"]
 
 SCHEDULES = ("linear", "constant_with_warmup", "cosine", "constant")
 WANDB_MODES = ("", "online", "offline", "disabled")
@@ -125,11 +126,6 @@ class RunSettings(Block):
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     ema: EMAConfig = dataclasses.field(default_factory=EMAConfig)
 
-    def restate(self, written: dict) -> dict:
-        """A config.json an earlier version wrote, as this version writes the same settings (a composed config drops
-        the keys its blocks retired): what a resumed run compares its config with."""
-        return dict(written)
-
     def run_problems(self) -> list[str]:
         """What is wrong with the run-level keys, one message each (the composed config raises them together)."""
         bad = []
@@ -144,3 +140,31 @@ class RunSettings(Block):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             bad.append(f"keep_checkpoints must be an integer >= 1 (or None to keep all), got {keep!r}")
         return bad + [m for m in (seed_problem(self.seed, "seed"),) if m]
+
+
+class TrainerConfig(Protocol):
+    """What the training loop (jaxrl.train.loop) reads of a run's config: the keys of `RunSettings`, the mesh, what
+    its checkpoints record of the model (`model_path`, `algorithm`), and config.json (`to_json`; a config.json an
+    earlier version wrote, `restate`d as this version writes the same settings). The run's config,
+    jaxrl.algorithms.config.TrainConfig, is one; the loop never reads an algorithm's blocks."""
+
+    algorithm: str
+    model_path: str
+    steps: int
+    checkpoint_every: int
+    keep_checkpoints: Optional[int]
+    checkpoint_async: bool
+    seed: int
+    max_consecutive_nonfinite: int
+    log_every: int
+    tensorboard: bool
+    compile_options: dict
+    optimizer: OptimizerConfig
+    batch: BatchConfig
+    logging: LoggingConfig
+    ema: EMAConfig
+    mesh: MeshConfig
+
+    def to_json(self) -> dict: ...
+
+    def restate(self, written: dict) -> dict: ...

@@ -25,11 +25,12 @@ import importlib
 import math
 import os
 import secrets
-from typing import Any, Optional
+from typing import Optional
 
 from jaxrl.data.formats import CONFIG_FILE, METRICS_FILE
 from jaxrl.models.adapters import CHECKPOINTS
 from jaxrl.train.metrics import TB_DIR
+from jaxrl.train.settings import TrainerConfig
 from jaxrl.utils.io import atomic_write_text
 
 RUN_ID_FILE = "wandb_run_id"
@@ -82,11 +83,11 @@ def artefact_paths(workdir: str) -> dict:
             "tensorboard": os.path.abspath(os.path.join(workdir, TB_DIR))}
 
 
-def open_mirror(config: Any, workdir: str, enabled: bool = True) -> Optional[WandbMirror]:
+def open_mirror(config: TrainerConfig, workdir: str, enabled: bool = True) -> Optional[WandbMirror]:
     """A WandbMirror of the run in `workdir` when `config.logging.wandb_project` is set and `enabled` (process
-    0), else None. `config`: the run's TrainConfig."""
-    settings = getattr(config, "logging", None)
-    if not enabled or settings is None or not settings.wandb_project:
+    0), else None."""
+    settings = config.logging
+    if not enabled or not settings.wandb_project:
         return None
     wandb = _wandb()
     id_path = os.path.join(workdir, RUN_ID_FILE)

@@ -3,7 +3,7 @@ versions, the producer that samples ahead, publishing, the staleness bound and t
 none of it: it makes a rollout's arrays (`make`) and trains on what the controller hands it.
 
     controller = RolloutController(AsyncPolicy(k, partial, decoupled), rollouts, schedule, make=task.make_rollout,
-                                   steps=config.steps, proximal=ProximalPass(...), snapshot=task.snapshot)
+                                   steps=config.steps, proximal=ProximalPass(...), snapshot=copy_of_policy)
     controller.open(workdir)                        # the task's setup: the buffer store
     buffer, metrics, timing = controller.rollout(step, policy)   # the rollout train step `step` trains on
     controller.host_metrics(step, rollout, metrics) # rollout/staleness* of a step
@@ -140,9 +140,12 @@ class RolloutController:
                  snapshot: Optional[Callable[[Any], Any]] = None):
         if policy.decoupled and proximal is None:
             raise ValueError("the decoupled objective needs its proximal pass (RolloutController(proximal=...))")
+        if policy.ahead and snapshot is None:
+            raise ValueError("sampling ahead needs a copy of the policy the producer may keep (snapshot=...): the "
+                             "train step donates the trainer's arrays")
         self.policy, self.rollouts, self.schedule = policy, rollouts, schedule
         self.make, self.steps, self.proximal = make, int(steps), proximal
-        self.snapshot = snapshot or (lambda model: model)
+        self.snapshot = snapshot
         self.store: Optional[RolloutStore] = None
         self.versions: dict[str, int] = {}  # partial rollouts: adapter digest -> the newest version published with it
         self.publish_metrics: dict = {}  # partial rollouts: the sync metrics of the version published last
@@ -150,6 +153,11 @@ class RolloutController:
         self.dropped_stale_samples = 0  # partial rollouts: samples with a token over the bound (this process)
         self._pending: dict[int, concurrent.futures.Future] = {}  # rollout -> the producer's work on it
         self._producer: Optional[Producer] = None
+        # partial rollouts: the versions published when this thread's sampling last ended (the tokens' digests are
+        # mapped with what was published by then, not with what the trainer published since)
+        self._sampled_versions = threading.local()
+        if policy.partial:
+            rollouts.on_sampled = self._note_sampled
 
     def open(self, workdir: str) -> None:
         self.store = RolloutStore(workdir)
@@ -207,7 +215,8 @@ class RolloutController:
         if self.policy.decoupled:  # the behaviour side of the decoupled objective's weight (ProximalPass)
             buffer["sampler_logp"] = samples.behaviour_logp
         if samples is not None and samples.token_digests is not None:  # partial rollouts
-            buffer["token_versions"] = self.token_versions(samples.token_digests)
+            buffer["token_versions"] = self.token_versions(samples.token_digests, samples.completion_mask > 0,
+                                                           getattr(self._sampled_versions, "map", self.versions))
         metrics = {k: v if isinstance(v, str) else float(v) for k, v in metrics.items()}
         metrics.update(self.rollouts.last_sync)
         metrics["rollout/policy_step"] = float(step)
@@ -266,19 +275,24 @@ class RolloutController:
         return {**self.rollouts.last_sync, "rollout/published_version": float(rollout),
                 "time/adapter_sync_s": seconds}
 
-    def token_versions(self, digests: np.ndarray) -> np.ndarray:
-        """[N, C] int32: the published version of each sampled token (from its digest), -1 where none was sampled.
-        A digest this run never published (another process reloaded the adapter) is an AdapterSyncError."""
-        published = dict(self.versions)  # the trainer thread adds versions meanwhile
-        sampled = np.asarray([[d is not None for d in row] for row in digests], bool)
-        unknown = {d for row in digests for d in row if d is not None and d not in published}
-        if unknown:
+    def _note_sampled(self) -> None:
+        """Called by the rollouts as a rollout's sampling ends (on the producer's thread): the versions then."""
+        self._sampled_versions.map = dict(self.versions)
+
+    @staticmethod
+    def token_versions(digests: np.ndarray, sampled: np.ndarray, published: dict) -> np.ndarray:
+        """[N, C] int32: the published version of each sampled token (`sampled` [N, C]: the sampler's tokens) from
+        its digest, -1 elsewhere. A sampled token without a digest (a server that reported none, or the base) or
+        with one this run never published (another process reloaded the adapter) is an AdapterSyncError."""
+        missing = [i for i, (row, mask) in enumerate(zip(digests, sampled)) if any(d is None for d in row[mask])]
+        unknown = {d for row, mask in zip(digests, sampled) for d in row[mask] if d is not None and d not in published}
+        if missing or unknown:
             raise AdapterSyncError(
                 f"tokens sampled by adapter digest(s) {sorted(map(str, unknown))} that this run never published "
-                f"(published: {sorted(published.values())}); another process reloaded the run's adapter on a "
-                "server")
-        return np.asarray([[published[d] if d is not None else -1 for d in row] for row in digests],
-                          np.int32).reshape(sampled.shape)
+                f"(published: {sorted(published.values())}), or without a version (rows {missing[:8]}); another "
+                "process reloaded the run's adapter on a server, or a server reported no version per token")
+        return np.where(sampled, np.vectorize(lambda d: published.get(d, -1), otypes=[np.int32])(digests),
+                        -1).astype(np.int32)
 
     # ------------------------------------------------------------------------------------- sampling ahead
     def _sample_ahead(self, rollout: int, step: int, policy) -> None:

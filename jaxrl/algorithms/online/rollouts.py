@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -148,7 +148,9 @@ class Rollouts:
         self.enable_thinking = config.data.enable_thinking
         self.collector: Optional[Collector] = None
         self.runner: Optional[EpisodeRunner] = None
-        self.last_episodes: list[Episode] = []  # the episodes of the last `run` (for inspection)
+        # partial rollouts: called (on the sampling thread) as a rollout's sampling ends (the rollout controller
+        # notes the versions published by then)
+        self.on_sampled: Optional[Callable[[], None]] = None
         self._local = threading.local()
         if self.backend_name != "jax":
             where = f"{config.algorithm}.rollout_backend={self.backend_name!r}"
@@ -212,6 +214,11 @@ class Rollouts:
             self.collector = self.runner = None
 
     @property
+    def last_episodes(self) -> list[Episode]:
+        """The episodes of this thread's last `run` (for inspection)."""
+        return getattr(self._local, "episodes", [])
+
+    @property
     def last_sync(self) -> dict:
         """The adapter sync of this thread's last `sync` (server backends): its digests and servers."""
         return getattr(self._local, "sync", {})
@@ -253,7 +260,9 @@ class Rollouts:
         sampling = self.sampling.replace(seed=self.sample_seed(rollout, draw))
         episodes = self.runner.run(problems, group_ids, sampling,
                                    prompts=None if self.environment is not None else prompts)
-        self.last_episodes = episodes
+        if self.on_sampled is not None:
+            self.on_sampled()
+        self._local.episodes = episodes
         times = {**self.runner.last_times, **({"adapter_sync_s": seconds} if served else {})}
         if self.environment is None:
             sampled = self._single_turn(episodes, prompts, times)

@@ -38,7 +38,7 @@ class OnlineTask(Task):
         self.config, self.schedule, self.rollouts = config, schedule, rollouts
         self.async_policy = async_policy
         self.rollout_controller = RolloutController(async_policy, rollouts, schedule, make=self.make_rollout,
-                                            steps=config.steps, proximal=proximal, snapshot=self._snapshot)
+                                                    steps=config.steps, proximal=proximal, snapshot=self._snapshot)
         self._on_policy = False
         self.compile_options = dict(config.compile_options) or None
         self.buffer: Optional[dict] = None
