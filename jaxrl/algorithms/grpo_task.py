@@ -71,14 +71,14 @@ from absl import logging
 
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
-from jaxrl.algorithms.online import correction
-from jaxrl.algorithms.online.buffer import Schedule, check_rows
-from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
-from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
-from jaxrl.algorithms.online.controller import proximal_pass
-from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.grpo_config import GRPOConfig
+from jaxrl.algorithms.online import correction
+from jaxrl.algorithms.online.buffer import Schedule, check_rows
+from jaxrl.algorithms.online.controller import proximal_pass
+from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
+from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
+from jaxrl.algorithms.online.task import OnlineTask
 
 
 class StepNormalisers(NamedTuple):

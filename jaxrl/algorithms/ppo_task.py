@@ -64,15 +64,15 @@ from flax import nnx
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms import ppo as ppo_lib
+from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule
+from jaxrl.algorithms.online.controller import proximal_pass
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
-from jaxrl.algorithms.online.controller import proximal_pass
 from jaxrl.algorithms.online.task import OnlineTask
-from jaxrl.models.lora import LoRAParam
-from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.ppo_config import PPOConfig
+from jaxrl.models.lora import LoRAParam
 
 
 def _lr_scaled(x: jax.Array, scale: float) -> jax.Array:

@@ -24,6 +24,7 @@ from jaxrl.algorithms.online.rollouts import Rollouts, Sampled
 from jaxrl.algorithms.online.settings import AsyncPolicy
 from jaxrl.train.task import Task, TaskContext
 
+
 class OnlineTask(Task):
     """Task base of the online algorithms (module docstring). Subclasses implement `make_rollout(rollout, policy) ->
     (arrays: {key: [N, ...]}, metrics, samples)` (`samples`: the `Sampled` whose rows the arrays are, or None) and
