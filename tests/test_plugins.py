@@ -124,7 +124,8 @@ def test_import_problems_fail_clearly(plugin_file, tmp_path):
         plugins.load("dpo_loss", f"{bad}:f")
     with pytest.raises(PluginError, match="expected 'path/to/file.py:function'"):
         plugins.load("dpo_loss", path)
-    with pytest.raises(PluginError, match="unknown plug-in kind 'nonsense'; kinds: dpo_loss, advantage, kl, reward"):
+    with pytest.raises(PluginError, match="unknown plug-in kind 'nonsense'; kinds: dpo_loss, advantage, kl, "
+                                          "policy_loss, reward"):
         plugins.load("nonsense", f"{path}:t_other")
     with pytest.raises(PluginError, match="unknown plug-in kind 'loss'"):
         plugins.register("loss", "t_x")

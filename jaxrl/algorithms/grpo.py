@@ -47,8 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.algorithms import kl as kl_lib
+from jaxrl.algorithms.grpo_config import AGGREGATIONS, SCALE_REWARDS
+# the loss terms' primitives live with the policy losses; GRPO's and PPO's callers reach them here too
+from jaxrl.algorithms.policy_loss import (ClipOptions, PolicyLossInputs, clamp_log_ratio, clip_fraction,
+                                          clipped_surrogate, importance_log_weights, masked_mean, masked_whiten,
+                                          policy_loss_terms, token_log_ratio)
 from jaxrl.utils.registry import Registry
-from jaxrl.algorithms.grpo_config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
 
 __all__ = [
     "SCALE_REWARDS",
@@ -86,12 +90,6 @@ _STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
 
 def _f32(x):
     return jnp.asarray(x, jnp.float32)
-
-
-def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-    """``sum(x * mask) / max(sum(mask), 1)`` (masked entries never leak, even NaN)."""
-    m = jnp.asarray(mask) > 0
-    return jnp.sum(jnp.where(m, _f32(x), 0.0), axis=axis) / jnp.maximum(jnp.sum(m, axis=axis), 1)
 
 
 # ------------------------------------------------------------------------------------------------- advantages
@@ -176,96 +174,98 @@ def rloo_advantages(rewards: jax.Array, num_generations: int) -> jax.Array:
     return jnp.where(jnp.isnan(adv), 0.0, adv)
 
 
-# Advantage estimators by name: fn(rewards [N], num_generations) -> [N]. The built-ins are added here; a user's
-# own comes in through jaxrl.algorithms.plugins, which checks it first.
+def pass_at_k_advantages(rewards: jax.Array, num_generations: int, eps: float = 1e-6) -> jax.Array:
+    """Pass@k advantages, verl's ``grpo_passk`` (Chen et al. 2025, "Pass@k Training", arXiv 2503.19595), with k
+    the group size: only the group's best member gets an advantage, ``(r_max - r_second) / (std + eps)`` (std
+    Bessel-corrected, verl's norm_adv_by_std_in_grpo default); the rest get 0. A tie for the best gives 0 (the
+    first best member is the one chosen). NaN rewards are absent; a group with fewer than two scored members gets 0.
+    ``[N] -> [N]``."""
+    g = _grouped(rewards, num_generations)
+    valid = ~jnp.isnan(g)
+    scored = jnp.where(valid, g, -jnp.inf)
+    best = jnp.argmax(scored, axis=1)
+    top2 = jax.lax.top_k(scored, 2)[0] if num_generations >= 2 else jnp.full((g.shape[0], 2), -jnp.inf)
+    _, std = _nan_mean_std(g, axis=1)
+    gap = (top2[:, 0] - top2[:, 1]) / (std[:, 0] + eps)
+    ok = jnp.sum(valid, axis=1) >= 2
+    adv = jnp.where((jnp.arange(num_generations)[None, :] == best[:, None]) & ok[:, None], gap[:, None], 0.0)
+    return jnp.where(jnp.isnan(adv), 0.0, adv).reshape(-1)
+
+
+def _last_token(mask: jax.Array) -> jax.Array:
+    """``[N, C]`` 0/1: each row's last loss token."""
+    m = jnp.asarray(mask) > 0
+    last = m.shape[-1] - 1 - jnp.argmax(jnp.flip(m, -1), axis=-1)
+    return (jnp.arange(m.shape[-1])[None, :] == last[:, None]) & jnp.any(m, axis=-1, keepdims=True)
+
+
+def reinforce_plus_plus_advantages(rewards: jax.Array, num_generations: int, mask: jax.Array,
+                                   kl_penalty: jax.Array | None = None) -> jax.Array:
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262; verl ``reinforce_plus_plus``, OpenRLHF): each loss token's
+    reward is ``-kl_penalty`` (the KL to the reference in the reward, ``grpo.kl_in_reward``), plus the row's
+    reward on its last loss token; the return of a token is the sum of the rewards from it on (gamma = 1, verl's
+    default), and the advantages are the returns whitened over every loss token of the rollout (the global batch).
+    A masked position (an observation inside an episode) carries the return through instead of resetting it
+    (verl resets at mask 0, which only a right-padded single turn makes equivalent). ``[N] -> [N, C]``; rows
+    with a NaN reward are left out (mask them first)."""
+    m = (jnp.asarray(mask) > 0) & ~jnp.isnan(_f32(rewards))[:, None]
+    token_rewards = jnp.where(_last_token(m), jnp.nan_to_num(_f32(rewards))[:, None], 0.0)
+    if kl_penalty is not None:
+        token_rewards = token_rewards - jnp.where(m, _f32(kl_penalty), 0.0)
+    returns = jnp.flip(jnp.cumsum(jnp.flip(token_rewards, -1), axis=-1), -1)
+    return masked_whiten(returns, m)
+
+
+def reinforce_plus_plus_baseline_advantages(rewards: jax.Array, num_generations: int, mask: jax.Array,
+                                            kl_penalty: jax.Array | None = None) -> jax.Array:
+    """REINFORCE++ with a baseline (verl ``reinforce_plus_plus_baseline``): the row's score (its reward minus its
+    summed ``kl_penalty``) less its group's mean (a group of one: 0, as verl), on every loss token, whitened over
+    every loss token of the rollout. ``[N] -> [N, C]`` (constant along a row)."""
+    m = (jnp.asarray(mask) > 0) & ~jnp.isnan(_f32(rewards))[:, None]
+    score = _f32(rewards)
+    if kl_penalty is not None:
+        score = score - jnp.sum(jnp.where(m, _f32(kl_penalty), 0.0), axis=-1)
+    g = _grouped(score, num_generations)
+    mean, _ = _nan_mean_std(g, axis=1)
+    centred = (g - (mean if num_generations > 1 else 0.0)).reshape(-1)
+    return masked_whiten(jnp.broadcast_to(jnp.nan_to_num(centred)[:, None], m.shape), m)
+
+
+# Advantage estimators by name: fn(rewards [N], num_generations) -> [N]; the ones added with info TOKEN_LEVEL take
+# (rewards, num_generations, loss mask [N, C], KL penalty [N, C] or None) and return [N, C]. The built-ins are added
+# here; a user's own comes in through jaxrl.algorithms.plugins, which checks it first.
 ADVANTAGES = Registry("advantage",
                       hint="An estimator of your own: a `plugins` entry of kind advantage (jaxrl.algorithms.plugins)")
+TOKEN_LEVEL = "token_level"
 ADVANTAGES.add("grpo", lambda r, g: group_advantages(r, g, "group"))
 ADVANTAGES.add("grpo_batch_std", lambda r, g: group_advantages(r, g, "batch"))
 ADVANTAGES.add("dr_grpo", lambda r, g: group_advantages(r, g, "none"))
 ADVANTAGES.add("rloo", rloo_advantages)
+ADVANTAGES.add("pass_at_k", pass_at_k_advantages)
+ADVANTAGES.add("reinforce_plus_plus", reinforce_plus_plus_advantages, info=TOKEN_LEVEL)
+ADVANTAGES.add("reinforce_plus_plus_baseline", reinforce_plus_plus_baseline_advantages, info=TOKEN_LEVEL)
 
 
-def compute_advantages(rewards: jax.Array, num_generations: int, estimator: str = "grpo") -> jax.Array:
-    """Advantages ``[N]`` by registry name: grpo, grpo_batch_std, dr_grpo, rloo, or a loaded plug-in."""
-    adv = jnp.asarray(ADVANTAGES.get(estimator)(rewards, num_generations), jnp.float32)
-    if adv.shape != jnp.shape(rewards):
-        raise ValueError(f"advantage estimator {estimator!r} returned {adv.shape}; expected {jnp.shape(rewards)}")
+def token_level(estimator: str) -> bool:
+    """Whether `estimator` gives per-token advantages from the loss mask (and the KL in the reward)."""
+    return ADVANTAGES.info(estimator) == TOKEN_LEVEL
+
+
+def compute_advantages(rewards: jax.Array, num_generations: int, estimator: str = "grpo", *,
+                       mask: jax.Array | None = None, kl_penalty: jax.Array | None = None) -> jax.Array:
+    """Advantages by registry name: ``[N]`` (grpo, grpo_batch_std, dr_grpo, rloo, pass_at_k, a loaded plug-in)
+    or ``[N, C]`` (the token-level reinforce_plus_plus and reinforce_plus_plus_baseline, which read the loss
+    ``mask [N, C]`` and the per-token ``kl_penalty``)."""
+    fn = ADVANTAGES.get(estimator)
+    if token_level(estimator):
+        if mask is None:
+            raise ValueError(f"advantage estimator {estimator!r} is token-level: it needs the loss mask")
+        adv, want = jnp.asarray(fn(rewards, num_generations, mask, kl_penalty), jnp.float32), jnp.shape(mask)
+    else:
+        adv, want = jnp.asarray(fn(rewards, num_generations), jnp.float32), jnp.shape(rewards)
+    if adv.shape != want:
+        raise ValueError(f"advantage estimator {estimator!r} returned {adv.shape}; expected {want}")
     return adv
-
-
-# ------------------------------------------------------------------------------------------------- surrogate
-
-
-def token_log_ratio(logp: jax.Array, old_logp: jax.Array) -> jax.Array:
-    """``log pi_theta - log pi_old`` per token, ``[B, T]`` float32."""
-    return _f32(logp) - _f32(old_logp)
-
-
-def importance_log_weights(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, level: str = "token"):
-    """Log importance weights: ``[B, T]`` (token) or ``[B, 1]`` (sequence, GSPO: the masked mean of the token
-    log-ratios, so the sequence ratio is the geometric mean of the token ratios)."""
-    lr = token_log_ratio(logp, old_logp)
-    if level == "token":
-        return lr
-    if level == "sequence":
-        return masked_mean(lr, mask, axis=-1)[:, None]
-    raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}; got {level!r}")
-
-
-def clamp_log_ratio(log_ratio: jax.Array, bound: float | None) -> jax.Array:
-    """``clip(log_ratio, -bound, bound)`` in float32 (``bound`` None: unchanged). Inside the window the value and
-    its gradient are the input's bit for bit; outside, the gradient is 0 (verl clamps to +-20 before ``exp``)."""
-    lr = _f32(log_ratio)
-    return lr if bound is None else jnp.clip(lr, -bound, bound)
-
-
-def clipped_surrogate(
-    log_ratio: jax.Array,
-    advantages: jax.Array,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    dual_clip: float | None = None,
-    log_ratio_clamp: float | None = None,
-) -> jax.Array:
-    """PPO/GRPO clipped policy loss per token: ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``.
-
-    ``log_ratio`` ``[B, T]`` or ``[B, 1]``; ``advantages`` ``[B]`` or ``[B, T]``; returns the broadcast shape
-    (unmasked; aggregation applies the mask). ``delta`` (INTELLECT-2): the unclipped ratio is also capped at
-    delta, bounding the loss for negative advantages. ``dual_clip`` (verl ``clip_ratio_c``, > 1): for A < 0 the
-    loss is capped at ``-A * dual_clip``. ``log_ratio_clamp`` (verl: 20): the log-ratio is clamped to +-clamp
-    before ``exp``, so a token whose probability grew by e^100 gives a finite loss and gradient instead of
-    ``exp(100) = inf`` in float32 (with A < 0 the loss -rho A would be +inf); :func:`clamp_log_ratio`.
-    """
-    eh = epsilon_low if epsilon_high is None else epsilon_high
-    a = _f32(advantages)
-    if a.ndim == 1:
-        a = a[:, None]
-    rho = jnp.exp(clamp_log_ratio(log_ratio, log_ratio_clamp))
-    rho_clipped = jnp.clip(rho, 1.0 - epsilon_low, 1.0 + eh)
-    if delta is not None:
-        rho = jnp.minimum(rho, delta)
-    loss = -jnp.minimum(rho * a, rho_clipped * a)
-    if dual_clip is not None:
-        loss = jnp.where(a < 0, jnp.minimum(loss, -a * dual_clip), loss)
-    return loss
-
-
-def clip_fraction(
-    log_ratio: jax.Array, advantages: jax.Array, epsilon_low: float = 0.2, epsilon_high: float | None = None
-) -> dict[str, jax.Array]:
-    """Per-token 0/1 float indicators where the clip binds: ``low`` (rho < 1-eps_low and A < 0), ``high``
-    (rho > 1+eps_high and A > 0) and ``region`` (either). Average them with a mask (``masked_mean``)."""
-    eh = epsilon_low if epsilon_high is None else epsilon_high
-    a = _f32(advantages)
-    if a.ndim == 1:
-        a = a[:, None]
-    rho = jnp.exp(_f32(log_ratio))
-    low = (rho < 1.0 - epsilon_low) & (a < 0)
-    high = (rho > 1.0 + eh) & (a > 0)
-    f = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return {"low": f(low), "high": f(high), "region": f(low | high)}
 
 
 # ------------------------------------------------------------------------------------------------- aggregation
@@ -365,37 +365,46 @@ def grpo_loss(
     entropies: jax.Array | None = None,
     entropy_coef: float = 0.0,
     log_ratio_clamp: float | None = None,
+    policy_loss: str = "ppo_clip",
+    policy_loss_options=None,
+    rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One micro-batch's GRPO loss contribution and metric contributions.
 
     ``logp``, ``old_logp``, ``ref_logp``, ``mask``: ``[b, T]``; ``advantages``: ``[b]`` (or ``[b, T]``);
     ``old_logp=None`` means on-policy (``stop_gradient(logp)``: ratio 1, gradient of ``A * logp``).
-    Per token: ``l = clipped_surrogate(...) * sampling_weights + beta * KL_estimator(logp, ref_logp)``, then
+    Per token: ``l = policy_loss term (sampling_weights applied) + beta * KL_estimator(logp, ref_logp)``, then
     ``contribution = sum(l * token_weights(mask, aggregation, normalizers))``. ``aggregation`` has no default: a
     run's is its config's (``grpo.aggregation``); TRL's loss_type maps through ``LOSS_TYPE_AGGREGATION``.
 
+    ``policy_loss``: a name of jaxrl.algorithms.policy_loss.POLICY_LOSSES (default the clipped surrogate,
+    ``ppo_clip``), called with ``policy_loss_options`` (``policy_loss.resolve_options``); when those are None,
+    ``ppo_clip``'s are made from ``epsilon_low``, ``epsilon_high``, ``delta``, ``importance_sampling_level`` and
+    ``log_ratio_clamp`` (the log-ratio is clamped before ``exp``; the ``ratio`` metric alike). ``rng``: the
+    micro-batch's key, for a loss that draws.
+
     ``beta`` must be a Python number (``beta == 0`` skips the reference entirely). ``entropies`` ``[b, T]``
     (per-token entropies of the policy) adds an ``entropy`` metric and, with ``entropy_coef``, the bonus
-    ``- entropy_coef * token_mean(entropy)`` (a token mean whatever the aggregation, as TRL). ``log_ratio_clamp``:
-    the log-ratio is clamped before ``exp`` as in :func:`clipped_surrogate` (the ``ratio`` metric alike).
+    ``- entropy_coef * token_mean(entropy)`` (a token mean whatever the aggregation, as TRL).
 
     Metrics (each additive over micro-batches, see :func:`token_metric_contributions`): ``policy_loss`` (token
-    mean of the surrogate), ``ratio``, ``clip_fraction/low``, ``clip_fraction/high``, ``clip_fraction/region``,
-    ``kl`` when ``beta != 0``, ``entropy`` when given.
+    mean of the policy term), the loss's own (``ppo_clip``: ``ratio``, ``clip_fraction/low``,
+    ``clip_fraction/high``, ``clip_fraction/region``), ``kl`` when ``beta != 0``, ``entropy`` when given.
     """
     chex.assert_rank(mask, 2)
     chex.assert_equal_shape([logp, mask] + ([] if old_logp is None else [old_logp]))
     chex.assert_axis_dimension(jnp.asarray(advantages), 0, mask.shape[0])
     old = jax.lax.stop_gradient(_f32(logp)) if old_logp is None else _f32(old_logp)
-    log_w = importance_log_weights(logp, old, mask, importance_sampling_level)
-    pg = clipped_surrogate(log_w, advantages, epsilon_low, epsilon_high, delta, log_ratio_clamp=log_ratio_clamp)
-    if sampling_weights is not None:
-        pg = pg * _f32(sampling_weights)
+    if policy_loss_options is None:
+        policy_loss_options = ClipOptions(
+            epsilon_low=epsilon_low, epsilon_high=epsilon_low if epsilon_high is None else epsilon_high,
+            log_ratio_clamp=log_ratio_clamp, delta=delta, importance_sampling_level=importance_sampling_level)
+    terms = policy_loss_terms(policy_loss, PolicyLossInputs(logp, old, advantages, mask, sampling_weights, rng),
+                              policy_loss_options)
+    pg = terms.loss
     per_token = pg
     sg = jax.lax.stop_gradient
-    per_token_metrics = {"policy_loss": sg(pg), "ratio": sg(jnp.exp(clamp_log_ratio(log_w, log_ratio_clamp)))}
-    clips = clip_fraction(sg(log_w), advantages, epsilon_low, epsilon_high)
-    per_token_metrics.update({f"clip_fraction/{k}": v for k, v in clips.items()})
+    per_token_metrics = {"policy_loss": sg(pg), **terms.metrics}
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")

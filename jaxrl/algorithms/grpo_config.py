@@ -15,6 +15,8 @@ __all__ = ["AGGREGATIONS", "BLOCKS", "GRPOConfig", "IMPORTANCE_SAMPLING_LEVELS",
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sequence_mean", "token_mean", "dr_grpo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# the built-in estimators that read the loss mask and the KL in the reward (jaxrl.algorithms.grpo.TOKEN_LEVEL)
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +28,12 @@ class GRPOConfig(OnlineSettings):
     num_iterations: int = setting(1, doc="passes over each rollout (TRL num_iterations, 'mu')")
     scale_rewards: str = setting("group", doc="group | batch | none (Dr. GRPO)", choices=SCALE_REWARDS)
     advantage_estimator: str = setting("grpo", doc="grpo (honours scale_rewards) | rloo | dr_grpo | "
-                                       "grpo_batch_std | a plug-in")
+                                       "grpo_batch_std | pass_at_k (verl grpo_passk) | reinforce_plus_plus | "
+                                       "reinforce_plus_plus_baseline (token-level, whitened over the rollout) | "
+                                       "a plug-in")
+    kl_in_reward: float = setting(0.0, doc="> 0: this times the KL to the reference (k1 of the behaviour "
+                                  "log-probs) is taken from each token's reward (REINFORCE++: OpenRLHF init_kl_coef, "
+                                  "verl use_kl_in_reward); for the reinforce_plus_plus estimators")
     epsilon_low: float = setting(0.2)
     epsilon_high: float = setting(0.2, doc="DAPO clip-higher: 0.28")
     delta: float = setting(0.0, doc="> 0: two-sided clipping, the ratio is also capped at delta (INTELLECT-2; e.g. "
@@ -54,12 +61,23 @@ class GRPOConfig(OnlineSettings):
     def __post_init__(self):
         at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1,
                           "max_extra_draws": 0}, self)
+        if not self.kl_in_reward >= 0:
+            raise ValueError(f"grpo.kl_in_reward must be >= 0 (0 = off), got {self.kl_in_reward}")
+        if self.kl_in_reward and self.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS:
+            raise ValueError(f"grpo.kl_in_reward puts the KL in each token's reward: it needs a token-level "
+                             f"advantage_estimator ({' | '.join(TOKEN_LEVEL_ESTIMATORS)}), got "
+                             f"{self.advantage_estimator!r}")
         if self.delta and self.delta <= 1.0 + self.epsilon_high:
             raise ValueError(f"grpo.delta={self.delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
         super().__post_init__()
 
     def turn_budget(self) -> tuple[int, int]:
         return self.max_new_tokens, self.overlong_buffer
+
+    def policy_loss_common(self) -> dict:
+        return {"epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high, "delta": self.delta or None,
+                "dual_clip": None, "log_ratio_clamp": self.log_ratio_clamp or None,
+                "importance_sampling_level": self.importance_sampling_level}
 
     @property
     def rows_per_rollout(self) -> int:

@@ -39,15 +39,21 @@ solved_fraction}`; completion/* count an episode's sampled tokens.
 Dynamic sampling (`dynamic_sampling`, off by default): extra draws until `prompts_per_step` groups have reward
 signal, at most `max_extra_draws` (`GRPOTask.sample`).
 
-Objective (`GRPOObjective`, micro-batch contract of jaxrl.train.objective): per completion token
-clipped surrogate (`epsilon_low`, `epsilon_high`, optional two-sided `delta`) + beta x KL(`kl_estimator`: k1 | k2
-| k3 (the stable expm1 form) | ...) to the precomputed reference, aggregated by `aggregation` (sequence_mean =
-TRL grpo, token_mean = dapo, dr_grpo) with normalisers of the whole global batch, so any micro-batch split gives
-the same update.
+Objective (`GRPOObjective`, micro-batch contract of jaxrl.train.objective): per completion token the policy
+term `policy_loss` (jaxrl.algorithms.policy_loss: `ppo_clip`, the clipped surrogate with `epsilon_low`,
+`epsilon_high`, optional two-sided `delta`, by default; `gspo`, `cispo`, `sapo`, `gmpo`, `kl_cov`, `clip_cov` or a
+plug-in, with `policy_loss_options`) + beta x KL(`kl_estimator`: k1 | k2 | k3 (the stable expm1 form) | ...) to the
+precomputed reference, aggregated by `aggregation` (sequence_mean = TRL grpo, token_mean = dapo, dr_grpo) with
+normalisers of the whole global batch, so any micro-batch split gives the same update (`kl_cov` and `clip_cov`
+excepted: they pick tokens within a micro-batch, as verl). Token-level advantage estimators (`reinforce_plus_plus`,
+`reinforce_plus_plus_baseline`) give [N, C] advantages from the loss mask, with `kl_in_reward` the KL (k1 of the
+behaviour log-probs to the reference) in each token's reward. `ref_reset_every`: every that many rollouts the
+reference becomes the policy that samples the rollout (jaxrl.algorithms.online.reference; `reference/reset`,
+`reference/rollout` in the metrics).
 
 Metrics per step: from the loss (global token means) `policy_loss`, `ratio`, `ratio_abs_dev` (|ratio - 1|),
-`clip_fraction/{low,high,region}`, `kl` (beta > 0), `entropy`; from the rollout the step trains on
-`reward/{mean,std,min,max,strict_rate,masked_fraction}`, `zero_variance_groups` (fraction of groups),
+`clip_fraction/{low,high,region}` (the loss's own: `ppo_clip`'s), `kl` (beta > 0), `entropy`; from the rollout the
+step trains on `reward/{mean,std,min,max,strict_rate,masked_fraction}`, `zero_variance_groups` (fraction of groups),
 `advantage/{mean,std,min,max,abs_mean}`, `completion/{length_mean,length_min,length_max,truncation_rate}`,
 `rollout/kl_ref` (token-mean KL of the behaviour policy to the reference, beta > 0), `loss_tokens_fraction`,
 `mismatch/{logp_abs_mean,logp_abs_max,kl_k3,is_weight_mean,is_weight_min,is_weight_max}` and
@@ -62,7 +68,7 @@ them: update time = step_time_s - time/rollout_s).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +85,7 @@ from jaxrl.algorithms.online.controller import proximal_pass
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
+from jaxrl.algorithms.policy_loss import resolve_options
 
 
 class StepNormalisers(NamedTuple):
@@ -116,6 +123,8 @@ class GRPOObjective:
     rollout_correction: str = GRPOConfig.rollout_correction
     rollout_correction_min: Optional[float] = GRPOConfig.rollout_correction_min or None
     rollout_correction_max: float = GRPOConfig.rollout_correction_max
+    policy_loss: str = GRPOConfig.policy_loss
+    policy_loss_options: Any = None  # policy_loss.resolve_options of the block; None: ppo_clip's from the fields
 
     @classmethod
     def of(cls, grpo: GRPOConfig, *, chunk_size: int, mismatch_in_step: bool = False) -> "GRPOObjective":
@@ -128,7 +137,9 @@ class GRPOObjective:
                    entropy=grpo.log_entropy, entropy_coef=grpo.entropy_coef, chunk_size=chunk_size,
                    mismatch_in_step=mismatch_in_step, rollout_correction=grpo.rollout_correction,
                    rollout_correction_min=grpo.rollout_correction_min or None,
-                   rollout_correction_max=grpo.rollout_correction_max)
+                   rollout_correction_max=grpo.rollout_correction_max, policy_loss=grpo.policy_loss,
+                   policy_loss_options=resolve_options(grpo.policy_loss, grpo.policy_loss_common(),
+                                                       grpo.policy_loss_options, grpo.NAME))
 
     def normalisers(self, batch):
         loss = grpo_lib.global_normalizers(batch["completion_mask"], self.max_new_tokens,
@@ -152,7 +163,8 @@ class GRPOObjective:
             epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta,
             importance_sampling_level=self.importance_sampling_level, aggregation=self.aggregation,
             sampling_weights=weights, entropies=ent, entropy_coef=self.entropy_coef,
-            log_ratio_clamp=self.log_ratio_clamp)
+            log_ratio_clamp=self.log_ratio_clamp, policy_loss=self.policy_loss,
+            policy_loss_options=self.policy_loss_options, rng=rng)
         metrics.update(mismatch)
         old = jax.lax.stop_gradient(logp) if micro_batch.get("old_logp") is None else micro_batch["old_logp"]
         dev = jnp.abs(jnp.exp(grpo_lib.clamp_log_ratio(jax.lax.stop_gradient(logp) - old, self.log_ratio_clamp)) - 1.0)
@@ -160,13 +172,17 @@ class GRPOObjective:
         return loss, metrics
 
 
-def advantages_of(rewards: np.ndarray, num_generations: int, estimator: str, scale_rewards: str) -> np.ndarray:
+def advantages_of(rewards: np.ndarray, num_generations: int, estimator: str, scale_rewards: str, *,
+                  mask: Optional[np.ndarray] = None, kl_penalty: Optional[np.ndarray] = None) -> np.ndarray:
+    """The rollout's advantages: [N], or [N, C] for a token-level estimator (which reads the loss `mask` and the
+    per-token `kl_penalty`, grpo_lib.compute_advantages)."""
     if estimator == "grpo":
         return np.asarray(grpo_lib.group_advantages(rewards, num_generations, scale_rewards), np.float32)
     if scale_rewards != "group":
         raise ValueError(f"grpo.scale_rewards={scale_rewards!r} applies to advantage_estimator='grpo' only; "
                          f"grpo.advantage_estimator={estimator!r} defines its own scaling")
-    return np.asarray(grpo_lib.compute_advantages(rewards, num_generations, estimator), np.float32)
+    return np.asarray(grpo_lib.compute_advantages(rewards, num_generations, estimator, mask=mask,
+                                                  kl_penalty=kl_penalty), np.float32)
 
 
 class GRPOTask(OnlineTask):
@@ -181,7 +197,7 @@ class GRPOTask(OnlineTask):
         rollouts = Rollouts(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo,
                             episodes=grpo if grpo.environment else None, async_policy=grpo.async_policy)
         super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed),
-                         rollouts, grpo.async_policy, proximal_pass(grpo, config, mesh))
+                         rollouts, grpo.async_policy, proximal_pass(grpo, config, mesh), grpo.ref_reset_every)
         self.on_policy = self.schedule.steps_per_rollout == 1
         # The sampler's log-probs match a teacher-forced pass to ~1e-6 in float32 only; in bf16 its KV-cache
         # decode drifts, so the first update's ratio would not be 1.
@@ -270,33 +286,47 @@ class GRPOTask(OnlineTask):
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         if pen is not None:
             metrics["reward/overlong_penalty"] = float(pen.mean())
-        adv = advantages_of(rewards, group, grpo.advantage_estimator, grpo.scale_rewards)
-        zero_var = np.asarray(grpo_lib.zero_variance_groups(rewards, group))
-        metrics["zero_variance_groups"] = float(zero_var.reshape(-1, group)[:, 0].mean())
-        metrics.update({"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()),
-                        "advantage/min": float(adv.min()), "advantage/max": float(adv.max()),
-                        "advantage/abs_mean": float(np.abs(adv).mean())})
 
         mask = s.completion_mask.copy()
         mask[np.isnan(s.rewards)] = 0.0  # masked by the reward (truncation policy "mask"): no gradient
         if grpo.mask_truncated:
             mask[s.truncated] = 0.0
+        arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
+        reference, event = self.reference_resets.reference_for(rollout, policy)
+        metrics.update(event)
+        passes = RolloutPasses(policy, arrays, temperature=grpo.temperature, batch_size=grpo.logprob_batch_size,
+                               chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options,
+                               reference=reference)
+        # the reference at the sampling temperature, like the policy's log-probs
+        ref = passes.logp(Role.REFERENCE) if grpo.beta != 0.0 or grpo.kl_in_reward else None
+        old = s.behaviour_logp if grpo.temperature == 1.0 else None  # the sampler's are untempered
+        if not self.on_policy and self.recompute:
+            old = passes.logp(Role.OLD)
+        kl_penalty = None
+        if grpo.kl_in_reward:  # REINFORCE++: k1 of the behaviour policy to the reference, in each token's reward
+            behaviour = old if old is not None else passes.logp(Role.OLD)
+            kl_penalty = grpo.kl_in_reward * np.asarray(kl_lib.kl(behaviour, ref, "k1"))
+            metrics["reward/kl_penalty"] = float((kl_penalty * mask).sum() / max(mask.sum(), 1.0))
+
+        adv = advantages_of(rewards, group, grpo.advantage_estimator, grpo.scale_rewards, mask=mask,
+                            kl_penalty=kl_penalty)
+        zero_var = np.asarray(grpo_lib.zero_variance_groups(rewards, group))
+        metrics["zero_variance_groups"] = float(zero_var.reshape(-1, group)[:, 0].mean())
+        on = mask > 0 if adv.ndim == 2 else np.ones(adv.shape, bool)  # token-level: over the loss tokens
+        scored = adv[on] if on.any() else np.zeros(1, np.float32)
+        metrics.update({"advantage/mean": float(scored.mean()), "advantage/std": float(scored.std()),
+                        "advantage/min": float(scored.min()), "advantage/max": float(scored.max()),
+                        "advantage/abs_mean": float(np.abs(scored).mean())})
         seq = np.ones(len(rewards), np.float32)
         if grpo.drop_zero_variance_groups:
             mask[zero_var] = 0.0
             seq[zero_var] = 0.0
         metrics["loss_tokens_fraction"] = float(mask.sum() / max(s.completion_mask.sum(), 1.0))
 
-        arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
         buffer = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": mask,
                   "advantages": adv, "sequence_mask": seq}
-        passes = RolloutPasses(policy, arrays, temperature=grpo.temperature, batch_size=grpo.logprob_batch_size,
-                               chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options)
-        if grpo.beta != 0.0:  # the reference at the sampling temperature, like the policy's log-probs
-            buffer["ref_logp"] = passes.logp(Role.REFERENCE)
-        old = s.behaviour_logp if grpo.temperature == 1.0 else None  # the sampler's are untempered
-        if not self.on_policy and self.recompute:
-            old = passes.logp(Role.OLD)
+        if grpo.beta != 0.0:
+            buffer["ref_logp"] = ref
         if not self.on_policy:
             buffer["old_logp"] = old
         if grpo.beta != 0.0 and old is not None:

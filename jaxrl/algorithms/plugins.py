@@ -1,5 +1,6 @@
-"""User plug-ins: a DPO loss, an advantage estimator, a KL estimator, a reward or an environment of your own, checked on example
-inputs and then used by name from any config. There is one way in, reached from code or from the config:
+"""User plug-ins: a DPO loss, a policy loss, an advantage estimator, a KL estimator, a reward or an environment of
+your own, checked on example inputs and then used by name from any config. There is one way in, reached from code or
+from the config:
 
     from jaxrl.algorithms import plugins
 
@@ -15,7 +16,7 @@ inputs and then used by name from any config. There is one way in, reached from 
         "kl:my_kl.py:squared",                              # "kind:path:fn" (name = the function's name)
     )
     c.dpo.loss_type = "margin_dpo"    # or grpo.advantage_estimator=centered, grpo.kl_estimator=squared, reward.name,
-                                      # grpo.environment
+                                      # grpo.environment, grpo.policy_loss (jaxrl.algorithms.policy_loss)
 
 Each goes through `_admit`: the name must be free (or held by the same function: a file loaded again on
 resume), the kind's check must pass, and only then is the function added to the kind's registry (KINDS), where
@@ -46,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.algorithms import dpo, grpo, kl
+from jaxrl.algorithms import dpo, grpo, kl, policy_loss
 from jaxrl.environments.base import Turn, as_environment, check_messages
 from jaxrl.environments.registry import ENVIRONMENTS
 from jaxrl.rewards.base import RewardResult
@@ -165,6 +166,46 @@ def _check_kl(label: str, fn: Callable, options: Mapping[str, bool]) -> None:
     _run_checks(label, KL_SIGNATURE, fn, (jnp.asarray(logp, jnp.float32), ref), (2, 5), grad_argnums=(0,))
 
 
+POLICY_LOSS_SIGNATURE = ("fn(x: jaxrl.algorithms.policy_loss.PolicyLossInputs, options: dict) -> (per-token loss, "
+                         "float array [b, T] or [b, 1], {metric name: per-token values [b, T] or [b, 1]})")
+
+
+def _check_policy_loss(label: str, fn: Callable, options: Mapping[str, bool]) -> None:
+    """A micro-batch of 3 rows of 5 tokens (one row half masked), off-policy with behaviour weights, the block's
+    default clip keys as options: eagerly, under jit and differentiated through logp; the metrics too."""
+    _check_signature(label, fn, POLICY_LOSS_SIGNATURE, 2)
+    rng = np.random.default_rng(2)
+    shape = (3, 5)
+    logp = jnp.asarray(-2.0 + 0.5 * rng.standard_normal(shape), jnp.float32)
+    old = jnp.asarray(np.asarray(logp) + 0.2 * rng.standard_normal(shape), jnp.float32)
+    mask = jnp.asarray([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], jnp.float32)
+    weights = jnp.asarray(np.exp(0.1 * rng.standard_normal(shape)), jnp.float32)
+    opts = {"epsilon_low": 0.2, "epsilon_high": 0.28, "delta": None, "dual_clip": None, "log_ratio_clamp": 20.0,
+            "importance_sampling_level": "token"}
+
+    def terms(lp, a):
+        out = fn(policy_loss.PolicyLossInputs(lp, old, a, mask, weights, jax.random.PRNGKey(0)), opts)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
+            raise PluginError(f"{label}: returned {type(out).__name__}; expected {POLICY_LOSS_SIGNATURE}")
+        return out
+
+    advantages = jnp.asarray([1.0, -0.5, 0.25], jnp.float32)
+    loss, metrics = _call(label, POLICY_LOSS_SIGNATURE, "eagerly", terms, logp, advantages)
+    rows = np.asarray(loss).shape
+    if rows not in (shape, (shape[0], 1)):
+        raise PluginError(f"{label}: returned a loss of shape {rows}; expected {shape} or {(shape[0], 1)} from "
+                          f"{POLICY_LOSS_SIGNATURE}")
+    for name, value in metrics.items():
+        if np.asarray(value).shape not in (shape, (shape[0], 1)):
+            raise PluginError(f"{label}: metric {name!r} has shape {np.asarray(value).shape}; expected per-token "
+                              f"values {shape} or {(shape[0], 1)}")
+    _run_checks(label, POLICY_LOSS_SIGNATURE, lambda lp, a: terms(lp, a)[0], (logp, advantages), rows,
+                grad_argnums=(0,))
+    for name in metrics:
+        _run_checks(f"{label} metric {name!r}", POLICY_LOSS_SIGNATURE, lambda lp, a, n=name: terms(lp, a)[1][n],
+                    (logp, advantages), np.asarray(metrics[name]).shape)
+
+
 def _check_reward(label: str, target: Any, options: Mapping[str, bool]) -> None:
     """A Reward class must have `score`; a per-sample function must score two example completions of a toy
     problem with one number in [0, 1] each."""
@@ -244,6 +285,8 @@ KINDS: dict[str, Kind] = {
     "dpo_loss": Kind(dpo.LOSSES, DPO_LOSS_SIGNATURE, _check_dpo_loss, ("dpo.loss_type",), dpo.LossSpec._fields),
     "advantage": Kind(grpo.ADVANTAGES, ADVANTAGE_SIGNATURE, _check_advantage, ("grpo.advantage_estimator",)),
     "kl": Kind(kl.KL_ESTIMATORS, KL_SIGNATURE, _check_kl, ("grpo.kl_estimator", "ppo.kl_estimator")),
+    "policy_loss": Kind(policy_loss.POLICY_LOSSES, POLICY_LOSS_SIGNATURE, _check_policy_loss,
+                        ("grpo.policy_loss", "ppo.policy_loss")),
     "reward": Kind(REWARDS, REWARD_SIGNATURE, _check_reward, ("reward.name",)),
     "environment": Kind(ENVIRONMENTS, ENVIRONMENT_SIGNATURE, _check_environment,
                         ("grpo.environment", "ppo.environment")),

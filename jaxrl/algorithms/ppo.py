@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxrl.algorithms import grpo
 from jaxrl.algorithms import kl as kl_lib
 from jaxrl.algorithms.grpo import Normalizers, global_normalizers, masked_mean, token_weights  # noqa: F401
+from jaxrl.algorithms.policy_loss import ClipOptions, PolicyLossInputs, masked_var, masked_whiten, policy_loss_terms
 
 __all__ = [
     "gae",
@@ -82,26 +83,6 @@ def gae(
 
 
 # ------------------------------------------------------------------------------------------------- whitening
-
-
-def masked_var(x: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
-    """Variance of the masked entries (all axes), Bessel-corrected by default (TRL ``masked_var``)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((_f32(x) - mean) ** 2, mask)
-    if unbiased:
-        n = jnp.sum(jnp.asarray(mask) > 0).astype(jnp.float32)
-        var = var * n / jnp.maximum(n - 1.0, 1.0)
-    return var
-
-
-def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True, eps: float = 1e-8) -> jax.Array:
-    """``(x - mean) / sqrt(var + eps)`` over the masked entries; with ``shift_mean=False`` the mean is added back
-    (only the scale changes; TRL's choice for rewards). Masked positions are 0 in the output."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    out = (_f32(x) - mean) * jax.lax.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return jnp.where(jnp.asarray(mask) > 0, out, 0.0)
 
 
 # ------------------------------------------------------------------------------------------------- rewards, KL
@@ -266,36 +247,44 @@ def ppo_loss(
     entropies: jax.Array | None = None,
     entropy_coef: float = 0.0,
     aggregation: str = "token_mean",
+    policy_loss: str = "ppo_clip",
+    policy_loss_options=None,
+    rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One micro-batch's PPO loss contribution: ``agg(w_is pg) + vf_coef * agg(vf) - entropy_coef * agg(entropy)``.
 
     All inputs ``[b, T]`` (``advantages`` whitened on the whole batch beforehand); ``agg`` is the weighted sum of
     :func:`grpo.token_weights` (default token_mean, TRL's masked mean). Summed over micro-batches it equals the
     full-batch loss. ``sampling_weights`` ``[b, T]`` (the rollout correction, :func:`grpo.rollout_correction`)
-    multiply the policy term only. ``log_ratio_clamp`` bounds the log-ratio before ``exp`` (the ratio metrics
-    use the clamped ratio too, so they stay finite). Metrics (additive contributions): ``pg_loss``, ``vf_loss``,
-    ``clip_fraction``, ``vf_clip_fraction``, ``approx_kl``, ``ratio``, and ``entropy`` when ``entropies`` is
+    weight the policy term only. ``policy_loss`` names the policy term (jaxrl.algorithms.policy_loss; default
+    the clipped surrogate, ``ppo_clip``), called with ``policy_loss_options`` (``policy_loss.resolve_options``;
+    None: ``ppo_clip``'s from ``cliprange``, ``cliprange_high``, ``dual_clip`` and ``log_ratio_clamp``, which
+    bounds the log-ratio before ``exp``: the ratio metrics use the clamped ratio too, so they stay finite).
+    Metrics (additive contributions): ``pg_loss``, ``vf_loss``, ``clip_fraction`` (where the loss has a clip),
+    ``vf_clip_fraction``, ``approx_kl``, ``ratio``, the loss's others, and ``entropy`` when ``entropies`` is
     given; and two maxima over the micro-batch's tokens, which the train step reduces with ``max`` across
     micro-batches (names ending in ``max``, :mod:`jaxrl.train.step`): ``ratio/max``, ``value/abs_max``.
     """
     chex.assert_rank(mask, 2)
     chex.assert_equal_shape([logp, old_logp, advantages, values, old_values, returns, mask])
     w = token_weights(mask, aggregation, normalizers)
-    pg = policy_loss(logp, old_logp, advantages, cliprange, cliprange_high, dual_clip, log_ratio_clamp)
-    if sampling_weights is not None:
-        pg = pg * _f32(sampling_weights)
+    if policy_loss_options is None:
+        policy_loss_options = ClipOptions(
+            epsilon_low=cliprange, epsilon_high=cliprange if cliprange_high is None else cliprange_high,
+            log_ratio_clamp=log_ratio_clamp, dual_clip=dual_clip)
+    terms = policy_loss_terms(policy_loss, PolicyLossInputs(logp, old_logp, advantages, mask, sampling_weights,
+                                                            rng), policy_loss_options)
+    pg = jnp.broadcast_to(terms.loss, w.shape)
     vf = value_loss(values, old_values, returns, cliprange_value)
     loss = grpo.aggregate_loss(pg, w) + vf_coef * grpo.aggregate_loss(vf, w)
     sg = jax.lax.stop_gradient
-    ratio = sg(jnp.exp(grpo.clamp_log_ratio(grpo.token_log_ratio(logp, old_logp), log_ratio_clamp)))
+    ratio = jnp.broadcast_to(terms.metrics["ratio"], w.shape)
     on = jnp.asarray(mask) > 0
-    per_token = {
-        "pg_loss": sg(pg),
-        "vf_loss": sg(vf),
-        "clip_fraction": sg(clip_fraction(logp, old_logp, advantages, cliprange, cliprange_high)),
-        "approx_kl": sg(approx_kl(logp, old_logp)),
-        "ratio": ratio,
-    }
+    per_token = {"pg_loss": sg(pg), "vf_loss": sg(vf)}
+    if "clip_fraction/region" in terms.metrics:  # PPO's one clip fraction: where the clip binds, either side
+        per_token["clip_fraction"] = terms.metrics["clip_fraction/region"]
+    per_token.update({"approx_kl": sg(approx_kl(logp, old_logp)), "ratio": ratio})
+    per_token.update({k: v for k, v in terms.metrics.items() if k != "ratio" and not k.startswith("clip_fraction/")})
     maxima = {"ratio/max": jnp.max(jnp.where(on, ratio, 0.0)),
               "value/abs_max": jnp.max(jnp.where(on, jnp.abs(sg(_f32(values))), 0.0))}
     if cliprange_value is not None:

@@ -54,6 +54,12 @@ class PPOConfig(OnlineSettings):
     def turn_budget(self) -> tuple[int, int]:
         return self.max_new_tokens, 0  # PPO has no overlong penalty
 
+    def policy_loss_common(self) -> dict:
+        # one window, cliprange, on both sides (TRL); a loss's own asymmetric window is not a PPO key
+        return {"epsilon_low": self.cliprange, "epsilon_high": self.cliprange, "delta": None,
+                "dual_clip": self.dual_clip or None, "log_ratio_clamp": self.log_ratio_clamp or None,
+                "importance_sampling_level": "token"}
+
     @property
     def rows_per_rollout(self) -> int:
         return self.prompts_per_rollout * self.num_generations

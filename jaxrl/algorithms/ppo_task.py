@@ -28,9 +28,10 @@ given at that turn's last sampled token (`Sampled.turn_rewards`): a cost paid at
 <= k only, and the final score at the episode's last sampled token, as a completion's. Metrics `episode/*` as
 GRPO's.
 
-Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = clipped policy loss (`cliprange`) +
-`vf_coef` x clipped value loss (`cliprange_value`, 0 = unclipped), token means over the global batch. The
-log-ratio is clamped to +-`log_ratio_clamp` (20, verl) before `exp`: an unclamped ratio of a token whose
+Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = the policy term `policy_loss`
+(jaxrl.algorithms.policy_loss; default `ppo_clip`, the clipped policy loss with `cliprange` on both sides; the
+others as in GRPO, with `policy_loss_options`) + `vf_coef` x clipped value loss (`cliprange_value`, 0 =
+unclipped), token means over the global batch. The log-ratio is clamped to +-`log_ratio_clamp` (20, verl) before `exp`: an unclamped ratio of a token whose
 probability grew by e^89 overflows float32, and with A < 0 the loss -rho A is +inf. `dual_clip` (> 1, verl's
 `clip_ratio_c`) caps the loss of A < 0 tokens at -A dual_clip. `rollout_correction` weights the policy term as in
 GRPO (jaxrl.algorithms.grpo_task, trainer side: the teacher-forced pass above, at temperature 1). In the first
@@ -53,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,7 @@ from jaxrl.algorithms.online.controller import proximal_pass
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
+from jaxrl.algorithms.policy_loss import resolve_options
 from jaxrl.algorithms.ppo_config import PPOConfig
 from jaxrl.models.lora import LoRAParam
 
@@ -133,13 +135,17 @@ class PPOObjective:
     chunk_size: int = 512
     log_ratio_clamp: Optional[float] = PPOConfig.log_ratio_clamp or None  # 0 in the config: off
     dual_clip: Optional[float] = PPOConfig.dual_clip or None
+    policy_loss: str = PPOConfig.policy_loss
+    policy_loss_options: Any = None  # policy_loss.resolve_options of the block; None: ppo_clip's from the fields
 
     @classmethod
     def of(cls, ppo: PPOConfig, *, chunk_size: int) -> "PPOObjective":
         return cls(cliprange=ppo.cliprange, cliprange_value=ppo.cliprange_value, vf_coef=ppo.vf_coef,
                    temperature=ppo.temperature, value_head_detach=ppo.value_head_detach, entropy=ppo.log_entropy,
                    entropy_coef=ppo.entropy_coef, chunk_size=chunk_size, log_ratio_clamp=ppo.log_ratio_clamp or None,
-                   dual_clip=ppo.dual_clip or None)
+                   dual_clip=ppo.dual_clip or None, policy_loss=ppo.policy_loss,
+                   policy_loss_options=resolve_options(ppo.policy_loss, ppo.policy_loss_common(),
+                                                       ppo.policy_loss_options, ppo.NAME))
 
     def normalisers(self, batch):
         return grpo_lib.global_normalizers(batch["completion_mask"])
@@ -160,7 +166,8 @@ class PPOObjective:
             micro_batch["returns"], mask, normalisers, cliprange=self.cliprange,
             cliprange_value=self.cliprange_value or None, vf_coef=self.vf_coef, dual_clip=self.dual_clip,
             log_ratio_clamp=self.log_ratio_clamp, sampling_weights=micro_batch.get("is_weights"), entropies=ent,
-            entropy_coef=self.entropy_coef)
+            entropy_coef=self.entropy_coef, policy_loss=self.policy_loss,
+            policy_loss_options=self.policy_loss_options, rng=rng)
 
 
 @partial(jax.jit, static_argnames=("estimator", "gamma", "lam", "whiten_rewards", "whiten_advantages"))
@@ -197,7 +204,7 @@ class PPOTask(OnlineTask):
         rollouts = Rollouts(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo,
                             episodes=ppo if ppo.environment else None, async_policy=ppo.async_policy)
         super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo.async_policy,
-                         proximal_pass(ppo, config, mesh))
+                         proximal_pass(ppo, config, mesh), ppo.ref_reset_every)
         lr = config.optimizer.learning_rate
         value_lr = ppo.value_learning_rate or lr
         if not (value_lr > 0 and lr > 0):
@@ -245,9 +252,11 @@ class PPOTask(OnlineTask):
         metrics = {**sample_metrics(s, ppo.max_new_tokens), **s.episode}
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         arrays = {"input_ids": s.input_ids, "attention_mask": s.attention_mask, "completion_mask": s.completion_mask}
+        reference, event = self.reference_resets.reference_for(rollout, policy)
+        metrics.update(event)
         passes = RolloutPasses(policy, arrays, temperature=ppo.temperature, batch_size=ppo.logprob_batch_size,
                                chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options,
-                               values=True)
+                               values=True, reference=reference)
         # Old log-probs from a teacher-forced pass (the same numerics as the loss) in the pass the values need.
         cur = {"logp": passes.logp(Role.OLD), "values": passes.values()}
         ref = passes.logp(Role.REFERENCE)

@@ -25,6 +25,8 @@ from absl import logging
 from jaxrl.algorithms import plugins
 from jaxrl.algorithms import config as run_config
 from jaxrl.algorithms.config import TrainConfig
+from jaxrl.algorithms.online.settings import PolicyLossSettings
+from jaxrl.algorithms.policy_loss import resolve_options
 from jaxrl.algorithms.tasks import Algorithm, algorithm_of, get_algorithm
 from jaxrl.models import qwen35
 from jaxrl.models.lora import apply_lora_from_config
@@ -47,6 +49,7 @@ def resolve_config(config, algorithm=None) -> TrainConfig:
     algorithm = get_algorithm(name) if algorithm is None else algorithm_of(name, algorithm)
     resolved = run_config.resolve(config, algorithm)
     _check_reward_arguments(resolved.block("reward"))
+    _check_curriculum(resolved)
     _check_model_overrides(resolved.model_overrides)
     return resolved
 
@@ -72,6 +75,15 @@ def _check_reward_arguments(reward) -> None:
             raise unknown_key_error("reward", key, list(keys_of(RewardConfig)) + list(params))
 
 
+def _check_curriculum(config: TrainConfig) -> None:
+    """The curriculum draws a rollout's prompts from the record of the rollouts before it: none may be sampled
+    ahead of them."""
+    data, block = config.block("data"), config.block(config.algorithm)
+    if getattr(data, "sampler", "uniform") == "curriculum" and getattr(block, "max_staleness", 0):
+        raise ValueError(f"data.sampler='curriculum' draws each rollout's prompts from the rewards of the rollouts "
+                         f"before it: it needs {config.algorithm}.max_staleness=0 (got {block.max_staleness})")
+
+
 def _check_model_overrides(overrides: dict) -> None:
     fields = [f.name for f in dataclasses.fields(qwen35.Qwen35Config)]
     for key in overrides:
@@ -92,6 +104,17 @@ def load_run_plugins(config: TrainConfig) -> list[dict]:
     for entry in loaded:
         logging.info("plug-in %s %r loaded from %s", entry["kind"], entry["name"], entry["path"])
     return loaded
+
+
+def check_policy_losses(config: TrainConfig) -> None:
+    """Each online block's policy loss exists (a built-in or a loaded plug-in) and takes its options: refused in
+    one line naming the key before any model loads."""
+    for name, block in config.blocks.items():
+        if isinstance(block, PolicyLossSettings):
+            try:
+                resolve_options(block.policy_loss, block.policy_loss_common(), block.policy_loss_options, name)
+            except KeyError as e:
+                raise ValueError(f"{name}.policy_loss: {e.args[0]}") from None
 
 
 def build_model(config: TrainConfig, mesh=None):
@@ -157,6 +180,7 @@ def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunRes
     config = resolve_config(config, algorithm)
     check_same_run(config, workdir)  # a workdir holding a run of another shape: refused before any work
     load_run_plugins(config)  # user objectives checked before any model or data work
+    check_policy_losses(config)
     mesh = mesh if mesh is not None else mesh_from_config(config.mesh)
     config = fit_micro_batch_to_mesh(config, mesh)
     model = build_model(config, mesh)

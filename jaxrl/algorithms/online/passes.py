@@ -1,7 +1,8 @@
 """The teacher-forced passes of online GRPO / PPO over a rollout's completions, by role, each computed once:
 
     passes = RolloutPasses(policy, arrays, temperature=1.0, batch_size=8, chunk_size=512, mesh=mesh)
-    passes.logp(Role.REFERENCE)   # adapters off, at the sampling temperature (the KL penalty's reference)
+    passes.logp(Role.REFERENCE)   # adapters off (or the adapters of the last reference reset, `reference=`), at
+                                  # the sampling temperature (the KL penalty's reference)
     passes.logp(Role.OLD)         # the behaviour policy (adapters on) at the sampling temperature: the ratio's
                                   # denominator when it is recomputed, and PPO's values (`passes.values()`)
     passes.logp(Role.MISMATCH)    # the behaviour policy at temperature 1, what the sampler's log-probs are
@@ -66,25 +67,29 @@ class RolloutPasses:
     role, the seconds its pass took (0 for a pass not run, or one another role's run served)."""
 
     def __init__(self, policy, arrays: dict, *, temperature: float, batch_size: int, chunk_size: int = 512,
-                 mesh=None, compile_options: Optional[dict] = None, values: bool = False):
+                 mesh=None, compile_options: Optional[dict] = None, values: bool = False, reference=None):
         self.policy, self.arrays = policy, arrays
+        self.reference = reference  # a model whose adapters are the reference (a reset); None: the adapters off
         self.temperature, self.batch_size, self.chunk_size = float(temperature), int(batch_size), int(chunk_size)
         self.mesh, self.compile_options, self.with_values = mesh, compile_options, bool(values)
         self._done: dict[tuple, dict] = {}
         self.seconds = {role: 0.0 for role in Role}
 
     def _key(self, role: Role) -> tuple:
-        """(adapters, temperature) of a role: the pass's identity (MISMATCH at temperature 1 is OLD's)."""
+        """(model, adapters, temperature) of a role: the pass's identity (MISMATCH at temperature 1 is OLD's)."""
         if role is Role.REFERENCE:
-            return False, self.temperature
-        return True, (1.0 if role is Role.MISMATCH else self.temperature)
+            if self.reference is not None:
+                return "reference", True, self.temperature
+            return "policy", False, self.temperature
+        return "policy", True, (1.0 if role is Role.MISMATCH else self.temperature)
 
     def _run(self, role: Role) -> dict:
         key = self._key(role)
         if key not in self._done:
             t0 = time.perf_counter()
-            adapters, temperature = key
-            self._done[key] = teacher_forced(self.policy, self.arrays, adapters=adapters, temperature=temperature,
+            which, adapters, temperature = key
+            model = self.reference if which == "reference" else self.policy
+            self._done[key] = teacher_forced(model, self.arrays, adapters=adapters, temperature=temperature,
                                              batch_size=self.batch_size, chunk_size=self.chunk_size, mesh=self.mesh,
                                              compile_options=self.compile_options,
                                              values=self.with_values and adapters)

@@ -8,6 +8,8 @@ rollout made again from the same parameters is the same (what resume relies on).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 from absl import logging
 
@@ -17,16 +19,20 @@ from jaxrl.data.stream import epoch_stream
 from jaxrl.rewards import get_reward
 from jaxrl.rewards.toy import TokenTask
 from jaxrl.rollout.keys import problem_key
+from jaxrl.algorithms.online.difficulty import Difficulty
 from jaxrl.algorithms.online.settings import OnlineDataConfig
 from jaxrl.rewards.settings import RewardConfig
 
 
 class PromptSource:
-    """Prompts of rollout r: `prompts(r, count) -> (ids, problems, group_ids)` (a function of (seed, r)).
-    `tokenizer` decodes completions for the reward (None: token-id text, `jaxrl.rewards.toy.token_text`).
-    `longest()`: the most tokens any rollout's prompt can have (the sampler's one prompt length)."""
+    """Prompts of rollout r: `prompts(r, count) -> (ids, problems, group_ids)` (a function of (seed, r), and with
+    the curriculum of the record before it). `tokenizer` decodes completions for the reward (None: token-id text,
+    `jaxrl.rewards.toy.token_text`). `longest()`: the most tokens any rollout's prompt can have (the sampler's one
+    prompt length). `difficulty`: each prompt's record, for a pool (None for the token task)."""
 
     tokenizer = None
+    difficulty: Optional[Difficulty] = None
+    pool: list = []
 
     def prompts(self, rollout: int, count: int):
         raise NotImplementedError
@@ -64,7 +70,7 @@ class ProblemPrompts(PromptSource):
     epoch-wise seeded permutations of the (kept) problems."""
 
     def __init__(self, path: str, tokenizer, *, enable_thinking: bool, max_prompt_len: int, on_overlong: str,
-                 seed: int):
+                 seed: int, difficulty: Optional[Difficulty] = None, curriculum: bool = False):
         if not path:
             raise ValueError("data.problems is empty: set it to a problems.jsonl (or data.source='token_task')")
         problems = load_problems(path)
@@ -79,12 +85,17 @@ class ProblemPrompts(PromptSource):
         self.ids = enc.ids
         self.skipped = len(enc.skipped)
         self.tokenizer, self.seed = tokenizer, seed
+        # each prompt's record (jaxrl.algorithms.online.difficulty); with the curriculum it also draws the prompts
+        self.difficulty, self.curriculum = difficulty, curriculum
+        self.pool = [str(p.id) for p in self.problems]
         logging.info("%s: %d problems (%d skipped as over-long)", path, len(self.problems), self.skipped)
 
     def longest(self) -> int:
         return max(len(p) for p in self.ids)
 
     def indices(self, rollout: int, count: int) -> np.ndarray:
+        if self.curriculum:  # the stream from the record's cursor, prompts set aside skipped
+            return self.difficulty.draw(rollout, self.pool, count, seed=self.seed, salt=7817)
         return epoch_stream(len(self.problems), rollout * count, count, seed=self.seed, salt=7817)
 
     def prompts(self, rollout: int, count: int):
@@ -104,7 +115,8 @@ class ProblemPrompts(PromptSource):
 def make_prompt_source(data: OnlineDataConfig, model, *, seed: int, model_path: str, max_new_tokens: int
                        ) -> tuple[PromptSource, tuple[int, ...], int]:
     """(prompt source, stop ids, pad id) from a run's `data` block (and the tokenizer of data.tokenizer, else
-    model_path). `max_new_tokens`: the completion cap the token task scores when data.score_tokens is 0."""
+    model_path). `max_new_tokens`: the completion cap the token task scores when data.score_tokens is 0. A pool of
+    problems keeps each prompt's record (`source.difficulty`; the token task's prompts are new every rollout)."""
     eos = model.config.eos_token_id
     eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
     pad = model.config.pad_token_id
@@ -120,8 +132,11 @@ def make_prompt_source(data: OnlineDataConfig, model, *, seed: int, model_path: 
         if not tok_dir:
             raise ValueError("data.source='problems' needs a tokenizer: set data.tokenizer or model_path")
         tokenizer = load_tokenizer(tok_dir)
+        difficulty = Difficulty(window=data.curriculum_window, set_aside=data.curriculum_set_aside,
+                                solved=data.curriculum_solved, failed=data.curriculum_failed)
         prompts = ProblemPrompts(data.problems, tokenizer, enable_thinking=data.enable_thinking,
-                                 max_prompt_len=data.max_prompt_len, on_overlong=data.on_overlong, seed=seed)
+                                 max_prompt_len=data.max_prompt_len, on_overlong=data.on_overlong, seed=seed,
+                                 difficulty=difficulty, curriculum=data.sampler == "curriculum")
         if tokenizer.pad_token_id is not None:
             pad = int(tokenizer.pad_token_id)
         return prompts, chat_stop_ids(tokenizer, model.config.eos_token_id), pad

@@ -83,6 +83,8 @@ class Sampled:
     # partial rollouts: [N, C] objects, per completion column the adapter digest that sampled its token (None where
     # no token was sampled: an observation, past the end); the rollout controller maps them to versions
     token_digests: Optional[np.ndarray] = None
+    # a pool of problems: difficulty/* after this rollout (jaxrl.algorithms.online.difficulty)
+    difficulty: dict = dataclasses.field(default_factory=dict)
 
 
 def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], logprobs, prompt_indices,
@@ -273,6 +275,11 @@ class Rollouts:
                                     getattr(problems[e.problem_index], "id", e.problem_index), e.error)
             sampled = episodes_to_sampled(episodes, self.max_prompt_len, self.width, self.pad_id, times=times)
         sampled.adapter = dict(self.last_sync)
+        record = self.source.difficulty
+        if record is not None:  # rows are prompt-major: a group's rows share its problem
+            record.record(rollout, [str(problems[e.problem_index].id) for e in episodes], sampled.rewards,
+                          self.num_generations)
+            sampled.difficulty = record.metrics(rollout, self.source.pool)
         if self.partial:
             sampled.token_digests = np.full((len(episodes), self.width), None, object)
             for i, e in enumerate(episodes):
@@ -327,7 +334,7 @@ def episodes_to_sampled(episodes: Sequence[Episode], max_prompt_len: int, max_ep
 
 
 def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:
-    """Reward and completion statistics of one rollout (host metrics)."""
+    """Reward and completion statistics of one rollout (host metrics), and the pool's difficulty after it."""
     r = s.rewards[~np.isnan(s.rewards)]
     lengths = s.lengths.astype(np.float64)
     return {
@@ -342,4 +349,5 @@ def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:
         "completion/length_max": float(lengths.max()),
         "completion/truncation_rate": float(s.truncated.mean()),
         "completion/clipped_fraction": float((lengths >= max_new_tokens).mean()),
+        **s.difficulty,
     }

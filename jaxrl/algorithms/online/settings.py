@@ -1,6 +1,7 @@
 """The parts of the online algorithms' blocks that jaxrl/algorithms/online owns, each declaring its keys once: the
 data (`OnlineDataConfig`, the `data.*` block), how rollouts are sampled (`SamplingSettings`), the policy loss's
-common keys (`PolicyLossSettings`), the rollout correction (`RolloutCorrectionSettings`) and the asynchronous policy
+common keys (`PolicyLossSettings`), the reference's resets (`ReferenceSettings`), the rollout correction
+(`RolloutCorrectionSettings`) and the asynchronous policy
 (`AsyncSettings`: sampling ahead, partial rollouts, the off-policy loss; the rollout controller acts on it). GRPO and
 PPO compose all of them with the backends' and the environments' parts (`OnlineSettings`); distillation composes
 the sampling and the backend only (it trains on-policy).
@@ -20,10 +21,12 @@ from jaxrl.environments.settings import EpisodeSettings
 from jaxrl.utils.typed_config import Block, setting
 
 __all__ = ["AsyncPolicy", "AsyncSettings", "OFF_POLICY_LOSSES", "OnlineDataConfig", "OnlineSettings",
-           "PolicyLossSettings", "ROLLOUT_CORRECTIONS", "RolloutCorrectionSettings", "SamplingSettings"]
+           "PolicyLossSettings", "ROLLOUT_CORRECTIONS", "SAMPLERS", "ReferenceSettings", "RolloutCorrectionSettings",
+           "SamplingSettings"]
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-OFF_POLICY_LOSSES = ("behaviour", "decoupled")  # the ratio of updates on rollouts sampled ahead (max_staleness)
+OFF_POLICY_LOSSES = ("behaviour", "decoupled")
+SAMPLERS = ("uniform", "curriculum")  # how an online run's prompts are drawn (data.sampler)  # the ratio of updates on rollouts sampled ahead (max_staleness)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,28 @@ class OnlineDataConfig(Block):
     prompt_len: int = setting(6, doc="source = token_task (the CPU learning task, jaxrl.rewards.toy.TokenTask)")
     num_classes: int = setting(2)
     score_tokens: int = setting(0, doc="completion tokens scored; 0 = all max_new_tokens")
+    sampler: str = setting("uniform", doc="uniform (the epoch stream of the problems) | curriculum (prompts whose "
+                           "last curriculum_window groups were all solved or all failed are set aside for "
+                           "curriculum_set_aside rollouts, then revisited; jaxrl.algorithms.online.difficulty)",
+                           choices=SAMPLERS)
+    curriculum_window: int = setting(1, doc="the groups of a prompt, most recent first, that decide whether it is too "
+                                     "easy or too hard (each prompt's record is kept with either sampler)")
+    curriculum_set_aside: int = setting(8, doc="rollouts a too easy or too hard prompt is left out before it is "
+                                        "revisited")
+    curriculum_solved: float = setting(1.0, doc="a group whose mean reward is at least this counts as solved")
+    curriculum_failed: float = setting(0.0, doc="a group whose mean reward is at most this counts as failed")
+
+    def __post_init__(self):
+        if self.curriculum_window < 1 or self.curriculum_set_aside < 1:
+            raise ValueError(f"data.curriculum_window={self.curriculum_window} and data.curriculum_set_aside="
+                             f"{self.curriculum_set_aside} must be >= 1")
+        if not self.curriculum_failed < self.curriculum_solved:
+            raise ValueError(f"data.curriculum_failed={self.curriculum_failed} must be below data.curriculum_solved="
+                             f"{self.curriculum_solved}")
+        if self.sampler == "curriculum" and self.source != "problems":
+            raise ValueError(f"data.sampler='curriculum' sets prompts of a pool aside: it needs data.source="
+                             f"'problems' (got {self.source!r}, whose prompts are new every rollout)")
+        super().__post_init__()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +86,31 @@ class SamplingSettings(Block):
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossSettings(Block):
-    """The parts of a clipped policy loss every online algorithm has."""
+    """The policy loss every online algorithm has: which one (jaxrl.algorithms.policy_loss, where the names are
+    checked once the plug-ins are loaded), its own options, and the parts they all share. The block that composes
+    this part says what its clip keys are (`policy_loss_common`)."""
 
+    policy_loss: str = setting("ppo_clip", doc="the policy term: ppo_clip (the clipped surrogate) | gspo | cispo | "
+                               "sapo | gmpo | kl_cov | clip_cov | a policy_loss plug-in (docs/guides/ablations.md)")
+    policy_loss_options: dict = setting({}, dict, "the policy loss's own options (sapo: tau_pos, tau_neg; kl_cov: "
+                                        "kl_cov_ratio, kl_cov_coef; clip_cov: clip_cov_ratio, clip_cov_lb, "
+                                        "clip_cov_ub; a plug-in: its own); the clip window stays the block's keys")
     entropy_coef: float = setting(0.0)
     log_entropy: bool = setting(True, doc="the `entropy` metric (one more reduction over the vocab per chunk)")
     log_ratio_clamp: float = setting(20.0, doc="the policy log-ratio is clamped to +-this before exp (verl), so an "
                                      "off-policy ratio (overlap, several passes) cannot overflow; 0 = off")
 
+    def policy_loss_common(self) -> dict:
+        """The block's clip keys under the policy losses' names (jaxrl.algorithms.policy_loss.COMMON_KEYS; None =
+        off)."""
+        raise NotImplementedError(f"{type(self).__name__} composes PolicyLossSettings: it must define "
+                                  "policy_loss_common()")
+
     def __post_init__(self):
         if self.log_ratio_clamp < 0:
             raise ValueError(f"{self.NAME}.log_ratio_clamp must be >= 0 (0 = off), got {self.log_ratio_clamp}")
+        if not self.policy_loss or not isinstance(self.policy_loss, str):
+            raise ValueError(f"{self.NAME}.policy_loss must name a policy loss, got {self.policy_loss!r}")
         super().__post_init__()
 
 
@@ -90,6 +130,20 @@ class RolloutCorrectionSettings(Block):
         if not (0.0 <= lo < 1.0 < hi):  # a weight of 1 (no mismatch) is always kept as it is
             raise ValueError(f"{self.NAME}.rollout_correction_min={lo} and rollout_correction_max={hi} must satisfy "
                              f"0 <= min < 1 < max")
+        super().__post_init__()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceSettings(Block):
+    """The KL anchor of a long run (jaxrl.algorithms.online.reference)."""
+
+    ref_reset_every: int = setting(0, doc="> 0: every this many rollouts the reference becomes the policy that "
+                                   "samples that rollout (its adapters, kept in <workdir>/reference/), logged as "
+                                   "reference/reset; 0 = the base model throughout")
+
+    def __post_init__(self):
+        if self.ref_reset_every < 0:
+            raise ValueError(f"{self.NAME}.ref_reset_every must be >= 0 (0 = never), got {self.ref_reset_every}")
         super().__post_init__()
 
 
@@ -175,8 +229,8 @@ class AsyncSettings(RolloutBackendSettings):
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineSettings(EpisodeSettings, AsyncSettings, RolloutCorrectionSettings, PolicyLossSettings,
-                     SamplingSettings):
+class OnlineSettings(EpisodeSettings, AsyncSettings, RolloutCorrectionSettings, ReferenceSettings,
+                     PolicyLossSettings, SamplingSettings):
     """The keys GRPO and PPO share, each declared once in its part (sampling, policy loss, rollout correction,
     rollout backend and the asynchronous policy over it, episodes); an online algorithm's block adds its own keys
     after them."""

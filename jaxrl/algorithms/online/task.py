@@ -20,6 +20,7 @@ from flax import nnx
 from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.online.buffer import Schedule
 from jaxrl.algorithms.online.controller import ProximalPass, RolloutController
+from jaxrl.algorithms.online.reference import ReferenceResets
 from jaxrl.algorithms.online.rollouts import Rollouts, Sampled
 from jaxrl.algorithms.online.settings import AsyncPolicy
 from jaxrl.train.task import Task, TaskContext
@@ -30,12 +31,14 @@ class OnlineTask(Task):
     (arrays: {key: [N, ...]}, metrics, samples)` (`samples`: the `Sampled` whose rows the arrays are, or None) and
     `train_keys` (the buffer keys a train batch carries), and may keep host state in `host_state()` /
     `load_host_state(d)` (e.g. PPO's KL coefficient). `rollouts` samples them; `proximal`: the decoupled
-    objective's pass, when the asynchronous policy has it."""
+    objective's pass, when the asynchronous policy has it; `ref_reset_every`: the reference's resets
+    (`reference_resets.reference_for(rollout, policy)` gives a rollout's reference model)."""
 
     train_keys: tuple[str, ...] = ()
 
     def __init__(self, config: TrainConfig, schedule: Schedule, rollouts: Rollouts,
-                 async_policy: AsyncPolicy = AsyncPolicy(), proximal: Optional[ProximalPass] = None):
+                 async_policy: AsyncPolicy = AsyncPolicy(), proximal: Optional[ProximalPass] = None,
+                 ref_reset_every: int = 0):
         self.config, self.schedule, self.rollouts = config, schedule, rollouts
         self.async_policy = async_policy
         self.rollout_controller = RolloutController(async_policy, rollouts, schedule, make=self.make_rollout,
@@ -49,6 +52,7 @@ class OnlineTask(Task):
         self.loaded_state: dict = {}
         self.context: Optional[TaskContext] = None
         self.position = 0
+        self.reference_resets = ReferenceResets(ref_reset_every)
 
     # subclasses -------------------------------------------------------------------------------------------
     def make_rollout(self, rollout: int, policy) -> tuple[dict, dict, Optional[Sampled]]:
@@ -80,6 +84,7 @@ class OnlineTask(Task):
     # Task phases --------------------------------------------------------------------------------------------
     def setup(self, context: TaskContext) -> None:
         self.context = context
+        self.reference_resets.open(context.workdir)
         self.rollout_controller.open(context.workdir)
         self.rollouts.open(context.workdir, context.current_policy())
 
@@ -114,8 +119,10 @@ class OnlineTask(Task):
         from this state reads them back: they were sampled from parameters the state no longer holds), with the host
         state they left (PPO's KL coefficient after them)."""
         self.settle()
+        record = self.rollouts.source.difficulty
         return {"position": self.position, "rollout": self.buffer_rollout,
-                "steps_per_rollout": self.schedule.steps_per_rollout, **self.host_state()}
+                "steps_per_rollout": self.schedule.steps_per_rollout, **self.host_state(),
+                **({"difficulty": record.state_dict()} if record is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.loaded_state = dict(state)
@@ -126,6 +133,8 @@ class OnlineTask(Task):
                              f"{self.schedule.steps_per_rollout} (num_iterations / epochs / minibatches / batch "
                              f"sizes changed); resume with the same values or use a new --workdir")
         self.load_host_state(state)
+        if self.rollouts.source.difficulty is not None:  # each prompt's record, as the checkpoint left it
+            self.rollouts.source.difficulty.load_state_dict(state.get("difficulty"))
 
     def on_saved(self, steps: list) -> None:
         """The rollout buffers only pruned checkpoints needed are deleted (RolloutController.prune)."""
