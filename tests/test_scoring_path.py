@@ -113,6 +113,7 @@ def new_sft_loss(model, mb):
     return objective.loss(model, mb, objective.normalisers(mb), None)
 
 
+@pytest.mark.heavy  # two value-and-gradient programs: ~30 s on two busy cores, the fast tier's budget (CI runs it)
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_sft_objective_is_its_hand_rolled_formula_bit_for_bit(model, packed):
     rng = np.random.default_rng(1)
@@ -191,6 +192,7 @@ def new_dpo_passes(model, batch):
 
 
 @pytest.mark.slow  # two value-and-gradient programs of three passes each: ~30 s on two busy cores
+@pytest.mark.heavy  # kept out of the fast tier's 10 minutes (CI runs it)
 @pytest.mark.parametrize("packed", [False, True])
 def test_dpos_policy_and_reference_passes_are_their_hand_rolled_formulas_bit_for_bit(model, packed):
     rng = np.random.default_rng(4)

@@ -57,6 +57,11 @@ class GRPOConfig(OnlineSettings):
                                      "rewards that differ (DAPO / verl filter_groups)")
     max_extra_draws: int = setting(4, doc="dynamic_sampling: at most this many extra draws of prompts_per_step "
                                    "prompts per rollout; then the step trains on what it has")
+    replay_groups: int = setting(0, doc="> 0: a group whose rewards all agree is replaced by a kept group of an "
+                                 "earlier rollout whose rewards differed (newest first, at most this many per "
+                                 "rollout; TRL PR #4060; the step is then off-policy: the ratio corrects the "
+                                 "staleness); jaxrl.algorithms.online.replay")
+    replay_max_age: int = setting(4, doc="replay_groups: kept groups at most this many rollouts old")
 
     def __post_init__(self):
         at_least("grpo", {"num_generations": 1, "prompts_per_step": 1, "max_new_tokens": 1, "num_iterations": 1,
@@ -67,6 +72,10 @@ class GRPOConfig(OnlineSettings):
             raise ValueError(f"grpo.kl_in_reward puts the KL in each token's reward: it needs a token-level "
                              f"advantage_estimator ({' | '.join(TOKEN_LEVEL_ESTIMATORS)}), got "
                              f"{self.advantage_estimator!r}")
+        at_least("grpo", {"replay_groups": 0, "replay_max_age": 1}, self)
+        if self.replay_groups and self.max_staleness:
+            raise ValueError(f"grpo.replay_groups replays groups of the rollouts before this one: it needs "
+                             f"grpo.max_staleness=0 (got {self.max_staleness})")
         if self.delta and self.delta <= 1.0 + self.epsilon_high:
             raise ValueError(f"grpo.delta={self.delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
         super().__post_init__()

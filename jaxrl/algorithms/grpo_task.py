@@ -37,7 +37,8 @@ every turn. Extra metrics `episode/{turns_mean,truncated_fraction,tokens_mean,sa
 solved_fraction}`; completion/* count an episode's sampled tokens.
 
 Dynamic sampling (`dynamic_sampling`, off by default): extra draws until `prompts_per_step` groups have reward
-signal, at most `max_extra_draws` (`GRPOTask.sample`).
+signal, at most `max_extra_draws` (`GRPOTask.sample`). Replay (`replay_groups`, off by default): groups without a
+signal replaced by kept groups of earlier rollouts that had one (jaxrl.algorithms.online.replay; `replay/*`).
 
 Objective (`GRPOObjective`, micro-batch contract of jaxrl.train.objective): per completion token the policy
 term `policy_loss` (jaxrl.algorithms.policy_loss: `ppo_clip`, the clipped surrogate with `epsilon_low`,
@@ -83,6 +84,7 @@ from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule, check_rows
 from jaxrl.algorithms.online.controller import proximal_pass
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
+from jaxrl.algorithms.online.replay import GroupReplay
 from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.algorithms.policy_loss import resolve_options
@@ -198,7 +200,10 @@ class GRPOTask(OnlineTask):
                             episodes=grpo if grpo.environment else None, async_policy=grpo.async_policy)
         super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed),
                          rollouts, grpo.async_policy, proximal_pass(grpo, config, mesh), grpo.ref_reset_every)
-        self.on_policy = self.schedule.steps_per_rollout == 1
+        # replayed rows were sampled by older policies: with replay every step is off-policy (old log-probs kept)
+        self.on_policy = self.schedule.steps_per_rollout == 1 and not grpo.replay_groups
+        self.replay = (GroupReplay(groups=grpo.replay_groups, max_age=grpo.replay_max_age,
+                                   group=grpo.num_generations) if grpo.replay_groups else None)
         # The sampler's log-probs match a teacher-forced pass to ~1e-6 in float32 only; in bf16 its KV-cache
         # decode drifts, so the first update's ratio would not be 1.
         compute_dtype = jnp.dtype(model.dtype)
@@ -225,6 +230,11 @@ class GRPOTask(OnlineTask):
             ("behaviour_logp", "rollout_mask") if self.mismatch_in_step else
             ("is_weights",) if corrected or self.async_policy.decoupled else ())
         self.mesh = mesh
+
+    def setup(self, context) -> None:
+        super().setup(context)
+        if self.replay is not None:
+            self.replay.open(context.workdir)
 
     def shaped_rewards(self, s: Sampled) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """(rewards the advantages come from, DAPO overlong penalty or None): the reward plus that penalty."""
@@ -342,6 +352,9 @@ class GRPOTask(OnlineTask):
             if weights is not None:
                 buffer["is_weights"] = weights
         metrics.update(passes.timings())
+        if self.replay is not None:  # groups without a signal replaced by kept ones that had one
+            buffer, replayed = self.replay.apply(rollout, buffer, ~zero_var.reshape(-1, group)[:, 0])
+            metrics.update(replayed)
         return buffer, metrics, s
 
 

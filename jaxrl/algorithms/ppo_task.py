@@ -31,8 +31,8 @@ GRPO's.
 Objective (`PPOObjective`, the micro-batch contract): `ppo.ppo_loss` = the policy term `policy_loss`
 (jaxrl.algorithms.policy_loss; default `ppo_clip`, the clipped policy loss with `cliprange` on both sides; the
 others as in GRPO, with `policy_loss_options`) + `vf_coef` x clipped value loss (`cliprange_value`, 0 =
-unclipped), token means over the global batch. The log-ratio is clamped to +-`log_ratio_clamp` (20, verl) before `exp`: an unclamped ratio of a token whose
-probability grew by e^89 overflows float32, and with A < 0 the loss -rho A is +inf. `dual_clip` (> 1, verl's
+unclipped), token means over the global batch. The log-ratio is clamped to +-`log_ratio_clamp` (20, verl) before
+`exp`: an unclamped ratio of a token whose probability grew by e^89 overflows float32, and with A < 0 the loss -rho A is +inf. `dual_clip` (> 1, verl's
 `clip_ratio_c`) caps the loss of A < 0 tokens at -A dual_clip. `rollout_correction` weights the policy term as in
 GRPO (jaxrl.algorithms.grpo_task, trainer side: the teacher-forced pass above, at temperature 1). In the first
 `critic_warmup_steps` train steps only the value head trains (the LoRA factors get no gradient, so Adam leaves them

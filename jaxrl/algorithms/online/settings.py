@@ -25,8 +25,8 @@ __all__ = ["AsyncPolicy", "AsyncSettings", "OFF_POLICY_LOSSES", "OnlineDataConfi
            "SamplingSettings"]
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-OFF_POLICY_LOSSES = ("behaviour", "decoupled")
-SAMPLERS = ("uniform", "curriculum")  # how an online run's prompts are drawn (data.sampler)  # the ratio of updates on rollouts sampled ahead (max_staleness)
+OFF_POLICY_LOSSES = ("behaviour", "decoupled")  # the ratio of updates on rollouts sampled ahead (max_staleness)
+SAMPLERS = ("uniform", "curriculum")  # how an online run's prompts are drawn (data.sampler)
 
 
 @dataclasses.dataclass(frozen=True)
