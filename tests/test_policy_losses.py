@@ -310,6 +310,11 @@ def test_options_are_checked_naming_the_key():
         pl.resolve_options("sapo", {**COMMON, "importance_sampling_level": "sequence"}, {}, "ppo")
     with pytest.raises(ValueError, match=r"tau_pos=-1.0 and tau_neg=1.05 must be > 0"):
         pl.resolve_options("sapo", COMMON, {"tau_pos": -1.0}, "grpo")
+    with pytest.raises(ValueError, match=r"grpo.policy_loss_options.kl_cov_coef='0.1': kl_cov's options are finite "
+                                         r"numbers"):
+        pl.resolve_options("kl_cov", COMMON, {"kl_cov_coef": "0.1"}, "grpo")
+    with pytest.raises(ValueError, match=r"grpo.policy_loss_options.tau_neg=nan"):
+        pl.resolve_options("sapo", COMMON, {"tau_neg": float("nan")}, "grpo")
     with pytest.raises(KeyError, match=r"unknown policy_loss 'cipso' \(did you mean 'cispo'\?\)"):
         pl.resolve_options("cipso", COMMON, {}, "grpo")
 

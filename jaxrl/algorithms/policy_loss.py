@@ -50,6 +50,7 @@ term is constant over a sequence's tokens); other aggregations weight the sequen
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
@@ -429,6 +430,9 @@ def resolve_options(name: str, common: Mapping[str, Any], options: Mapping[str, 
     if unknown:
         raise ValueError(f"{where}.policy_loss_options: {name} takes no {', '.join(map(repr, unknown))}; its "
                          f"options: {', '.join(own) or 'none'}")
+    for key, value in options.items():  # a built-in's own options are numbers: a string or NaN fails here, named
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{where}.policy_loss_options.{key}={value!r}: {name}'s options are finite numbers")
     try:
         return spec(**{k: v for k, v in common.items() if k in fields}, **options)
     except (TypeError, ValueError) as e:
