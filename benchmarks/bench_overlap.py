@@ -55,8 +55,8 @@ def demo_grpo_config(folder: str, steps: int):
     """(config of the demo's GRPO stage on the demo's pretrained model, that model's folder)."""
     demo = _config_only_demo(folder)
     demo.claim_folder()
-    demo.make_model()
-    demo.make_tasks()
+    demo.model()
+    demo.tasks()
     demo.p["base"] = demo.p["pretrained"]  # the warm-up (SFT + merge) is skipped
     demo.grpo()
     c = demo.config

@@ -74,7 +74,7 @@ def _module(package: str, name: str):
 
 
 def demo_model(package: str = "jaxrl"):
-    """The demo's tiny model as `launchers.demo` writes its pretrained/ folder (jaxrl.demo.Demo.make_model), built
+    """The demo's tiny model as `launchers.demo` writes its pretrained/ folder (jaxrl.demo.Demo.model), built
     by `package` (this tree's jaxrl or STATIC_PACKAGE)."""
     import jax.numpy as jnp
 
@@ -316,8 +316,8 @@ def run_launcher(problems: int = 128, samples: int = 32, max_new_tokens: int = 5
     root = workdir or tempfile.mkdtemp(prefix="bench_rollout_launcher_")
     demo = Demo(os.path.join(root, "demo"), log=lambda _: None)
     demo.claim_folder()
-    demo.make_model()
-    demo.make_tasks()
+    demo.model()
+    demo.tasks()
     out = {"problems": problems, "samples_per_prompt": samples, "max_new_tokens": max_new_tokens,
            "repeats": repeats, "static_commit": STATIC_COMMIT,
            "load_average_before": [round(x, 2) for x in os.getloadavg()]}

@@ -42,7 +42,7 @@ import numpy as np
 
 from configs import base as base_config
 from configs import dpo as dpo_config
-from configs import grpo as grpo_config
+from configs import grpo_demo
 from jaxrl.algorithms.run import run_training
 from jaxrl.data import formats
 from jaxrl.data import pairs as pairs_lib
@@ -62,7 +62,7 @@ from jaxrl.models.qwen35.config import tiny
 from jaxrl.models.qwen35.tiny_checkpoint import write_tiny_checkpoint
 from jaxrl.rollout.runner import RolloutConfig, run_rollouts
 from jaxrl.data.tiny_tokenizer import build_tiny_tokenizer, minimal_vocab_size
-from jaxrl.demo_settings import MARKER, DemoSettings
+from jaxrl.demo_settings import MARKER, PATHS, STAGES, DemoSettings, common_run_settings
 from jaxrl.utils.io import write_jsonl
 
 DIGITS = "0123456789"
@@ -71,6 +71,9 @@ ALPHABETS = {"digits": DIGITS, "letters": LETTERS}
 # The random head at std 0.02 caps every logit near 1, so no adapter could make an answer likely (see
 # write_tiny_checkpoint); 10x gives the frozen head the range of a trained one.
 HEAD_SCALE = 10.0
+STAGE_TITLES = {"model": "model and tokenizer", "tasks": "tasks", "warm_up": "M0 warm-up (SFT) and merge",
+                "rollouts": "rollouts", "pairs": "pairs", "dpo": "DPO", "grpo": "GRPO", "exports": "exports",
+                "evaluation": "evaluation", "diagnostics": "diagnostics", "report": "report"}
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "lemon", "piano", "zebra", "north",
          "candle", "forest", "silver", "rocket", "garden")
 
@@ -121,11 +124,7 @@ class Demo:
         self.s = settings
         self.log = log
         self.timings: dict[str, float] = {}
-        self.p = {name: self.dir / rel for name, rel in {
-            "pretrained": "pretrained", "m0": "m0", "base": "base_model", "tasks": "tasks",
-            "train": "tasks/train.jsonl", "eval": "tasks/eval.jsonl", "sft_data": "tasks/sft.jsonl",
-            "rollouts": "rollouts.jsonl", "pairs": "pairs", "dpo": "dpo", "grpo": "grpo",
-            "export": "export", "report": "report.html"}.items()}
+        self.p = {name: self.dir / rel for name, rel in PATHS.items()}
 
     # -- helpers
     def _stage(self, name: str, fn: Callable[[], Optional[str]]) -> None:
@@ -138,33 +137,19 @@ class Demo:
     def _train(self, config, workdir: Path):
         return run_training(config, os.fspath(workdir))
 
-    @staticmethod
-    def _settings(c, *, model_path: Path, steps: int, checkpoint_every: int, learning_rate: float, schedule: str,
-                  warmup_steps: int, rank: int, micro_batch: int, accum: int = 1):
-        """What every demo run shares: a loaded fp32 tiny model on one device, LoRA alpha = 2 x rank."""
-        c.model_preset = ""
-        c.model_path = os.fspath(model_path)
-        c.dtype = "float32"
-        c.steps, c.checkpoint_every, c.keep_checkpoints = steps, checkpoint_every, 2
-        c.optimizer.learning_rate, c.optimizer.schedule = learning_rate, schedule
-        c.optimizer.warmup_steps, c.optimizer.warmup_ratio, c.optimizer.weight_decay = warmup_steps, 0.0, 0.0
-        c.lora.rank, c.lora.alpha = rank, 2.0 * rank
-        c.batch.micro_batch_size, c.batch.grad_accum = micro_batch, accum
-        c.mesh.shape = (1, 1, 1)  # one device: the tiny model gains nothing from more
-        c.logprob_chunk_size = 64
-        return c
-
-    def run(self) -> Path:
+    def run(self, until: str = "") -> Optional[Path]:
+        """Every stage in order (`until`: stop after that one of STAGES); the report's path, or None when stopped
+        before it."""
+        if until and until not in STAGES:
+            raise ValueError(f"until={until!r}: not a stage of the demo; stages: {', '.join(STAGES)}")
         self.claim_folder()
-        for name, fn in (("model and tokenizer", self.make_model), ("tasks", self.make_tasks),
-                         ("M0 warm-up (SFT) and merge", self.warm_up), ("rollouts", self.rollouts),
-                         ("pairs", self.pairs), ("DPO", self.dpo), ("GRPO", self.grpo),
-                         ("exports", self.exports), ("evaluation", self.evaluate),
-                         ("diagnostics", self.diagnostics), ("report", self.report)):
-            self._stage(name, fn)
+        for stage in STAGES:
+            self._stage(STAGE_TITLES[stage], getattr(self, stage))
+            if stage == until:
+                break
         with open(self.dir / "demo_timings.json", "w") as f:
             json.dump(self.timings, f, indent=2)
-        return self.p["report"]
+        return self.p["report"] if not until or until == STAGES[-1] else None
 
     def claim_folder(self) -> None:
         """Creates the folder with the demo's mark, or marks an empty one; a folder with other files in it and no
@@ -174,7 +159,7 @@ class Demo:
             (self.dir / MARKER).write_text("made by `python -m launchers.demo`; --fresh deletes this folder\n")
 
     # -- 1
-    def make_model(self) -> str:
+    def model(self) -> str:
         out = self.p["pretrained"]
         if (out / "tokenizer.json").exists():
             return "exists"
@@ -193,7 +178,7 @@ class Demo:
         return f"vocab {vocab + 4}, hidden {cfg.hidden_size}, 2 layers (Gated DeltaNet + full attention)"
 
     # -- 2
-    def make_tasks(self) -> str:
+    def tasks(self) -> str:
         for split, n in (("train", self.s.train_problems), ("eval", self.s.eval_problems)):
             if not self.p[split].exists():
                 write_jsonl(self.p[split], make_problems(n, self.s.seed, split))
@@ -209,8 +194,9 @@ class Demo:
                                                      self.s.seed))
         c = base_config.get_config()
         c.algorithm = "sft"
-        self._settings(c, model_path=self.p["pretrained"], steps=self.s.sft_steps, checkpoint_every=self.s.sft_steps,
-                       learning_rate=3e-3, schedule="cosine", warmup_steps=5, rank=16, micro_batch=32)
+        common_run_settings(c, model_path=self.p["pretrained"], steps=self.s.sft_steps,
+                            checkpoint_every=self.s.sft_steps, learning_rate=3e-3, schedule="cosine", warmup_steps=5,
+                            rank=16, micro_batch=32)
         c.data.source = "jsonl"
         c.data.path = os.fspath(self.p["sft_data"])
         longest = max(len(json.loads(line)["input_ids"]) for line in open(self.p["sft_data"]) if line.strip())
@@ -255,9 +241,9 @@ class Demo:
     # -- 5
     def dpo(self) -> str:
         c = dpo_config.get_config("model=tiny")
-        self._settings(c, model_path=self.p["base"], steps=self.s.dpo_steps,
-                       checkpoint_every=self.s.dpo_checkpoint_every, learning_rate=3e-3,
-                       schedule="constant_with_warmup", warmup_steps=2, rank=8, micro_batch=32)
+        common_run_settings(c, model_path=self.p["base"], steps=self.s.dpo_steps,
+                            checkpoint_every=self.s.dpo_checkpoint_every, learning_rate=3e-3,
+                            schedule="constant_with_warmup", warmup_steps=2, rank=8, micro_batch=32)
         c.dpo.beta = 0.1
         # RPO (sigmoid DPO + NLL on the chosen): plain sigmoid lets both log-probs fall on this tiny model and its
         # reward swings (0.48 -> 0.30 -> 0.71 over 48 steps); the NLL term keeps the chosen answers likely
@@ -272,22 +258,7 @@ class Demo:
 
     # -- 6
     def grpo(self) -> str:
-        c = grpo_config.get_config("model=tiny")
-        self._settings(c, model_path=self.p["base"], steps=self.s.grpo_steps,
-                       checkpoint_every=self.s.grpo_checkpoint_every,
-                       learning_rate=self.s.grpo_learning_rate, schedule="constant_with_warmup", warmup_steps=1,
-                       rank=8, micro_batch=64, accum=self.s.grpo_prompts_per_step // 8)
-        c.remat = "none"
-        c.grpo.num_generations = 8
-        c.grpo.prompts_per_step = self.s.grpo_prompts_per_step
-        c.grpo.max_new_tokens = self.s.max_new_tokens
-        c.grpo.temperature = 1.0
-        c.grpo.beta = self.s.grpo_beta
-        c.grpo.logprob_batch_size = 64
-        c.data.source = "problems"
-        c.data.problems = os.fspath(self.p["train"])
-        c.data.max_prompt_len = 64
-        c.reward.name = "charset"
+        c = grpo_demo.build(self.p["base"], self.p["train"], self.s)
         result = self._train(c, self.p["grpo"])
         return _summary(result.records, ("reward/mean", "kl"))
 
@@ -307,7 +278,7 @@ class Demo:
                 f"dpo/averages/{os.path.basename(average['out'])} (rank {average['rank']})")
 
     # -- 8
-    def evaluate(self) -> str:
+    def evaluation(self) -> str:
         grpo_steps = adapter_steps(os.fspath(self.p["grpo"]))
         models = [ModelSpec("base", "base")] + checkpoint_specs(os.fspath(self.p["dpo"]))
         models.append(ModelSpec("grpo", "adapter", os.fspath(self.p["grpo"] / "checkpoints" / "adapters" /

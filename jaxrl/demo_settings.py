@@ -7,13 +7,23 @@ pipeline.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxrl.utils.dataclass_flags import flag_field
 from jaxrl.utils.seeds import seed_field
 
-__all__ = ["DemoRunSettings", "DemoSettings", "MARKER"]
+__all__ = ["DemoRunSettings", "DemoSettings", "MARKER", "STAGES", "PATHS", "common_run_settings"]
 
 MARKER = ".jaxrl-demo"  # in a folder the demo made: what `launchers.demo --fresh` may delete
+# The stages in order (jaxrl.demo.Demo has a method of each name); `launchers.demo --until=NAME` stops after one.
+STAGES = ("model", "tasks", "warm_up", "rollouts", "pairs", "dpo", "grpo", "exports", "evaluation", "diagnostics",
+          "report")
+# Where each output lies inside the demo's folder (one home: the demo, and configs/grpo_demo.py that trains on the
+# demo's task from another folder).
+PATHS = {"pretrained": "pretrained", "m0": "m0", "base": "base_model", "tasks": "tasks",
+         "train": "tasks/train.jsonl", "eval": "tasks/eval.jsonl", "sft_data": "tasks/sft.jsonl",
+         "rollouts": "rollouts.jsonl", "pairs": "pairs", "dpo": "dpo", "grpo": "grpo", "export": "export",
+         "report": "report.html"}
 
 
 @dataclasses.dataclass
@@ -54,6 +64,9 @@ class DemoRunSettings:
                              f"{MARKER} mark).")
     quick: bool = flag_field(False, help="Smaller stages (fewer prompts and steps): for tests.")
     seed: int = seed_field(DemoSettings.seed, help="Seed of the tiny model, the tasks and every sampler.")
+    until: str = flag_field("", help="Stop after this stage (one of " + ", ".join(STAGES) + "); default: every "
+                            "stage. `--until=warm_up` makes the model, the tasks and M0 that configs/grpo_demo.py "
+                            "trains on.")
     quick_compiles: bool = flag_field(True, help="Compile with LLVM at -O0 (XLA_FLAGS=--xla_backend_optimization_"
                                       "level=0) unless XLA_FLAGS already sets a level: the demo's programs are tiny, "
                                       "so compiling them is most of its time on a CPU.")
@@ -61,3 +74,20 @@ class DemoRunSettings:
     def demo_settings(self) -> DemoSettings:
         """The stage sizes (`DemoSettings.quick()` with `quick`) with this run's seed."""
         return dataclasses.replace(DemoSettings.quick() if self.quick else DemoSettings(), seed=self.seed)
+
+
+def common_run_settings(c, *, model_path, steps: int, checkpoint_every: int, learning_rate: float, schedule: str,
+                        warmup_steps: int, rank: int, micro_batch: int, accum: int = 1):
+    """What every demo run shares: a loaded fp32 tiny model on one device, LoRA alpha = 2 x rank; `c` is a run
+    config (configs/base.py and the family configs), changed in place and returned."""
+    c.model_preset = ""
+    c.model_path = os.fspath(model_path)
+    c.dtype = "float32"
+    c.steps, c.checkpoint_every, c.keep_checkpoints = steps, checkpoint_every, 2
+    c.optimizer.learning_rate, c.optimizer.schedule = learning_rate, schedule
+    c.optimizer.warmup_steps, c.optimizer.warmup_ratio, c.optimizer.weight_decay = warmup_steps, 0.0, 0.0
+    c.lora.rank, c.lora.alpha = rank, 2.0 * rank
+    c.batch.micro_batch_size, c.batch.grad_accum = micro_batch, accum
+    c.mesh.shape = (1, 1, 1)  # one device: the tiny model gains nothing from more
+    c.logprob_chunk_size = 64
+    return c

@@ -3,6 +3,8 @@ r"""`make demo`: the whole pipeline on an embedded tiny Qwen3.5, no network, min
     python -m launchers.demo --workdir=demo_workdir            # resumes an interrupted demo
     python -m launchers.demo --workdir=demo_workdir --fresh    # starts over (only in a folder the demo made)
     python -m launchers.demo --workdir=/tmp/d --quick          # smaller stages (the tests use this)
+    python -m launchers.demo --workdir=/tmp/d --until=warm_up  # only the model, the tasks and M0 (what
+                                                               # configs/grpo_demo.py trains on)
 
 Stages and outputs: `jaxrl/demo.py`. --fresh deletes --workdir only when the demo made it (its `.jaxrl-demo` mark
 is in it); any other folder is refused, untouched. Ends by printing where report.html is. Ctrl-C: the stage
@@ -16,7 +18,7 @@ import shutil
 
 from absl import app, flags, logging
 
-from jaxrl.demo_settings import MARKER, DemoRunSettings
+from jaxrl.demo_settings import MARKER, STAGES, DemoRunSettings
 from jaxrl.utils import dataclass_flags
 from launchers import _main
 
@@ -52,6 +54,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run = dataclass_flags.config_from_flags(DemoRunSettings, _F)
+    if run.until and run.until not in STAGES:
+        raise app.UsageError(f"--until={run.until!r}: not a stage of the demo; stages: {', '.join(STAGES)}")
     if run.quick_compiles:
         _quick_compiles()
     if not flags.FLAGS.verbose:
@@ -59,8 +63,11 @@ def main(argv):
     if run.fresh:
         _clear(run.workdir, MARKER)
     from jaxrl.demo import Demo
-    report = Demo(run.workdir, run.demo_settings(), log=lambda m: print(m, flush=True)).run()
-    print(f"\nreport: {report}\nopen it in a browser (file://{os.path.abspath(report)})")
+    report = Demo(run.workdir, run.demo_settings(), log=lambda m: print(m, flush=True)).run(run.until)
+    if report is None:
+        print(f"\nstopped after the {run.until} stage; rerun without --until to go on: {run.workdir}")
+    else:
+        print(f"\nreport: {report}\nopen it in a browser (file://{os.path.abspath(report)})")
     return 0
 
 

@@ -10,7 +10,9 @@ r"""Run a sweep: every point of a sweep config, one folder each, one after the o
 The sweep config format, the folder layout and the resume rules: jaxrl/sweep/spec.py and jaxrl/sweep/runner.py.
 Rerun the same command after an interruption: finished points are skipped, an interrupted point resumes from
 its newest checkpoint, failed points are retried (--noretry_failed skips them). When the points are done the
-comparison table is written (OUT/comparison.{md,csv,json}, OUT/report.html; see launchers/compare.py).
+comparison table is written (OUT/comparison.{md,csv,json}, OUT/report.html; see launchers/compare.py) and its
+summary printed (OUT/comparison_summary.md: each recipe's evaluation and its difference to the baseline, with
+intervals that survive the choice among them).
 Exit status: 0 all selected points done, 1 some failed or still running elsewhere, 2 the sweep config is invalid
 (a bad key, a type error, a malformed plug-in: nothing was trained), 130 / 143 on SIGINT / SIGTERM (passed on
 to the running point, which checkpoints and stops; rerun the same command to resume).
@@ -43,8 +45,10 @@ def main(argv):
     from jaxrl.sweep.spec import SweepError, load_sweep
     try:
         spec = load_sweep(s.sweep)
+        # --print_commands: stdout is the list of commands (a scheduler reads it), so progress goes to stderr
         runner = SweepRunner(spec, s.out, jobs=s.jobs, compilation_cache=s.compilation_cache,
-                             retry_failed=s.retry_failed, force=s.force)
+                             retry_failed=s.retry_failed, force=s.force,
+                             echo=lambda m: print(m, flush=True, file=sys.stderr if s.print_commands else sys.stdout))
         if s.point and not any(p.slug == s.point for p in runner.select(s.point)):
             raise SweepError(f"--point={s.point!r} is not the exact slug of a point")
         only = s.point or s.only
@@ -59,6 +63,7 @@ def main(argv):
         if s.print_commands:
             planned = runner.plan(only)
             runner.prepare(planned)
+            runner.run_prepare()  # the points' commands read what it makes
             runner.check_plugins([pp for pp in planned if pp.status["state"] != "done"])
             for pp in planned:
                 if pp.status["state"] == "done":
@@ -75,6 +80,7 @@ def main(argv):
         from jaxrl.sweep.report import write_comparison
         try:
             paths = write_comparison(runner.out)
+            print("\n" + paths["summary"].read_text(encoding="utf-8"), flush=True)  # the verdict, in a few columns
             print("comparison: " + ", ".join(str(p) for p in paths.values()), flush=True)
         except (ValueError, KeyError, OSError) as e:  # the training results stand; say why the table is missing
             print(f"sweep: the comparison could not be written: {e}", file=sys.stderr, flush=True)

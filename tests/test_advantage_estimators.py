@@ -119,3 +119,16 @@ def test_kl_in_reward_needs_a_token_level_estimator():
         GRPOConfig(kl_in_reward=0.01)
     with pytest.raises(ValueError, match=r"grpo.kl_in_reward must be >= 0"):
         GRPOConfig(advantage_estimator="reinforce_plus_plus", kl_in_reward=float("nan"))
+
+
+def test_the_best_of_group_reward_is_logged_for_what_pass_at_k_trains():
+    """`reward/group_best_mean`: the mean over prompts of each group's best reward (pass@G on pass/fail rewards);
+    a prompt whose rewards were all masked (NaN) is left out, a partly masked one takes its scored best."""
+    from types import SimpleNamespace
+    from jaxrl.algorithms.online.rollouts import sample_metrics
+    r = np.array([0.0, 1.0, 0.0, 0.0, 0.2, np.nan, np.nan, np.nan, np.nan, 0.5, 0.0, 0.25], np.float32)
+    s = SimpleNamespace(rewards=r, strict=(r == 1).astype(np.float32), lengths=np.full(12, 4),
+                        truncated=np.zeros(12, bool), difficulty={})
+    m = sample_metrics(s, 8, group=4)
+    assert m["reward/group_best_mean"] == pytest.approx((1.0 + 0.2 + 0.5) / 3)
+    assert "reward/group_best_mean" not in sample_metrics(s, 8)

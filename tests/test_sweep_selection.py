@@ -100,3 +100,26 @@ def test_recipe_level_interval_over_seeds(sweep, tmp_path):
     assert "significant after choosing among every such cell" in md and "seeds, then prompts" in md
     data = json.loads(paths["json"].read_text())
     assert any(row.get(f"sim_low:{cell}") is not None for row in data["rows"])
+
+
+def test_recipe_level_intervals_are_simultaneous_across_recipes(sweep, tmp_path):
+    """The over-seeds table's recipe intervals form a family too (choosing the best learning rate is a selection
+    among them): each recipe's simultaneous interval holds its marginal one, the real +0.15 survives the choice
+    (marked *), the null recipe's does not; the printed summary (comparison_summary.md) carries them."""
+    meta, points = load_points(sweep)
+    seeds = over_seeds(build_table(meta, points, metrics=["partial_reward_mean"], n_resamples=1000))
+    cell = "partial_reward_mean@4"
+    by_lr = {r["optimizer.learning_rate"]: r for r in seeds.rows}
+    for r in (by_lr["1e-05"], by_lr["5e-06"]):
+        assert r[f"sim_low:{cell}"] <= r[f"ci_low:{cell}"] <= r[f"diff:{cell}"] <= r[f"ci_high:{cell}"]
+        assert r[f"ci_high:{cell}"] <= r[f"sim_high:{cell}"]
+    assert by_lr["1e-05"][f"sim_low:{cell}"] > 0 and display_cell(seeds, by_lr["1e-05"], f"diff:{cell}").count("*")
+    assert by_lr["5e-06"][f"sim_low:{cell}"] < 0 < by_lr["5e-06"][f"sim_high:{cell}"]
+    assert "*" not in display_cell(seeds, by_lr["5e-06"], f"diff:{cell}")
+    assert any("recipe-level differences" in n and "hold for all" in n for n in seeds.notes)
+    summary = write_comparison(sweep, tmp_path, metrics=["partial_reward_mean"], n_resamples=500)["summary"]
+    text = summary.read_text()
+    assert text.startswith("## Mean ± std over seeds") and "(n_seeds=3)" in text and "*" in text
+    assert "loss_last5" not in text and "recipe-level differences" in text
+    assert "simultaneous:partial_reward_mean@4" in text and "Each evaluation: 80 prompts, 80 samples" in text
+    assert "diff:partial_reward_mean@0" not in text  # 0 by construction in every row (the same base weights)

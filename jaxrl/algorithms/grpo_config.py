@@ -78,6 +78,9 @@ class GRPOConfig(OnlineSettings):
                              f"grpo.max_staleness=0 (got {self.max_staleness})")
         if self.delta and self.delta <= 1.0 + self.epsilon_high:
             raise ValueError(f"grpo.delta={self.delta} must exceed 1 + grpo.epsilon_high (or be 0 = off)")
+        if self.ref_reset_every and self.beta == 0.0 and not self.kl_in_reward:
+            raise ValueError(f"grpo.ref_reset_every={self.ref_reset_every} resets a reference nothing reads: "
+                             "grpo.beta=0 and grpo.kl_in_reward=0 (set one, or ref_reset_every=0)")
         super().__post_init__()
 
     def turn_budget(self) -> tuple[int, int]:

@@ -199,7 +199,8 @@ class GRPOTask(OnlineTask):
         rollouts = Rollouts(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo,
                             episodes=grpo if grpo.environment else None, async_policy=grpo.async_policy)
         super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed),
-                         rollouts, grpo.async_policy, proximal_pass(grpo, config, mesh), grpo.ref_reset_every)
+                         rollouts, grpo.async_policy, proximal_pass(grpo, config, mesh), grpo.ref_reset_every,
+                         grpo.ref_reset_optimizer)
         # replayed rows were sampled by older policies: with replay every step is off-policy (old log-probs kept)
         self.on_policy = self.schedule.steps_per_rollout == 1 and not grpo.replay_groups
         self.replay = (GroupReplay(groups=grpo.replay_groups, max_age=grpo.replay_max_age,
@@ -286,13 +287,13 @@ class GRPOTask(OnlineTask):
                             wanted, len(draws) - 1, wanted - have)
         # reward/* and completion/* describe the rollout's own prompts (draw 0), as without dynamic sampling: the
         # groups trained on are chosen by their rewards
-        metrics.update(sample_metrics(s, grpo.max_new_tokens))
+        metrics.update(sample_metrics(s, grpo.max_new_tokens, group))
         return picked, rewards, pen, metrics
 
     def make_rollout(self, rollout: int, policy):
         grpo, group = self.grpo, self.grpo.num_generations
         s, rewards, pen, metrics = self.sample(rollout, policy)
-        metrics = {**sample_metrics(s, grpo.max_new_tokens), **s.episode, **metrics}
+        metrics = {**sample_metrics(s, grpo.max_new_tokens, group), **s.episode, **metrics}
         metrics.update({"time/" + k: v for k, v in s.times.items()})
         if pen is not None:
             metrics["reward/overlong_penalty"] = float(pen.mean())

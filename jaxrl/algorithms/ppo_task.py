@@ -204,7 +204,7 @@ class PPOTask(OnlineTask):
         rollouts = Rollouts(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo,
                             episodes=ppo if ppo.environment else None, async_policy=ppo.async_policy)
         super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo.async_policy,
-                         proximal_pass(ppo, config, mesh), ppo.ref_reset_every)
+                         proximal_pass(ppo, config, mesh), ppo.ref_reset_every, ppo.ref_reset_optimizer)
         lr = config.optimizer.learning_rate
         value_lr = ppo.value_learning_rate or lr
         if not (value_lr > 0 and lr > 0):

@@ -516,6 +516,50 @@ def mean_interval(values, confidence: float = 0.95, bounds: Optional[tuple[float
 # ------------------------------------------------------------------------------------- simultaneous (max-T)
 
 
+def max_t(dev, est, ci_low, ci_high, *, p_values=None, confidence: float = 0.95,
+          bounds: Optional[Sequence[Optional[tuple[float, float]]]] = None):
+    """The single-step max-T step shared by every simultaneous family (`simultaneous` over prompts,
+    jaxrl.evaluation.seeds over seeds then prompts): from the bootstrap deviations ``dev`` ``[R, J, B]`` (each
+    resample's estimate minus the observed one, the same resamples for all J comparisons) and each comparison's
+    estimate and marginal interval ``[R, J]``, the simultaneous intervals, adjusted p-values ``[R, J]`` and the
+    critical value ``[R]``."""
+    alpha = _check_confidence(confidence, "max_t")
+    z = float(scipy.stats.norm.ppf(1 - alpha / 2))
+    dev = np.asarray(dev, np.float64)
+    est, lo, hi = (np.asarray(x, np.float64).reshape(dev.shape[:2]) for x in (est, ci_low, ci_high))
+    r = dev.shape[0]
+    # Standardise by the bootstrap standard error (the usual max-T); a comparison without spread (every
+    # difference equal) takes its marginal half-width instead, so it never divides by zero.
+    se = np.sqrt(np.mean(dev ** 2, axis=2))
+    fallback = np.maximum(hi - est, est - lo) / z
+    se = np.where(se > 0, se, np.where(fallback > 0, fallback, np.inf))
+    mx = -np.sort(-np.abs(dev / se[..., None]).max(axis=1), axis=1)  # descending maxima, [R, B]
+    k = int(math.ceil(alpha * mx.shape[1])) - 1
+    c = mx[:, k] if k >= 0 else np.full(r, np.inf)  # [R]
+    t_obs = np.abs(est) / se
+    asc = mx[:, ::-1]
+    count = np.stack([mx.shape[1] - np.searchsorted(asc[i], t_obs[i], side="left") for i in range(r)])
+    p_boot = np.where(t_obs > 0, count / mx.shape[1], 1.0)
+    marginal = (np.where((lo > 0) | (hi < 0), 0.0, 1.0) if p_values is None
+                else np.asarray(p_values, np.float64).reshape(est.shape))
+    p_adj = np.maximum(p_boot, marginal)
+    # The max-T interval, widened to the marginal one where that is wider (it is the better statement about a
+    # single comparison): 0 is outside exactly when both the max-T and the marginal test reject.
+    finite = np.isfinite(se)  # a comparison without any spread (and a zero-width interval) keeps its interval
+    with np.errstate(invalid="ignore"):
+        s_lo = np.where(finite, np.minimum(est - c[:, None] * se, lo), lo)
+        s_hi = np.where(finite, np.maximum(est + c[:, None] * se, hi), hi)
+    if bounds is not None:
+        blo = np.array([-np.inf if bd is None else bd[0] for bd in bounds])
+        bhi = np.array([np.inf if bd is None else bd[1] for bd in bounds])
+        s_lo, s_hi = np.maximum(s_lo, blo), np.minimum(s_hi, bhi)
+    # Agreement at the edge (rounding): the adjusted test decides whether 0 is inside.
+    sig = p_adj < alpha
+    s_lo = np.where(~sig & (est >= 0), np.minimum(s_lo, 0.0), s_lo)
+    s_hi = np.where(~sig & (est <= 0), np.maximum(s_hi, 0.0), s_hi)
+    return s_lo, s_hi, p_adj, c
+
+
 def simultaneous(diffs, est, ci_low, ci_high, *, masks=None, p_values=None, confidence: float = 0.95,
                  n_resamples: int = 10000, seed: int = 0,
                  bounds: Optional[Sequence[Optional[tuple[float, float]]]] = None) -> dict:
@@ -561,35 +605,7 @@ def simultaneous(diffs, est, ci_low, ci_high, *, masks=None, p_values=None, conf
             devs.append(np.where(den > 0, num / den, est[..., None]) - est[..., None])
         left -= b
     dev = np.concatenate(devs, axis=2)  # [R, J, B]
-    # Standardise by the bootstrap standard error (the usual max-T); a comparison without spread (every
-    # difference equal) takes its marginal half-width instead, so it never divides by zero.
-    se = np.sqrt(np.mean(dev ** 2, axis=2))
-    fallback = np.maximum(hi - est, est - lo) / z
-    se = np.where(se > 0, se, np.where(fallback > 0, fallback, np.inf))
-    mx = -np.sort(-np.abs(dev / se[..., None]).max(axis=1), axis=1)  # descending maxima, [R, B]
-    k = int(math.ceil(alpha * mx.shape[1])) - 1
-    c = mx[:, k] if k >= 0 else np.full(r, np.inf)  # [R]
-    t_obs = np.abs(est) / se
-    asc = mx[:, ::-1]
-    count = np.stack([mx.shape[1] - np.searchsorted(asc[i], t_obs[i], side="left") for i in range(r)])
-    p_boot = np.where(t_obs > 0, count / mx.shape[1], 1.0)
-    marginal = (np.where((lo > 0) | (hi < 0), 0.0, 1.0) if p_values is None
-                else np.asarray(p_values, np.float64).reshape(est.shape))
-    p_adj = np.maximum(p_boot, marginal)
-    # The max-T interval, widened to the marginal one where that is wider (it is the better statement about a
-    # single comparison): 0 is outside exactly when both the max-T and the marginal test reject.
-    finite = np.isfinite(se)  # a comparison without any spread (and a zero-width interval) keeps its interval
-    with np.errstate(invalid="ignore"):
-        s_lo = np.where(finite, np.minimum(est - c[:, None] * se, lo), lo)
-        s_hi = np.where(finite, np.maximum(est + c[:, None] * se, hi), hi)
-    if bounds is not None:
-        blo = np.array([-np.inf if bd is None else bd[0] for bd in bounds])
-        bhi = np.array([np.inf if bd is None else bd[1] for bd in bounds])
-        s_lo, s_hi = np.maximum(s_lo, blo), np.minimum(s_hi, bhi)
-    # Agreement at the edge (rounding): the adjusted test decides whether 0 is inside.
-    sig = p_adj < alpha
-    s_lo = np.where(~sig & (est >= 0), np.minimum(s_lo, 0.0), s_lo)
-    s_hi = np.where(~sig & (est <= 0), np.maximum(s_hi, 0.0), s_hi)
+    s_lo, s_hi, p_adj, c = max_t(dev, est, lo, hi, p_values=p_values, confidence=confidence, bounds=bounds)
     if not batched:
         s_lo, s_hi, p_adj, c = s_lo[0], s_hi[0], p_adj[0], float(c[0])
     return {"ci_low": s_lo, "ci_high": s_hi, "p_value": p_adj, "critical_value": c, "family_size": int(j), "z": z}

@@ -61,7 +61,7 @@ import numpy as np
 from jaxrl.data.formats import (BASE_MODEL, CONFIG_FILE, EVAL_DIR, checkpoint_name, model_step, read_results,
                                 read_samples, samples_path)
 from jaxrl.evaluation.metrics import per_prompt_values
-from jaxrl.evaluation.seeds import seeds_then_prompts
+from jaxrl.evaluation.seeds import seeds_then_prompts, seeds_then_prompts_family
 from jaxrl.evaluation.selection import selection_summary
 from jaxrl.evaluation.stats import compare, simultaneous
 from jaxrl.sweep.flags import DEFAULT_METRICS, CompareSettings
@@ -460,6 +460,7 @@ def over_seeds(table: Table) -> Optional[Table]:
     numeric = [c for c in table.columns if c not in skip and not c.startswith(("ci_", "p:", "sim_"))
                and any(_num(r.get(c)) is not None for r in table.rows)]
     rows, notes, recipe_cols = [], [], []
+    family: list = []  # (row, cell, seeds, [{prompt: diff} per seed]) of every recipe-level interval
     for key, members in groups.items():
         row: dict[str, Any] = dict(zip(others, key))
         row["seeds"] = ",".join(str(m.get(SEED)) for m in members)
@@ -473,8 +474,9 @@ def over_seeds(table: Table) -> Optional[Table]:
                 vals = []
             vals = [v for v in vals if v is not None]
             row[c] = sum(vals) / len(vals) if vals else None
-            row[f"std:{c}"] = (math.sqrt(sum((v - row[c]) ** 2 for v in vals) / (len(vals) - 1))
-                               if len(vals) > 1 else None)
+            # equal values (the base model's score in every seed) have no spread, not a rounding error's
+            row[f"std:{c}"] = (None if len(vals) < 2 else 0.0 if len(set(vals)) == 1 else
+                               math.sqrt(sum((v - row[c]) ** 2 for v in vals) / (len(vals) - 1)))
             if not c.startswith("diff:"):
                 continue
             # The recipe's effect: seeds, then prompts, resampled (every seed's point on the same prompts).
@@ -487,12 +489,43 @@ def over_seeds(table: Table) -> Optional[Table]:
                 for col in (f"ci_low:{c[5:]}", f"ci_high:{c[5:]}", f"p:{c[5:]}", f"n_seeds:{c[5:]}"):
                     if col not in recipe_cols:
                         recipe_cols.append(col)
+                family.append((row, c[5:], [m.get(SEED) for m in members], cells))
                 if r["n_seeds"] < 5 and not notes:
                     notes.append(f"recipe-level intervals (seeds, then prompts, resampled) rest on {r['n_seeds']} "
                                  "seeds: with fewer than 5 the seed-to-seed spread is poorly known.")
         rows.append(row)
+    if family:
+        notes.append(_recipe_family(family))
+        recipe_cols += [f"{k}:{cell}" for cell in dict.fromkeys(c for _, c, _, _ in family)
+                        for k in ("sim_low", "sim_high", "sim_p")]
     cols = others + ["seeds"] + [x for c in numeric for x in (c, f"std:{c}")] + recipe_cols
     return Table(cols, rows, others, table.metrics, table.steps, notes, table.baseline)
+
+
+def _recipe_family(family: list) -> str:
+    """Adds sim_low / sim_high / sim_p to every recipe-level cell of the over-seeds table: max-T over all of them,
+    seeds and prompts resampled jointly (jaxrl.evaluation.seeds.seeds_then_prompts_family). Returns the note."""
+    seed_sets = {tuple(sorted(map(str, seeds))) for _, _, seeds, _ in family}
+    if len(seed_sets) > 1:
+        return ("recipe-level simultaneous intervals: not computed, the recipes were run with different seeds "
+                f"({sorted(seed_sets)}); each recipe's interval above holds for that recipe alone")
+    ids = sorted({i for _, _, _, cells in family for d in cells for i in d})
+    pos = {i: k for k, i in enumerate(ids)}
+    diffs = np.zeros((len(family), len(next(iter(seed_sets))), len(ids)))
+    masks = np.zeros((len(family), len(ids)), bool)
+    for j, (_, _, seeds, cells) in enumerate(family):
+        order = sorted(range(len(seeds)), key=lambda k: str(seeds[k]))  # seed s pairs with the baseline's seed s
+        for si, k in enumerate(order):
+            for i, v in cells[k].items():
+                diffs[j, si, pos[i]] = v
+                masks[j, pos[i]] = True
+    fam = seeds_then_prompts_family(diffs, masks, bounds=[(-1.0, 1.0)] * len(family))
+    for j, (row, cell, _, _) in enumerate(family):
+        row[f"sim_low:{cell}"], row[f"sim_high:{cell}"] = fam["sim_low"][j], fam["sim_high"][j]
+        row[f"sim_p:{cell}"] = fam["sim_p"][j]
+    return (f"{len(family)} recipe-level differences: their simultaneous intervals (sim_low / sim_high; seeds and "
+            f"prompts resampled jointly, max-T) hold for all {len(family)} at once; * marks the recipes still "
+            "significant after choosing among them.")
 
 
 # ----------------------------------------------------------------------------------------------- writers

@@ -20,7 +20,8 @@ from jaxrl.sweep.compare import (Table, build_table, column, default_plot_metric
 from jaxrl.sweep.spec import SEED
 from jaxrl.utils.io import atomic_write_json, atomic_write_text
 
-FILES = {"md": "comparison.md", "csv": "comparison.csv", "json": "comparison.json", "html": "report.html"}
+FILES = {"md": "comparison.md", "csv": "comparison.csv", "json": "comparison.json", "html": "report.html",
+         "summary": "comparison_summary.md"}
 
 plt = plots.plt  # matplotlib with the Agg backend (set by jaxrl.diagnostics.plots)
 
@@ -153,6 +154,7 @@ def write_comparison(sweep_dir: str | os.PathLike, out: Optional[str | os.PathLi
     if notes:
         md += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     paths = {"md": atomic_write_text(out / FILES["md"], md),
+             "summary": atomic_write_text(out / FILES["summary"], summary_markdown(table, seeds, points)),
              "csv": atomic_write_text(out / FILES["csv"], to_csv(table))}
     if seeds is not None:
         paths["csv_seeds"] = atomic_write_text(out / "comparison_seeds.csv", to_csv(seeds))
@@ -160,6 +162,41 @@ def write_comparison(sweep_dir: str | os.PathLike, out: Optional[str | os.PathLi
     paths["html"] = atomic_write_text(out / FILES["html"], render_sweep_html(meta, points, table, seeds,
                                                                              plot_metric))
     return paths
+
+
+def summary_markdown(table: Table, seeds: Optional[Table], points: Sequence = ()) -> str:
+    """The verdict in a few columns (what launchers.sweep prints at its end): per recipe (over seeds when the sweep
+    has seeds, else per point) the evaluation metrics at each evaluated step and their difference to the baseline
+    with its interval and its simultaneous interval (`*` where it survives the choice among all of them), the
+    evaluations' sample sizes (from the points' results.json); then the notes."""
+    # over seeds when some recipe has several (one seed each: the points' own paired intervals say more)
+    by_seeds = seeds is not None and any("," in str(r.get("seeds") or "") for r in seeds.rows)
+    t = seeds if by_seeds else table
+    cells = [f"{m}@{st}" for st in t.steps for m in t.metrics]
+    keep = set(t.axes) | {"seeds"} | set(cells) | {f"{p}:{c}" for c in cells for p in (
+        "diff", "ci_low", "ci_high", "sim_low", "sim_high", "n_seeds")} | {f"std:{c}" for c in cells}
+    if not cells:  # no evaluation: the training summary's last-k means
+        keep |= {c for c in t.columns if c.endswith(tuple(f"_last{k}" for k in range(1, 100)))}
+    # a difference that is 0 by construction in every row (the same base model at step 0) says nothing
+    zero = {c for c in t.columns if c.startswith("diff:") and all(r.get(c) in (0.0, None) for r in t.rows)}
+    columns, rows = [], [dict(r) for r in t.rows]
+    for c in t.columns:
+        if c not in keep or c in zero:
+            continue
+        columns.append(c)
+        if c.startswith("diff:") and any(r.get(f"sim_low:{c[5:]}") is not None for r in rows):
+            columns.append(f"simultaneous:{c[5:]}")  # shown beside the marginal one: it survives the choice
+            for r in rows:
+                lo, hi = r.get(f"sim_low:{c[5:]}"), r.get(f"sim_high:{c[5:]}")
+                r[f"simultaneous:{c[5:]}"] = None if lo is None else f"[{lo:+.4g}, {hi:+.4g}]"
+    small = Table(columns, rows, t.axes, t.metrics, t.steps, [], t.baseline)
+    title = "Mean ± std over seeds" if by_seeds else "Points"
+    sizes = sorted({(m["n_prompts"], m["n_samples"]) for p in points for m in ((p.results or {}).get("models") or
+                                                                                 {}).values() if "n_prompts" in m})
+    size = ("Each evaluation: " + "; ".join(f"{a} prompts, {b} samples" for a, b in sizes) + ".\n\n") if sizes else ""
+    notes = table.notes + (seeds.notes if seeds is not None else [])
+    return (to_markdown(small, title) + "\n" + size
+            + ("\n".join(f"- {n}" for n in notes) + "\n" if notes else ""))
 
 
 def _jsonable_table(meta, table: Table, seeds: Optional[Table]) -> dict:

@@ -8,6 +8,7 @@
 Layout of `OUT/` (the sweep folder)::
 
     sweep.json                    the spec as expanded: axes, baseline, every point (slug, labels, settings)
+    logs/prepare.log              the output of the spec's `prepare` commands (run before any point)
     <slug>/config.json            the point's resolved config (the trainer's workdir is the point folder)
     <slug>/point.json             its labels, values and settings
     <slug>/status.json            state pending | running | done | failed, phase train | evaluate, attempts
@@ -55,7 +56,7 @@ from jaxrl.algorithms.plugins import REFERENCES
 from jaxrl.data.formats import CONFIG_FILE, EVAL_DIR
 from jaxrl.evaluation import flags as evaluate_flags
 from jaxrl.sweep.flags import SweepSettings
-from jaxrl.sweep.spec import Point, SweepError, SweepSpec
+from jaxrl.sweep.spec import Point, SweepError, SweepSpec, as_today
 from jaxrl.utils import interrupt
 from jaxrl.utils.io import atomic_copy, atomic_write_json, iter_jsonl
 
@@ -146,6 +147,25 @@ def _error_summary(log_path: Path, max_chars: int = 1500) -> str:
     return (last_exc + "\n---\n" if last_exc else "") + tail
 
 
+def _wait(proc: subprocess.Popen) -> int:
+    """The child's exit status; an interrupt (jaxrl.utils.interrupt) is passed on to it once, so it stops at its next
+    safe point, and a child still running when this returns abnormally is killed, never left behind."""
+    try:
+        rc, passed_on = None, False
+        while rc is None:
+            try:
+                rc = proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if interrupt.requested() is not None and not passed_on:
+                    proc.send_signal(interrupt.requested())
+                    passed_on = True
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C): do not leave the child behind
+            proc.kill()
+            proc.wait()
+    return rc
+
+
 def evaluate_args(evaluate: dict, where: str) -> list[str]:
     """launchers.evaluate command-line flags from a sweep's `evaluate` dict (checked against its flags,
     jaxrl.evaluation.flags)."""
@@ -227,7 +247,7 @@ class SweepRunner:
             status = read_json(d / STATUS_FILE)
             old = read_json(d / CONFIG_FILE)
             started = bool(status and (status.get("attempts") or status["state"] != "pending"))
-            conflict = config_diff(old, cfg) if (old is not None and started and old != cfg) else []
+            conflict = config_diff(as_today(old), cfg) if (old is not None and started and old != cfg) else []
             out.append(PlannedPoint(p, cfg, d, status["state"] if status else "new", conflict, status))
         return out
 
@@ -308,12 +328,36 @@ class SweepRunner:
         return ([self.python, "-m", "jaxrl.sweep.point", "evaluate", str(d), "--", f"--checkpoints={d}",
                  f"--out={d / EVAL_DIR}"] + list(self.eval_args or []))
 
-    def _env(self, pp: PlannedPoint) -> dict:
+    def _env(self, pp: Optional[PlannedPoint] = None) -> dict:
         env = dict(os.environ)
         if self.cache and "JAX_COMPILATION_CACHE_DIR" not in env:
             env["JAX_COMPILATION_CACHE_DIR"] = str(self.cache)
-        env["JAXRL_SWEEP_POINT"] = pp.point.slug
+        if pp is not None:
+            env["JAXRL_SWEEP_POINT"] = pp.point.slug
         return env
+
+    def run_prepare(self) -> None:
+        """Runs the spec's `prepare` commands in order, before any point (each must skip what already exists: they
+        run on every call); their output goes to OUT/logs/prepare.log. A command that fails is a SweepError naming
+        it, its exit status and the log's last lines; Ctrl-C is passed on to it as to a point."""
+        if not self.spec.prepare:
+            return
+        log = self.out / LOG_DIR / "prepare.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        for cmd in self.spec.prepare:
+            argv = [self.python if k == 0 and a == "python" else a for k, a in enumerate(cmd)]
+            shown = " ".join(shlex.quote(a) for a in argv)
+            self.echo(f"prepare: {shown}")
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(f"\n===== prepare at {now()}: {shown}\n")
+                f.flush()
+                proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=self._env(),
+                                        start_new_session=True)
+            rc = _wait(proc)
+            interrupt.check(f"sweep stopped while preparing ({shown}; log {log}); rerun the same command")
+            if rc != 0:
+                raise SweepError(f"{self.spec.where}: prepare command `{shown}` exited with status {rc}; log {log}\n"
+                                 + _error_summary(log))
 
     # ------------------------------------------------------------------------------------------------ running
     def _write_status(self, pp: PlannedPoint, **changes) -> None:
@@ -338,19 +382,7 @@ class SweepRunner:
         attempt["pid"] = proc.pid
         self._write_status(pp, state="running", phase=phase, pid=proc.pid, host=attempt["host"],
                            started=pp.status.get("started") or attempt["start"], error=None)
-        try:
-            rc, passed_on = None, False
-            while rc is None:
-                try:
-                    rc = proc.wait(timeout=0.2)
-                except subprocess.TimeoutExpired:
-                    if interrupt.requested() is not None and not passed_on:
-                        proc.send_signal(interrupt.requested())  # the point stops at its next safe point
-                        passed_on = True
-        finally:
-            if proc.poll() is None:  # interrupted (Ctrl-C): do not leave the child behind
-                proc.kill()
-                proc.wait()
+        rc = _wait(proc)
         attempt.update(end=now(), seconds=round(time.time() - t0, 3), returncode=rc)
         key = "train_seconds" if phase == "train" else "eval_seconds"
         pp.status[key] = round(float(pp.status.get(key) or 0.0) + attempt["seconds"], 3)
@@ -435,6 +467,7 @@ class SweepRunner:
         "ran": [...]} of slugs (`ran`: points this call trained or evaluated)."""
         planned = self.plan(only)
         self.prepare(planned)
+        self.run_prepare()
         will_run = [pp for pp in planned if pp.status["state"] != "done" and (
             self.retry_failed or pp.status["state"] != "failed")]
         self.check_plugins(will_run)

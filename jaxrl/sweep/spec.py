@@ -15,6 +15,9 @@ A sweep config is a Python file with `get_sweep()` (or `get_sweep(arg)` for `fil
       "evaluate": {"problems": "heldout.jsonl", "steps": [4, 16], "max_new_tokens": 8192},   # optional:
                                                  # launchers.evaluate flags, run on each point's checkpoints
       "baseline": {"dpo.beta": 0.1},             # the comparison's baseline (a selector, see compare.py)
+      "prepare": [["python", "-m", "launchers.demo", "--workdir=/tmp/d", "--until=warm_up"]],   # optional:
+                                                 # commands run in order before any point trains (they must skip
+                                                 # what exists: they run on every call); "python" is the runner's
       "name": "...", "description": "...",
     }
 
@@ -49,7 +52,8 @@ from jaxrl.algorithms.tasks import registered
 from jaxrl.utils.typed_config import ConfigKeyError, plain_mapping
 from jaxrl.utils.registry import import_file
 
-SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "name", "description")
+SPEC_KEYS = ("base", "axes", "zip", "cases", "seeds", "fixed", "evaluate", "baseline", "prepare", "name",
+             "description")
 OPEN_BLOCKS = ("model_overrides", "compile_options", "reward")  # blocks whose keys are free-form
 ADDABLE = ("plugins",)  # top-level keys a sweep may add to configs that predate them
 ARG_PREFIX = "arg:"
@@ -162,6 +166,7 @@ class SweepSpec:
     baseline: Optional[dict]
     name: str
     description: str
+    prepare: tuple = ()  # commands (argv lists) run before any point: what the base config reads
 
     @property
     def where(self) -> str:
@@ -205,12 +210,13 @@ class SweepSpec:
             resolved["plugins"] = absolute_paths(resolved["plugins"], os.getcwd())
         return resolved
 
+
     def to_dict(self) -> dict:
         return {"sweep": self.where, "name": self.name, "description": self.description, "base": self.base,
                 "axes": [{"name": a.name, "kind": a.kind, "labels": list(a.labels), "keys": list(a.keys),
                           "values": _jsonable(list(a.raw))} for a in self.axes],
                 "fixed": _jsonable(self.fixed), "evaluate": _jsonable(self.evaluate),
-                "baseline": _jsonable(self.baseline)}
+                "baseline": _jsonable(self.baseline), "prepare": [list(c) for c in self.prepare]}
 
 
 def _grid_axis(key: str, values: list) -> Axis:
@@ -248,6 +254,17 @@ def _cases_axis(where: str, name: str, cases: Any) -> Axis:
             raise SweepError(f"{where}[{label!r}]: expected a dict of config key -> value, got {settings!r}")
     labels = tuple(str(k) for k in cases)
     return Axis(name, "cases", labels, tuple(dict(v) for v in cases.values()), labels)
+
+def as_today(config: dict) -> dict:
+    """A point's config.json as this code resolves it: the keys added since it was written at their defaults (a key
+    the code gained is not a change of the point's config); the config unchanged where it no longer resolves (its
+    differences are then listed as they are)."""
+    try:
+        name = config.get("algorithm")
+        return run_config.complete(config, registered(name or run_config.TrainConfig.algorithm), strict=False)
+    except (ConfigKeyError, ValueError, TypeError):
+        return config
+
 
 
 def parse_spec(d: Any, path: str, arg: str = "") -> SweepSpec:
@@ -291,9 +308,14 @@ def parse_spec(d: Any, path: str, arg: str = "") -> SweepSpec:
     baseline = d.get("baseline")
     if baseline is not None and not isinstance(baseline, (dict, str)):
         raise SweepError(f"{where}: 'baseline' must be a dict {{axis: value}} or a point slug, got {baseline!r}")
+    prepare = d.get("prepare") or []
+    if not isinstance(prepare, (list, tuple)) or not all(
+            isinstance(c, (list, tuple)) and c and all(isinstance(a, str) for a in c) for c in prepare):
+        raise SweepError(f"{where}: 'prepare' must be a list of commands, each a non-empty list of strings "
+                         f"(argv), got {prepare!r}")
     return SweepSpec(path=path, arg=arg, base=str(d["base"]), axes=axes, fixed=fixed, evaluate=evaluate,
                      baseline=baseline, name=str(d.get("name") or os.path.splitext(os.path.basename(path))[0]),
-                     description=str(d.get("description") or ""))
+                     description=str(d.get("description") or ""), prepare=tuple(tuple(c) for c in prepare))
 
 
 def _find(path: str, rel_to: Sequence[str]) -> str:

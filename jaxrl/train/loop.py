@@ -51,7 +51,7 @@ from jaxrl.utils.io import ResumeError
 from jaxrl.train import checkpoints as ckpt_lib
 from jaxrl.train.metrics import CONFIG_HISTORY, MetricsWriter, Progress, atomic_write_text
 from jaxrl.train.wandb_log import open_mirror
-from jaxrl.train.optim import make_optimizer
+from jaxrl.train.optim import make_optimizer, reset_adam_moments
 from jaxrl.train.state import ParamCodec, TrainState, adapter_params, create_train_state, init_train_state
 from jaxrl.train.step import jit_train_step, make_train_step, put_batch, split_batch
 from jaxrl.train.task import Task, TaskContext
@@ -361,6 +361,10 @@ class Trainer:
                     if v.shape[:1] != (expected,):
                         raise ValueError(f"task batch[{k!r}] has shape {v.shape}; the global batch is "
                                          f"batch.micro_batch_size x batch.grad_accum = {expected} rows")
+                if self.task.resets_optimizer(step):
+                    self.state = reset_adam_moments(self.state)
+                    host_metrics = {**host_metrics, "optimizer/reset": 1.0}
+                    logging.info("step %d: the optimizer's moments start over", step + 1)
                 num_tokens = self.task.num_tokens(batch)
                 split = put_batch(split_batch(batch, self.grad_accum), self.mesh)
                 fn, compile_s = self._step_callable(split)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import optax
 
 from jaxrl.train.settings import SCHEDULES, OptimizerConfig, OptimizerConfigError
 
 __all__ = ["OptimizerConfig", "OptimizerConfigError", "SCHEDULES", "make_optimizer", "make_schedule",
-           "warmup_steps"]
+           "reset_adam_moments", "warmup_steps"]
 
 
 def warmup_steps(opt: OptimizerConfig, total_steps: int) -> int:
@@ -69,3 +70,17 @@ def make_optimizer(opt: OptimizerConfig, total_steps: int) -> tuple[optax.Gradie
         parts.append(optax.clip_by_global_norm(opt.max_grad_norm))
     parts.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay))
     return optax.chain(*parts), schedule
+
+
+def reset_adam_moments(state):
+    """`state` (a TrainState) with every Adam state of its optimizer started over (first and second moments and
+    their bias-correction count at 0, as `optax.adam`'s init leaves them; every other part of the optimizer, the
+    learning-rate schedule's count included, as it was). New buffers in the old ones' shardings: the jitted step
+    donates the state."""
+    def fresh(node):
+        if isinstance(node, optax.ScaleByAdamState):
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), node)
+        return node
+
+    return state._replace(opt_state=jax.tree.map(fresh, state.opt_state,
+                                                 is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState)))

@@ -6,6 +6,8 @@
         if task.needs_rollout(step):     # online algorithms (GRPO, PPO)
             task.rollout(step, policy)   # sample the rollout this step trains on from the current policy
         task.batch(step)                 # the global batch: {key: np.ndarray [B_global, ...]} | (arrays, metrics)
+        if task.resets_optimizer(step):  # the Adam moments start over (online: a reference reset)
+            ...
         ... the jitted update ...
         task.on_checkpoint(step, policy) # at each checkpoint, before its state is saved: e.g. held-out evaluation;
                                          # a dict is logged
@@ -62,6 +64,11 @@ class Task(abc.ABC):
     def rollout(self, step: int, policy) -> None:
         """Makes the rollout train step `step` trains on (only called when `needs_rollout(step)`)."""
         raise NotImplementedError(f"{type(self).__name__} makes no rollouts")
+
+    def resets_optimizer(self, step: int) -> bool:
+        """Whether the optimizer's Adam moments start over before step `step`'s update (online: a reference reset
+        with `ref_reset_optimizer`); a function of the step alone, so a resumed run resets where the first did."""
+        return False
 
     @abc.abstractmethod
     def batch(self, step: int):

@@ -8,7 +8,8 @@ next reset; before the first, the reference is the base model (the adapters off)
 
 The adapters of each reset are written to `<workdir>/reference/rollout_<k>.npz` the first time rollout k is made,
 so a resumed run (or a rollout made again from the same checkpoint) reads the same reference back, bit for bit; a
-rollout sampled ahead (`max_staleness`) takes the reference of its own index. The optimizer's moments are not reset.
+rollout sampled ahead (`max_staleness`) takes the reference of its own index. With `ref_reset_optimizer` the
+optimizer's moments start over at each reset too (OnlineTask.resets_optimizer, jaxrl.train.optim.reset_adam_moments).
 """
 
 from __future__ import annotations

@@ -333,10 +333,18 @@ def episodes_to_sampled(episodes: Sequence[Episode], max_prompt_len: int, max_ep
                    adapter=dict(adapter or {}), episode=episode_metrics(episodes))
 
 
-def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:
-    """Reward and completion statistics of one rollout (host metrics), and the pool's difficulty after it."""
+def sample_metrics(s: Sampled, max_new_tokens: int, group: int = 0) -> dict[str, float]:
+    """Reward and completion statistics of one rollout (host metrics), and the pool's difficulty after it. With
+    `group` (the rows of a prompt, prompt-major): `reward/group_best_mean`, the mean over prompts of their best
+    sample's reward (best-of-`group`: pass@group for a pass/fail reward), what a pass@k estimator trains for."""
     r = s.rewards[~np.isnan(s.rewards)]
     lengths = s.lengths.astype(np.float64)
+    best = {}
+    if group > 1 and s.rewards.size and s.rewards.size % group == 0:
+        per_prompt = s.rewards.reshape(-1, group)
+        scored = ~np.isnan(per_prompt).all(axis=1)
+        if scored.any():
+            best["reward/group_best_mean"] = float(np.nanmax(per_prompt[scored], axis=1).mean())
     return {
         "reward/mean": float(r.mean()) if r.size else float("nan"),
         "reward/std": float(r.std()) if r.size else float("nan"),
@@ -349,5 +357,6 @@ def sample_metrics(s: Sampled, max_new_tokens: int) -> dict[str, float]:
         "completion/length_max": float(lengths.max()),
         "completion/truncation_rate": float(s.truncated.mean()),
         "completion/clipped_fraction": float((lengths >= max_new_tokens).mean()),
+        **best,
         **s.difficulty,
     }

@@ -140,10 +140,16 @@ class ReferenceSettings(Block):
     ref_reset_every: int = setting(0, doc="> 0: every this many rollouts the reference becomes the policy that "
                                    "samples that rollout (its adapters, kept in <workdir>/reference/), logged as "
                                    "reference/reset; 0 = the base model throughout")
+    ref_reset_optimizer: bool = setting(False, doc="with ref_reset_every: at each reset the optimizer's Adam moments "
+                                        "(and their bias-correction count) start over, logged as optimizer/reset; "
+                                        "the learning-rate schedule goes on")
 
     def __post_init__(self):
         if self.ref_reset_every < 0:
             raise ValueError(f"{self.NAME}.ref_reset_every must be >= 0 (0 = never), got {self.ref_reset_every}")
+        if self.ref_reset_optimizer and not self.ref_reset_every:
+            raise ValueError(f"{self.NAME}.ref_reset_optimizer=True needs {self.NAME}.ref_reset_every > 0 (the "
+                             "moments start over at the reference's resets)")
         super().__post_init__()
 
 

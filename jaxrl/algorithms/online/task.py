@@ -32,13 +32,14 @@ class OnlineTask(Task):
     `train_keys` (the buffer keys a train batch carries), and may keep host state in `host_state()` /
     `load_host_state(d)` (e.g. PPO's KL coefficient). `rollouts` samples them; `proximal`: the decoupled
     objective's pass, when the asynchronous policy has it; `ref_reset_every`: the reference's resets
-    (`reference_resets.reference_for(rollout, policy)` gives a rollout's reference model)."""
+    (`reference_resets.reference_for(rollout, policy)` gives a rollout's reference model), and with
+    `ref_reset_optimizer` the optimizer's moments start over at each (`resets_optimizer`)."""
 
     train_keys: tuple[str, ...] = ()
 
     def __init__(self, config: TrainConfig, schedule: Schedule, rollouts: Rollouts,
                  async_policy: AsyncPolicy = AsyncPolicy(), proximal: Optional[ProximalPass] = None,
-                 ref_reset_every: int = 0):
+                 ref_reset_every: int = 0, ref_reset_optimizer: bool = False):
         self.config, self.schedule, self.rollouts = config, schedule, rollouts
         self.async_policy = async_policy
         self.rollout_controller = RolloutController(async_policy, rollouts, schedule, make=self.make_rollout,
@@ -53,6 +54,7 @@ class OnlineTask(Task):
         self.context: Optional[TaskContext] = None
         self.position = 0
         self.reference_resets = ReferenceResets(ref_reset_every)
+        self.ref_reset_optimizer = bool(ref_reset_optimizer)
 
     # subclasses -------------------------------------------------------------------------------------------
     def make_rollout(self, rollout: int, policy) -> tuple[dict, dict, Optional[Sampled]]:
@@ -91,6 +93,12 @@ class OnlineTask(Task):
     def needs_rollout(self, step: int) -> bool:
         """Whether train step `step` trains on a rollout this task does not hold yet."""
         return self.buffer is None or self.buffer_rollout != self.schedule.locate(step)[0]
+
+    def resets_optimizer(self, step: int) -> bool:
+        """With `ref_reset_optimizer`: the first train step of each rollout that resets the reference."""
+        r, i, u = self.schedule.locate(step)
+        every = self.reference_resets.every
+        return self.ref_reset_optimizer and every > 0 and r > 0 and r % every == 0 and i == 0 and u == 0
 
     def rollout(self, step: int, policy) -> None:
         """Install the rollout train step `step` trains on (the controller's: sampled from `policy`, sampled ahead,
