@@ -1,8 +1,11 @@
 r"""On-policy distillation on the tiny random Qwen3.5 with the token task (jaxrl.rewards.toy.TokenTask), the model and
 task of configs/grpo_tiny.py: the student is the two-layer tiny model at its preset init; the teacher is an HF
-folder of the same vocabulary (64 tokens) that `distill.teacher_path` must name (tests/test_distill_task.py builds
-one). Seconds per step on a CPU, most of the first one compilation.
+folder of the same vocabulary (64 tokens) that `distill.teacher_path` must name. Seconds per step on a CPU, most of
+the first one compilation. A teacher to try it with (a random tiny Qwen3.5 of that vocabulary, another shape, made
+with transformers: `pip install -e '.[test]'`):
 
+    python -c "import sys; sys.path.insert(0, 'tests'); import hf_tiny; \
+        hf_tiny.build_text('/tmp/teacher', seed=7, vocab_size=64, num_hidden_layers=2)"
     python -m launchers.train --config=configs/distill_tiny.py --workdir=/tmp/distill_tiny \
         --config.distill.teacher_path=/tmp/teacher
 """

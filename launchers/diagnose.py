@@ -1,4 +1,4 @@
-"""Debugging diagnostics from files on disk; writes one JSON and prints a summary.
+r"""Debugging diagnostics from files on disk; writes one JSON and prints a summary.
 
     python -m launchers.diagnose --what=curves --workdir=runs/dpo            # eval/results.json (+ samples)
     python -m launchers.diagnose --what=termination --workdir=runs/dpo       # eval/samples/*.jsonl

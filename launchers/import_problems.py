@@ -1,4 +1,4 @@
-"""Convert local LiveCodeBench / Nemotron-RL / HumanEval files to a canonical problems.jsonl; optionally freeze
+r"""Convert local LiveCodeBench / Nemotron-RL / HumanEval files to a canonical problems.jsonl; optionally freeze
 dev / held-out splits with a manifest (ids + sha256) that proves a held-out set unchanged later.
 
     python -m launchers.import_problems --format=lcb --input=test5.jsonl,test6.jsonl --output=data/lcb.jsonl

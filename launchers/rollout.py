@@ -1,4 +1,4 @@
-"""Sample K completions per problem with a model (+ optional adapter), score them, write rollouts.jsonl.
+r"""Sample K completions per problem with a model (+ optional adapter), score them, write rollouts.jsonl.
 
     python -m launchers.rollout --problems=problems.jsonl --model=HF_DIR --out=rollouts.jsonl \
         --num_samples=8 --temperature=1.0 --max_new_tokens=4096 --reward=code [--adapter=CKPT_DIR]

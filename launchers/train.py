@@ -1,4 +1,4 @@
-r"""Train with LoRA (sft, dpo, grpo, ppo: `config.algorithm`); resumes from the newest checkpoint in --workdir.
+r"""Train with LoRA (sft, dpo, grpo, ppo, distill: `config.algorithm`); resumes from the newest checkpoint in --workdir.
 
     python -m launchers.train --config=configs/sft_tiny.py --workdir=/tmp/run
     python -m launchers.train --config=configs/X.py --workdir=DIR --config.optimizer.learning_rate=5e-7 \

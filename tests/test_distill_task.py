@@ -187,6 +187,21 @@ def test_reverse_kl_needs_the_students_own_samples(teacher, tmp_path):
              "lmbda")
 
 
+def test_a_top_k_over_the_vocabulary_is_refused_before_anything_is_written(teacher, tmp_path):
+    """Reproduction (2e1e1a6): `teacher_top_k` above the vocabulary was a raw JAX error after the workdir was
+    written."""
+    _refused(distill_config(teacher, teacher_top_k=65), str(tmp_path / "run"), "distill.teacher_top_k=65",
+             "vocabulary of 64")
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1.0])
+def test_a_reward_weight_that_is_not_a_finite_number_above_0_is_refused(teacher, tmp_path, weight):
+    """Reproduction (2e1e1a6): `distill.reward_weight=nan` or `inf` was accepted (every update skipped, exit 0),
+    and `-1` too, though the docs say > 0."""
+    _refused(distill_config(teacher, reward_weight=weight), str(tmp_path / "run"), "distill.reward_weight",
+             "finite number >= 0")
+
+
 # ------------------------------------------------------------------------------------------ reward_weight
 
 

@@ -436,6 +436,23 @@ def test_index_links_every_page():
     assert not problems, "\n".join(problems)
 
 
+def test_launcher_help_keeps_its_example_commands_as_written():
+    """A launcher's --help is its docstring: a backslash that continues an example command must reach the reader,
+    so a docstring holding one is raw (r\"\"\"); a plain one joined `rollout --help`'s examples into one line."""
+    import ast
+    bad = []
+    for path in sorted((ROOT / "launchers").glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+        if doc is None or not isinstance(getattr(doc, "value", None), ast.Constant):
+            continue
+        raw = ast.get_source_segment(source, doc.value)
+        if "\\\n" in raw and not raw.lstrip().lower().startswith(("r", "rb", "br")):
+            bad.append(path.name)
+    assert not bad, f"launchers whose docstring continues a command with a backslash but is not raw: {bad}"
+
+
 def test_config_tables_match_the_configs():
     problems = table_problems(parse_tables(CONFIG_DOC.read_text(encoding="utf-8")), expected_tables())
     assert not problems, "\n".join(problems) + "\n(refresh the values with: python tests/test_docs.py --write)"

@@ -160,3 +160,45 @@ def test_code_feedback_refuses_bad_options():
         CodeFeedback(reward_tests="public")
     with pytest.raises(ValueError, match="turn_cost"):
         CodeFeedback(turn_cost=float("nan"))
+
+
+class NeedsLevel(Secret):
+    """A plug-in whose constructor needs an option the run gives in environment_options."""
+
+    def __init__(self, level):
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self.level = level
+
+
+def test_a_plugin_with_a_required_option_is_checked_with_the_runs_options(tmp_path):
+    """Reproduction (2e1e1a6): an environment plug-in whose constructor needs an option was refused although
+    `environment_options` gave it (the check built it with no options); an unknown environment name was refused
+    only after the model was built. Now the example episode runs with the run's options, and both are refused in
+    one line naming the key before any model loads (the model path here does not exist)."""
+    from conftest import tiny_config
+    from jaxrl.algorithms.run import check_environments, resolve_config, run_training
+    try:
+        plugins.register("environment", "needs_level")(NeedsLevel)  # deferred: needs the run's options
+        loaded = [{"kind": "environment", "name": "needs_level", "path": __file__}]
+
+        def config(**grpo):
+            cfg = tiny_config("grpo", **{"environment": "needs_level", "max_turns": 2, "max_episode_tokens": 64,
+                                         **grpo})
+            cfg.model_path, cfg.data.source, cfg.data.problems = "/nonexistent/model", "problems", "p.jsonl"
+            return cfg
+
+        check_environments(resolve_config(config(environment_options={"level": 2})), loaded)
+        with pytest.raises(PluginError, match=r"(?s)grpo.environment 'needs_level' with "
+                                              r"grpo.environment_options=\{\}.*missing 1 required positional "
+                                              r"argument: 'level'"):
+            check_environments(resolve_config(config()), loaded)
+        with pytest.raises(PluginError, match="level must be 1 or 2, got 3"):
+            check_environments(resolve_config(config(environment_options={"level": 3})), loaded)
+        with pytest.raises(ValueError, match=r"grpo.environment_options=\{'turns': 2\} for 'code_feedback': "):
+            check_environments(resolve_config(config(environment="code_feedback",
+                                                     environment_options={"turns": 2})), [])
+        with pytest.raises(ValueError, match=r"^grpo.environment: unknown environment 'nope'"):
+            run_training(config(environment="nope"), str(tmp_path / "run"))
+    finally:
+        plugins.unregister("environment", "needs_level")

@@ -149,6 +149,72 @@ def test_an_environment_that_raises_fails_its_episode_only(setup):
     assert s.episode["episode/turns_mean"] == pytest.approx(np.mean([e.turns for e in episodes]))
 
 
+class Untyped(Environment):
+    """Answers with a truthy string for `done` (episode seed even) or a string reward (odd)."""
+
+    def reset(self, problem):
+        return list(problem.messages)
+
+    def step(self, turn):
+        if self.seed % 2:
+            return [{"role": "user", "content": "Again."}], "0.5", False
+        return [{"role": "user", "content": "Again."}], 0.0, "no"
+
+
+@pytest.mark.slow
+def test_an_untyped_step_result_fails_its_episode_instead_of_ending_it(setup):
+    """Reproduction (2e1e1a6): a `step` returning done="no" ended the episode as done (any truthy value counted),
+    and a reward "0.5" was converted; each now fails its episode, the error kept, the rest of the call unaffected."""
+    collector = Collector(setup["backend"], None, tokenizer=setup["tok"], stop_ids=setup["stop_ids"])
+    runner = EpisodeRunner(collector, Untyped, tokenizer=setup["tok"], enable_thinking=False, max_turns=TURNS,
+                           max_new_tokens=CAP, max_episode_tokens=E, max_prompt_len=P)
+    problems = load_problems(TASKS)[:2]
+    episodes = runner.run(problems, [problem_key(p.id) for p in problems], setup["sampling"])
+    errors = {e.error for e in episodes}
+    assert all(e.error and e.turns == 1 and not e.done and np.isnan(e.reward) for e in episodes), errors
+    assert any("done is 'no' (str); expected a bool" in x for x in errors)
+    assert any("reward is '0.5' (str); expected a number" in x for x in errors)
+
+
+class Flood(Environment):
+    """A program that prints 20 MB."""
+
+    def reset(self, problem):
+        return list(problem.messages)
+
+    def step(self, turn):
+        return [{"role": "tool", "content": "x" * 20_000_000}], 0.0, False
+
+
+class Watched:
+    """The tokenizer, recording the longest text it was asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text, **kw):
+        self.longest = max(self.longest, len(text))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.slow
+def test_an_observation_longer_than_the_budget_is_never_tokenised(setup):
+    """Reproduction (2e1e1a6): a 20 MB observation was tokenised whole before the token budget was checked (244 s and
+    5.1 GB per rollout). Now its length alone ends the episode (truncated): no text longer than the budget's reach
+    reaches the tokenizer."""
+    watched = Watched(setup["tok"])
+    collector = Collector(setup["backend"], None, tokenizer=setup["tok"], stop_ids=setup["stop_ids"])
+    runner = EpisodeRunner(collector, Flood, tokenizer=watched, enable_thinking=False, max_turns=TURNS,
+                           max_new_tokens=CAP, max_episode_tokens=E, max_prompt_len=P)
+    problems = load_problems(TASKS)[:2]
+    episodes = runner.run(problems, [problem_key(p.id) for p in problems], setup["sampling"])
+    assert all(e.truncated and e.turns == 1 and e.error is None for e in episodes)
+    assert watched.longest < 10_000
+
+
 @pytest.mark.slow  # a real `launchers.serve` process compiles its programs
 def test_episodes_through_a_server_are_the_in_process_engines(setup, tmp_path):
     """The server backend (an OpenAI-compatible `launchers.serve` over loopback) takes the episode's ids as its

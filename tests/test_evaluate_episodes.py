@@ -87,6 +87,8 @@ def test_evaluate_over_episodes_reports_solved_within_t_turns_recounted_from_the
     assert ("step_5", "partial_reward_mean") in rows and ("step_5", "strict_rate") in rows
     md = (out / "results.md").read_text()
     assert "## Episodes" in md and f"solved ≤{TURNS}" in md
+    # what scored them: the environment's return (2e1e1a6 listed the unused `reward code` here)
+    assert "episodes of environment `code_feedback`" in md and "reward `code`" not in md
     # the same command again resumes from the cache (nothing drawn again); other episode settings are refused
     before = (out / "samples" / "base.jsonl").read_bytes()
     args = (f"--problems={env['problems']}", f"--base={env['model']}", f"--checkpoints={env['run']}", "--steps=5",

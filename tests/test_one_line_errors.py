@@ -126,6 +126,45 @@ def test_a_write_refused_half_way_leaves_no_half_written_line(tmp_path):
     assert [json.loads(line)["step"] for line in data.splitlines()] == list(range(1, len(data.splitlines()) + 1))
 
 
+# TensorBoard's events file refuses its 200th record with ENOSPC, as on a full disk (metrics.jsonl, on the same disk
+# in life, is left to write here: its own full-disk error is the test above), so tensorboardX's writer thread dies.
+FULL_TENSORBOARD = """
+import errno, sys
+import tensorboardX.record_writer as record_writer
+from jaxrl.train.metrics import MetricsWriter
+original, records = record_writer.RecordWriter.write, [0]
+def write(self, data):
+    records[0] += 1
+    if records[0] >= 200:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return original(self, data)
+record_writer.RecordWriter.write = write
+from jaxrl.utils.io import disk_full
+writer = MetricsWriter(sys.argv[1], tensorboard=True)
+try:
+    for step in range(1, 10 ** 6):
+        writer.write({"step": step, **{f"m{i}": 0.5 for i in range(60)}})
+except OSError as e:
+    print(disk_full(e))
+writer.close()
+print("closed")
+"""
+
+
+def test_a_dead_tensorboard_writer_is_an_error_at_the_next_write_not_a_hang(tmp_path):
+    """Reproduction (2e1e1a6): on a full disk TensorBoard's writer thread died and the main thread waited on its
+    queue for good, without a message (and the first Ctrl-C was ignored). Now the next write raises the thread's
+    own error (a full disk, naming the folder: what the launchers print as one line), every line of metrics.jsonl
+    is whole, and closing the writer does not wait either."""
+    proc = subprocess.run([sys.executable, "-c", FULL_TENSORBOARD, str(tmp_path)], cwd=ROOT, env=launch_env(),
+                          capture_output=True, text=True, timeout=120)  # a hang would end here, as a failure
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error, closed = proc.stdout.strip().splitlines()
+    assert error == f"{tmp_path / 'tensorboard'}: no space left on device" and closed == "closed"
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, len(lines) + 1))
+
+
 @pytest.mark.slow  # a training of the tiny model on a 600 KiB file system
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
     disk = tmp_path / "disk"
@@ -139,7 +178,9 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
                       "--config.checkpoint_every=2", cache=tmp_path / "xla")
         assert proc.returncode == 1, proc.stderr[-3000:]
         # the project's own progress lines (INFO) stay; everything else is the one line
-        [line] = [text for text in error_lines(proc) if not re.match(r"I\d{4} ", text)]
+        lines = [text for text in error_lines(proc) if not re.match(r"I\d{4} ", text)]
+        assert len(lines) == 1, lines
+        [line] = lines
         assert line.startswith(f"train: {workdir}/")
         assert line.endswith(": no space left on device; free space (or write elsewhere) and rerun the same command: "
                              "it resumes from what was written (--verbose: the libraries' tracebacks)")

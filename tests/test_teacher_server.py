@@ -439,3 +439,48 @@ def test_a_served_spec_builds_its_client_probed_against_the_real_server(folders,
     out = teacher.score(rollout_arrays(), k=K, temperature=1.0)
     assert out["top_ids"].shape == (6, 8, K) and np.isfinite(out["logp"]).all()
     teacher.close()
+
+
+def _echo_with(own, top_value):
+    """An echo answer whose positions all hold `own` as the token's log-prob and `top_value` in every top entry."""
+    def answer(body):
+        seq = body["prompt"]
+        tops = [None] + [{f"token_id:{t}": top_value for t in range(K)} for _ in seq[1:]]
+        return json.dumps({"choices": [{"logprobs": {"tokens": [f"token_id:{t}" for t in seq],
+                                                     "token_logprobs": [None] + [own] * (len(seq) - 1),
+                                                     "top_logprobs": tops}}]}).encode()
+    return answer
+
+
+@pytest.mark.parametrize("answer, needle", [
+    (_echo_with(5.0, -3.0), "returned a token's log-prob of 5.0 at position 1"),
+    (_echo_with(float("nan"), -3.0), "returned a token's log-prob of nan at position 1"),
+    (_echo_with(-1.0, float("nan")), "returned a top-k log-prob of nan at position 1"),
+    (_echo_with(-1.0, -0.1), "sum to"),
+])
+def test_a_teacher_server_answering_impossible_logprobs_fails_naming_it(answer, needle):
+    """Reproduction (2e1e1a6): a teacher server answering log-probs of +5.0 was trained on (loss about 12,300, exit
+    0); one answering NaN had every update skipped as "non-finite gradients" without naming the server. Each served
+    log-prob is now checked (finite, <= 0, the top k a distribution) and a bad answer fails its request naming
+    the server."""
+    httpd, url = _fake(answer)
+    try:
+        with pytest.raises(ServerError) as info:
+            ServerTeacher([url], k=K, width=14)
+    finally:
+        httpd.shutdown()
+    message = str(info.value)
+    assert "\n" not in message and url in message and needle in message, message
+
+
+def test_a_vllm_teacher_answering_a_positive_logprob_fails_naming_it():
+    def entries(seq, j):
+        out = {str(t + 1): {"logprob": -1.0 - t, "rank": t + 1} for t in range(K)}
+        out[str(seq[j])] = {"logprob": 2.5, "rank": 99}
+        return out
+    httpd, url = _fake(_prompt_logprobs(entries))
+    try:
+        with pytest.raises(ServerError, match=r"returned a token's log-prob of 2.5 at position 1"):
+            VLLMTeacher([url], k=K, width=14)
+    finally:
+        httpd.shutdown()

@@ -130,3 +130,27 @@ def test_a_stream_sends_text_as_the_rows_are_sampled_and_equals_the_plain_answer
     parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(**chat, stream=True)
              if ch.choices]
     assert "".join(parts) == whole and sum(1 for p in parts if p) >= 2
+
+
+def test_malformed_tool_calls_and_tools_are_refused_naming_them(server):
+    """Reproduction (2e1e1a6): a message with `"tool_calls": [{"function": "abc"}]` was a 500 on chat completions
+    and on /tokenize; a tool whose `parameters.properties` is a list was accepted (a model's call to it would have
+    been a 500). Each is now a 400 in OpenAI's shape naming the field, and the server answers the next request."""
+    from jaxrl.backends.openai_client import http_json
+    name = _served_name(server)
+    bad_call = [{"role": "user", "content": "1?"}, {"role": "assistant", "content": None,
+                                                   "tool_calls": [{"function": "abc"}]}]
+    for path, body in (("/v1/chat/completions", {"model": name, "messages": bad_call, "max_tokens": 2}),
+                       ("/tokenize", {"model": name, "messages": bad_call})):
+        status, out = http_json("POST", server.url + path, body)
+        assert status == 400 and out["error"]["param"] == "messages", (path, status, out)
+        assert "tool_calls[0]" in out["error"]["message"]
+    listed = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "properties": ["x", "y"]}}}]
+    status, out = http_json("POST", server.url + "/v1/chat/completions",
+                            {"model": name, "messages": bad_call[:1], "tools": listed, "max_tokens": 2})
+    assert status == 400 and out["error"]["param"] == "tools" and "properties must be an object" in \
+        out["error"]["message"]
+    status, out = http_json("POST", server.url + "/v1/chat/completions",
+                            {"model": name, "messages": bad_call[:1], "tools": TOOLS, "max_tokens": 2})
+    assert status == 200, out

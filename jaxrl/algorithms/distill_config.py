@@ -5,6 +5,7 @@ jax here: configs import this module."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxrl.algorithms.online.settings import OnlineDataConfig, SamplingSettings
 from jaxrl.backends.scorers import SCORER_SPECS, ScorerSpec
@@ -72,6 +73,8 @@ class DistillConfig(RolloutBackendSettings, SamplingSettings):
         if self.loss == "reverse_kl" and self.lmbda != 1.0:
             raise ValueError(f"distill.loss='reverse_kl' is an on-policy estimator (the student's own samples): it "
                              f"needs distill.lmbda=1, got {self.lmbda}; use loss jsd or forward_kl_topk for a mix")
+        if not (math.isfinite(self.reward_weight) and self.reward_weight >= 0.0):
+            raise ValueError(f"distill.reward_weight must be a finite number >= 0 (0 = off), got {self.reward_weight}")
         if self.reward_weight and self.num_generations < 2:
             raise ValueError("distill.reward_weight needs num_generations >= 2 (its advantage is reward - group "
                              "mean)")

@@ -166,6 +166,9 @@ class DistillTask(OnlineTask):
             raise ValueError(f"distill.prompts_per_step x distill.num_generations = {rows} rows must equal the global "
                              f"batch batch.micro_batch_size x batch.grad_accum = {config.batch.global_batch} "
                              f"(distillation makes one on-policy update per rollout)")
+        if d.teacher_top_k > model.config.vocab_size:
+            raise ValueError(f"distill.teacher_top_k={d.teacher_top_k} is over the vocabulary of "
+                             f"{model.config.vocab_size} tokens: the top k of a distribution cannot hold more")
         self.student_prompts = int(round(d.lmbda * d.prompts_per_step))
         self.student_rows = self.student_prompts * d.num_generations
         # Everything that can refuse the run comes first: no teacher is loaded and nothing written before.

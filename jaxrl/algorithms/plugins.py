@@ -240,14 +240,24 @@ def _check_reward(label: str, target: Any, options: Mapping[str, bool]) -> None:
 
 
 def _check_environment(label: str, target: Any, options: Mapping[str, bool]) -> None:
-    """One episode of the toy problem: constructed without options, reset, then one last turn stepped; the messages
-    must be role/content dicts, the reward one finite number, done a bool."""
+    """A class; unless its constructor needs arguments (a run's `environment_options`: `check_environment` then
+    runs the example episode with them, before the model loads), one example episode without options."""
     if not isinstance(target, type):
         raise PluginError(f"{label}: {target!r} is not a class; expected {ENVIRONMENT_SIGNATURE}")
+    required = [p.name for p in inspect.signature(target).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not required:
+        check_environment(label, target, {})
+
+
+def check_environment(label: str, target: Any, environment_options: Mapping[str, Any]) -> None:
+    """One episode of the toy problem: constructed with `environment_options`, reset, then one last turn stepped;
+    the messages must be role/content dicts, the reward one finite number, done a bool (PluginError naming
+    `label` otherwise)."""
     problem = example_problem()
     turn = Turn("```python\nprint(input())\n```", (1, 2, 3), "stop", index=0, last=True)
     try:
-        env = target()
+        env = target(**environment_options)
         check_messages(env.reset(problem), "reset")
         out = env.step(turn)
     except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in

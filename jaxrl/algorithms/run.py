@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax.numpy as jnp
 from absl import logging
@@ -25,7 +25,9 @@ from absl import logging
 from jaxrl.algorithms import plugins
 from jaxrl.algorithms import config as run_config
 from jaxrl.algorithms.config import TrainConfig
-from jaxrl.algorithms.online.settings import PolicyLossSettings
+from jaxrl.algorithms.online.settings import AsyncSettings, OnlineDataConfig, PolicyLossSettings
+from jaxrl.environments.registry import ENVIRONMENTS
+from jaxrl.environments.settings import EpisodeSettings
 from jaxrl.algorithms.policy_loss import resolve_options
 from jaxrl.algorithms.tasks import Algorithm, algorithm_of, get_algorithm
 from jaxrl.models import qwen35
@@ -79,7 +81,8 @@ def _check_curriculum(config: TrainConfig) -> None:
     """The curriculum draws a rollout's prompts from the record of the rollouts before it: none may be sampled
     ahead of them."""
     data, block = config.block("data"), config.block(config.algorithm)
-    if getattr(data, "sampler", "uniform") == "curriculum" and getattr(block, "max_staleness", 0):
+    if (isinstance(data, OnlineDataConfig) and data.sampler == "curriculum" and isinstance(block, AsyncSettings)
+            and block.max_staleness):
         raise ValueError(f"data.sampler='curriculum' draws each rollout's prompts from the rewards of the rollouts "
                          f"before it: it needs {config.algorithm}.max_staleness=0 (got {block.max_staleness})")
 
@@ -115,6 +118,29 @@ def check_policy_losses(config: TrainConfig) -> None:
                 resolve_options(block.policy_loss, block.policy_loss_common(), block.policy_loss_options, name)
             except KeyError as e:
                 raise ValueError(f"{name}.policy_loss: {e.args[0]}") from None
+
+
+def check_environments(config: TrainConfig, loaded: Sequence[Mapping] = ()) -> None:
+    """Each online block's environment exists and takes its `environment_options`: a plug-in runs one example
+    episode with them (jaxrl.algorithms.plugins.check_environment), a built-in is constructed with them. Refused
+    in one line naming the key before any model loads."""
+    plugged = {e["name"] for e in loaded if e["kind"] == "environment"}
+    for name, block in config.blocks.items():
+        if not (isinstance(block, EpisodeSettings) and block.environment):
+            continue
+        try:
+            cls = ENVIRONMENTS.get(block.environment)
+        except KeyError as e:
+            raise ValueError(f"{name}.environment: {e.args[0]}") from None
+        options = dict(block.environment_options)
+        if block.environment in plugged:
+            plugins.check_environment(f"{name}.environment {block.environment!r} with {name}.environment_options="
+                                      f"{options}", cls, options)
+            continue
+        try:
+            cls(**options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}.environment_options={options} for {block.environment!r}: {e}") from None
 
 
 def build_model(config: TrainConfig, mesh=None):
@@ -179,8 +205,9 @@ def run_training(config, workdir: str, *, mesh=None, **trainer_kwargs) -> RunRes
                                          _algorithm_of(config))
     config = resolve_config(config, algorithm)
     check_same_run(config, workdir)  # a workdir holding a run of another shape: refused before any work
-    load_run_plugins(config)  # user objectives checked before any model or data work
+    loaded = load_run_plugins(config)  # user objectives checked before any model or data work
     check_policy_losses(config)
+    check_environments(config, loaded)
     mesh = mesh if mesh is not None else mesh_from_config(config.mesh)
     config = fit_micro_batch_to_mesh(config, mesh)
     model = build_model(config, mesh)

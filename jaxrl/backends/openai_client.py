@@ -37,8 +37,9 @@ Clear errors (ServerError) when no server answers, when it is older than vLLM 0.
 serves another base, or when it rejects an adapter or a request (the server's own message is quoted). A completion
 request whose connection the server resets (a full listen backlog, a restart) or that it answers with HTTP 503
 (overloaded) is sent again after a pause (`RETRY_BACKOFF_S`): seeded, it draws the same samples. A request that
-takes longer than its timeout (`request_timeout_s`; by default sized from its max_tokens: `request_timeout`)
-fails the rollout naming the server; while requests are out a progress line says what each server answered, and a
+takes longer than its timeout (`request_timeout_s`; by default sized from its max_tokens: `request_timeout`; the
+whole request, not each read: a server dripping a byte at a time cannot hold it) fails the rollout naming the
+server; while requests are out a progress line says what each server answered, and a
 SIGINT stops the wait (jaxrl.backends.waiting). An answer that is not the JSON of a completion is a one-line error.
 """
 
@@ -50,6 +51,8 @@ import json
 import logging
 import os
 import re
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -92,35 +95,105 @@ def request_timeout(max_tokens: int, configured_s: float = 0.0) -> float:
     return float(configured_s) if configured_s else TIMEOUT_BASE_S + TIMEOUT_PER_TOKEN_S * int(max_tokens)
 
 
+# The setting a timeout message names by default (a teacher's request names distill.teacher_server's).
+ROLLOUT_TIMEOUT_SETTING = ("rollout_server.request_timeout_s, or --server_request_timeout_s for offline rollouts and "
+                           "evaluation")
+
+
+class _Deadline:
+    """The whole request's time limit: at the deadline the sockets the request opened are shut, so a server that
+    sends a byte every few seconds (each read within the socket timeout) cannot hold the request for good."""
+
+    def __init__(self, seconds: float):
+        self.expired = False
+        self._socks: list = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(max(float(seconds), 0.0), self._expire)
+        self._timer.daemon = True
+
+    def watch(self, sock) -> None:
+        with self._lock:
+            self._socks.append(sock)
+            if self.expired:
+                self._shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._socks:
+                self._shut(sock)
+
+    @staticmethod
+    def _shut(sock) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
+class _WatchedConnection(http.client.HTTPConnection):
+    def __init__(self, *args, watch, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._watch = watch
+
+    def connect(self):
+        super().connect()
+        self._watch(self.sock)
+
+
+class _WatchedHTTPHandler(urllib.request.HTTPHandler):
+    """urllib's HTTP handler (proxies still apply) whose connections report their socket to a `_Deadline`."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self._watch = watch
+
+    def http_open(self, req):
+        return self.do_open(functools.partial(_WatchedConnection, watch=self._watch), req)
+
+
 def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30.0, retries: int = 0,
-              backoff_s: Sequence[float] = RETRY_BACKOFF_S):
+              backoff_s: Sequence[float] = RETRY_BACKOFF_S, timeout_setting: str = ROLLOUT_TIMEOUT_SETTING):
     """(status, parsed JSON or text) of one request; ServerError when nothing answers at `url`.
 
+    timeout: seconds the whole request may take (connecting, sending, the answer's every byte), not one read.
     retries: how many times a reset connection (RESET_ERRORS) or an HTTP 503 (overloaded) is tried again, after
     the pauses of `backoff_s` (the last one repeated); only for requests that are safe to repeat (a seeded
-    completion gives the same samples twice)."""
+    completion gives the same samples twice). timeout_setting: the setting a timeout's message names."""
     data = None if body is None else json.dumps(body).encode("utf-8")
     for attempt in range(int(retries) + 1):
         pause = backoff_s[min(attempt, len(backoff_s) - 1)] if backoff_s else 0.0
         req = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json"} if data is not None else {})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, TimeoutError):
-                raise ServerError(f"the server at {url} did not answer within {timeout:g} s (a hung or overloaded "
-                                  "server; the timeout is rollout_server.request_timeout_s, or "
-                                  "--server_request_timeout_s for offline rollouts and evaluation)") from None
-            if isinstance(reason, RESET_ERRORS) and attempt < retries:
-                logger.warning("%s %s: connection reset (%s); retrying in %.1f s", method, url, reason, pause)
-                time.sleep(pause)
-                continue
-            raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, docs/guides/vllm.md, "
-                              "or `python -m launchers.serve`) or pass the URL of a running one") from None
+        with _Deadline(timeout) as deadline:
+            try:
+                try:
+                    opener = urllib.request.build_opener(_WatchedHTTPHandler(deadline.watch))
+                    with opener.open(req, timeout=timeout) as resp:
+                        status, raw = resp.status, resp.read()
+                except urllib.error.HTTPError as e:
+                    status, raw = e.code, e.read()
+                if deadline.expired:  # cut off at the deadline: what arrived is not the answer
+                    raise TimeoutError("the request's deadline passed")
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+                reason = getattr(e, "reason", e)
+                if isinstance(reason, TimeoutError) or deadline.expired:
+                    raise ServerError(f"the server at {url} did not answer within {timeout:g} s (a hung or overloaded "
+                                      f"server; the timeout is {timeout_setting})") from None
+                if isinstance(reason, RESET_ERRORS) and attempt < retries:
+                    logger.warning("%s %s: connection reset (%s); retrying in %.1f s", method, url, reason, pause)
+                    time.sleep(pause)
+                    continue
+                raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, "
+                                  "docs/guides/vllm.md, or `python -m launchers.serve`) or pass the URL of a running "
+                                  "one") from None
         if status == 503 and attempt < retries:
             logger.warning("%s %s: HTTP 503 (overloaded); retrying in %.1f s", method, url, pause)
             time.sleep(pause)

@@ -98,6 +98,31 @@ def parse_scores(payload, sequence: Sequence[int], k: int, url: str) -> tuple[np
     return logp, top_logp, top_ids
 
 
+# How far above 0 a served log-prob (or the top-k's log total) may round before it is not a probability: a server
+# computing in bf16 rounds a certain token's log-prob to a few 1e-3 either side of 0.
+LOGP_SLACK = 1e-2
+
+
+def check_logprobs(logp: np.ndarray, top_logp: np.ndarray, url: str) -> None:
+    """ServerError naming `url` unless every served log-prob (positions 1..L-1: the token's own and the top k) is a
+    finite number <= 0 and the top k's probabilities sum to at most 1: a server answering +5.0 or NaN would
+    otherwise be trained on (a loss of 12,300) or skip every update without a word."""
+    own, top = np.asarray(logp, np.float64)[1:], np.asarray(top_logp, np.float64)[1:]
+    for name, values in (("a token's log-prob", own), ("a top-k log-prob", top)):
+        bad = np.argwhere(~np.isfinite(values) | (values > LOGP_SLACK))
+        if bad.size:
+            j = int(bad[0][0]) + 1
+            value = float(values[tuple(bad[0])])
+            raise ServerError(f"the teacher server at {url} returned {name} of {value} at position {j}: a log-prob is "
+                              "a finite number <= 0 (a broken or misconfigured server); this request fails rather "
+                              "than train on it")
+    total = np.exp(top).sum(-1) if top.size else np.zeros(0)
+    if (total > np.exp(LOGP_SLACK)).any():
+        j = int(np.argmax(total > np.exp(LOGP_SLACK)))
+        raise ServerError(f"the teacher server at {url} returned top-k log-probs whose probabilities sum to "
+                          f"{float(total[j]):.4g} > 1 at position {j + 1}: not a distribution; this request fails")
+
+
 def rest_logp(top_logp: np.ndarray) -> np.ndarray:
     """log(1 - sum exp(top_logp)) over the last axis (module docstring: ~1e-7 from the in-process remainder)."""
     mass = 1.0 - np.exp(np.asarray(top_logp, np.float64)).sum(-1)
@@ -157,13 +182,15 @@ class ServerTeacher(Scorer):
         body = self._body(model, sequence)
         try:
             status, payload = http_json("POST", url + "/v1/completions", body, timeout=self.timeout_s,
-                                        retries=len(RETRY_BACKOFF_S))
+                                        retries=len(RETRY_BACKOFF_S),
+                                        timeout_setting="distill.teacher_server.request_timeout_s")
         except ServerError as e:
             raise ServerError(f"distill.teacher_servers: {e}") from None
         if status != 200:
             raise ServerError(f"the teacher server at {url} refused a row of {len(sequence)} tokens with {self.K_FIELD}="
                               f"{self.k}: HTTP {status}: {error_message(payload)}".replace("\n", " "))
         logp, top_logp, top_ids = self._parse(payload, sequence, url)
+        check_logprobs(logp, top_logp, url)
         if self.vocab_size and top_ids.size and top_ids.max() >= self.vocab_size:
             raise ServerError(f"the teacher server at {url} returned token id {int(top_ids.max())}, outside the "
                               f"student's vocabulary of {self.vocab_size}: it serves another model")

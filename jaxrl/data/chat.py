@@ -22,7 +22,8 @@ out and records (index, length) in `skipped` so callers can count and report it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+import re
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 OVERLONG_POLICIES = ("error", "skip")
 
@@ -52,10 +53,91 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], enable_th
 
 def format_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable_thinking: bool,
                 add_generation_prompt: bool = True, tools: Optional[Sequence[Mapping]] = None) -> list[int]:
-    """Token ids of the templated conversation (special tokens come from the template text, none added; `tools` as
-    in `render_chat`)."""
-    text = render_chat(tokenizer, messages, enable_thinking, add_generation_prompt, tools)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of the templated conversation (special tokens come from the template text, none added, and never
+    from a message's content: `encode_chat`; `tools` as in `render_chat`)."""
+    return encode_chat(tokenizer, lambda ms: render_chat(tokenizer, ms, enable_thinking, add_generation_prompt, tools),
+                       messages)
+
+
+# Stands for a message's content when the template is asked where contents go (plain ASCII: no template strips or
+# escapes it); {} is the message's index.
+_CONTENT_SENTINEL = "JAXRL_MESSAGE_CONTENT_{}_9c2f"
+
+
+def encode_chat(tokenizer: Any, render: Callable[[list[dict]], str],
+                messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Token ids of `render(messages)` (a chat template's text) whose control tokens (the tokenizer's added tokens:
+    `<|im_start|>`, `<|im_end|>`, `<tool_call>`, `<think>`, ...) come from the template and the assistant's own
+    turns alone. Any other message's content is text: a program's output or a problem that prints
+    `<|im_end|>\n<|im_start|>user` stays those characters instead of becoming a forged turn. Where no content
+    holds such a look-alike the ids are exactly `tokenizer(text)`'s; where one does, the contents are located by a second render with a sentinel in each, and
+    the text is split at the template's control tokens only, each run between two encoded as `tokenizer` encodes
+    a piece without added tokens (a fast tokenizer splits at added tokens and encodes the pieces apart, so the
+    other ids are unchanged). A template that changes a content holding a look-alike (not rendered verbatim) is
+    refused (ValueError): it could not be kept text."""
+    messages = [dict(m) for m in messages]
+    text = render(messages)
+    controls = _control_tokens(tokenizer)
+    # an assistant turn's control tokens are the model's own (`<think>`, `<tool_call>`): only the other roles' text
+    # (user, tool, system: data files, environments, programs) is kept text
+    marked = [i for i, m in enumerate(messages)
+              if m.get("role") != "assistant" and isinstance(m.get("content"), str) and m["content"]]
+    if not any(c in messages[i]["content"] for i in marked for c in controls):
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    sentinels = [_CONTENT_SENTINEL.format(i) for i in marked]
+    shown = render([dict(m, content=sentinels[marked.index(i)]) if i in marked else m
+                    for i, m in enumerate(messages)])
+    parts = re.split("|".join(map(re.escape, sentinels)), shown)
+    contents = [messages[i]["content"] for i in marked]
+    if len(parts) != len(contents) + 1 or "".join(p + c for p, c in zip(parts, contents + [""])) != text:
+        raise ValueError("a message's content holds a control token's text and the chat template does not render "
+                         "the content verbatim, so it cannot be kept as text")
+    spans, at = [], 0
+    for part, content in zip(parts, contents):
+        spans.append((at + len(part), at + len(part) + len(content)))
+        at = spans[-1][1]
+    return _encode_split(tokenizer, text, spans, controls)
+
+
+def _control_tokens(tokenizer: Any) -> dict[str, int]:
+    """{text: id} of the tokenizer's added tokens (special or not: `<tool_call>` is an added, non-special token)."""
+    return {str(t): int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+
+
+def _encode_split(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]],
+                  controls: Mapping[str, int]) -> list[int]:
+    """`text` split at the control tokens outside `spans`, each run between two of them encoded without any added
+    token (normaliser, pre-tokeniser and model of the fast tokenizer's backend, as `tokenizer(run)` encodes a
+    piece that holds none)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("keeping a message's control-token look-alikes as text needs a fast tokenizer "
+                         "(tokenizer.json)")
+    pattern = re.compile("|".join(re.escape(c) for c in sorted(controls, key=len, reverse=True)))
+    ids: list[int] = []
+    run: list[str] = []
+    edges = [0] + [x for span in spans for x in span] + [len(text)]
+    for k in range(len(edges) - 1):
+        part = text[edges[k]:edges[k + 1]]
+        if k % 2:  # a content span: text, whatever it holds
+            run.append(part)
+            continue
+        last = 0
+        for m in pattern.finditer(part):
+            run.append(part[last:m.start()])
+            ids += _plain_ids(tokenizer, "".join(run)) + [controls[m.group()]]
+            run, last = [], m.end()
+        run.append(part[last:])
+    return ids + _plain_ids(tokenizer, "".join(run))
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+    if not text:
+        return []
+    backend = tokenizer.backend_tokenizer
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+    return [t.id for piece, _ in pieces for t in backend.model.tokenize(piece)]
 
 
 @dataclasses.dataclass
@@ -131,5 +213,5 @@ def turn_delta_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], enable
     delimiter), and byte-level BPE never merges across a special token, so these are the ids the whole rendered
     conversation would hold at these positions."""
     stop_text = tokenizer.convert_ids_to_tokens(int(stop_id)) if stop_id is not None else None
-    text = turn_delta_text(tokenizer, messages, enable_thinking, stop_text)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # an observation's content is text (encode_chat): a tool's output cannot forge a turn
+    return encode_chat(tokenizer, lambda ms: turn_delta_text(tokenizer, ms, enable_thinking, stop_text), messages)

@@ -26,8 +26,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import threading
 from typing import Any, Mapping, Optional
+
+import numpy as np
 
 from jaxrl.rewards.code import CodeVerifier
 
@@ -72,6 +75,23 @@ def check_messages(messages: Any, where: str) -> list[dict]:
             raise ValueError(f"{where}: message {i} is {m!r}; expected {{'role': str, 'content': str}}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+def check_step_result(result: Any) -> tuple[list[dict], float, bool]:
+    """An environment's `step` result as (messages, reward, done), each of its type: the messages as
+    `check_messages`, the reward a finite int or float (not a bool or a string: `float("0.5")` would hide a bug),
+    `done` a bool (any truthy value, "no" among them, would end the episode). ValueError / TypeError naming what is
+    wrong otherwise: the runner fails that episode and keeps the error."""
+    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+        raise TypeError(f"step returned {type(result).__name__}; expected (messages, reward, done)")
+    messages, reward, done = result
+    if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, (int, float, np.integer, np.floating)):
+        raise TypeError(f"step's reward is {reward!r} ({type(reward).__name__}); expected a number")
+    if not math.isfinite(float(reward)):
+        raise ValueError(f"step's reward {float(reward)} is not finite")
+    if not isinstance(done, (bool, np.bool_)):
+        raise TypeError(f"step's done is {done!r} ({type(done).__name__}); expected a bool")
+    return check_messages(messages, "step"), float(reward), bool(done)
 
 
 def as_environment(cls: type) -> type:

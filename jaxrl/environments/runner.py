@@ -30,7 +30,8 @@ episode i is keyed by a group id mixed from (problem key, i, t).
 Budgets: a turn is sampled only while the episode's tokens after the prompt plus `max_new_tokens` fit in
 `max_episode_tokens`; an episode ends when the environment says done, after `max_turns` turns, when a turn hits
 `max_new_tokens` (truncated), or when an observation would not leave room for another turn (truncated: it then
-keeps the reward its environment gave so far, as a truncated completion scores 0).
+keeps the reward its environment gave so far, as a truncated completion scores 0; an observation with more
+characters than the tokens left could hold is not tokenised at all).
 
 Token versions (partial rollouts): each sampled token keeps the adapter digest the backend reports it was sampled
 with (`Episode.digests`; None for observation tokens), so a turn sampled after the trainer published a new policy
@@ -40,7 +41,6 @@ carries that version.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 import zlib
@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from jaxrl.backends.base import Generation, RowRequest, SamplingParams
 from jaxrl.data.chat import format_chat, turn_delta_ids
-from jaxrl.environments.base import Turn, as_environment, check_messages
+from jaxrl.environments.base import Turn, as_environment, check_messages, check_step_result
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rollout.collect import Collector
 
@@ -125,6 +125,9 @@ class EpisodeRunner:
         self.max_prompt_len, self.options = int(max_prompt_len), dict(options or {})
         self.continue_rows = bool(continue_rows)
         self._local = threading.local()
+        # the longest token's text: an observation longer than (tokens left + 1) x this cannot fit, whatever its ids
+        self._max_token_chars = (max((len(t) for t in tokenizer.get_vocab()), default=1)
+                                 if environment is not None else 1)
 
     @property
     def last_times(self) -> dict:
@@ -220,11 +223,8 @@ class EpisodeRunner:
         last = (turn + 1 >= self.max_turns or capped
                 or len(e.ids) + self.max_new_tokens > self.max_episode_tokens)
         try:
-            messages, reward, done = e.env.step(Turn(text, tuple(tokens), g.finish_reason, turn, last))
-            reward = float(reward)
-            if not math.isfinite(reward):
-                raise ValueError(f"reward {reward} is not finite")
-            messages = check_messages(messages, "step")
+            messages, reward, done = check_step_result(
+                e.env.step(Turn(text, tuple(tokens), g.finish_reason, turn, last)))
         except Exception as err:  # noqa: BLE001 - the episode fails, the run goes on
             e.fail(f"step {turn}", err)
             return
@@ -237,6 +237,10 @@ class EpisodeRunner:
             e.end(done=bool(done), truncated=capped)
             return
         stop = tokens[-1] if g.finish_reason == "stop" and tokens else None
+        room = self.max_episode_tokens - len(e.ids) - self.max_new_tokens
+        if sum(len(m["content"]) for m in messages) > (room + 1) * self._max_token_chars:
+            e.end(truncated=True)  # more text than the tokens left could hold: not tokenised at all (20 MB of output)
+            return
         try:
             delta = turn_delta_ids(self.tokenizer, messages, self.enable_thinking, stop_id=stop)
         except Exception as err:  # noqa: BLE001 - a message the template refuses fails this episode

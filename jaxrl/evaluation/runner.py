@@ -282,6 +282,15 @@ def averaged_adapters(workdir: str) -> dict[str, str]:
     return out
 
 
+
+def _scored_by(ev: Mapping) -> str:
+    """What scored the samples, as results.md says it: the reward (single completions) or, over episodes, the
+    environment (its reward is the episode's return; the `reward` setting is not used)."""
+    if ev.get("environment"):
+        return (f"episodes of environment `{ev['environment']}` {json.dumps(ev.get('environment_options') or {})} "
+                f"(up to {ev['max_turns']} turns, {ev['max_episode_tokens']} tokens), scored by their return")
+    return f"reward `{ev['reward']}` {json.dumps(ev['reward_kwargs'])}"
+
 class Evaluator:
     """One evaluation (module docstring). `run()` does everything; the pieces are public for tools and tests.
 
@@ -710,7 +719,7 @@ class Evaluator:
                   f"`{ev['problems']}`; {ev['num_samples']} sample(s) a problem at temperature "
                   f"{ev['temperature']} (top_p {ev['top_p']}, top_k {ev['top_k']}), cap "
                   f"{results['max_new_tokens']} new tokens, thinking {'on' if ev['enable_thinking'] else 'off'}; "
-                  f"reward `{ev['reward']}` {json.dumps(ev['reward_kwargs'])}; backend {ev['backend']} "
+                  f"{_scored_by(ev)}; backend {ev['backend']} "
                   f"({ev['dtype']}); seed {ev['seed']}. Intervals: paired over prompts, "
                   f"{ev['bootstrap']['confidence']:.0%}; sign-flip patterns and max-T bootstrap resamples: "
                   f"{ev['bootstrap']['n_resamples']}.", ""]

@@ -44,8 +44,8 @@ from jaxrl.generation.sampling import SEED_BITS, request_seed, split_request_see
 from jaxrl.generation.stopping import Finished, StopRule, max_tokens_within
 from jaxrl.serve.loop import Overloaded, ServeLoop, ShuttingDown
 from jaxrl.data.tool_calls import parse_tool_calls
-from jaxrl.serve.protocol import (MAX_SEED, ApiError, ChatCompletionRequest, CompletionRequest, new_id, now,
-                                  refuse_unsupported, sse, stop_strings, template_message, usage)
+from jaxrl.serve.protocol import (MAX_SEED, ApiError, ChatCompletionRequest, CompletionRequest, check_tools, new_id,
+                                  now, refuse_unsupported, sse, stop_strings, template_message, usage)
 from jaxrl.serve.registry import AdapterRegistry, Served
 from jaxrl.serve.settings import ServeLimits
 from jaxrl.serve.text import clip_pieces, token_pieces, token_strings
@@ -416,11 +416,7 @@ class Handlers:
             raise ApiError("echo is not supported for chat completions (use /v1/completions with echo)",
                            param="echo")
         served = self.registry.served(req.model)
-        if req.tools is not None and not all(isinstance(t, dict) and t.get("type") == "function" and
-                                             isinstance((t.get("function") or {}).get("name"), str)
-                                             for t in req.tools):
-            raise ApiError("tools: each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                           param="tools")
+        check_tools(req.tools)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")

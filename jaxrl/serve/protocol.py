@@ -203,8 +203,13 @@ def template_message(m: ChatMessage) -> dict:
     out = {"role": m.role, "content": message_text(m.content)}
     if m.tool_calls:
         calls = []
-        for call in m.tool_calls:
-            function = dict(call.get("function") or {})
+        for k, call in enumerate(m.tool_calls):
+            function = call.get("function")
+            if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                    and isinstance(function.get("arguments", "{}"), (str, dict))):
+                raise ApiError(f"messages: tool_calls[{k}] is {call!r}; expected {{\"function\": {{\"name\": str, "
+                               "\"arguments\": a JSON string or object}}", param="messages")
+            function = dict(function)
             if isinstance(function.get("arguments"), str):
                 try:
                     function["arguments"] = json.loads(function["arguments"])
@@ -216,6 +221,31 @@ def template_message(m: ChatMessage) -> dict:
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     return out
+
+
+def check_tools(tools: Optional[list]) -> None:
+    """A request's `tools` as the chat template and the tool-call parser read them: each {"type": "function",
+    "function": {"name": str, "parameters": a JSON schema object}}, whose `properties` is an object and `required`
+    a list of names. ApiError (400) naming the tool otherwise: a model's call to a malformed tool would fail later."""
+    for k, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str)):
+            raise ApiError(f"tools[{k}]: each tool must be {{\"type\": \"function\", \"function\": {{\"name\": "
+                           "...}}", param="tools")
+        params = function.get("parameters", {})
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ApiError(f"tools[{k}] ({function['name']}): parameters must be a JSON schema object, got "
+                           f"{type(params).__name__}", param="tools")
+        if not isinstance(params.get("properties", {}), dict):
+            raise ApiError(f"tools[{k}] ({function['name']}): parameters.properties must be an object (name -> "
+                           f"schema), got {type(params['properties']).__name__}", param="tools")
+        required = params.get("required", [])
+        if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise ApiError(f"tools[{k}] ({function['name']}): parameters.required must be a list of names",
+                           param="tools")
 
 
 def message_text(content) -> str:

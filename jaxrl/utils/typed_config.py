@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any, ClassVar, Iterable, Mapping, Optional
 
 import ml_collections
 
 from jaxrl.utils.registry import nearest
 
-__all__ = ["ANY", "Block", "ConfigKeyError", "Key", "at_least", "block", "block_json", "build_block", "complete_block",
+__all__ = ["ANY", "Block", "ConfigKeyError", "Key", "at_least", "block", "block_json", "build_block", "check_finite",
+           "complete_block",
            "defaults_of", "is_block", "is_config_dict", "keys_of", "plain_mapping", "setting", "to_plain",
            "unknown_key_error", "without_retired"]
 
@@ -68,7 +70,18 @@ class Block:
         return values
 
     def __post_init__(self):
-        pass  # the end of the parts' cooperative checks
+        # the end of the parts' cooperative checks: after their own (whose messages say more), no float setting
+        # may be NaN or infinite -- a NaN passes every `x < lo` check and would reach the run
+        if self.NAME:
+            check_finite(self, self.NAME)
+
+
+def check_finite(obj, where: str) -> None:
+    """ValueError naming `where.key` for the first float setting of the block `obj` that is NaN or infinite."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name, None)
+        if _KEY in f.metadata and isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where}.{f.name} must be a finite number, got {value}")
 
 
 def _block_protocol(cls) -> tuple[Optional[str], Mapping[str, tuple]]:
@@ -279,4 +292,6 @@ def build_block(cls, value: Any, where: str):
               for k, v in values.items() if k in keys}
     if extra:
         kwargs[extra] = {k: v for k, v in values.items() if k not in keys}
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    check_finite(built, where)  # a block without a NAME is named here
+    return built
