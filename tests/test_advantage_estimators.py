@@ -132,3 +132,48 @@ def test_the_best_of_group_reward_is_logged_for_what_pass_at_k_trains():
     m = sample_metrics(s, 8, group=4)
     assert m["reward/group_best_mean"] == pytest.approx((1.0 + 0.2 + 0.5) / 3)
     assert "reward/group_best_mean" not in sample_metrics(s, 8)
+
+
+def _pkpo_brute_force(r, k):
+    """PKPO's Eq. 33 written out: s_i = 1 / C(n, k) * sum over k-subsets I holding i of (max_I - max_{I \\ i})."""
+    import itertools
+    import math
+    n, out = len(r), np.zeros(len(r))
+    for i in range(n):
+        for subset in itertools.combinations(range(n), k):
+            if i in subset:
+                out[i] += max(r[j] for j in subset) - max(r[j] for j in subset if j != i)
+    return out / math.comb(n, k)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5, 6])
+def test_pass_at_k_below_the_group_size_is_pkpos_leave_one_out_transform(k):
+    """`grpo.pass_at_k_k` = k: each sample's average gain to the best of k (Walder & Karkhanis 2025, Eq. 33), over
+    the group's std as verl's grpo_passk scales; ties, unscored (NaN) members and a group of fewer than k scored
+    ones included; k = G is verl's (the existing test above proves that one against verl's code)."""
+    G = 6
+    rng = np.random.default_rng(k)
+    rewards = np.round(rng.uniform(0, 1, (5, G)) * 4) / 4
+    rewards[1, [0, 3]] = np.nan
+    rewards[2, :5] = np.nan  # one scored member: no advantage
+    rewards[3] = 0.5  # all equal: no advantage
+    adv = np.asarray(grpo.compute_advantages(np.float32(rewards.reshape(-1)), G, "pass_at_k",
+                                             options={"k": k})).reshape(5, G)
+    for p in range(5):
+        v = rewards[p][~np.isnan(rewards[p])]
+        want = np.zeros(G)
+        if len(v) >= 2:
+            want[~np.isnan(rewards[p])] = _pkpo_brute_force(v, min(k, len(v))) / (v.std(ddof=1) + 1e-6)
+        np.testing.assert_allclose(adv[p], want, atol=1e-5, err_msg=f"group {p}")
+    full = grpo.compute_advantages(np.float32(rewards.reshape(-1)), G, "pass_at_k", options={"k": G})
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(grpo.compute_advantages(
+        np.float32(rewards.reshape(-1)), G, "pass_at_k")))
+
+
+def test_pass_at_k_k_is_refused_out_of_range_or_with_another_estimator():
+    with pytest.raises(ValueError, match=r"grpo.pass_at_k_k=9 .* 2..num_generations \(8\)"):
+        GRPOConfig(advantage_estimator="pass_at_k", pass_at_k_k=9)
+    with pytest.raises(ValueError, match=r"grpo.pass_at_k_k=4 is the k of advantage_estimator='pass_at_k' "
+                                         r"\(got 'rloo'\)"):
+        GRPOConfig(advantage_estimator="rloo", pass_at_k_k=4)
+    assert GRPOConfig(advantage_estimator="pass_at_k", pass_at_k_k=4).advantage_options() == {"k": 4}

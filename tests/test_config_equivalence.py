@@ -26,7 +26,8 @@ IMPROVED = ".partial_rollouts continues rows across policy versions: it needs "
 RETIRED = {"distill": {"max_staleness": 0, "off_policy_loss": "behaviour", "overlap": False, "partial_rollouts": False}}
 # block -> keys added after 2e1e1a6, at the defaults that keep the behaviour the corpus's configs had
 LOSS_KEYS = {"policy_loss": "ppo_clip", "policy_loss_options": {}, "ref_reset_every": 0, "ref_reset_optimizer": False}
-ADDED = {"grpo": {**LOSS_KEYS, "kl_in_reward": 0.0, "replay_groups": 0, "replay_max_age": 4}, "ppo": dict(LOSS_KEYS),
+ADDED = {"grpo": {**LOSS_KEYS, "kl_in_reward": 0.0, "replay_groups": 0, "replay_max_age": 4, "pass_at_k_k": 0},
+         "ppo": dict(LOSS_KEYS),
          # the online algorithms' data block (DPO's and SFT's have none of these)
          "data": {"sampler": "uniform", "curriculum_window": 1, "curriculum_set_aside": 8, "curriculum_solved": 1.0,
                   "curriculum_failed": 0.0}}

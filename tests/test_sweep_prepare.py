@@ -65,9 +65,12 @@ def test_the_loss_ablation_expands_to_every_loss_and_seed_on_the_demo_task(tmp_p
     assert cfg["grpo"]["num_iterations"] == 2 and cfg["steps"] == 48
     assert spec.evaluate["problems"] == str(tmp_path / "d" / "tasks" / "eval.jsonl") and spec.evaluate["steps"] == [48]
     SweepRunner(spec, str(tmp_path / "out"))  # the evaluate block's flags are launchers.evaluate's
-    est = load_sweep(f"{ABLATION}:demo={tmp_path / 'd'},losses=ppo_clip,estimators=rloo+grpo+pass_at_k,seeds=0")
-    assert est.baseline == {"grpo.policy_loss": "ppo_clip", "grpo.advantage_estimator": "grpo"}
-    assert len(est.points()) == 3
+    est = load_sweep(f"{ABLATION}:demo={tmp_path / 'd'},losses=ppo_clip,estimators=rloo+grpo+pass_at_k@2,seeds=0")
+    assert est.baseline == {"grpo.policy_loss": "ppo_clip", "estimator": "grpo"}
+    points = {p.labels["estimator"]: est.resolve(p)["grpo"] for p in est.points()}
+    assert sorted(points) == ["grpo", "pass_at_k@2", "rloo"]
+    assert (points["pass_at_k@2"]["advantage_estimator"], points["pass_at_k@2"]["pass_at_k_k"]) == ("pass_at_k", 2)
+    assert points["rloo"]["pass_at_k_k"] == 0
 
 
 def test_the_demo_task_config_is_the_demos_grpo_stage(tmp_path):

@@ -10,13 +10,13 @@ resampled), also simultaneous across the variants. The sweep first makes the dem
 has them). About a minute a point on two cores.
 
     python -m launchers.sweep --sweep=configs/sweeps/grpo_demo_policy_losses.py --out=/tmp/loss_ablation
-    python -m launchers.sweep --sweep=configs/sweeps/grpo_demo_policy_losses.py:losses=ppo_clip,estimators=grpo+rloo+reinforce_plus_plus+reinforce_plus_plus_baseline+pass_at_k \
+    python -m launchers.sweep --sweep=configs/sweeps/grpo_demo_policy_losses.py:losses=ppo_clip,estimators=grpo+rloo+reinforce_plus_plus+reinforce_plus_plus_baseline+pass_at_k+pass_at_k@2 \
         --out=/tmp/estimator_ablation
     python -m launchers.compare --sweep_dir=/tmp/loss_ablation --sort=-diff:partial_reward_mean@48
 
 Argument (optional, `:key=value,...`): `losses=ppo_clip+gspo+...` ('+'-separated; a plug-in name works with
-`plugin=`), `seeds=0+1+2`, `steps=48`, `estimators=grpo` (advantage estimators, '+'-separated: a second axis; the
-baseline is then `grpo` with the first loss), `plugin=path/to/file.py:fn` (a policy_loss plug-in, registered under
+`plugin=`), `seeds=0+1+2`, `steps=48`, `estimators=grpo+pass_at_k@2` (advantage estimators, '+'-separated: a
+second axis, `estimator`; `pass_at_k@K` sets grpo.pass_at_k_k=K; the baseline is then `grpo` with the first loss), `plugin=path/to/file.py:fn` (a policy_loss plug-in, registered under
 the function's name), `demo=demo_workdir` (where the demo's model and tasks are, or are made).
 """
 
@@ -48,16 +48,20 @@ def get_sweep(arg: str = ""):
     losses = o.get("losses", LOSSES).split("+")
     axes = {"grpo.policy_loss": losses}
     baseline = {"grpo.policy_loss": losses[0] if "ppo_clip" not in losses else "ppo_clip"}
+    cases = {}
     if o.get("estimators"):
-        estimators = o["estimators"].split("+")
-        axes["grpo.advantage_estimator"] = estimators
-        baseline["grpo.advantage_estimator"] = "grpo" if "grpo" in estimators else estimators[0]
+        # NAME, or pass_at_k@K: the estimator with grpo.pass_at_k_k = K (PKPO below the group size)
+        for label in o["estimators"].split("+"):
+            name, _, k = label.partition("@")
+            cases[label] = {"grpo.advantage_estimator": name, **({"grpo.pass_at_k_k": int(k)} if k else {})}
+        baseline["estimator"] = "grpo" if "grpo" in cases else next(iter(cases))
     return {
         "name": "grpo_demo_policy_losses",
         "description": "GRPO policy loss x seed on the demo's task (two passes per rollout), held-out reward",
         "base": f"configs/grpo_demo.py:demo={demo}",
         "prepare": [["python", "-m", "launchers.demo", f"--workdir={demo}", "--until=warm_up"]],
         "axes": axes,
+        **({"cases": {"estimator": cases}} if cases else {}),
         "seeds": [int(s) for s in o.get("seeds", "0+1+2").split("+")],
         "fixed": fixed,
         # the same held-out prompts and sampling as the demo's evaluation: M0 (step 0) and the last checkpoint

@@ -39,6 +39,8 @@ token means. Advantages must be computed on whole groups (before splitting), see
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import chex
@@ -174,21 +176,41 @@ def rloo_advantages(rewards: jax.Array, num_generations: int) -> jax.Array:
     return jnp.where(jnp.isnan(adv), 0.0, adv)
 
 
-def pass_at_k_advantages(rewards: jax.Array, num_generations: int, eps: float = 1e-6) -> jax.Array:
-    """Pass@k advantages, verl's ``grpo_passk`` (Chen et al. 2025, "Pass@k Training", arXiv 2503.19595), with k
-    the group size: only the group's best member gets an advantage, ``(r_max - r_second) / (std + eps)`` (std
-    Bessel-corrected, verl's norm_adv_by_std_in_grpo default); the rest get 0. A tie for the best gives 0 (the
-    first best member is the one chosen). NaN rewards are absent; a group with fewer than two scored members gets 0.
-    ``[N] -> [N]``."""
+def pass_at_k_advantages(rewards: jax.Array, num_generations: int, k: int = 0, eps: float = 1e-6) -> jax.Array:
+    """Pass@k advantages: PKPO's k - 1 leave-one-out transform (Walder & Karkhanis 2025, "Pass@K Policy
+    Optimization", Eq. 33), scaled by the group's reward std as verl's ``grpo_passk`` is, so that k = the group size
+    (``k=0``, the default) IS verl's ``grpo_passk`` (Chen et al. 2025, arXiv 2503.19595): only the group's best
+    member gets ``(r_max - r_second) / (std + eps)``. For 2 <= k < G every member i gets
+
+        s_i = 1 / C(n, k) * sum over the k-subsets I that hold i of (max_I r - max_{I without i} r)
+
+    (its average gain to the best of k samples; an unbiased max@k gradient weight with a baseline that does not
+    depend on i), computed from the others sorted: the (k-1)-subsets of the others whose best is the j-th smallest
+    number C(j-1, k-2). std is Bessel-corrected (verl's norm_adv_by_std_in_grpo default). NaN rewards are absent
+    (n counts the scored members; a group with fewer than k of them uses k = n); a group with fewer than two scored
+    members gets 0. ``[N] -> [N]``."""
     g = _grouped(rewards, num_generations)
+    G = num_generations
+    k = G if not k else int(k)
+    if not 2 <= k <= G:
+        raise ValueError(f"pass_at_k: k={k} must be 0 (the group size) or in 2..{G}")
     valid = ~jnp.isnan(g)
-    scored = jnp.where(valid, g, -jnp.inf)
-    best = jnp.argmax(scored, axis=1)
-    top2 = jax.lax.top_k(scored, 2)[0] if num_generations >= 2 else jnp.full((g.shape[0], 2), -jnp.inf)
+    r = jnp.where(valid, g, 0.0)
+    n = jnp.sum(valid, axis=1)  # [P]
+    kk = jnp.minimum(k, n)  # [P]
+    idx = jnp.arange(G)
+    other = valid[:, None, :] & (idx[None, :, None] != idx[None, None, :])  # [P, i, j]: j is another scored member
+    # rank of j among i's others: those below it (ties broken by index, which leaves every sum unchanged)
+    below = (r[:, None, :] < r[:, :, None]) | ((r[:, None, :] == r[:, :, None]) & (idx[None, :] < idx[:, None])[None])
+    # below[p, j, l]: l comes before j; rank[p, i, j] = #{l : l another of i, l != j, l before j}
+    rank = jnp.einsum("pil,pjl->pij", other.astype(jnp.float32), below.astype(jnp.float32)).astype(jnp.int32)
+    comb_m = np.array([[math.comb(m, c - 2) if c >= 2 else 0 for m in range(G)] for c in range(G + 1)], np.float32)
+    comb_n = np.array([[math.comb(m, c) for m in range(G + 1)] for c in range(G + 1)], np.float32)
+    weight = jnp.asarray(comb_m)[kk[:, None, None], jnp.clip(rank, 0, G - 1)]  # [P, i, j]
+    gain = jnp.maximum(r[:, :, None] - r[:, None, :], 0.0)
+    s = jnp.sum(jnp.where(other, weight * gain, 0.0), axis=2) / jnp.asarray(comb_n)[kk, n][:, None]
     _, std = _nan_mean_std(g, axis=1)
-    gap = (top2[:, 0] - top2[:, 1]) / (std[:, 0] + eps)
-    ok = jnp.sum(valid, axis=1) >= 2
-    adv = jnp.where((jnp.arange(num_generations)[None, :] == best[:, None]) & ok[:, None], gap[:, None], 0.0)
+    adv = jnp.where(valid & (n >= 2)[:, None], s / (std + eps), 0.0)
     return jnp.where(jnp.isnan(adv), 0.0, adv).reshape(-1)
 
 
@@ -252,11 +274,15 @@ def token_level(estimator: str) -> bool:
 
 
 def compute_advantages(rewards: jax.Array, num_generations: int, estimator: str = "grpo", *,
-                       mask: jax.Array | None = None, kl_penalty: jax.Array | None = None) -> jax.Array:
+                       mask: jax.Array | None = None, kl_penalty: jax.Array | None = None,
+                       options: dict | None = None) -> jax.Array:
     """Advantages by registry name: ``[N]`` (grpo, grpo_batch_std, dr_grpo, rloo, pass_at_k, a loaded plug-in)
     or ``[N, C]`` (the token-level reinforce_plus_plus and reinforce_plus_plus_baseline, which read the loss
-    ``mask [N, C]`` and the per-token ``kl_penalty``)."""
+    ``mask [N, C]`` and the per-token ``kl_penalty``). ``options``: the estimator's keyword options (pass_at_k:
+    ``k``; GRPOConfig.advantage_options)."""
     fn = ADVANTAGES.get(estimator)
+    if options:
+        fn = functools.partial(fn, **options)
     if token_level(estimator):
         if mask is None:
             raise ValueError(f"advantage estimator {estimator!r} is token-level: it needs the loss mask")

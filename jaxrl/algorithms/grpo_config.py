@@ -28,9 +28,13 @@ class GRPOConfig(OnlineSettings):
     num_iterations: int = setting(1, doc="passes over each rollout (TRL num_iterations, 'mu')")
     scale_rewards: str = setting("group", doc="group | batch | none (Dr. GRPO)", choices=SCALE_REWARDS)
     advantage_estimator: str = setting("grpo", doc="grpo (honours scale_rewards) | rloo | dr_grpo | "
-                                       "grpo_batch_std | pass_at_k (verl grpo_passk) | reinforce_plus_plus | "
+                                       "grpo_batch_std | pass_at_k (verl grpo_passk; PKPO below the group size: "
+                                       "pass_at_k_k) | reinforce_plus_plus | "
                                        "reinforce_plus_plus_baseline (token-level, whitened over the rollout) | "
                                        "a plug-in")
+    pass_at_k_k: int = setting(0, doc="k of advantage_estimator='pass_at_k': 0 = the group size (verl's "
+                               "grpo_passk: the best sample only); 2..num_generations - 1: PKPO's k - 1 leave-one-out "
+                               "transform (every sample its average gain to the best of k)")
     kl_in_reward: float = setting(0.0, doc="> 0: this times the KL to the reference (k1 of the behaviour "
                                   "log-probs) is taken from each token's reward (REINFORCE++: OpenRLHF init_kl_coef, "
                                   "verl use_kl_in_reward); for the reinforce_plus_plus estimators")
@@ -72,6 +76,11 @@ class GRPOConfig(OnlineSettings):
             raise ValueError(f"grpo.kl_in_reward puts the KL in each token's reward: it needs a token-level "
                              f"advantage_estimator ({' | '.join(TOKEN_LEVEL_ESTIMATORS)}), got "
                              f"{self.advantage_estimator!r}")
+        if self.pass_at_k_k and not (self.advantage_estimator == "pass_at_k"
+                                     and 2 <= self.pass_at_k_k <= self.num_generations):
+            raise ValueError(f"grpo.pass_at_k_k={self.pass_at_k_k} is the k of advantage_estimator='pass_at_k' "
+                             f"(got {self.advantage_estimator!r}): 0 (the group size) or 2..num_generations "
+                             f"({self.num_generations})")
         at_least("grpo", {"replay_groups": 0, "replay_max_age": 1}, self)
         if self.replay_groups and self.max_staleness:
             raise ValueError(f"grpo.replay_groups replays groups of the rollouts before this one: it needs "
@@ -85,6 +94,10 @@ class GRPOConfig(OnlineSettings):
 
     def turn_budget(self) -> tuple[int, int]:
         return self.max_new_tokens, self.overlong_buffer
+
+    def advantage_options(self) -> dict:
+        """The keyword options of the advantage estimator (jaxrl.algorithms.grpo.compute_advantages)."""
+        return {"k": self.pass_at_k_k} if self.advantage_estimator == "pass_at_k" and self.pass_at_k_k else {}
 
     def policy_loss_common(self) -> dict:
         return {"epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high, "delta": self.delta or None,

@@ -175,16 +175,17 @@ class GRPOObjective:
 
 
 def advantages_of(rewards: np.ndarray, num_generations: int, estimator: str, scale_rewards: str, *,
-                  mask: Optional[np.ndarray] = None, kl_penalty: Optional[np.ndarray] = None) -> np.ndarray:
+                  mask: Optional[np.ndarray] = None, kl_penalty: Optional[np.ndarray] = None,
+                  options: Optional[dict] = None) -> np.ndarray:
     """The rollout's advantages: [N], or [N, C] for a token-level estimator (which reads the loss `mask` and the
-    per-token `kl_penalty`, grpo_lib.compute_advantages)."""
+    per-token `kl_penalty`, grpo_lib.compute_advantages); `options`: the estimator's (pass_at_k's k)."""
     if estimator == "grpo":
         return np.asarray(grpo_lib.group_advantages(rewards, num_generations, scale_rewards), np.float32)
     if scale_rewards != "group":
         raise ValueError(f"grpo.scale_rewards={scale_rewards!r} applies to advantage_estimator='grpo' only; "
                          f"grpo.advantage_estimator={estimator!r} defines its own scaling")
     return np.asarray(grpo_lib.compute_advantages(rewards, num_generations, estimator, mask=mask,
-                                                  kl_penalty=kl_penalty), np.float32)
+                                                  kl_penalty=kl_penalty, options=options), np.float32)
 
 
 class GRPOTask(OnlineTask):
@@ -320,7 +321,7 @@ class GRPOTask(OnlineTask):
             metrics["reward/kl_penalty"] = float((kl_penalty * mask).sum() / max(mask.sum(), 1.0))
 
         adv = advantages_of(rewards, group, grpo.advantage_estimator, grpo.scale_rewards, mask=mask,
-                            kl_penalty=kl_penalty)
+                            kl_penalty=kl_penalty, options=grpo.advantage_options())
         zero_var = np.asarray(grpo_lib.zero_variance_groups(rewards, group))
         metrics["zero_variance_groups"] = float(zero_var.reshape(-1, group)[:, 0].mean())
         on = mask > 0 if adv.ndim == 2 else np.ones(adv.shape, bool)  # token-level: over the loss tokens
