@@ -219,6 +219,19 @@ def _fake(answer):
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
 
+def _refused_naming_it(teacher_class, answer, needle):
+    """A teacher of `teacher_class` probing a fake server that gives `answer` is refused in one line naming the
+    server and `needle`."""
+    httpd, url = _fake(answer)
+    try:
+        with pytest.raises(ServerError) as info:
+            teacher_class([url], k=K, width=14)
+    finally:
+        httpd.shutdown()
+    message = str(info.value)
+    assert "\n" not in message and url in message and needle in message, message
+
+
 def _echo(top):
     """An echo answer whose every position has `top` entries."""
     def answer(body):
@@ -235,14 +248,7 @@ def _echo(top):
     (_echo(K - 1), f"returned {K - 1} top log-probs at position 1, fewer than distill.teacher_top_k={K}"),
 ])
 def test_a_teacher_server_answering_garbage_or_fewer_than_k_is_refused_naming_it(answer, needle):
-    httpd, url = _fake(answer)
-    try:
-        with pytest.raises(ServerError) as info:
-            ServerTeacher([url], k=K, width=14)
-    finally:
-        httpd.shutdown()
-    message = str(info.value)
-    assert "\n" not in message and url in message and needle in message, message
+    _refused_naming_it(ServerTeacher, answer, needle)
 
 
 def _prompt_logprobs(entries):
@@ -275,14 +281,7 @@ def _ranked(own_rank):
      "without the prompt token's own entry"),
 ])
 def test_a_vllm_teacher_answering_garbage_or_fewer_than_k_is_refused_naming_it(answer, needle):
-    httpd, url = _fake(answer)
-    try:
-        with pytest.raises(ServerError) as info:
-            VLLMTeacher([url], k=K, width=14)
-    finally:
-        httpd.shutdown()
-    message = str(info.value)
-    assert "\n" not in message and url in message and needle in message, message
+    _refused_naming_it(VLLMTeacher, answer, needle)
 
 
 @pytest.mark.parametrize("own_rank", [3, K + 5])
@@ -463,14 +462,7 @@ def test_a_teacher_server_answering_impossible_logprobs_fails_naming_it(answer, 
     0); one answering NaN had every update skipped as "non-finite gradients" without naming the server. Each served
     log-prob is now checked (finite, <= 0, the top k a distribution) and a bad answer fails its request naming
     the server."""
-    httpd, url = _fake(answer)
-    try:
-        with pytest.raises(ServerError) as info:
-            ServerTeacher([url], k=K, width=14)
-    finally:
-        httpd.shutdown()
-    message = str(info.value)
-    assert "\n" not in message and url in message and needle in message, message
+    _refused_naming_it(ServerTeacher, answer, needle)
 
 
 def test_a_vllm_teacher_answering_a_positive_logprob_fails_naming_it():
@@ -478,9 +470,4 @@ def test_a_vllm_teacher_answering_a_positive_logprob_fails_naming_it():
         out = {str(t + 1): {"logprob": -1.0 - t, "rank": t + 1} for t in range(K)}
         out[str(seq[j])] = {"logprob": 2.5, "rank": 99}
         return out
-    httpd, url = _fake(_prompt_logprobs(entries))
-    try:
-        with pytest.raises(ServerError, match=r"returned a token's log-prob of 2.5 at position 1"):
-            VLLMTeacher([url], k=K, width=14)
-    finally:
-        httpd.shutdown()
+    _refused_naming_it(VLLMTeacher, _prompt_logprobs(entries), "returned a token's log-prob of 2.5 at position 1")
