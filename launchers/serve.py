@@ -15,7 +15,9 @@ by default only on a loopback bind, and reads only absolute paths under --allowe
 working directory); on another address it takes --enable_lora_updating and explicit --allowed_lora_roots.
 The API, the seed semantics and the limits: jaxrl/serve/app.py and handlers.py; the scheduling is the engine's
 (jaxrl/generation/engine.py: --batch_size rows decode at once per pool, a new request takes a free slot at the
-next round end). Binds 127.0.0.1 unless --host says otherwise; --port=0 picks a free port (written to --ready_file,
+next round end). Before it listens it compiles the programs of its buckets (--warmup; false to start at once); a
+request whose programs are not compiled waits while a thread of their own compiles them, and the others go on.
+Binds 127.0.0.1 unless --host says otherwise; --port=0 picks a free port (written to --ready_file,
 with the URL, once the server listens; the file is removed when it stops). SIGINT / SIGTERM: stop accepting,
 answer the requests in flight (up to --graceful_shutdown_s), exit 130 / 143.
 """
@@ -67,6 +69,8 @@ def main(argv):
                 server.load_adapter(name, path, runtime=False)
             except ApiError as e:
                 raise app.UsageError(f"--lora_modules {name}: {e}") from None
+        if s.warmup:
+            server.warm_up()
         sock = server.bind(s.host, s.port, s.backlog)
         httpd = server.uvicorn_server(sock, s.graceful_shutdown_s, s.backlog)
         url = url_of(sock)

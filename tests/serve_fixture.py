@@ -37,8 +37,11 @@ def build_base(folder, max_positions: int = 512, layers: int = 2, seed: int = 0)
 class Served:
     """`launchers.serve` on a free loopback port; waits for its ready file."""
 
-    def __init__(self, root, base: str, *flags: str, name: str = "serve", timeout_s: float = 300, port: int = 0):
-        """port: 0 = a free one; a given port restarts a stopped server where its clients expect it."""
+    def __init__(self, root, base: str, *flags: str, name: str = "serve", timeout_s: float = 300, port: int = 0,
+                 warmup: bool = False):
+        """port: 0 = a free one; a given port restarts a stopped server where its clients expect it. warmup: compile
+        every bucket's programs before listening (launchers.serve's default; off here so a test server starts in
+        seconds: each shape compiles at its first request instead, tests/test_serve_warmup.py proves the warm-up)."""
         root = Path(root)
         self.ready = root / f"{name}.ready"
         self.ready.unlink(missing_ok=True)
@@ -46,7 +49,7 @@ class Served:
         self.log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launchers.serve", f"--base={base}", f"--port={port}", f"--ready_file={self.ready}",
-             "--dtype=float32", *flags],
+             "--dtype=float32", f"--warmup={str(warmup).lower()}", *flags],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
         deadline = time.monotonic() + timeout_s

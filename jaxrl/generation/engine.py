@@ -75,7 +75,7 @@ from jaxrl.generation.placement import Weights, data_parallel_size
 from jaxrl.generation.sampling import SamplingMode, sampling_mode
 
 __all__ = ["Cancelled", "Completion", "DEFAULT_ROUND_STEPS", "Engine", "Request", "Ticket", "insert_sizes", "program_bound",
-           "prompts_per_rows", "shrink_ladder", "stop_width"]
+           "prompts_per_rows", "shapes_of", "shrink_ladder", "stop_width", "weights_key"]
 
 # Decode steps per round of an engine that takes requests while it runs (a server): a request that arrives while
 # every slot runs waits for the round to end. A call that knows all its rows up front lets a round run to the cap.
@@ -160,6 +160,31 @@ def token_versions(spans: Sequence[tuple], n: int) -> np.ndarray:
         end = spans[k + 1][0] if k + 1 < len(spans) else n
         out[start:end] = version
     return out
+
+
+def _row_operands(k: int, width: int) -> tuple:
+    """The per-row operands of an insert or an extension of K rows, as padding rows hold them: seeds, group ids,
+    sample indices [K] uint32, caps [K] int32, temperature, top_p [K] f32, stop ids [K, width] int32 (-1). The
+    caller fills its rows in; their dtypes are the programs' signature (`Engine.pool_programs` compiles with them)."""
+    seeds, groups, samples = (np.zeros((k,), np.uint32) for _ in range(3))
+    return (seeds, groups, samples, np.ones((k,), np.int32), np.ones((k,), np.float32), np.ones((k,), np.float32),
+            np.full((k, width), -1, np.int32))
+
+
+def weights_key(weights: Weights) -> tuple:
+    """What a program compiled for `weights` depends on: their structure and the shapes of their arrays (as one
+    string, whose hash is computed once however often a program key holding it is looked up)."""
+    return weights.structure, repr([(x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in weights.leaves])
+
+
+def shapes_of(tree):
+    """`tree` with every array as a jax.ShapeDtypeStruct: what `jit(...).lower` compiles a program from without its
+    data. A committed array keeps its placement (a call with it looks for a program of that placement); an
+    uncommitted one (a program's output on one device) and a numpy array keep none, as their calls do."""
+    def shape(x):
+        sharding = x.sharding if getattr(x, "committed", False) else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(shape, tree)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -468,6 +493,66 @@ class Engine:
             self._place(row, own).queue.append(row)
         return ticket
 
+    def shape_of(self, request: Request) -> tuple[tuple, SamplingMode]:
+        """(pool key, sampling mode) of a fresh row of `request`: the static shapes of the programs it runs
+        (`pool_programs`); ValueError for a request this engine refuses. Thread safe (reads only)."""
+        row, own = self._check(request, Ticket(request))
+        return own, row.mode
+
+    def pool_programs(self, weights: Weights, key: tuple, mode: SamplingMode) -> dict[tuple, Callable[[], None]]:
+        """The programs a pool of `key` (prompt width, cap, stop width, sessions) runs rows of `mode` with, under
+        weights shaped like `weights` (`Weights(structure, shapes_of(leaves))`), as {program key: a call compiling
+        it}. Each call compiles ahead of time (`jit(...).lower(shapes).compile()`: nothing runs, nothing is
+        allocated) into the caches the engine's own call then finds, so it may run on another thread while this
+        one steps. Keys name what a program depends on, so pools of one shape share them. At the pool's full slot
+        count; a session pool's extensions and a shrunk pool's programs are not among them (compiled at their first
+        call)."""
+        pool = _Pool(key, self.slots, ())
+        structure, leaves, mesh, pad = weights.structure, weights.leaves, self.mesh, self.pad_id
+        k, u = self.insert_rows, self.prompts_per_insert
+        fingerprint = (weights_key(weights), mesh)
+        ids = jax.ShapeDtypeStruct((u, pool.prompt_len), np.int32)
+
+        def outputs(lowered) -> object:  # a program's outputs as the next program's operands
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=x.sharding if mesh is not None else None),
+                                lowered.out_info)
+
+        def prepared():
+            return outputs(programs.prepare.lower(structure, leaves, fuse_adapters=self.fuse_adapters))
+
+        def state():
+            return outputs(programs.init_state.lower(structure, leaves, slots=pool.size, cache_len=pool.cache_len,
+                                                     max_new_tokens=pool.cap, stop_width=pool.stop_width, pad_id=pad,
+                                                     mesh=mesh))
+
+        def prefilled():
+            return outputs(programs.prefill.lower(structure, leaves, ids, ids, mesh=mesh))
+
+        def insert():
+            fresh, logits = prefilled()
+            rows = jax.ShapeDtypeStruct((k,), np.int32)
+            programs.insert.lower(state(), fresh, logits, rows, rows, *shapes_of(_row_operands(k, pool.stop_width)),
+                                  mode=mode, pad_id=pad, mesh=mesh).compile()
+
+        def decode_round():
+            scalar = jax.ShapeDtypeStruct((), np.int32)
+            programs.decode_round.lower(structure, leaves, prepared(), state(),
+                                        jax.ShapeDtypeStruct((pool.size,), np.bool_), scalar, scalar, mode=mode,
+                                        pad_id=pad, mesh=mesh, holds=pool.sessions).compile()
+
+        state_key = (pool.size, pool.cache_len, pool.cap, pool.stop_width)
+        return {("engine_prepare", fingerprint, self.fuse_adapters):
+                    lambda: programs.prepare.lower(structure, leaves, fuse_adapters=self.fuse_adapters).compile(),
+                ("engine_init_state", fingerprint, state_key, pad):
+                    lambda: programs.init_state.lower(structure, leaves, slots=pool.size, cache_len=pool.cache_len,
+                                                      max_new_tokens=pool.cap, stop_width=pool.stop_width,
+                                                      pad_id=pad, mesh=mesh).compile(),
+                ("engine_prefill", fingerprint, ids.shape):
+                    lambda: programs.prefill.lower(structure, leaves, ids, ids, mesh=mesh).compile(),
+                ("engine_insert", fingerprint, state_key, pad, k, u, mode): insert,
+                ("engine_round", fingerprint, state_key, pad, mode, pool.sessions): decode_round}
+
     def _continue(self, pool: _Pool, held: _Row, row: _Row) -> bool:
         """Puts `row` in `held`'s slot as a continuation when it can be one (under the lock): its prompt extends the
         held row's prompt + tokens, the rest fits the slot's cache with room for the row's cap, and the pool runs
@@ -732,10 +817,7 @@ class Engine:
             mask = np.zeros((k, width), np.int32)
             where = np.full((k,), pool.size, np.int32)
             final = np.zeros((k,), bool)
-            seeds, groups, samples = (np.zeros((k,), np.uint32) for _ in range(3))
-            caps = np.ones((k,), np.int32)
-            temperature, top_p = np.ones((k,), np.float32), np.ones((k,), np.float32)
-            stops = np.full((k, pool.stop_width), -1, np.int32)
+            seeds, groups, samples, caps, temperature, top_p, stops = _row_operands(k, pool.stop_width)
             for i, row in enumerate(rows):
                 request = row.ticket.request
                 part, row.extension = row.extension[:width], row.extension[width:]
@@ -813,10 +895,7 @@ class Engine:
         position = {key: j for j, key in enumerate(keys)}
         source = np.zeros((k,), np.int32)
         where = np.full((k,), pool.size, np.int32)  # out of range: a padding row, dropped
-        seeds, groups, samples = (np.zeros((k,), np.uint32) for _ in range(3))
-        caps = np.ones((k,), np.int32)
-        temperature, top_p = np.ones((k,), np.float32), np.ones((k,), np.float32)
-        stops = np.full((k, pool.stop_width), -1, np.int32)
+        seeds, groups, samples, caps, temperature, top_p, stops = _row_operands(k, pool.stop_width)
         for i, (row, slot) in enumerate(zip(rows, slots)):
             request = row.ticket.request
             source[i], where[i] = position[row.prompt_key], slot

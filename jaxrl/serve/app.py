@@ -9,11 +9,13 @@ serving rollouts / evaluations / online training to `--backend=server --server_u
 jax backend would draw them. FastAPI + uvicorn, as vLLM. The parts: this module (the app, its routes, the limits
 on bodies), jaxrl/serve/protocol.py (request models, the error shape), handlers.py (completions and chat:
 prompts, rows, the stopping rule, log-probs, streaming), registry.py (the base and the adapters by name),
-loop.py (the one thread that drives the engine and scores).
+loop.py (the one thread that drives the engine and scores), compiler.py (the thread that compiles programs ahead of
+their first call).
 
   GET  /health, /version ({"version", "server": "jaxrl"}), /v1/models (the base, then each adapter with its
        `root` folder, `parent` and the `adapter_digest` read back from the attached parameters; `max_model_len`),
-       /metrics (Prometheus text: compiled programs, resident memory, waiting and running rows),
+       /metrics (Prometheus text: compiled programs, the warm-up's programs and seconds, programs compiling,
+       resident memory, waiting and running rows),
        /tokenizer_info
   POST /v1/completions       prompt: a string, strings, token ids or lists of them; n, max_tokens (0 with echo:
                              scoring only), temperature, top_p, top_k, seed, stop (strings), stop_token_ids,
@@ -149,11 +151,25 @@ class CompletionServer:
     def models(self) -> dict:
         return self.registry.cards()
 
+    def warm_up(self) -> int:
+        """Compiles the programs of the configured buckets for the base and every adapter loaded so far (one set per
+        shape of weights) before the first request (`ServeLoop.warm_up`); returns how many."""
+        return self.loop.warm_up([self.registry.base.name, *self.registry.adapters])
+
     def metrics_text(self) -> str:
         stats = self.loop.stats()
         lines = []
         for name, kind, value, help_text in (
                 ("jaxrl:compiled_programs", "gauge", compiled_programs(), "engine and scoring programs traced"),
+                ("jaxrl:warmup_programs", "gauge", stats["warmup_programs"],
+                 "programs compiled at start-up (launchers.serve --warmup)"),
+                ("jaxrl:warmup_seconds", "gauge", round(stats["warmup_seconds"], 3), "seconds the start-up warm-up took"),
+                ("jaxrl:programs_compiling", "gauge", stats["programs_compiling"],
+                 "programs queued or compiling on the compiler's thread now (their requests wait, the others go on)"),
+                ("jaxrl:programs_compiled_ahead_total", "counter", stats["programs_compiled_ahead"],
+                 "programs compiled on the compiler's thread, the warm-up's included"),
+                ("jaxrl:inline_compiles_total", "counter", stats["inline_compiles"],
+                 "XLA compiles run on the serve loop's thread (each stalled every request)"),
                 ("process_resident_memory_bytes", "gauge", resident_bytes(), "resident memory of the process"),
                 ("jaxrl:num_requests_waiting", "gauge", stats["requests_waiting"], "requests queued"),
                 ("jaxrl:num_rows_waiting", "gauge", stats["rows_waiting"], "rows queued"),

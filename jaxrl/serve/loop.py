@@ -6,6 +6,7 @@ log-probs) between rounds.
     loop = ServeLoop(model, registry, slots=32, prompt_buckets=..., generation_buckets=..., max_pending_rows=8192)
     future = loop.generate("dpo28", [Request(...), ...])     # concurrent.futures.Future -> [Completion], in order
     future = loop.score("base", [ids, ...], top_k=5)         # -> [Scores]
+    loop.warm_up(["base"])                                   # compile the configured buckets' programs first
     loop.stats(), loop.close()
 
 Models: one model (the base or one adapter) generates at a time. A job names its model; when the oldest waiting
@@ -23,6 +24,16 @@ their next tokens with the new adapter). Each engine weight version is one regis
 names the digest it was sampled with (`digest_of`); with any other request in the engine the switch waits for a
 drain, as without partial rollouts.
 
+Compiles (no request waits for another's): the loop never compiles in line. `warm_up` compiles the programs of
+the configured buckets before the server listens (WARMUP_MODES, WARMUP_TOP_K). Afterwards a job's programs (the
+engine's pool programs of its rows' shapes, `Engine.pool_programs`; the scoring programs of its batches) are looked
+up before it is admitted; a job with one not compiled stays queued while the compiler's thread (jaxrl/serve/
+compiler.py) compiles them ahead of time (`jit(...).lower(shapes).compile()`, which fills the caches the call then
+finds and releases the GIL in XLA), and the loop goes on admitting the later jobs whose programs are compiled and
+stepping the engine; the job goes once they are. The smallest design that keeps one thread on the device: nothing
+runs beside the loop but XLA's compiler, and a job is only reordered past jobs that wait for a compile. A loop
+driven by its caller (`start=False`) compiles in line (`compile_ahead`), so its turns stay a function of the requests.
+
 What stays bounded: `max_pending_rows` rows admitted and not answered (`Overloaded` beyond, HTTP 503; a lone
 request is always admitted), the engine's programs by its buckets. A request whose client went away is cancelled
 (`cancel`): it stops counting against the bound at once, its queued rows are dropped and its rows in the engine
@@ -34,6 +45,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -45,9 +57,13 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.generation.buckets import batch_buckets, length_buckets, pick_bucket
-from jaxrl.generation.engine import DEFAULT_ROUND_STEPS, Cancelled, Completion, Engine, Request, Ticket
+from jaxrl.generation.engine import (DEFAULT_ROUND_STEPS, Cancelled, Completion, Engine, Request, Ticket, shapes_of,
+                                     weights_key)
+from jaxrl.generation.placement import Weights
 from jaxrl.generation.programs import TRACE_COUNTS
+from jaxrl.generation.sampling import sampling_mode
 from jaxrl.models.teacher_forced import Head, next_token_logprobs
+from jaxrl.serve.compiler import SERVE_THREAD, Compiler, inline_compiles
 from jaxrl.serve.registry import AdapterRegistry
 
 logger = logging.getLogger(__name__)
@@ -63,6 +79,15 @@ MIN_STOP_WIDTH = 16
 TOP_K_BUCKETS = (1, 5, 20)
 # (program, static key) -> traces of the scoring program
 SCORE_TRACES: collections.Counter = collections.Counter()
+# The sampling modes the start-up warm-up compiles every pool for: greedy (evaluation, lm-eval) and plain
+# temperature sampling (rollouts, chat); top-p < 1 and top-k rows compile their programs on first use (in the
+# background). Their (temperature, top_p, top_k).
+WARMUP_MODES = ((0.0, 1.0, 0), (1.0, 1.0, 0))
+# The top-k buckets the warm-up compiles the scoring programs of (every sequence length and batch bucket): 0 (echo,
+# prompt log-probs of the tokens alone) and 1 (lm-eval's loglikelihood asks logprobs=1); larger k compile on use.
+WARMUP_TOP_K = (0, 1)
+# Models whose weight shapes the loop remembers (a registry entry each: an adapter reloaded in place is a new one)
+SHAPES_KEPT = 8
 COUNTERS = ("rounds", "inserts", "decode_steps", "slot_steps", "generated_tokens")
 
 
@@ -116,6 +141,32 @@ def _score(graphdef, params, ids: jax.Array, mask: jax.Array, *, top_k: int, chu
 _score_program = jax.jit(_score, static_argnames=("graphdef", "top_k", "chunk_size"))
 
 
+def score_batches(sizes: Sequence[int], *, batch_size: int, lengths: Sequence[int], batch_sizes: Sequence[int]
+                  ) -> list[tuple[int, int, list[int]]]:
+    """How sequences of these sizes are scored: (length bucket, batch bucket, the sequences' indices) per call,
+    grouped by length bucket, `batch_size` rows per call padded to a batch bucket."""
+    by_length: dict = collections.defaultdict(list)
+    for i, n in enumerate(sizes):
+        by_length[pick_bucket(n, lengths, "sequence length")].append(i)
+    return [(length, pick_bucket(len(members[start:start + batch_size]), batch_sizes, "batch"),
+             members[start:start + batch_size])
+            for length, members in sorted(by_length.items()) for start in range(0, len(members), batch_size)]
+
+
+def score_programs(weights: Weights, shapes: set[tuple[int, int]], top_k: int, chunk_size: int
+                   ) -> dict[tuple, object]:
+    """{program key: a call compiling it ahead of time} of the scoring programs of (batch, length) `shapes` and
+    top-k bucket `top_k` for weights shaped like `weights` (jaxrl.serve.compiler)."""
+    graphdef = weights.structure.graphdef
+    params = jax.tree.unflatten(weights.structure.treedef, weights.leaves)
+    fingerprint = weights_key(weights)
+
+    def compile_one(shape):
+        ids = jax.ShapeDtypeStruct(shape, np.int32)
+        return lambda: _score_program.lower(graphdef, params, ids, ids, top_k=top_k, chunk_size=chunk_size).compile()
+    return {("score", fingerprint, shape, top_k, chunk_size): compile_one(shape) for shape in sorted(shapes)}
+
+
 def score_sequences(model, sequences: Sequence[Sequence[int]], top_k: int, *, pad_id: int, batch_size: int,
                     lengths: Sequence[int], batch_sizes: Sequence[int], chunk_size: int) -> list[Scores]:
     """The scores of `sequences` with the held model's current weights: grouped by length bucket, `batch_size` rows
@@ -124,26 +175,21 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], top_k: int, *, pa
     arrays = [np.asarray(s, np.int32) for s in sequences]
     graphdef, params = nnx.split(model)
     scored: list = [None] * len(arrays)
-    by_length: dict = collections.defaultdict(list)
-    for i, s in enumerate(arrays):
-        by_length[pick_bucket(len(s), lengths, "sequence length")].append(i)
-    for length, members in sorted(by_length.items()):
-        for start in range(0, len(members), batch_size):
-            chunk = members[start:start + batch_size]
-            size = pick_bucket(len(chunk), batch_sizes, "batch")
-            ids = np.full((size, length), pad_id, np.int32)
-            mask = np.zeros((size, length), np.int32)
-            mask[:, 0] = 1  # padding rows hold one token so no row is empty
-            for r, i in enumerate(chunk):
-                ids[r, :len(arrays[i])] = arrays[i]
-                mask[r, :len(arrays[i])] = 1
-            logp, values, idx, ranks = jax.device_get(_score_program(graphdef, params, ids, mask, top_k=k,
-                                                                     chunk_size=chunk_size))
-            for r, i in enumerate(chunk):
-                n = len(arrays[i]) - 1
-                scored[i] = Scores(np.asarray(logp[r, :n], np.float32), np.asarray(idx[r, :n, :top_k], np.int32),
-                                   np.asarray(values[r, :n, :top_k], np.float32),
-                                   np.asarray(ranks[r, :n], np.int32) if k else None)
+    for length, size, chunk in score_batches([len(s) for s in arrays], batch_size=batch_size, lengths=lengths,
+                                             batch_sizes=batch_sizes):
+        ids = np.full((size, length), pad_id, np.int32)
+        mask = np.zeros((size, length), np.int32)
+        mask[:, 0] = 1  # padding rows hold one token so no row is empty
+        for r, i in enumerate(chunk):
+            ids[r, :len(arrays[i])] = arrays[i]
+            mask[r, :len(arrays[i])] = 1
+        logp, values, idx, ranks = jax.device_get(_score_program(graphdef, params, ids, mask, top_k=k,
+                                                                 chunk_size=chunk_size))
+        for r, i in enumerate(chunk):
+            n = len(arrays[i]) - 1
+            scored[i] = Scores(np.asarray(logp[r, :n], np.float32), np.asarray(idx[r, :n, :top_k], np.int32),
+                               np.asarray(values[r, :n, :top_k], np.float32),
+                               np.asarray(ranks[r, :n], np.int32) if k else None)
     return scored
 
 
@@ -163,6 +209,16 @@ class _Job:
     results: list = dataclasses.field(default_factory=list)
     left: int = 0  # rows not answered
     over: bool = False  # answered (result or error): later rows of it are dropped
+    programs: Optional[dict] = None  # the programs it waits for (set once the loop has looked): key -> compile call
+
+
+@dataclasses.dataclass
+class _Shape:
+    """A model's weights as its programs take them (shapes only) and the engine programs of its pools."""
+
+    served: object  # its registry entry
+    weights: Weights  # of jax.ShapeDtypeStruct leaves
+    pools: dict = dataclasses.field(default_factory=dict)  # (pool key, mode) -> {program key: compile call}
 
 
 class ServeLoop:
@@ -174,12 +230,15 @@ class ServeLoop:
     round_delay_s: seconds slept after every engine round (0: none): a slower accelerator emulated, for tests and
       benchmarks of how rollouts are scheduled around the decode.
     start: run the worker thread (False: the caller calls `step()`, which is what the worker calls).
+    compile_ahead: a request whose programs are not compiled waits while the compiler's thread compiles them, and
+      the others go on (module docstring); False: its first call compiles them in line, stalling every request.
+      Default: with the worker thread (a caller driving `step()` gets turns that depend on the requests alone).
     """
 
     def __init__(self, model, registry: AdapterRegistry, *, max_model_len: int, prompt_buckets: Sequence[int],
                  generation_buckets: Sequence[int], slots: int = 32, pad_id: Optional[int] = None,
                  max_pending_rows: int = 8192, round_steps: int = DEFAULT_ROUND_STEPS, score_chunk_size: int = 512,
-                 round_delay_s: float = 0.0, start: bool = True):
+                 round_delay_s: float = 0.0, start: bool = True, compile_ahead: Optional[bool] = None):
         self.model, self.registry = model, registry
         self.round_delay_s = float(round_delay_s)
         self.slots = int(slots)
@@ -204,9 +263,13 @@ class ServeLoop:
         self._stop = False
         self._closing = False  # refuse_new: shutting down, requests in flight go on
         self._served = collections.Counter()
+        self._shapes: list[_Shape] = []  # newest first
+        self.compiler = Compiler(on_ready=self._wake)
+        self.compile_ahead = start if compile_ahead is None else bool(compile_ahead)
+        self.warmup = {"programs": 0, "seconds": 0.0}
         self._worker = None
         if start:
-            self._worker = threading.Thread(target=self._work, name="jaxrl-serve-loop", daemon=True)
+            self._worker = threading.Thread(target=self._work, name=SERVE_THREAD, daemon=True)
             self._worker.start()
 
     # ------------------------------------------------------------------------------------------------ the API
@@ -227,6 +290,28 @@ class ServeLoop:
             raise ValueError(f"top {top_k} log-probs of a vocabulary of {self.model.config.vocab_size}")
         return self._queue(_Job(model, len(sequences), concurrent.futures.Future(), sequences=list(sequences),
                                 top_k=int(top_k)), self._score)
+
+    def warm_up(self, models: Sequence[str]) -> int:
+        """Compiles the programs of the configured buckets for each of `models` (deduplicated by the shapes of their
+        weights) before the first request: every prompt bucket x generation bucket at the default stop width for the
+        WARMUP_MODES, and the scoring programs of every length and batch bucket for WARMUP_TOP_K. Logs its progress;
+        returns the programs compiled (also in `stats()`)."""
+        start = time.monotonic()
+        programs: dict = {}
+        for model in models:
+            shape = self._weights_shape(model)
+            for prompt_len, cap in itertools.product(self.engine.prompt_buckets, self.engine.generation_buckets):
+                for temperature, top_p, top_k in WARMUP_MODES:
+                    mode = sampling_mode(temperature, top_p, top_k, self.engine.vocab_size)
+                    programs.update(self._programs_of_pool(shape, (prompt_len, cap, self.engine.min_stop_width,
+                                                                   False), mode))
+            shapes = set(itertools.product(self.score_batch_sizes, self.score_lengths))
+            for k in WARMUP_TOP_K:
+                programs.update(score_programs(shape.weights, shapes, top_k_bucket(k), self.score_chunk_size))
+        compiled = self.compiler.compile_all(programs, f"{len(models)} models' buckets")
+        self.warmup["programs"] += compiled
+        self.warmup["seconds"] += time.monotonic() - start
+        return compiled
 
     def _queue(self, job: _Job, queue: collections.deque) -> concurrent.futures.Future:
         # running from the start: a waiter that gives up (asyncio.wrap_future cancelled) cannot cancel it, so
@@ -291,7 +376,11 @@ class ServeLoop:
                    "compiled_programs": compiled_programs(), "pools": len(engine.pools),
                    "rows_generated": self._served["generate"], "rows_scored": self._served["score"],
                    "rows_cancelled": self._served["cancelled"],
-                   "weight_swaps_in_flight": self._served["weight_swaps_in_flight"]}
+                   "weight_swaps_in_flight": self._served["weight_swaps_in_flight"],
+                   "warmup_programs": self.warmup["programs"], "warmup_seconds": self.warmup["seconds"],
+                   "programs_compiling": self.compiler.compiling,
+                   "programs_compiled_ahead": self.compiler.stats["compiled"],
+                   "inline_compiles": inline_compiles()}
         out.update({name: engine.stats[name] for name in COUNTERS})
         out["engine_cancelled"] = engine.stats["cancelled"]
         return out
@@ -305,16 +394,26 @@ class ServeLoop:
             self._generate.clear()
             self._score.clear()
             self._cond.notify_all()
+        self.compiler.close()
         for job in refused:
             self._fail(job, ShuttingDown("the server is shutting down"))
         if self._worker is not None and self._worker.is_alive() and threading.current_thread() is not self._worker:
             self._worker.join(timeout_s)
 
     # --------------------------------------------------------------------------------------------- the worker
+    def _wake(self) -> None:
+        """A program compiled: a job waiting for it may go now."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _runnable(self) -> bool:
+        """A queued job the loop has not looked at, or whose programs are compiled. Under the lock."""
+        return any(self._may_run(job) for job in itertools.chain(self._generate, self._score))
+
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._generate and not self._score and self.engine.idle:
+                while not self._stop and self.engine.idle and not self._runnable():
                     self._cond.wait()
                 if self._stop and self.engine.idle:
                     return
@@ -348,26 +447,27 @@ class ServeLoop:
             self._deliver(ticket)
 
     def _run_scoring(self) -> None:
+        """Scores the oldest scoring job whose programs are compiled, with the later ones of its model and top-k
+        bucket (up to `slots` rows). A group whose programs are not all compiled stays queued while the compiler's
+        thread compiles them; the next step takes the next group."""
         with self._cond:
-            if not self._score:
-                return
-            head = self._score[0]
-            key = (head.model, top_k_bucket(head.top_k))
-            taken, rows, rest = [], 0, collections.deque()
-            for job in self._score:
-                if (job.model, top_k_bucket(job.top_k)) == key and (not taken or rows + job.rows <= self.slots):
-                    taken.append(job)
-                    rows += job.rows
-                else:
-                    rest.append(job)
-            self._score = rest
+            taken = self._scoring_group()
+        if not taken:
+            return
+        head = taken[0]
+        k = top_k_bucket(head.top_k, self.model.config.vocab_size)
         try:
+            if not self._scoring_compiled(taken, k):
+                return
+            taken = self._take_queued(taken)
             self.registry.attach(head.model)
-            scored = score_sequences(self.model, [s for job in taken for s in job.sequences], key[1],
-                                     pad_id=self.pad_id, batch_size=self.slots, lengths=self.score_lengths,
-                                     batch_sizes=self.score_batch_sizes, chunk_size=self.score_chunk_size)
+            scored = score_sequences(self.model, [s for job in taken for s in job.sequences], k,
+                                     pad_id=self.pad_id, batch_size=self.slots,
+                                     lengths=self.score_lengths, batch_sizes=self.score_batch_sizes,
+                                     chunk_size=self.score_chunk_size)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting requests
             logger.exception("scoring %d requests failed", len(taken))
+            self._take_queued(taken)
             for job in taken:
                 self._fail(job, e)
             return
@@ -378,15 +478,69 @@ class ServeLoop:
             self._answer(job, [Scores(s.logprobs, s.top_ids[:, :job.top_k], s.top_logprobs[:, :job.top_k], s.ranks)
                                for s in mine], "score")
 
+    def _scoring_group(self) -> list[_Job]:
+        """The next scoring jobs to run together (`_run_scoring`), still queued. Under the lock."""
+        head = next((job for job in self._score if self._may_run(job)), None)
+        if head is None:
+            return []
+        key = (head.model, top_k_bucket(head.top_k))
+        taken, rows = [], 0
+        for job in self._score:
+            if (job.model, top_k_bucket(job.top_k)) == key and self._may_run(job) and \
+                    (not taken or rows + job.rows <= self.slots):
+                taken.append(job)
+                rows += job.rows
+        return taken
+
+    def _may_run(self, job: _Job) -> bool:
+        """Not known to wait for a program being compiled."""
+        return job.programs is None or self._compiled(job.programs)
+
+    def _compiled(self, programs: dict) -> bool:
+        """Whether `programs` are compiled (those that are not are queued on the compiler's thread); always, when
+        the loop compiles in line."""
+        return not self.compile_ahead or self.compiler.ready(programs)
+
+    def _scoring_compiled(self, jobs: list[_Job], top_k: int) -> bool:
+        """Whether the scoring programs of `jobs` scored together are compiled; if not, each job waits for them
+        (queued on the compiler's thread)."""
+        if not self.compile_ahead:
+            return True
+        weights = self._weights_shape(jobs[0].model).weights
+        sizes = [len(s) for job in jobs for s in job.sequences]
+        shapes = {(size, length) for length, size, _ in score_batches(
+            sizes, batch_size=self.slots, lengths=self.score_lengths, batch_sizes=self.score_batch_sizes)}
+        programs = score_programs(weights, shapes, top_k, self.score_chunk_size)
+        if self._compiled(programs):
+            return True
+        for job in jobs:
+            job.programs = programs
+        return False
+
+    def _take_queued(self, jobs: list[_Job]) -> list[_Job]:
+        """Takes `jobs` out of their queue; returns those that were still in it (not cancelled meanwhile)."""
+        ids = {id(job) for job in jobs}
+        with self._cond:
+            present = [job for job in itertools.chain(self._generate, self._score) if id(job) in ids]
+            for queue in (self._generate, self._score):
+                kept = [job for job in queue if id(job) not in ids]
+                if len(kept) != len(queue):
+                    queue.clear()
+                    queue.extend(kept)
+        return present
+
     def _admit(self) -> None:
-        """Hands the waiting generation requests' rows to the engine, oldest first, while the generating model is
+        """Hands the waiting generation requests' rows to the engine, oldest first among those whose programs are
+        compiled (the others wait while the compiler's thread compiles theirs), while the generating model is
         theirs; a request of another model waits until the engine is idle, then the model switches."""
         while True:
             with self._cond:
-                if not self._generate:
-                    return
-                job = self._generate[0]
+                job = next((job for job in self._generate if self._may_run(job)), None)
+            if job is None:
+                return
             try:
+                if not self._generation_compiled(job):
+                    continue  # it waits for its programs; the next one may go
                 served = self.registry.served(job.model)
                 if served is not self._generating:
                     if not self.engine.idle:
@@ -396,19 +550,47 @@ class ServeLoop:
                     # a snapshot of what the held model carries now
                     self._digests[self.engine.set_params(None)] = served.digest
                     self._generating = served
+                if not self._take_queued([job]):
+                    continue  # cancelled meanwhile
                 with self._cond:
-                    if not self._generate or self._generate[0] is not job:
-                        continue  # cancelled meanwhile
-                    self._generate.popleft()
                     self._admitted[id(job.future)] = job
                 job.results, job.left = [None] * job.rows, job.rows
                 for r, request in enumerate(job.requests):
                     self._tickets[self.engine.submit(request)] = (job, r)
             except BaseException as e:  # noqa: BLE001 - this request's error (unknown model, a bad row)
-                with self._cond:
-                    if self._generate and self._generate[0] is job:
-                        self._generate.popleft()
+                self._take_queued([job])
                 self._fail(job, e)
+
+    def _generation_compiled(self, job: _Job) -> bool:
+        """Whether the engine programs of a generation job's rows are compiled (queued on the compiler's thread if
+        not). ValueError for a row the engine refuses."""
+        if not self.compile_ahead:
+            return True
+        if job.programs is None:
+            shape = self._weights_shape(job.model)
+            programs: dict = {}
+            for key, mode in {self.engine.shape_of(request) for request in job.requests}:
+                programs.update(self._programs_of_pool(shape, key, mode))
+            job.programs = programs
+        return self._compiled(job.programs)
+
+    def _weights_shape(self, model: str) -> "_Shape":
+        """The shapes of the weights `model` runs with (the held model with its adapter attached), as the programs
+        take them; remembered per registry entry (the SHAPES_KEPT newest)."""
+        served = self.registry.served(model)
+        for shape in self._shapes:
+            if shape.served is served:
+                return shape
+        self.registry.attach(model)
+        weights = Weights.of(self.model)
+        shape = _Shape(served, Weights(weights.structure, shapes_of(weights.leaves)))
+        self._shapes = [shape] + self._shapes[:SHAPES_KEPT - 1]
+        return shape
+
+    def _programs_of_pool(self, shape: "_Shape", key: tuple, mode) -> dict:
+        if (key, mode) not in shape.pools:
+            shape.pools[key, mode] = self.engine.pool_programs(shape.weights, key, mode)
+        return shape.pools[key, mode]
 
     def _follow_reload(self) -> None:
         """Partial rollouts (module docstring): the engine's adapter reloaded in place while only requests that
@@ -487,5 +669,5 @@ class ServeLoop:
         job.future.set_exception(error)
 
 
-__all__ = ["Completion", "Overloaded", "Scores", "ServeLoop", "ShuttingDown", "compiled_programs", "score_sequences",
-           "top_k_bucket"]
+__all__ = ["Completion", "Overloaded", "Scores", "ServeLoop", "ShuttingDown", "compiled_programs", "score_batches",
+           "score_programs", "score_sequences", "top_k_bucket"]

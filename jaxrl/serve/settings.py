@@ -57,6 +57,11 @@ class ServeSettings:
     generation_buckets: tuple[int, ...] = flag_field((), help="Generation lengths with their own compiled program; "
                                                      "max_tokens is rounded up to one (default 16, 64, 256, ... up "
                                                      "to --max_model_len).")
+    warmup: bool = flag_field(True, help="Compile the programs of the configured buckets before listening (every "
+                              "prompt bucket x generation bucket, greedy and temperature sampling; scoring of every "
+                              "length and batch bucket for top-k 0 and 1), for the base and the --lora_modules "
+                              "adapters; false: each compiles at its first request, on the compiler's thread, while "
+                              "requests of compiled shapes go on.")
     batch_size: int = flag_field(32, help="Rows decoded at once (slots per prompt bucket and generation bucket), and "
                                  "rows per scoring call.")
     round_steps: int = flag_field(0, help="Decode steps per round at most: a request that finds every slot busy "
