@@ -49,6 +49,7 @@ import numpy as np
 
 from jaxrl.algorithms import dpo, grpo, kl, policy_loss
 from jaxrl.environments.base import Turn, as_environment, check_messages
+from jaxrl.environments.limits import STEP_TIMEOUT_S, EnvironmentThread
 from jaxrl.environments.registry import ENVIRONMENTS
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rewards.registry import REWARDS, as_factory, example_problem
@@ -253,13 +254,15 @@ def _check_environment(label: str, target: Any, options: Mapping[str, bool]) -> 
 def check_environment(label: str, target: Any, environment_options: Mapping[str, Any]) -> None:
     """One episode of the toy problem: constructed with `environment_options`, reset, then one last turn stepped;
     the messages must be role/content dicts, the reward one finite number, done a bool (PluginError naming
-    `label` otherwise)."""
+    `label` otherwise). The calls run as a run's do (jaxrl.environments.limits): a plug-in that hangs is refused
+    after the default step limit, and a Ctrl-C stops the check at once."""
     problem = example_problem()
     turn = Turn("```python\nprint(input())\n```", (1, 2, 3), "stop", index=0, last=True)
+    calls = EnvironmentThread(label, STEP_TIMEOUT_S)
     try:
-        env = target(**environment_options)
-        check_messages(env.reset(problem), "reset")
-        out = env.step(turn)
+        env = calls.call("construction", lambda: target(**environment_options))
+        check_messages(calls.call("reset", env.reset, problem), "reset")
+        out = calls.call("step 0", env.step, turn)
     except Exception as e:  # noqa: BLE001 - re-raised naming the plug-in
         raise PluginError(f"{label}: raised {type(e).__name__} on an example episode of toy problem "
                           f"{problem.id!r}; expected {ENVIRONMENT_SIGNATURE}. Error: {e}") from e
@@ -275,6 +278,7 @@ def check_environment(label: str, target: Any, environment_options: Mapping[str,
         raise PluginError(f"{label}: step returned reward {reward!r}; expected one finite number")
     if not isinstance(done, (bool, np.bool_)):
         raise PluginError(f"{label}: step returned done={done!r}; expected True or False")
+    calls.close()
 
 
 # ------------------------------------------------------------------------------------------------ the kinds

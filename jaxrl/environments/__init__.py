@@ -3,6 +3,7 @@ episode of that loop), below the algorithms and evaluation that use them.
 
     base.py           the `Environment` protocol (reset / step; `tools`, `solved`, `seed`), `Turn`, the checks
     code_feedback.py  the built-in `code_feedback`; python_tool.py: the built-in `python_tool`
+    limits.py         the environment thread: each environment call waited for at most `step_timeout_s`, Ctrl-C honoured
     registry.py       ENVIRONMENTS by name (built-ins and `environment` plug-ins)
     runner.py         `EpisodeRunner`: episodes through any rollout backend (live rows on the jax backend)
     settings.py       `EpisodeSettings`: the episode keys of an online algorithm's block (no jax: configs import it)

@@ -14,7 +14,8 @@ may set `solved` (what evaluation counts as solved); left None, solved means a r
 `tools` (OpenAI function tools) is passed to the chat template when the first prompt is rendered (Qwen3.5's lists
 them in its system block, with the `<tool_call>` format), and the turn's calls are read with
 jaxrl.data.tool_calls. An exception from `reset` or `step` fails that episode only (its reward is masked and its
-error kept); the run goes on.
+error kept); the run goes on. So does a call that runs past the run's `step_timeout_s` (the calls run on an
+environment thread, not the main thread: jaxrl/environments/limits.py).
 
 Every environment the runner meets has the protocol's attributes: the built-ins derive from `Environment`, and a
 user's class registered as an `environment` plug-in (jaxrl.algorithms.plugins) is given its defaults

@@ -33,6 +33,12 @@ Budgets: a turn is sampled only while the episode's tokens after the prompt plus
 keeps the reward its environment gave so far, as a truncated completion scores 0; an observation with more
 characters than the tokens left could hold is not tokenised at all).
 
+Environments that hang: every environment call (construct and `reset`, each `step`) runs on an environment thread
+of the sampling thread and is waited for at most `step_timeout_s` (jaxrl/environments/limits.py): past it the
+episode fails with an error naming the environment and the limit, its environment object is not used again (the
+call is left on an abandoned daemon thread), and the others go on; a progress line every `progress_every_s` while a
+call runs long; SIGINT / SIGTERM stop the wait (`Interrupted`: the Trainer keeps its last finished step).
+
 Token versions (partial rollouts): each sampled token keeps the adapter digest the backend reports it was sampled
 with (`Episode.digests`; None for observation tokens), so a turn sampled after the trainer published a new policy
 carries that version.
@@ -49,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 from jaxrl.backends.base import Generation, RowRequest, SamplingParams
 from jaxrl.data.chat import format_chat, turn_delta_ids
 from jaxrl.environments.base import Turn, as_environment, check_messages, check_step_result
+from jaxrl.environments.limits import PROGRESS_EVERY_S, STEP_TIMEOUT_S, EnvironmentThread, check_step_timeout
 from jaxrl.rewards.base import RewardResult
 from jaxrl.rollout.collect import Collector
 
@@ -105,12 +112,15 @@ class EpisodeRunner:
     """Samples episodes through a `Collector`'s backend (module docstring). `environment`: a factory
     `(**options) -> Environment`, called once per episode, or None: single-turn episodes of given prompts, scored
     by the collector's reward. `continue_rows`: live-row continuation where the backend has it (False: every turn
-    prefills the history, to compare). `last_times` / `last_stats` (the backend's counters of the last run, e.g.
-    the jax session engine's `engine/*`) are those of the calling thread's last `run`."""
+    prefills the history, to compare). `step_timeout_s`: the limit of one environment call (0 = none), with a
+    progress line every `progress_every_s` while one runs (module docstring). `last_times` / `last_stats` (the
+    backend's counters of the last run, e.g. the jax session engine's `engine/*`) are those of the calling
+    thread's last `run`."""
 
     def __init__(self, collector: Collector, environment: Optional[Callable[..., Any]], *, tokenizer,
                  enable_thinking: bool, max_turns: int, max_new_tokens: int, max_episode_tokens: int,
-                 max_prompt_len: int, options: Optional[dict] = None, continue_rows: bool = True):
+                 max_prompt_len: int, options: Optional[dict] = None, continue_rows: bool = True,
+                 step_timeout_s: float = STEP_TIMEOUT_S, progress_every_s: float = PROGRESS_EVERY_S):
         if environment is not None and tokenizer is None:
             raise ValueError("episodes need a chat tokenizer (data.source='problems'): observations are messages")
         if max_episode_tokens < max_new_tokens:
@@ -124,6 +134,8 @@ class EpisodeRunner:
         self.max_new_tokens, self.max_episode_tokens = int(max_new_tokens), int(max_episode_tokens)
         self.max_prompt_len, self.options = int(max_prompt_len), dict(options or {})
         self.continue_rows = bool(continue_rows)
+        check_step_timeout("step_timeout_s", step_timeout_s)
+        self.step_timeout_s, self.progress_every_s = float(step_timeout_s), float(progress_every_s)
         self._local = threading.local()
         # the longest token's text: an observation longer than (tokens left + 1) x this cannot fit, whatever its ids
         self._max_token_chars = (max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -137,12 +149,24 @@ class EpisodeRunner:
     def last_stats(self) -> dict:
         return getattr(self._local, "stats", {})
 
+    def _environment_calls(self) -> EnvironmentThread:
+        """The calling thread's environment thread: every environment call of its episodes runs there."""
+        calls = getattr(self._local, "calls", None)
+        if calls is None:
+            name = getattr(self.environment, "__name__", type(self.environment).__name__)
+            calls = self._local.calls = EnvironmentThread(name, self.step_timeout_s, self.progress_every_s)
+        return calls
+
+    def _open(self, ep: Episode, problem, seed: int) -> list[dict]:
+        """Episode `ep`'s environment, made and reset (on the environment thread): its first messages."""
+        ep.env = self.environment(**self.options)
+        ep.env.seed = seed
+        return check_messages(ep.env.reset(problem), "reset")
+
     def _start(self, problem, j: int, i: int, seed: int) -> Episode:
         ep = Episode(j, i, [])
         try:
-            ep.env = self.environment(**self.options)
-            ep.env.seed = seed
-            messages = check_messages(ep.env.reset(problem), "reset")
+            messages = self._environment_calls().call("reset", self._open, ep, problem, seed)
             ep.prompt_ids = format_chat(self.tokenizer, messages, self.enable_thinking, tools=ep.env.tools)
             if len(ep.prompt_ids) > self.max_prompt_len:
                 raise ValueError(f"the first prompt has {len(ep.prompt_ids)} tokens, over data.max_prompt_len="
@@ -223,8 +247,8 @@ class EpisodeRunner:
         last = (turn + 1 >= self.max_turns or capped
                 or len(e.ids) + self.max_new_tokens > self.max_episode_tokens)
         try:
-            messages, reward, done = check_step_result(
-                e.env.step(Turn(text, tuple(tokens), g.finish_reason, turn, last)))
+            messages, reward, done = check_step_result(self._environment_calls().call(
+                f"step {turn}", e.env.step, Turn(text, tuple(tokens), g.finish_reason, turn, last)))
         except Exception as err:  # noqa: BLE001 - the episode fails, the run goes on
             e.fail(f"step {turn}", err)
             return

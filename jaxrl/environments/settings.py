@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl.environments.limits import STEP_TIMEOUT_S, check_step_timeout
 from jaxrl.utils.typed_config import Block, at_least, setting
 
 __all__ = ["EpisodeSettings"]
@@ -24,12 +25,17 @@ class EpisodeSettings(Block):
     max_turns: int = setting(4, doc="sampled turns per episode at most")
     max_episode_tokens: int = setting(8192, doc="E: the tokens an episode may add after its prompt (every turn and "
                                       "observation); training rows are data.max_prompt_len + E wide")
+    step_timeout_s: float = setting(STEP_TIMEOUT_S, doc="seconds one environment call (construct and reset, or "
+                                    "a step) may take; past it that episode fails with an error naming the "
+                                    "environment and the run goes on (the call is left on an abandoned thread); "
+                                    "0 = no limit")
 
     def turn_budget(self) -> tuple[int, int]:
         """(the cap of one turn, the overlong-penalty buffer): the block that composes this part says."""
         raise NotImplementedError(f"{type(self).__name__} composes EpisodeSettings: it must define turn_budget()")
 
     def __post_init__(self):
+        check_step_timeout(f"{self.NAME}.step_timeout_s", self.step_timeout_s)
         if self.environment:
             at_least(self.NAME, {"max_turns": 1}, self)
             cap, overlong_buffer = self.turn_budget()
