@@ -98,13 +98,15 @@ def test_async_run_resumes_bit_exact_after_random_kills_and_a_server_killed_mid_
     server = Served(tmp_path, base, *flags)
     port = int(server.url.rsplit(":", 1)[1])
     cache = tmp_path / "jax_cache"
-    args = overrides(base, [server.url], "server") + ["--config.grpo.max_staleness=2", f"--config.steps={STEPS}"]
+    args = overrides(base, [server.url], "server") + ["--config.grpo.max_staleness=2", f"--config.steps={STEPS}",
+                                                      "--config.grpo.rollout_server.fleet_wait_s=2"]
     try:
         straight = train(tmp_path / "straight", cache, *args)
         assert straight.returncode == 0, straight.stderr[-4000:]
 
         killed = tmp_path / "killed"
-        # first, the server dies while the trainer's first rows are on it: the trainer stops with one line naming it
+        # first, the only server dies while the trainer's first rows are on it: with no server left the trainer
+        # waits fleet_wait_s (2 s here) for one to come back, then stops with one line naming it
         proc = launch(killed, cache, *args)
         deadline = time.monotonic() + 600
         while not rows_in_flight(server.url) and proc.poll() is None:

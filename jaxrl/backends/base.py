@@ -147,6 +147,11 @@ class RolloutBackend(abc.ABC):
                        for nxt in (then(row, gen),) if nxt is not None]
         return {"sample_s": seconds}
 
+    def fleet_metrics(self) -> dict[str, float]:
+        """A fleet of servers (jaxrl.backends.pool): `fleet/servers_up` and `fleet/rows_resent` since this thread's
+        last call; {} for a backend of one engine."""
+        return {}
+
     def loaded_digest(self) -> Optional[str]:
         """Digest of the LoRA adapter the loaded model carries, read back from where it is served (None: none)."""
         return None

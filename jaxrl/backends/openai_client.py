@@ -61,6 +61,7 @@ from typing import Optional, Sequence
 from jaxrl.export.merge import read_provenance
 from jaxrl.models.peft import export_peft, is_peft_folder, layout_of, read_peft_adapter
 from jaxrl.backends.base import Generation, ModelSpec, Policy, RolloutBackend, SamplingParams
+from jaxrl.backends.fleet import ServerLost
 from jaxrl.backends.waiting import send_all
 from jaxrl.generation.sampling import request_seed
 from jaxrl.generation.stopping import with_stop_token
@@ -74,6 +75,11 @@ TARGET_VLLM = (0, 33)  # the vLLM version this module's requests, seeds and LoRA
 
 class ServerError(RuntimeError):
     """A server that is missing, too old, serving something else, or refusing a request; says what to do."""
+
+
+class UnreachableServer(ServerError, ServerLost):
+    """Nothing answered: the connection was refused, reset past its retries, or the request passed its timeout. A
+    fleet of servers (jaxrl.backends.fleet) takes such a server out and sends the request to another."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,15 +191,15 @@ def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
                 reason = getattr(e, "reason", e)
                 if isinstance(reason, TimeoutError) or deadline.expired:
-                    raise ServerError(f"the server at {url} did not answer within {timeout:g} s (a hung or overloaded "
-                                      f"server; the timeout is {timeout_setting})") from None
+                    raise UnreachableServer(f"the server at {url} did not answer within {timeout:g} s (a hung or "
+                                            f"overloaded server; the timeout is {timeout_setting})") from None
                 if isinstance(reason, RESET_ERRORS) and attempt < retries:
                     logger.warning("%s %s: connection reset (%s); retrying in %.1f s", method, url, reason, pause)
                     time.sleep(pause)
                     continue
-                raise ServerError(f"no server answers at {url} ({reason}); start one (`vllm serve`, "
-                                  "docs/guides/vllm.md, or `python -m launchers.serve`) or pass the URL of a running "
-                                  "one") from None
+                raise UnreachableServer(f"no server answers at {url} ({reason}); start one (`vllm serve`, "
+                                        "docs/guides/vllm.md, or `python -m launchers.serve`) or pass the URL of a "
+                                        "running one") from None
         if status == 503 and attempt < retries:
             logger.warning("%s %s: HTTP 503 (overloaded); retrying in %.1f s", method, url, pause)
             time.sleep(pause)
@@ -271,7 +277,7 @@ class ServerBackend(RolloutBackend):
                  concurrency: int = ServerOptions.concurrency,
                  request_timeout_s: float = ServerOptions.request_timeout_s,
                  progress_every_s: float = ServerOptions.progress_every_s, return_token_versions: bool = False,
-                 partial: bool = False):
+                 partial: bool = False, fleet_wait_s: float = ServerOptions.fleet_wait_s):
         if (url is None) == (launcher is None):
             raise ValueError("ServerBackend needs exactly one of url (a running server) or launcher")
         self.base_dir = os.path.abspath(base_dir)
@@ -282,6 +288,7 @@ class ServerBackend(RolloutBackend):
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.concurrency, self.request_timeout_s = max(1, int(concurrency)), float(request_timeout_s)
         self.progress_every_s = float(progress_every_s)
+        self.fleet_wait_s = float(fleet_wait_s)  # a pool of servers: how long it waits with none up (fleet.py)
         # module docstring, 'Token versions'; partial rollouts need them (a row's tokens may come from several)
         self.partial = bool(partial)
         self.return_token_versions = bool(return_token_versions) or self.partial
@@ -306,13 +313,13 @@ class ServerBackend(RolloutBackend):
             raise ServerError(f"GET {self.url}{path}: HTTP {status}: {error_message(payload)}")
         return payload
 
-    def connect(self) -> None:
+    def connect(self, timeout: float = 30.0) -> None:
         """Checks the server's version and reads which base it serves."""
-        self.description = check_version(self._get("/version"), self.url)
+        self.description = check_version(self._get("/version", timeout), self.url)
         if self.return_token_versions and not self.description.startswith(JAXRL_SERVER):
             raise ServerError(f"{self.url} ({self.description}) does not report token versions "
                               "(return_token_versions needs launchers.serve)")
-        models = self._get("/v1/models").get("data") or []
+        models = self._get("/v1/models", timeout).get("data") or []
         base = next((m for m in models if not m.get("parent")), None)
         if base is None:
             raise ServerError(f"{self.url}/v1/models lists no base model: {models!r}")
@@ -524,10 +531,10 @@ class ServerBackend(RolloutBackend):
         return [(self.url, body["n"], functools.partial(self.post_completion, body, first + j))
                 for j, body in enumerate(bodies)]
 
-    def generations(self, results: list[list[dict]], sampling: SamplingParams) -> list[Generation]:
-        """The rows of the answers to `requests`, prompt-major."""
+    def generations(self, results: list[list[dict]], sampling: SamplingParams, first: int = 0) -> list[Generation]:
+        """The rows of the answers to `requests` (prompts numbered from `first`), prompt-major."""
         rows = []
-        for j, choices in enumerate(results):
+        for j, choices in enumerate(results, start=first):
             if len(choices) < sampling.n:  # greedy: the one completion is every sample
                 choices = choices * int(sampling.n)
             for i, choice in enumerate(choices):

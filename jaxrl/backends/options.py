@@ -26,6 +26,16 @@ class ServerOptions(Block):
                                        "max_tokens")
     progress_every_s: float = setting(30.0, doc="while requests are out, a progress line this often: rows answered "
                                       "/ sent, per server (0 = none)")
+    fleet_wait_s: float = setting(600.0, doc="several servers (a training run's pool, distillation's teachers): a "
+                                  "server that stops answering is taken out and its requests go to the others; with "
+                                  "none left the run waits this long for one to answer again, then stops at its last "
+                                  "checkpoint")
+
+    def __post_init__(self):
+        if self.fleet_wait_s < 0:  # NaN and inf are refused by Block's own check, after this one
+            raise ValueError(f"fleet_wait_s (rollout_server / teacher_server) must be >= 0 seconds, got "
+                             f"{self.fleet_wait_s}")
+        super().__post_init__()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,8 @@ class ServerTeacherSpec(ScorerSpec):
         o = self.options
         return resolve(self.client)(self.urls, k=context.top_k, teacher_path=self.path, width=context.width,
                                     vocab_size=context.vocab_size, concurrency=o.concurrency,
-                                    request_timeout_s=o.request_timeout_s, progress_every_s=o.progress_every_s)
+                                    request_timeout_s=o.request_timeout_s, progress_every_s=o.progress_every_s,
+                                    fleet_wait_s=o.fleet_wait_s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,8 +31,12 @@ refuses another `distill.temperature` with this backend. Rows go out through jax
 (`concurrency` in flight per server, rows split round-robin over the servers, a progress line, SIGINT honoured);
 a reset connection or HTTP 503 is retried (scoring is deterministic). Everything that can refuse a server
 (down, answering garbage, fewer than k log-probs, a row of `width` tokens refused) is found by the probe in
-the constructor, before any training step; a server failing later fails that step's rollout naming it, and the
-run resumes from its last checkpoint once the server is back.
+the constructor, before any training step. The servers are a fleet (jaxrl.backends.fleet): a server that stops
+answering later (refused, reset, timed out) is taken out and its rows are scored by the others (the same scores:
+scoring is deterministic); it rejoins once it passes the constructor's probe again. With none left the step waits
+up to `distill.teacher_server.fleet_wait_s`, then stops in one line, and the run resumes from its last
+checkpoint once a server is back. A server that answers wrongly (an HTTP error, bad log-probs) still fails the
+step naming it: that is not a lost server but a wrong one.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import numpy as np
 from jaxrl.backends.base import Scorer
 from jaxrl.backends.openai_client import (RETRY_BACKOFF_S, ServerError, error_message, http_json, request_timeout,
                                           same_folder)
+from jaxrl.backends.fleet import Fleet
 from jaxrl.backends.waiting import send_all
 
 logger = logging.getLogger(__name__)
@@ -139,7 +144,8 @@ class ServerTeacher(Scorer):
     K_FIELD = "logprobs"  # the request field that carries k (named in a refusal)
 
     def __init__(self, urls: Sequence[str], *, k: int, width: int, vocab_size: int = 0, teacher_path: str = "",
-                 concurrency: int = 64, request_timeout_s: float = 0.0, progress_every_s: float = 30.0):
+                 concurrency: int = 64, request_timeout_s: float = 0.0, progress_every_s: float = 30.0,
+                 fleet_wait_s: float = 600.0):
         self.urls = [str(u).rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("ServerTeacher needs at least one server URL (distill.teacher_servers)")
@@ -147,14 +153,22 @@ class ServerTeacher(Scorer):
         self.concurrency, self.progress_every_s = max(1, int(concurrency)), float(progress_every_s)
         self.timeout_s = request_timeout(0, request_timeout_s)
         self.models = {url: self._probe(url, teacher_path) for url in self.urls}
+        self.fleet = Fleet(len(self.urls), name=self.urls.__getitem__, what="teacher server",
+                           rejoin=functools.partial(self._rejoin, teacher_path=teacher_path), wait_s=fleet_wait_s,
+                           progress_every_s=self.progress_every_s, wait_setting="distill.teacher_server.fleet_wait_s")
 
     # ------------------------------------------------------------------------------------------------ probe
+    def _rejoin(self, k: int, teacher_path: str) -> bool:
+        """A lost server is back once it passes the constructor's probe again (the model id it serves re-read)."""
+        self.models[self.urls[k]] = self._probe(self.urls[k], teacher_path)
+        return True
+
     def _probe(self, url: str, teacher_path: str) -> str:
         """The model id `url` serves, once a row of `width` tokens came back with k log-probs at every position."""
         try:
             status, payload = http_json("GET", url + "/v1/models", timeout=30.0)
         except ServerError as e:
-            raise ServerError(f"distill.teacher_servers: {e}") from None
+            raise type(e)(f"distill.teacher_servers: {e}") from None
         cards = payload.get("data") if isinstance(payload, dict) else None
         base = next((c for c in cards if isinstance(c, dict) and not c.get("parent")), None) \
             if status == 200 and isinstance(cards, list) else None
@@ -185,7 +199,7 @@ class ServerTeacher(Scorer):
                                         retries=len(RETRY_BACKOFF_S),
                                         timeout_setting="distill.teacher_server.request_timeout_s")
         except ServerError as e:
-            raise ServerError(f"distill.teacher_servers: {e}") from None
+            raise type(e)(f"distill.teacher_servers: {e}") from None
         if status != 200:
             raise ServerError(f"the teacher server at {url} refused a row of {len(sequence)} tokens with {self.K_FIELD}="
                               f"{self.k}: HTTP {status}: {error_message(payload)}".replace("\n", " "))
@@ -205,6 +219,7 @@ class ServerTeacher(Scorer):
             raise ValueError(f"ServerTeacher was probed for k={self.k}, asked for k={k}")
         if float(temperature) != 1.0:
             raise ValueError(f"teacher servers score at temperature 1; asked for {temperature}")
+        self.fleet.try_rejoin()  # the servers lost at an earlier step that answer again
         ids, attn = np.asarray(arrays["input_ids"]), np.asarray(arrays["attention_mask"])
         mask = np.asarray(arrays["completion_mask"]) > 0
         N, C = mask.shape
@@ -223,12 +238,16 @@ class ServerTeacher(Scorer):
             if (j < 1).any():
                 raise ValueError(f"row {i}: a completion token is not attended (attention_mask 0) or has no token "
                                  "before it")
-            url = self.urls[len(jobs) % len(self.urls)]
-            jobs.append((url, 1, functools.partial(self._post, url, self.models[url], ids[i, cols].tolist())))
+            k_server = len(jobs) % len(self.urls)
+            sequence = ids[i, cols].tolist()
+
+            def call(server, sequence=sequence):
+                return self._post(self.urls[server], self.models[self.urls[server]], sequence)
+            jobs.append((self.urls[k_server], 1, functools.partial(self.fleet.send, k_server, call, spread=len(jobs))))
             where.append((i, t, j))
         results = send_all(jobs, concurrency={u: self.concurrency for u in self.urls},
                            progress_every_s=self.progress_every_s, what=f"teacher scores of {len(jobs)} rows")
-        for (i, t, j), (logp, top_logp, top_ids) in zip(where, results):
+        for (i, t, j), (_, (logp, top_logp, top_ids)) in zip(where, results):
             out["logp"][i, t] = logp[j]
             out["top_logp"][i, t] = top_logp[j]
             out["top_ids"][i, t] = top_ids[j]

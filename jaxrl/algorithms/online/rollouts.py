@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -53,6 +54,7 @@ from jaxrl.backends.base import Policy, RolloutBackend, SamplingParams
 from jaxrl.backends.pool import policy_adapter
 from jaxrl.backends.settings import BackendContext
 from jaxrl.environments.registry import ENVIRONMENTS
+from jaxrl.environments.limits import STEP_TIMEOUT_S
 from jaxrl.environments.runner import Episode, EpisodeRunner, episode_metrics
 from jaxrl.environments.settings import EpisodeSettings
 from jaxrl.generation.buckets import MIN_PROMPT_BUCKET
@@ -85,6 +87,20 @@ class Sampled:
     token_digests: Optional[np.ndarray] = None
     # a pool of problems: difficulty/* after this rollout (jaxrl.algorithms.online.difficulty)
     difficulty: dict = dataclasses.field(default_factory=dict)
+    # a fleet of servers: fleet/servers_up after this rollout, fleet/rows_resent during it (jaxrl.backends.fleet)
+    fleet: dict = dataclasses.field(default_factory=dict)
+
+
+def no_overlap_reason(backend: str, servers: Sequence[str], platform: str) -> Optional[str]:
+    """Why sampling ahead (max_staleness >= 1) cannot overlap rollouts with training here, or None: the rollouts
+    run on the hardware the update runs on (servers on this machine while the trainer computes on its CPU cores;
+    the in-process sampler is refused with max_staleness by the config), so the two take turns and the
+    asynchronous mode only adds its thread and copies."""
+    local = [u for u in servers if re.match(r"https?://(127\.\d+\.\d+\.\d+|localhost|\[::1\])(:|/|$)", u)]
+    if platform == "cpu" and servers and len(local) == len(servers):
+        return ("the rollout servers are on this machine (loopback) and the trainer computes on its CPU: they share "
+                "its cores")
+    return None
 
 
 def to_arrays(prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], logprobs, prompt_indices,
@@ -138,6 +154,7 @@ class Rollouts:
         self.partial = async_policy.partial  # module docstring: the controller publishes, `run` sends nothing
         # the PEFT folders of the versions a row in flight may still sample with (partial: k + 1)
         self.keep_versions = async_policy.max_staleness + 1 if self.partial else 1
+        self.max_staleness = async_policy.max_staleness
         self.episodes = episodes
         self.environment = None
         self.width = self.max_new_tokens  # C: the completion columns of a row
@@ -183,12 +200,18 @@ class Rollouts:
         else:
             backend = self.build_backend(workdir, model, length + self.width - self.max_new_tokens)
         self.collector = Collector(backend, self.reward, tokenizer=self.source.tokenizer, stop_ids=self.stop_ids)
+        reason = no_overlap_reason(self.backend_name, tuple(self.block.rollout_servers), jax.default_backend())
+        if self.max_staleness and reason:
+            logging.warning("%s.max_staleness=%d will not make the run faster: %s. Sampling ahead pays only where "
+                            "rollouts run on other hardware than the update (docs/guides/vllm.md, 'Sampling ahead')",
+                            self.block.NAME, self.max_staleness, reason)
         e = self.episodes
         self.runner = EpisodeRunner(
             self.collector, self.environment, tokenizer=self.source.tokenizer, enable_thinking=self.enable_thinking,
             max_turns=e.max_turns if e is not None else 1, max_new_tokens=self.max_new_tokens,
             max_episode_tokens=self.width, max_prompt_len=self.max_prompt_len,
-            options=dict(e.environment_options) if e is not None else None)
+            options=dict(e.environment_options) if e is not None else None,
+            step_timeout_s=e.step_timeout_s if e is not None else STEP_TIMEOUT_S)
 
     def build_backend(self, workdir: str, model, max_prompt_len: int,
                       prompt_buckets: Optional[tuple] = None) -> RolloutBackend:
@@ -260,6 +283,7 @@ class Rollouts:
         else:
             served, seconds = self.sync(self.policy(model, rollout))
         sampling = self.sampling.replace(seed=self.sample_seed(rollout, draw))
+        self.collector.backend.fleet_metrics()  # start this rollout's count from 0 (a failed one left its own)
         episodes = self.runner.run(problems, group_ids, sampling,
                                    prompts=None if self.environment is not None else prompts)
         if self.on_sampled is not None:
@@ -275,6 +299,7 @@ class Rollouts:
                                     getattr(problems[e.problem_index], "id", e.problem_index), e.error)
             sampled = episodes_to_sampled(episodes, self.max_prompt_len, self.width, self.pad_id, times=times)
         sampled.adapter = dict(self.last_sync)
+        sampled.fleet = self.collector.backend.fleet_metrics()
         record = self.source.difficulty
         if record is not None:  # rows are prompt-major: a group's rows share its problem
             record.record(rollout, [str(problems[e.problem_index].id) for e in episodes], sampled.rewards,
@@ -359,4 +384,5 @@ def sample_metrics(s: Sampled, max_new_tokens: int, group: int = 0) -> dict[str,
         "completion/clipped_fraction": float((lengths >= max_new_tokens).mean()),
         **best,
         **s.difficulty,
+        **s.fleet,
     }
