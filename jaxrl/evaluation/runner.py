@@ -99,7 +99,7 @@ from jaxrl.rollout.collect import Collector, Sample
 from jaxrl.rollout.keys import problem_key
 from jaxrl.rollout.runner import REWARD_HELP, check_model_folder
 from jaxrl.rollout.sampling_loop import Counts, ProgressBar, SamplingLoop, on_disk
-from jaxrl.rollout.writer import ResumableJsonl
+from jaxrl.rollout.writer import ResumableJsonl, settings_diff
 from jaxrl.utils.io import ResumeError
 from jaxrl.utils.dataclass_flags import NOT_A_FLAG, flag_field
 from jaxrl.utils.seeds import seed_field
@@ -208,6 +208,46 @@ def episode_tokens(cfg: EvalConfig) -> int:
     """The token budget of an episode after its prompt (`max_episode_tokens`, 0: room for every turn and after
     each an observation as long as a prompt may be)."""
     return int(cfg.max_episode_tokens) or int(cfg.max_turns) * (int(cfg.max_new_tokens) + int(cfg.max_prompt_len))
+
+
+def check_episode_fits(cfg: EvalConfig, context: int, base: str) -> None:
+    """ValueError naming the flag when an episode (its prompt and its token budget) is longer than the model's
+    context: positions the model was never given, and a session row (the jax backend's caches) sized by the budget
+    that no device holds (--max_turns=1000000 asked for terabytes). Checked before anything is loaded or
+    written."""
+    if not cfg.environment:
+        return
+    budget = episode_tokens(cfg)
+    if int(cfg.max_prompt_len) + budget <= context:
+        return
+    room = context - int(cfg.max_prompt_len)
+    if cfg.max_episode_tokens:
+        flag, source = f"--max_episode_tokens={cfg.max_episode_tokens}", "max_episode_tokens"
+        fix = f"set --max_episode_tokens to at most {room}"
+    else:
+        flag, source = f"--max_turns={cfg.max_turns}", "max_turns x (max_new_tokens + max_prompt_len)"
+        fix = f"lower --max_turns, or set --max_episode_tokens (at most {room} here)"
+    if room < int(cfg.max_new_tokens):  # not even one turn fits after the prompt
+        fix = f"lower --max_prompt_len (the prompt leaves {max(room, 0)} tokens, max_new_tokens={cfg.max_new_tokens})"
+    raise ValueError(f"{flag}: an episode of up to {cfg.max_prompt_len} prompt + {budget} tokens ({source}) is longer "
+                     f"than the context of the model in {base} ({context} tokens, max_position_embeddings); {fix}")
+
+
+def holds_records(path: Path) -> bool:
+    """Whether a JSONL file holds a complete line (a torn last line, cut off on the next start, does not count)."""
+    if not path.exists():
+        return False
+    data = path.read_bytes()
+    return bool(data[:data.rfind(b"\n") + 1].strip())
+
+
+def recorded_settings_differ(log: ResumableJsonl) -> bool:
+    """Whether `log`'s settings record exists and differs from its settings in a compared key."""
+    if not log.meta_path.exists():
+        return False
+    with open(log.meta_path, encoding="utf-8") as f:
+        recorded = json.load(f).get("settings", {})
+    return bool(settings_diff(recorded, log.settings, log.compare))
 
 
 def environment_factory(name: str):
@@ -350,6 +390,7 @@ class Evaluator:
         self.reward = reward
         self.reward_kwargs = {**default_reward_kwargs(cfg.reward), **cfg.reward_kwargs}
         self.environment = environment_factory(cfg.environment) if cfg.environment else None
+        check_episode_fits(cfg, base_cfg.max_position_embeddings, cfg.base)  # before the backend sizes its rows
         # episodes: the last turn's prompt is the first prompt and the episode so far
         longest = cfg.max_prompt_len + (episode_tokens(cfg) - cfg.max_new_tokens if cfg.environment else 0)
         if backend is None:
@@ -490,9 +531,19 @@ class Evaluator:
         return self.out / "cache" / f"{name}.jsonl"
 
     def cache(self, name: str) -> ResumableJsonl:
-        """Model `name`'s resume cache (its settings are the ones its samples depend on, CACHE_KEYS)."""
-        return ResumableJsonl(self.cache_path(name), self.settings(name), compare=CACHE_KEYS, what="samples",
-                              hint="evaluate into another --out, or delete this model's cache to start it over")
+        """Model `name`'s resume cache (its settings are the ones its samples depend on, CACHE_KEYS). A cache file
+        (or part file) without a sample binds no settings: its settings record is dropped here, so an evaluation
+        that failed before its first sample (a backend out of memory, a crash) never refuses the corrected
+        command."""
+        log = ResumableJsonl(self.cache_path(name), self.settings(name), compare=CACHE_KEYS, what="samples",
+                             hint="evaluate into another --out, or delete this model's cache to start it over")
+        for file in on_disk(log):
+            # only another run's settings: a part file of this run (another process) may be between its start and
+            # its first sample
+            if not holds_records(file.path) and recorded_settings_differ(file):
+                file.meta_path.unlink(missing_ok=True)  # another process of this run may have dropped it
+                logger.info("%s: holds no samples; the settings of the run that created it are dropped", file.path)
+        return log
 
     def cached_records(self, log: ResumableJsonl) -> dict[tuple[str, int], dict]:
         """The usable records of a model's cache: of this evaluation's problems, drawn for their current version."""

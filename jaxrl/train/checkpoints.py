@@ -29,6 +29,13 @@ kill landed between the two saves, is written from it (`save_adapters`).
 
 Reading an adapter checkpoint back: `jaxrl.models.adapters.load_adapter(path, step)`.
 
+A checkpoint that cannot be written (a read-only folder, a path the OS refuses) ends the run at once in one line,
+"cannot write the checkpoint of step N to DIR: <cause>; ...", raised by `save` (Orbax creates each step's folder
+in the caller's thread, so the refusal is raised there) or, for a failure in Orbax's background threads, by
+`raise_failed_save` / `wait`. Nothing written before is touched: the earlier steps stay the newest complete ones.
+`check_writable` is the same refusal up front, before a step is trained (a probe file in each folder). A full
+disk keeps its own error (the launcher's one line naming the file).
+
 A damaged training state (a file truncated or overwritten after it landed: a full disk, a copy cut short) is a
 CorruptCheckpointError naming the file; `restore_newest` then falls back to the newest intact step and moves
 the damaged ones to `<workdir>/checkpoints/corrupt/` (never deleted: they may still be worth a look).
@@ -38,12 +45,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+import tempfile
+from typing import Callable, Optional
 
 import orbax.checkpoint as ocp
 
 from jaxrl.models.adapters import ADAPTERS, CHECKPOINTS, EMA
-from jaxrl.utils.io import CorruptCheckpointError, damaged_file
+from jaxrl.utils.io import CorruptCheckpointError, damaged_file, disk_full
 
 STATE = "state"
 CORRUPT = "corrupt"
@@ -59,6 +67,11 @@ def _manager(directory: str, max_to_keep: Optional[int], item_names: tuple, asyn
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                            enable_async_checkpointing=async_save,
                                            cleanup_tmp_directories=True,
+                                           # the step's folder is made in the caller's thread: a refused folder
+                                           # raises from save(). Made in the background (Orbax's default), the
+                                           # refusal left the threads waiting for that folder blocked for
+                                           # Orbax's 300 s coordination timeout, and the process could not exit.
+                                           async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
                                            multiprocessing_options=ocp.options.MultiprocessingOptions(
                                                barrier_sync_key_prefix=barrier_prefix))
     # Handlers named up front (not learnt from the first save): item_metadata of a step written by an earlier
@@ -84,6 +97,7 @@ class RunCheckpoints:
         self.emas = (_manager(self.ema_dir, None, ("adapter", "meta"), async_save, "jaxrl_ema")
                      if ema or os.path.isdir(self.ema_dir) else None)
         self._managers = [m for m in (self.states, self.adapters, self.emas) if m is not None]
+        self._pending: dict[int, int] = {}  # id(manager) -> the step it saved last (named by a failure's message)
 
     def latest_step(self) -> Optional[int]:
         """Newest complete training state (None when the run has none)."""
@@ -102,11 +116,11 @@ class RunCheckpoints:
              ema_params: Optional[dict] = None, ema_meta: Optional[dict] = None) -> None:
         """Save the full state, then the adapter (then the EMA adapter, when given), of `step` (asynchronously when
         enabled; the device-to-host copy happens before this returns, so the caller may donate `state` right
-        after)."""
+        after). A folder the OS refuses: the module docstring's one-line OSError."""
         if step in self.states.all_steps():  # already saved (e.g. a stop right after a cadence save)
             return
-        self.states.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave(state_meta)))
+        self._save(self.states, step, ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         meta=ocp.args.JsonSave(state_meta)))
         self.save_adapters(step, adapter_params, adapter_meta, ema_params, ema_meta)
 
     def save_adapters(self, step: int, adapter_params: dict, adapter_meta: dict,
@@ -121,13 +135,66 @@ class RunCheckpoints:
         for manager, params, meta in items:
             if step in manager.all_steps():
                 manager.delete(step)
-            manager.save(step, args=ocp.args.Composite(adapter=ocp.args.StandardSave(params),
-                                                       meta=ocp.args.JsonSave(meta)))
+            self._save(manager, step, ocp.args.Composite(adapter=ocp.args.StandardSave(params),
+                                                         meta=ocp.args.JsonSave(meta)))
 
     def wait(self) -> None:
-        """Block until every pending save is complete on disk."""
+        """Block until every pending save is complete on disk (a save that failed: its one-line OSError)."""
         for manager in self._managers:
-            manager.wait_until_finished()
+            self._write(manager, self._pending.get(id(manager)), manager.wait_until_finished)
+
+    def raise_failed_save(self) -> None:
+        """The one-line OSError of a save that failed in Orbax's background threads, as soon as it ended (without
+        waiting for a save still under way): the run stops now rather than at its next checkpoint."""
+        for manager in self._managers:
+            if not manager.is_saving_in_progress():
+                self._write(manager, self._pending.get(id(manager)), manager.wait_until_finished)
+
+    def check_writable(self) -> None:
+        """The one-line OSError now when a checkpoint folder cannot take a file (read-only, owned by another
+        user): a run refused before it trains a step it could not save. Writes and removes one probe file per
+        folder."""
+        for manager in self._managers:
+            failure = None
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=str(manager.directory))
+                os.close(fd)
+                os.remove(probe)
+            except OSError as e:
+                failure = self._unwritable(e, str(manager.directory), None)
+            if failure is not None:
+                raise failure
+
+    def _save(self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite) -> None:
+        self._pending[id(manager)] = step
+        self._write(manager, step, lambda: manager.save(step, args=args))
+
+    def _write(self, manager: ocp.CheckpointManager, step: Optional[int], write: Callable[[], None]) -> None:
+        """Runs `write` (a save of `step` by `manager`, or a wait for one); an OS error other than a full disk
+        becomes the one-line OSError of `_unwritable`."""
+        failure = None
+        try:
+            write()
+        except OSError as e:
+            failure = self._unwritable(e, str(manager.directory), step)
+            if failure is None:
+                raise
+        if failure is not None:
+            # raised outside the `except`: chained to the OS error, the launcher would print that error's path (a
+            # temporary folder) in its generic line instead of this one
+            raise failure
+
+    def _unwritable(self, err: OSError, folder: str, step: Optional[int]) -> Optional[OSError]:
+        """The one-line error of a checkpoint write the OS refused in `folder`; None for a full disk (the
+        launcher's own line names the file)."""
+        if disk_full(err) is not None:
+            return None
+        what = f"the checkpoint of step {step}" if step is not None else "checkpoints"
+        cause = err.strerror or str(err)
+        newest = self.states.latest_step()
+        resume = f"the newest complete checkpoint, step {newest}" if newest is not None else "the start"
+        return OSError(f"cannot write {what} to {folder}: {cause}; make it writable (or use another --workdir) and "
+                       f"rerun the same command: it resumes from {resume}")
 
     def restore(self, step: int, abstract_state) -> tuple:
         """(state, meta) of `step`; `abstract_state` gives structure, dtypes and shardings

@@ -12,7 +12,10 @@ fsdp -> one jitted step (accumulation, update, non-finite masking) -> metrics li
 (and at the end) the task's checkpoint phase runs (e.g. DPO's held-out evaluation; its record is written to
 metrics.jsonl) and then an adapter artifact and the full state are saved: in that order, so a state on disk always
 has its checkpoint record beside it (a kill before the state commits resumes from an earlier step and redoes
-both). `max_consecutive_nonfinite` skipped updates in a row (0 = never stop) save a checkpoint and raise
+both). A checkpoint that cannot be written (a read-only folder) stops the run in one line naming the folder and
+the cause, at its save or at the step after (jaxrl.train.checkpoints), and before the first step when the folder
+refuses a probe file; the checkpoints written before stay as they were. `max_consecutive_nonfinite` skipped
+updates in a row (0 = never stop) save a checkpoint and raise
 NonFiniteError.
 
 One writer per workdir: process 0 holds the workdir's lock (`.jaxrl.lock`, jaxrl.utils.io.writer_lock) from the
@@ -336,6 +339,8 @@ class Trainer:
     def _run(self) -> RunResult:
         os.makedirs(self.workdir, exist_ok=True)
         start = self.restore_latest()
+        if start < self.steps:  # a folder that cannot take a checkpoint: refused before anything else is written
+            self.ckpt.check_writable()
         self._write_config(start)
         writer = MetricsWriter(self.workdir, tensorboard=self.config.tensorboard, enabled=self.main,
                                mirror=open_mirror(self.config, self.workdir, enabled=self.main))
@@ -402,6 +407,7 @@ class Trainer:
                     # the saves before this one have landed (a save waits for the one in flight), with the states
                     # they pruned deleted; this one's pruning is told at the next checkpoint or at the end
                     self.task.on_saved(self.ckpt.state_steps())
+                self.ckpt.raise_failed_save()  # a checkpoint that failed in the background ends the run now
                 if self.on_step_end is not None:
                     self.on_step_end(done, self)
                 if interrupt.requested() is not None:  # SIGINT / SIGTERM: this step is done; save it and stop

@@ -33,9 +33,11 @@ than k versions (a resume with a smaller k) is dropped, counted and sampled agai
 `rollout/policy_step` (the step of the parameters its rollout was sampled from), `rollout/staleness` (updates
 between those and the ones it updates), `rollout/staleness_mean` / `_max` (in policy versions, one per rollout;
 every token of a rollout has its rollout's version), `rollout/dropped_stale`, `rollout/samples_digest` (which
-samples the step trains), and at a rollout's first step `time/trainer_idle_s` (the trainer's wait: the whole
-rollout when synchronous), `time/rollout_wait_s` and `time/rollout_idle_s` (the producer's wait for the staleness
-bound before that rollout). Without partial rollouts every rollout is sampled whole by one version.
+samples the step trains), and at a rollout's first step `time/trainer_idle_s` (every second the trainer waited on
+rollouts since the previous rollout's first step: for this rollout, the whole of it when synchronous, and at each
+checkpoint in between for the rollouts in flight to land, `settle`), `time/rollout_wait_s` (the wait for this
+rollout alone) and `time/rollout_idle_s` (the producer's wait for the staleness bound before that rollout).
+Without partial rollouts every rollout is sampled whole by one version.
 
 Partial rollouts (`partial_rollouts`, launchers.serve only, with k >= 1 and the decoupled loss; single-turn rows and
 episodes alike): the producer runs up to k rollouts on the servers at once (prompts of rollouts r+1 .. r+k queued
@@ -152,6 +154,8 @@ class RolloutController:
         self.dropped_stale = 0  # rollouts read back over the staleness bound, dropped (this process)
         self.dropped_stale_samples = 0  # partial rollouts: samples with a token over the bound (this process)
         self._pending: dict[int, concurrent.futures.Future] = {}  # rollout -> the producer's work on it
+        # the trainer's waits outside a rollout's own (checkpoint drains, `settle`), not yet in a trainer_idle_s
+        self._idle_unreported = 0.0
         self._producer: Optional[Producer] = None
         # partial rollouts: the versions published when this thread's sampling last ended (the tokens' digests are
         # mapped with what was published by then, not with what the trainer published since)
@@ -188,8 +192,10 @@ class RolloutController:
         buffer, metrics, made_timing = made
         timing.update(made_timing)
         # the trainer's wait: the whole synchronous rollout, or what it waited for the producer (the publish before
-        # it and the proximal pass after it are work: time/adapter_sync_s, time/proximal_logp_s)
-        timing["time/trainer_idle_s"] = time.perf_counter() - t0
+        # it and the proximal pass after it are work: time/adapter_sync_s, time/proximal_logp_s), and the checkpoint
+        # drains since the last report (their steps' records were written before the drain)
+        timing["time/trainer_idle_s"] = time.perf_counter() - t0 + self._idle_unreported
+        self._idle_unreported = 0.0
         if "token_versions" in buffer:
             metrics = self._bound_tokens(rollout, buffer, metrics)
         # at its first step, or a run resumed inside a rollout it had to sample again: the proximal pass is due
@@ -335,7 +341,15 @@ class RolloutController:
     def settle(self) -> None:
         """Waits for the rollouts the producer holds (each writes itself to the store); raises an error of theirs.
         One a signal stopped (it was waiting for servers) is dropped with those after it: the checkpoint the Trainer
-        then writes does not need them (a resume samples them again)."""
+        then writes does not need them (a resume samples them again). The wait is the trainer's idle time, reported
+        in the next rollout's time/trainer_idle_s."""
+        t0 = time.perf_counter()
+        try:
+            self._drain()
+        finally:
+            self._idle_unreported += time.perf_counter() - t0
+
+    def _drain(self) -> None:
         for q in sorted(self._pending):
             try:
                 self._pending[q].result()
