@@ -18,8 +18,10 @@ from typing import Any, Callable
 from jaxrl.data.problems import Problem, load_problems
 from jaxrl.rewards.base import Reward
 from jaxrl.rewards.code import CodeVerifier
+from jaxrl.rewards.reasoning_gym import ReasoningGymReward
 from jaxrl.rewards.toy import (ArithmeticReward, CharsetReward, ExactMatchReward, FunctionReward, PatternReward,
                                TokenBlockReward)
+from jaxrl.data.reasoning_gym import require as require_reasoning_gym
 from jaxrl.utils.registry import PluginError, Registry, resolve
 
 __all__ = ["REWARDS", "as_factory", "available_rewards", "example_problem", "get_reward", "register_reward"]
@@ -44,11 +46,27 @@ def as_factory(target: Any) -> Callable[..., Reward]:
     return factory
 
 
-REWARDS = Registry("reward", hint="Or name a reward of your own as 'module:function'")
+class _Rewards(Registry):
+    """The reward registry, where a reward may need an optional package: looking it up (`get`) runs its check, so
+    a run, rollout or evaluation that names it without the package is refused in one line by the first check that
+    looks the name up (jaxrl.rollout.runner.check_reward_choice, before any model loads), not when it is built."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.needs: dict[str, Callable[[], Any]] = {}  # name -> a check that raises when its package is missing
+
+    def get(self, name: str) -> Any:
+        if name in self.needs:
+            self.needs[name]()
+        return super().get(name)
+
+
+REWARDS = _Rewards("reward", hint="Or name a reward of your own as 'module:function'")
 for _name, _factory in (("code", CodeVerifier), ("exact_match", ExactMatchReward), ("pattern", PatternReward),
                         ("arithmetic", ArithmeticReward), ("charset", CharsetReward),
-                        ("token_block", TokenBlockReward)):
+                        ("token_block", TokenBlockReward), ("reasoning_gym", ReasoningGymReward)):
     REWARDS.add(_name, _factory)
+REWARDS.needs["reasoning_gym"] = require_reasoning_gym  # pip install -e '.[tasks]'
 
 
 def register_reward(name: str, factory: Callable[..., Reward]) -> None:
