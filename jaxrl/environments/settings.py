@@ -16,8 +16,9 @@ class EpisodeSettings(Block):
     """Multi-turn episodes: each row is a policy and an environment taking turns. A part of an online algorithm's
     block, which says what one turn may take (`turn_budget`)."""
 
-    environment: str = setting("", doc="'' = single-turn; else an environment (code_feedback, python_tool, or an "
-                               "`environment` plug-in): each row is an episode of up to max_turns turns")
+    environment: str = setting("", doc="'' = single-turn; else an environment (code_feedback, python_tool, "
+                               "answer_retry, or an `environment` plug-in): each row is an episode of up to "
+                               "max_turns turns")
     environment_options: dict = setting({}, dict, "keyword arguments of the environment (code_feedback: "
                                         "public_tests, feedback_chars, score, turn_cost, reward_tests and the "
                                         "verifier's; python_tool: output_chars, tool_timeout_s, score, turn_cost and "
