@@ -216,7 +216,9 @@ def pass_program(spec: dict, cfg):
                                                     "chunk_size", "values"))
         static = dict(max_new_tokens=C, adapters=False, temperature=1.0, chunk_size=512, values=False)
     graphdef, state = nnx.split(model)
-    return fn, (graphdef, state, ids, ids), static, model
+    if spec["kind"] == "teacher":
+        return fn, (graphdef, state, ids, ids), static, model
+    return fn, (graphdef, state, {"input_ids": ids, "attention_mask": ids}), static, model
 
 
 def pass_flops_per_token(cfg, seq_len: int) -> float:

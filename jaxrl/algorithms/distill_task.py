@@ -44,13 +44,15 @@ import numpy as np
 from jaxrl.algorithms import distill_loss as dl
 from jaxrl.algorithms import grpo as grpo_lib
 from jaxrl.algorithms.online.buffer import Schedule
+from jaxrl.algorithms.online.layout import OnlineLayout
+from jaxrl.algorithms.online.passes import completion_inputs
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
 from jaxrl.backends.jax_teacher import check_same_vocabulary
 from jaxrl.backends.scorers import ScorerContext
 from jaxrl.data.stream import epoch_stream, token_rows
 from jaxrl.models import qwen35
-from jaxrl.models.teacher_forced import Head, completion_start, next_token_logprobs
+from jaxrl.models.teacher_forced import Head, next_token_logprobs
 from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.distill_config import DistillConfig
 
@@ -72,10 +74,9 @@ class DistillObjective:
 
     def loss(self, model, mb, normalisers, rng):
         mask = mb["completion_mask"]
-        ids = mb["input_ids"]
-        student = next_token_logprobs(model, ids, mb["attention_mask"], start=completion_start(ids, mask.shape[1]),
-                                      temperature=self.temperature, chunk_size=self.chunk_size,
-                                      head=Head.support(mb["teacher_top_ids"]))
+        args, layout = completion_inputs(mb, mask.shape[1])  # padded or packed rows
+        student = next_token_logprobs(model, *args, temperature=self.temperature, chunk_size=self.chunk_size,
+                                      head=Head.support(mb["teacher_top_ids"]), **layout)
         logp, s_top, s_rest, s_argmax = student.logp, student.support_logp, student.rest_logp, student.argmax
         sg = jax.lax.stop_gradient
         t_top, t_rest, t_logp = mb["teacher_top_logp"], mb["teacher_rest_logp"], mb["teacher_logp"]
@@ -190,6 +191,15 @@ class DistillTask(OnlineTask):
         self.train_keys = ("input_ids", "attention_mask", "completion_mask", "teacher_logp", "teacher_top_logp",
                            "teacher_top_ids", "teacher_rest_logp") + (
             ("reward_advantages",) if d.reward_weight else ())
+        self.layout = OnlineLayout(d.layout, width=d.max_new_tokens, pad_id=rollouts.pad_id, name=d.NAME)
+        self.micro_batch_size = config.batch.micro_batch_size
+
+    def batch(self, step: int):
+        """The step's rows in the layout the rule picks (jaxrl/algorithms/online/layout.py), packed per
+        micro-batch: the student's pass. The teacher scores the padded rows (its scorer's own layout)."""
+        out, host = super().batch(step)
+        out, counters = self.layout.apply(out, self.micro_batch_size)
+        return out, {**host, **counters}
 
     def make_rollout(self, rollout: int, policy):
         d, rows = self.d, self.d.rows_per_rollout

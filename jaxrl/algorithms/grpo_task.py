@@ -83,6 +83,7 @@ from jaxrl.algorithms.grpo_config import GRPOConfig
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule, check_rows
 from jaxrl.algorithms.online.controller import proximal_pass
+from jaxrl.algorithms.online.layout import OnlineLayout
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.replay import GroupReplay
 from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
@@ -232,11 +233,20 @@ class GRPOTask(OnlineTask):
             ("behaviour_logp", "rollout_mask") if self.mismatch_in_step else
             ("is_weights",) if corrected or self.async_policy.decoupled else ())
         self.mesh = mesh
+        self.layout = OnlineLayout(grpo.layout, width=rollouts.width, pad_id=rollouts.pad_id, name=grpo.NAME)
+        self.micro_batch_size = config.batch.micro_batch_size
 
     def setup(self, context) -> None:
         super().setup(context)
         if self.replay is not None:
             self.replay.open(context.workdir)
+
+    def batch(self, step: int):
+        """The step's rows in the layout the rule picks (jaxrl/algorithms/online/layout.py), packed per
+        micro-batch."""
+        out, host = super().batch(step)
+        out, counters = self.layout.apply(out, self.micro_batch_size)
+        return out, {**host, **counters}
 
     def shaped_rewards(self, s: Sampled) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """(rewards the advantages come from, DAPO overlong penalty or None): the reward plus that penalty."""
@@ -308,7 +318,7 @@ class GRPOTask(OnlineTask):
         metrics.update(event)
         passes = RolloutPasses(policy, arrays, temperature=grpo.temperature, batch_size=grpo.logprob_batch_size,
                                chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options,
-                               reference=reference)
+                               reference=reference, layout=self.layout)
         # the reference at the sampling temperature, like the policy's log-probs
         ref = passes.logp(Role.REFERENCE) if grpo.beta != 0.0 or grpo.kl_in_reward else None
         old = s.behaviour_logp if grpo.temperature == 1.0 else None  # the sampler's are untempered
@@ -354,6 +364,7 @@ class GRPOTask(OnlineTask):
             if weights is not None:
                 buffer["is_weights"] = weights
         metrics.update(passes.timings())
+        metrics.update(passes.layout_metrics())
         if self.replay is not None:  # groups without a signal replaced by kept ones that had one
             buffer, replayed = self.replay.apply(rollout, buffer, ~zero_var.reshape(-1, group)[:, 0])
             metrics.update(replayed)

@@ -69,6 +69,7 @@ from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule
 from jaxrl.algorithms.online.controller import proximal_pass
+from jaxrl.algorithms.online.layout import OnlineLayout
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
@@ -229,6 +230,8 @@ class PPOTask(OnlineTask):
                             "(as vLLM does by default), so the weights are those of the untempered distributions",
                             ppo.rollout_correction, ppo.temperature)
         self.mesh = mesh
+        self.layout = OnlineLayout(ppo.layout, width=rollouts.width, pad_id=rollouts.pad_id, name=ppo.NAME)
+        self.micro_batch_size = config.batch.micro_batch_size
 
     # host state: the KL coefficient -------------------------------------------------------------------------
     def host_state(self) -> dict:
@@ -244,7 +247,9 @@ class PPOTask(OnlineTask):
             on = step >= self.ppo.critic_warmup_steps
             out["policy_on"] = np.full(len(out["input_ids"]), float(on), np.float32)
             host["critic_warmup"] = float(not on)
-        return out, host
+        # the layout the rule picks, packed per micro-batch (jaxrl/algorithms/online/layout.py)
+        out, counters = self.layout.apply(out, self.micro_batch_size)
+        return out, {**host, **counters}
 
     def make_rollout(self, rollout: int, policy):
         ppo = self.ppo
@@ -256,7 +261,7 @@ class PPOTask(OnlineTask):
         metrics.update(event)
         passes = RolloutPasses(policy, arrays, temperature=ppo.temperature, batch_size=ppo.logprob_batch_size,
                                chunk_size=self.chunk_size, mesh=self.mesh, compile_options=self.compile_options,
-                               values=True, reference=reference)
+                               values=True, reference=reference, layout=self.layout)
         # Old log-probs from a teacher-forced pass (the same numerics as the loss) in the pass the values need.
         cur = {"logp": passes.logp(Role.OLD), "values": passes.values()}
         ref = passes.logp(Role.REFERENCE)
@@ -267,6 +272,7 @@ class PPOTask(OnlineTask):
         metrics.update(mismatch)
         timings = passes.timings()
         metrics.update({"time/policy_pass_s": timings.pop("time/old_logp_s"), **timings})
+        metrics.update(passes.layout_metrics())
 
         masked = np.isnan(s.rewards)  # the reward masked these samples (truncation policy "mask"): no loss
         mask = s.completion_mask * (~masked)[:, None].astype(np.float32)

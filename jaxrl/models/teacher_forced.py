@@ -28,7 +28,11 @@ teacher's round as the student's support does (max subtracted first), so the los
 Positions: the hidden state at position t predicts token t + 1, so the pass over positions [start, T - 1) gives
 the log-probs of tokens [start + 1, T): start 0 scores every token but the first (a server's echo, SFT, DPO);
 start P - 1 scores a completion that starts at column P (online RL, distillation: nothing is computed over the
-prompt), `completion_start(input_ids, C)` for a completion of C columns at the end of the row.
+prompt), `completion_start(input_ids, C)` for a completion of C columns at the end of the row. Packed rows
+(jaxrl/algorithms/online/layout.py) instead give `positions` [b, C]: the flat index (row * T + column) of the hidden
+state that predicts each token; the pass reads the head at those hidden states only (the token is the one after
+it, flat index + 1), so a packed pass returns [b, C] arrays in the padded layout's order, its head over the
+completion tokens only, as a padded pass computes it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jaxrl.models.lora import adapters_disabled
 from jaxrl.ops.logprobs import support_logprobs, token_logprobs, topk_support
@@ -95,24 +100,30 @@ def completion_start(input_ids: jax.Array, width: int) -> int:
 def next_token_logprobs(model, input_ids: jax.Array, attention_mask: Optional[jax.Array], *, start: int = 0,
                         temperature: float = 1.0, chunk_size: int = 512, entropy: bool = False,
                         head: Optional[Head] = None, segment_ids: Optional[jax.Array] = None,
-                        adapters: bool = True) -> TeacherForced:
+                        adapters: bool = True, positions: Optional[jax.Array] = None) -> TeacherForced:
     """The pass of the module docstring over input_ids / attention_mask [B, T]. head: what is read besides the
     taken token's log-prob (default Head.logp()). adapters False: with the model's LoRA adapters disabled (the
-    reference policy). segment_ids: packed rows (`Qwen35.hidden_states`)."""
+    reference policy). segment_ids: packed rows (`Qwen35.hidden_states`). positions [b, L] int: read the tokens
+    predicted by these flat hidden-state indices (module docstring) instead of columns [start + 1, T); the
+    outputs are then [b, L]."""
     head = Head.logp() if head is None else head
     if entropy and head.kind != "logp":
         raise ValueError(f"next_token_logprobs: entropy=True goes with Head.logp() only, not {head.kind}")
 
     def forward():
         hidden, _ = model.hidden_states(input_ids, attention_mask, segment_ids=segment_ids)
-        return hidden[:, start:-1]
+        if positions is None:
+            return hidden[:, start:-1]
+        # gradients reach the packed rows' hidden states through the gather (its transpose is a scatter-add)
+        return jnp.take(hidden.reshape(-1, hidden.shape[-1]), positions, axis=0, mode="clip")
 
     if adapters:
         hidden = forward()
     else:
         with adapters_disabled(model):
             hidden = forward()
-    targets = input_ids[:, start + 1:]
+    targets = (input_ids[:, start + 1:] if positions is None
+               else jnp.take(input_ids.reshape(-1), positions + 1, mode="clip"))
     weight = model.head_weight()
     if head.kind == "top_k":
         logp, top_logp, top_ids, rank = token_logprobs(hidden, weight, targets, chunk_size=chunk_size,

@@ -13,6 +13,10 @@ All are the one pass of jaxrl.models.teacher_forced over the sequence layout of 
 rollouts.py (completion token t, column P + t, is predicted by the hidden state of column P + t - 1, so every
 per-token array is [N, C] and nothing is computed over the prompt), run by one jitted program `batch_size` rows a
 call (jaxrl.parallel.batched_forward). `policy_forward` is the same pass inside the losses' jitted step.
+
+Packed rows (jaxrl/algorithms/online/layout.py): with a `layout`, the rollout's rows are packed per call of
+`batch_size` rows when the layout's rule says it pays, and a train batch that carries `completion_index` is
+packed; either way the pass returns the same [N, C] arrays (`completion_layout` gives the pass its arguments).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Optional
 import numpy as np
 from flax import nnx
 
+from jaxrl.algorithms.online.layout import PACKED_KEYS, is_packed, model_inputs
 from jaxrl.models.teacher_forced import completion_start, next_token_logprobs
 from jaxrl.parallel import batched_forward
 
@@ -34,27 +39,37 @@ class Role(enum.Enum):
     MISMATCH = "mismatch"
 
 
-def completion_pass(model, input_ids, attention_mask, max_new_tokens: int, *, chunk_size: int, temperature: float,
+def completion_inputs(batch: dict, width: int) -> tuple[tuple, dict]:
+    """((input_ids, attention_mask), keyword arguments of `next_token_logprobs`) that select a batch's C = `width`
+    completion tokens: the columns after the prompt (padded rows), or the packed rows as the model computes them
+    with their segments and `completion_index` (jaxrl/algorithms/online/layout.py)."""
+    if is_packed(batch):
+        ids, mask, segments = model_inputs(batch)
+        return (ids, mask), {"segment_ids": segments, "positions": batch["completion_index"]}
+    return (batch["input_ids"], batch["attention_mask"]), {"start": completion_start(batch["input_ids"], width)}
+
+
+def completion_pass(model, batch: dict, max_new_tokens: int, *, chunk_size: int, temperature: float,
                     entropy: bool = False, adapters: bool = True):
-    """The teacher-forced pass over the completion columns: (hidden [b, C, H], logp [b, C], entropy or None)."""
-    out = next_token_logprobs(model, input_ids, attention_mask, start=completion_start(input_ids, max_new_tokens),
-                              temperature=temperature, chunk_size=chunk_size, entropy=entropy, adapters=adapters)
+    """The teacher-forced pass over the completion columns of `batch` (input_ids, attention_mask; packed rows:
+    PACKED_KEYS): (hidden [b, C, H], logp [b, C], entropy or None)."""
+    args, layout = completion_inputs(batch, max_new_tokens)
+    out = next_token_logprobs(model, *args, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
+                              adapters=adapters, **layout)
     return out.hidden, out.logp, out.entropy
 
 
 def policy_forward(model, micro_batch, *, chunk_size: int, temperature: float, entropy: bool):
-    """(hidden [b, C, H], logp [b, C], entropy or None) of a GRPO/PPO micro-batch's completion tokens: the
-    forward both objectives start from (PPO's value head reads the same hidden states)."""
-    return completion_pass(model, micro_batch["input_ids"], micro_batch["attention_mask"],
-                           micro_batch["completion_mask"].shape[1], chunk_size=chunk_size, temperature=temperature,
-                           entropy=entropy)
+    """(hidden [b, C, H], logp [b, C], entropy or None) of a GRPO/PPO micro-batch's completion tokens (padded or
+    packed rows): the forward both objectives start from (PPO's value head reads the same hidden states)."""
+    return completion_pass(model, micro_batch, micro_batch["completion_mask"].shape[1], chunk_size=chunk_size,
+                           temperature=temperature, entropy=entropy)
 
 
-def _pass(graphdef, state, input_ids, attention_mask, *, max_new_tokens, adapters, temperature, chunk_size,
-          values):
+def _pass(graphdef, state, batch, *, max_new_tokens, adapters, temperature, chunk_size, values):
     model = nnx.merge(graphdef, state)
-    hidden, logp, _ = completion_pass(model, input_ids, attention_mask, max_new_tokens, chunk_size=chunk_size,
-                                      temperature=temperature, adapters=adapters)
+    hidden, logp, _ = completion_pass(model, batch, max_new_tokens, chunk_size=chunk_size, temperature=temperature,
+                                      adapters=adapters)
     out = {"logp": logp}
     if values:
         out["values"] = model.value_head(hidden)
@@ -64,11 +79,15 @@ def _pass(graphdef, state, input_ids, attention_mask, *, max_new_tokens, adapter
 class RolloutPasses:
     """The passes of one rollout by role (module docstring). `values`: the OLD pass also reads the value head
     (PPO). Results are [N, C] float32, zero off the completion mask. `timings()`: `time/<role>_logp_s` of every
-    role, the seconds its pass took (0 for a pass not run, or one another role's run served)."""
+    role, the seconds its pass took (0 for a pass not run, or one another role's run served). `layout`: an
+    OnlineLayout (jaxrl/algorithms/online/layout.py) that decides once per rollout whether its passes run on
+    packed rows; `layout_metrics()` its `layout/pass_*` counters ({} without one, or before any pass ran)."""
 
     def __init__(self, policy, arrays: dict, *, temperature: float, batch_size: int, chunk_size: int = 512,
-                 mesh=None, compile_options: Optional[dict] = None, values: bool = False, reference=None):
-        self.policy, self.arrays = policy, arrays
+                 mesh=None, compile_options: Optional[dict] = None, values: bool = False, reference=None,
+                 layout=None):
+        self.policy, self.arrays, self.layout = policy, arrays, layout
+        self._laid_out: Optional[tuple[dict, dict]] = None
         self.reference = reference  # a model whose adapters are the reference (a reset); None: the adapters off
         self.temperature, self.batch_size, self.chunk_size = float(temperature), int(batch_size), int(chunk_size)
         self.mesh, self.compile_options, self.with_values = mesh, compile_options, bool(values)
@@ -89,12 +108,25 @@ class RolloutPasses:
             t0 = time.perf_counter()
             which, adapters, temperature = key
             model = self.reference if which == "reference" else self.policy
-            self._done[key] = teacher_forced(model, self.arrays, adapters=adapters, temperature=temperature,
-                                             batch_size=self.batch_size, chunk_size=self.chunk_size, mesh=self.mesh,
-                                             compile_options=self.compile_options,
-                                             values=self.with_values and adapters)
+            out = teacher_forced(model, self._arrays(), adapters=adapters, temperature=temperature,
+                                 batch_size=self.batch_size, chunk_size=self.chunk_size, mesh=self.mesh,
+                                 compile_options=self.compile_options, values=self.with_values and adapters)
+            # packed rows come in whole groups: the empty rows that completed the last one go
+            self._done[key] = {k: v[:len(self.arrays["input_ids"])] for k, v in out.items()}
             self.seconds[role] = time.perf_counter() - t0
         return self._done[key]
+
+    def _arrays(self) -> dict:
+        """The rollout's arrays in the layout its passes use (chosen at the first pass, the same for all)."""
+        if self.layout is None:
+            return self.arrays
+        if self._laid_out is None:
+            group = batched_forward.pass_batch_size(self.batch_size, len(self.arrays["input_ids"]), self.mesh)
+            self._laid_out = self.layout.apply(self.arrays, group, where="pass")
+        return self._laid_out[0]
+
+    def layout_metrics(self) -> dict[str, float]:
+        return {} if self._laid_out is None else dict(self._laid_out[1])
 
     def timings(self) -> dict[str, float]:
         return {f"time/{role.value}_logp_s": seconds for role, seconds in self.seconds.items()}
@@ -110,9 +142,10 @@ class RolloutPasses:
 def teacher_forced(model, arrays: dict, *, adapters: bool, batch_size: int, temperature: float = 1.0,
                    chunk_size: int = 512, values: bool = False, mesh=None, compile_options: Optional[dict] = None,
                    max_new_tokens: Optional[int] = None) -> dict[str, np.ndarray]:
-    """{"logp": [N, C] (+ "values": [N, C])} of every row of `arrays` (input_ids, attention_mask, completion_mask)
-    under `model` with its adapters on or off: one jitted program, `batch_size` rows per call. C: the completion
-    mask's width (`max_new_tokens`, when given, must be it)."""
+    """{"logp": [N, C] (+ "values": [N, C])} of every row of `arrays` (input_ids, attention_mask, completion_mask;
+    packed rows: also segment_ids and completion_index, packed per call of `batch_size` rows) under `model` with
+    its adapters on or off: one jitted program, `batch_size` rows per call. C: the completion mask's width
+    (`max_new_tokens`, when given, must be it)."""
     program = batched_forward.jit_program(_pass, ("graphdef", "max_new_tokens", "adapters", "temperature",
                                                   "chunk_size", "values"), compile_options, mesh)
     graphdef, state = nnx.split(model)
@@ -120,10 +153,11 @@ def teacher_forced(model, arrays: dict, *, adapters: bool, batch_size: int, temp
     if max_new_tokens is not None and int(max_new_tokens) != width:
         raise ValueError(f"max_new_tokens={max_new_tokens}, but the completion mask is {width} wide")
     max_new_tokens = width
+    keys = PACKED_KEYS if is_packed(arrays) else ("input_ids", "attention_mask")
     out = batched_forward.map_batches(
-        lambda b: program(graphdef, state, b["input_ids"], b["attention_mask"], max_new_tokens=max_new_tokens,
+        lambda b: program(graphdef, state, b, max_new_tokens=max_new_tokens,
                           adapters=adapters, temperature=float(temperature), chunk_size=chunk_size, values=values),
-        arrays, ("input_ids", "attention_mask"), batch_size=batch_size, mesh=mesh)
+        arrays, keys, batch_size=batch_size, mesh=mesh)
     mask = np.asarray(arrays["completion_mask"]) > 0
     # Padding positions hold whatever the model computed there; zero them so buffers are clean.
     return {k: np.where(mask, v, 0.0).astype(np.float32) for k, v in out.items()}

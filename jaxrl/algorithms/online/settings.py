@@ -74,6 +74,10 @@ class SamplingSettings(Block):
     top_k: int = setting(0)
     rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
     logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass (reference, old log-probs, values)")
+    layout: str = setting("auto", doc="rows of the teacher-forced passes and the train step: auto (packed end to end "
+                          "when rows are >= 1024 tokens and packing computes at most 0.8 of the padded row tokens, "
+                          "else padded) | padded | packed (jaxrl/algorithms/online/layout.py)",
+                          choices=("auto", "padded", "packed"))
 
     def __post_init__(self):
         # an infinite temperature divides every logit to 0 (uniform sampling, with an overflow warning from the

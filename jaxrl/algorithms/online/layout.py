@@ -1,0 +1,203 @@
+"""Online rows laid out for the teacher-forced passes and the train step: padded, as the rollouts make them, or
+packed (issue 51).
+
+    layout = OnlineLayout("auto", width=C, pad_id=0, name="grpo")
+    arrays, metrics = layout.apply(arrays, group=8, where="pass")  # packed: input_ids, attention_mask,
+                                                                    # segment_ids [N, L], completion_index [N, C]
+
+padded: the rollout's layout (jaxrl/algorithms/online/rollouts.py): [N, P + C], prompts left-padded, completions
+right-padded; one shape for the whole run.
+
+packed: each group of k consecutive rows -- a micro-batch of the train step (the trainer splits the global batch
+into consecutive micro-batches, jaxrl.train.step.split_batch), one call of a rollout pass
+(jaxrl.parallel.batched_forward) -- becomes R <= k packed rows of L tokens holding the group's sequences (each
+row's real tokens, prompt then completion, no padding) end to end with `segment_ids` (jaxrl.data.packing:
+first-fit decreasing). L is the shortest length of the ladder `packing.row_lengths(P + C)` that holds the batch's
+longest sequence, R the fewest of the ladder ROW_FRACTIONS x k into which every group of the batch fits, so a run
+compiles few shapes. The R x L tokens are stored as k rows of R x L / k (the trainer and the passes split and shard
+batches by rows; `packed_rows`, an empty [k, R] array, carries R) and the model sees them as R x L. For completion
+column t of row i, `completion_index` [N, C] holds the flat index (within the group's R x L tokens) of the hidden
+state that predicts that token. The passes read the head at those hidden states only (jaxrl.models.teacher_forced,
+`positions=`), so log-probs, entropies, values (PPO's value head reads the same hidden states) and a distillation
+support come back [N, C] in the padded order: every loss, per-sequence normaliser and metric downstream runs its
+padded code unchanged, and the gradient flows back through the gather. Why this layout: packing is then a layout
+of the model's input only, row i of every [N, C] array is still sequence i, so the micro-batch split and the
+losses are untouched; and the head (a vocabulary-wide matmul) runs over the completion tokens only, as in the
+padded layout, never over the prompts. (On a mesh the gather crosses the rows' shards: correct, with the
+communication XLA adds.)
+
+Where it pays (`layout = "auto"`): packed when its row tokens (the rows x L, padding included) are at most
+PACK_MARGIN of the padded row tokens (N x (P + C)); padded otherwise: it compiles one shape, and its numbers are
+the ones earlier runs logged. Rows shorter than MIN_PACKED_ROW (the tests', the demo's) always stay padded. `layout = "padded" | "packed"` forces one. The first decision of
+the train step and of the rollout passes is logged with its reason, and again the first time it changes.
+
+Counters (metrics of every step): `layout/packed` (0/1), `layout/row_tokens` (tokens the forward computes, padding
+included), `layout/padding_tokens` (of those, the ones that hold no token) and `layout/prompt_tokens` (prompt tokens
+computed: each row's own prompt, so a group's prompt num_generations times) of the train step's batch;
+`layout/pass_*` the same of one of the rollout's teacher-forced passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Optional
+
+import numpy as np
+from absl import logging
+
+from jaxrl.data import packing
+
+LAYOUTS = ("auto", "padded", "packed")
+PACK_MARGIN = 0.8  # auto packs when its row tokens are at most this share of the padded ones
+PAD_MULTIPLE = 64  # packed row lengths round up to it (jaxrl.data.packing.row_lengths)
+# auto leaves rows shorter than this padded: such steps are bound by dispatch and compiles (a new shape costs seconds
+# to minutes), not by row tokens; and the tests' and the demo's rows keep the numbers earlier runs logged
+MIN_PACKED_ROW = 1024
+PACKED_KEYS = ("input_ids", "attention_mask", "segment_ids", "completion_index", "packed_rows")
+
+
+def is_packed(batch) -> bool:
+    return "completion_index" in batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One batch's layout: packed or not, the packed rows of a group (their count and length, and which of the
+    group's sequences each holds), the counters of the chosen layout and the reason."""
+
+    packed: bool
+    row_len: int
+    rows: int  # packed rows per group
+    placed: list
+    group: int
+    counters: dict
+    reason: str
+
+
+def _counters(attention_mask: np.ndarray, width: int, row_tokens: int) -> dict[str, float]:
+    real = int(np.count_nonzero(attention_mask))
+    prompt = int(np.count_nonzero(attention_mask[:, :attention_mask.shape[1] - width]))
+    return {"row_tokens": float(row_tokens), "padding_tokens": float(row_tokens - real),
+            "prompt_tokens": float(prompt)}
+
+
+class OnlineLayout:
+    """Chooses and applies the layout of online rows (module docstring). `setting`: auto | padded | packed;
+    `width`: C, the completion columns; `name`: the block's, for the log line."""
+
+    def __init__(self, setting: str = "auto", *, width: int, pad_id: int = 0, name: str = "",
+                 multiple: int = PAD_MULTIPLE):
+        if setting not in LAYOUTS:
+            raise ValueError(f"{name or 'online'}.layout={setting!r}; choose one of {LAYOUTS}")
+        self.setting, self.width, self.pad_id, self.name = setting, int(width), int(pad_id), name
+        self.multiple = int(multiple)
+        self._said: dict[str, set] = {}
+        self._lock = threading.Lock()  # rollouts sampled ahead run their passes on producer threads
+
+    def plan(self, attention_mask: np.ndarray, group: int) -> Plan:
+        """The layout of rows with this attention mask [N, P + C] in groups of `group` consecutive rows (a last
+        group of fewer rows is planned as if padded with empty rows)."""
+        attn = np.asarray(attention_mask) > 0
+        n, total = attn.shape
+        group = max(1, int(group))
+        lengths = attn.sum(1).astype(int)
+        groups = [lengths[g:g + group].tolist() for g in range(0, n, group)]
+        row_len, rows, placed = packed_rows(groups, group, packing.row_lengths(total, self.multiple))
+        padded_tokens, packed_tokens = n * total, len(groups) * rows * row_len
+        share = packed_tokens / max(padded_tokens, 1)
+        shape = f"{rows} rows of {row_len} tokens per {group} sequences"
+        if self.setting == "auto" and total < MIN_PACKED_ROW:
+            packed = False
+            reason = f"rows of {total} tokens are short of {MIN_PACKED_ROW}: padded compiles one shape"
+        elif self.setting == "auto":
+            packed = share <= PACK_MARGIN
+            reason = (f"packed ({shape}) computes {share:.2f} of the padded row tokens ({group} rows of {total}), "
+                      f"{'<=' if packed else '>'} {PACK_MARGIN}")
+        else:
+            packed = self.setting == "packed"
+            reason = f"{self.name}.layout={self.setting!r} (packed: {shape}, {share:.2f} of the padded row tokens)"
+        counters = _counters(attn, self.width, packed_tokens if packed else padded_tokens)
+        return Plan(packed, row_len, rows, placed, group, counters, reason)
+
+    def apply(self, arrays: dict, group: int, where: str = "train") -> tuple[dict, dict[str, float]]:
+        """(arrays in the chosen layout, metrics): padded arrays are returned as they are; packed ones have
+        PACKED_KEYS replaced or added and every other key unchanged. where: "train" (metrics `layout/*`) or
+        "pass" (`layout/pass_*`)."""
+        plan = self.plan(arrays["attention_mask"], group)
+        self._log(plan, where)
+        prefix = "layout/" if where == "train" else "layout/pass_"
+        metrics = {prefix + "packed": float(plan.packed), **{prefix + k: v for k, v in plan.counters.items()}}
+        if not plan.packed:
+            return arrays, metrics
+        return pack(arrays, plan, self.width, self.pad_id), metrics
+
+    def _log(self, plan: Plan, where: str) -> None:
+        with self._lock:
+            said = self._said.setdefault(where, set())
+            if plan.packed in said:
+                return
+            first = not said
+            said.add(plan.packed)
+        what = "the train step" if where == "train" else "the rollout passes"
+        logging.info("%s layout of %s%s: %s (%s)", self.name or "online", what, "" if first else " changes",
+                     "packed" if plan.packed else "padded", plan.reason)
+
+
+def packed_rows(groups: list, group: int, lengths) -> tuple[int, int, list]:
+    """(row length L, rows per group R, per group its rows' sequence indices): L the shortest of the ladder
+    `lengths` that holds the longest sequence, R the fewest of the row-count ladder (ROW_FRACTIONS of `group`)
+    into which every group fits first-fit decreasing, L then rounded up so that R x L splits into `group` equal
+    rows of storage (module docstring)."""
+    longest = max((max(g) for g in groups if g), default=1)
+    row_len = min((length for length in lengths if length >= longest), default=max(longest, 1))
+    for rows in sorted({max(1, int(np.ceil(f * group))) for f in packing.ROW_FRACTIONS} | {group}):
+        placed = [packing.first_fit(g, rows, row_len) for g in groups]
+        if all(p is not None for p in placed):
+            break
+    step = group // math.gcd(rows, group)
+    return -(-row_len // step) * step, rows, placed
+
+
+def pack(arrays: dict, plan: Plan, width: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """`arrays` (the rollout layout: input_ids, attention_mask [N, P + C], other per-row arrays) laid out by
+    `plan` (module docstring): PACKED_KEYS replaced or added; with N not a multiple of the group, every array
+    gets empty rows up to the next multiple (a pass's results are cut back to N)."""
+    ids, attn = np.asarray(arrays["input_ids"]), np.asarray(arrays["attention_mask"]) > 0
+    n, total = ids.shape
+    group, rows, L = plan.group, plan.rows, plan.row_len
+    padded_n = -(-n // group) * group
+    prompt, storage = total - width, rows * L // group
+    out = {k: np.zeros((padded_n // group, rows, L), np.int32) for k in PACKED_KEYS[:3]}
+    out["input_ids"][:] = pad_id
+    index = np.zeros((padded_n, width), np.int32)
+    for g, placed in zip(range(0, n, group), plan.placed):
+        seqs = [{"input_ids": ids[i][attn[i]]} for i in range(g, min(g + group, n))]
+        part = packing.pack_rows(seqs, placed, L, pad_id)
+        for k in PACKED_KEYS[:3]:
+            out[k][g // group] = part[k]
+        for r, members in enumerate(placed):
+            offset = r * L  # flat position in the group's R x L tokens
+            for j in members:
+                i = g + j
+                # each column's position in its sequence (the model's own count: the mask's cumulative sum), so
+                # completion column t sits at offset + that position, and the state before it predicts it
+                at = (np.cumsum(attn[i]) - 1)[prompt:]
+                index[i] = np.where(attn[i, prompt:] & (at > 0), offset + at - 1, 0)
+                offset += len(seqs[j]["input_ids"])
+    packed = {k: v.reshape(padded_n, storage) for k, v in out.items()}
+    packed["completion_index"] = index
+    packed["packed_rows"] = np.zeros((padded_n, rows), np.int8)  # its shape carries R (static in the program)
+    rest = {k: v for k, v in arrays.items() if k not in packed}
+    if padded_n > n:
+        rest = {k: np.concatenate([np.asarray(v), np.zeros((padded_n - n,) + np.shape(v)[1:], np.asarray(v).dtype)])
+                for k, v in rest.items()}
+    return {**rest, **packed}
+
+
+def model_inputs(batch: dict) -> tuple:
+    """(input_ids, attention_mask, segment_ids) of a packed batch (or micro-batch, or pass call) of k rows of
+    storage as the model computes them: R x L (`packed_rows` carries R)."""
+    rows = batch["packed_rows"].shape[-1]
+    return tuple(batch[k].reshape(rows, -1) for k in PACKED_KEYS[:3])
