@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-heavy test-all test-fast bench install install-test clean
+.PHONY: demo demo-tasks test test-heavy test-all test-fast bench install install-test clean
 
 $(VENV)/.core-installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ install-test: $(VENV)/.test-installed
 
 demo: $(VENV)/.core-installed
 	$(PY) -m launchers.demo --workdir=demo_workdir
+
+# A reasoning-gym task (spell_backward) learned by the tiny model: SFT, then GRPO and on-policy distillation, each
+# selected on dev and confirmed on held-out (jaxrl/demo_tasks.py). Needs the optional extra reasoning-gym.
+demo-tasks: $(VENV)/.core-installed
+	$(PY) -c "import reasoning_gym" 2>/dev/null || $(PIP) install -e '.[tasks]'
+	$(PY) -m launchers.demo_tasks --workdir=demo_tasks_workdir
 
 # One XLA compilation cache per test run, shared by both workers and every subprocess: tests that restart a run
 # (resume, sweeps, launchers) or build the same tiny model compile each program once (a fresh folder each run).
@@ -62,4 +68,4 @@ bench: $(VENV)/.test-installed
 	$(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf demo_workdir bench_out .pytest_cache
+	rm -rf demo_workdir demo_tasks_workdir bench_out .pytest_cache

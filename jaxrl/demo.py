@@ -115,6 +115,22 @@ def sft_rows(tokenizer, problems: list[dict], seed: int, copies: int = 4) -> lis
     return rows
 
 
+def write_tiny_model(out: Path, corpus: list[str], seed: int) -> str:
+    """The demo's pretrained model at `out` (written beside it, then moved in place): a character-level tokenizer
+    of `corpus`'s characters and a random 2-layer tiny Qwen3.5 container of that vocabulary; a one-line summary."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # one token per character (answers are scored per character), and no characters outside the task's
+    vocab = minimal_vocab_size(corpus, printable_ascii=False)
+    build_tiny_tokenizer(os.fspath(tmp), corpus, vocab_size=vocab, printable_ascii=False)
+    # 4 spare ids at the top: the container's image/video/vision-start/end tokens (vocab - 4 ... vocab - 1)
+    cfg = tiny(vocab_size=vocab + 4, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+               eos_token_id=1)
+    write_tiny_checkpoint(os.fspath(tmp), cfg, seed=seed, layout="container", head_scale=HEAD_SCALE)
+    os.replace(tmp, out)
+    return f"vocab {vocab + 4}, hidden {cfg.hidden_size}, 2 layers (Gated DeltaNet + full attention)"
+
+
 # ------------------------------------------------------------------------------------------------------ stages
 
 
@@ -163,19 +179,8 @@ class Demo:
         out = self.p["pretrained"]
         if (out / "tokenizer.json").exists():
             return "exists"
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
         corpus = [p["messages"][0]["content"] for p in make_problems(64, self.s.seed, "train")]
-        corpus += [DIGITS, LETTERS, "system user assistant\n"]
-        # one token per character (answers are scored per character), and no characters outside the task's
-        vocab = minimal_vocab_size(corpus, printable_ascii=False)
-        build_tiny_tokenizer(os.fspath(tmp), corpus, vocab_size=vocab, printable_ascii=False)
-        # 4 spare ids at the top: the container's image/video/vision-start/end tokens (vocab - 4 ... vocab - 1)
-        cfg = tiny(vocab_size=vocab + 4, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-                   eos_token_id=1)
-        write_tiny_checkpoint(os.fspath(tmp), cfg, seed=self.s.seed, layout="container", head_scale=HEAD_SCALE)
-        os.replace(tmp, out)
-        return f"vocab {vocab + 4}, hidden {cfg.hidden_size}, 2 layers (Gated DeltaNet + full attention)"
+        return write_tiny_model(out, corpus + [DIGITS, LETTERS, "system user assistant\n"], self.s.seed)
 
     # -- 2
     def tasks(self) -> str:
@@ -254,13 +259,13 @@ class Demo:
         c.data.pad_multiple = 16
         c.data.eval_fraction = 0.125
         result = self._train(c, self.p["dpo"])
-        return _summary(result.records, ("loss", "preference_accuracy", "reward_margin"))
+        return summarize_records(result.records, ("loss", "preference_accuracy", "reward_margin"))
 
     # -- 6
     def grpo(self) -> str:
         c = grpo_demo.build(self.p["base"], self.p["train"], self.s)
         result = self._train(c, self.p["grpo"])
-        return _summary(result.records, ("reward/mean", "kl"))
+        return summarize_records(result.records, ("reward/mean", "kl"))
 
     # -- 7
     def exports(self) -> str:
@@ -339,7 +344,7 @@ class Demo:
         return os.fspath(path)
 
 
-def _summary(records: list, keys) -> str:
+def summarize_records(records: list, keys) -> str:
     rows = [r for r in records if any(k in r for k in keys)]
     if not rows:
         return ""

@@ -46,6 +46,23 @@ def test_split_identity_comes_from_the_manifest(splits, tmp_path):
         P.split_identity(splits / "dev.jsonl")
 
 
+def test_a_reference_row_is_never_selected(splits, tmp_path):
+    """A distillation's teacher shown as a reference (`--references`) beats every checkpoint; the selection still
+    takes the best candidate. Before (2e1e1a6..this fix), write_selection took the best of every row: the teacher
+    was selected and then confirmed on held-out as if it were the student (found by the reasoning-gym recipe)."""
+    dev = P.split_identity(splits / "dev.jsonl")
+    results = _results(dev)
+    results["models"]["teacher"] = {"step": None, "fingerprint": "f_t", "adapter_digest": None, "reference": True,
+                                    "source": {"kind": "hf", "path": "/models/teacher"}}
+    results["comparisons"].append({"model": "teacher", "baseline": "base", "metric": "partial_reward_mean",
+                                   "diff": 0.4, "ci_low": 0.3, "ci_high": 0.5, "n_pairs": 10, "reference": True})
+    rec = P.write_selection(tmp_path / "eval_dev", results, metric="partial_reward_mean", base="/models/base")
+    assert rec["model"]["name"] == "step_4" and rec["n_candidates"] == 2
+    results["comparisons"] = [c for c in results["comparisons"] if c.get("reference")]
+    with pytest.raises(P.ProtocolError, match="no comparison of a candidate"):
+        P.write_selection(tmp_path / "eval_dev2", results, metric="partial_reward_mean", base="/models/base")
+
+
 def test_select_then_confirm_once(splits, tmp_path):
     dev = P.split_identity(splits / "dev.jsonl")
     sel_dir = tmp_path / "eval_dev"

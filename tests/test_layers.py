@@ -28,7 +28,8 @@ import jaxrl
 ROOT = Path(__file__).resolve().parent.parent
 
 # Third-party packages that may be imported inside a function: optional, or heavy and needed by one path only.
-OPTIONAL = {"torch", "vllm", "matplotlib", "tensorboardX", "transformers", "tokenizers", "datasets"}
+OPTIONAL = {"torch", "vllm", "matplotlib", "tensorboardX", "transformers", "tokenizers", "datasets",
+            "reasoning_gym"}  # reasoning_gym: the [tasks] extra, imported where a task is generated or scored
 # (importing module, imported module): why the import stays inside a function.
 FUNCTION_LEVEL_OK: dict = {}
 # Modules whose function-level imports of the standard library are deliberate.

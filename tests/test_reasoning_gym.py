@@ -24,7 +24,7 @@ from reasoning_gym.utils import extract_answer as rg_extract_answer
 from jaxrl.data.problems import load_problems, save_problems
 from jaxrl.data.reasoning_gym import TaskSettings, check_tasks, draw_seed, generate
 from jaxrl.rewards import get_reward
-from jaxrl.rewards.answers import extract_answer, format_answer
+from jaxrl.data.answers import extract_answer, format_answer
 from launcher_env import ROOT, error_lines, launch, launch_env
 
 SMALL_ARITHMETIC = {"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}

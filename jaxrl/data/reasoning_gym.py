@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 from typing import Any, Mapping, Optional, Sequence
 
+from jaxrl.data.chat import encode_prompts
 from jaxrl.data.problems import Problem, problems_jsonl_bytes
-from jaxrl.rewards.answers import EXTRACTIONS, check_extraction, format_answer
+from jaxrl.data.answers import EXTRACTIONS, check_extraction, format_answer
 from jaxrl.utils.dataclass_flags import flag_field
 from jaxrl.utils.registry import nearest
 
@@ -71,8 +73,7 @@ def require():
 
 def version() -> str:
     """The installed distribution's version (the module's own __version__ lags its releases)."""
-    from importlib.metadata import version as dist_version
-    return dist_version(DISTRIBUTION)
+    return importlib.metadata.version(DISTRIBUTION)
 
 
 def _parse_configs(value: Any) -> dict:
@@ -304,7 +305,6 @@ def sft_rows(tokenizer, problems: Sequence[Problem], *, max_len: int = 2048, ena
              ) -> list[dict]:
     """Supervised rows of the generated answers (algorithm = "sft", data.source = jsonl): the chat-templated prompt,
     then the task's answer in the problem's answer format and <|im_end|>, the loss on the answer only."""
-    from jaxrl.data.chat import encode_prompts
     enc = encode_prompts(tokenizer, [p.messages for p in problems], enable_thinking, max_len, on_overlong="skip",
                          names=[p.id for p in problems])
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")

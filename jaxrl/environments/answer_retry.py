@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from jaxrl.environments.base import SCORES, Environment, Turn
 from jaxrl.rewards.base import problem_field
+from jaxrl.rewards.registry import get_reward
 
 __all__ = ["AnswerRetry"]
 
@@ -28,7 +29,6 @@ class AnswerRetry(Environment):
 
     def __init__(self, reward: str = "reasoning_gym", reward_options: Optional[dict] = None, score: str = "partial",
                  turn_cost: float = 0.0):
-        from jaxrl.rewards import get_reward
         if score not in SCORES:
             raise ValueError(f"answer_retry: score must be one of {SCORES}, got {score!r}")
         if not math.isfinite(float(turn_cost)) or float(turn_cost) < 0:

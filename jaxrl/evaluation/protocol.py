@@ -122,7 +122,8 @@ def begin_selection(problems: str | os.PathLike, out_dir: str | os.PathLike,
 
 def write_selection(out_dir: str | os.PathLike, results: Mapping, *, metric: str = "partial_reward_mean",
                     base: Optional[str] = None) -> dict:
-    """Records the model chosen on this (dev) evaluation: the largest difference to the baseline on ``metric``.
+    """Records the model chosen on this (dev) evaluation: the largest difference to the baseline on ``metric``,
+    among the candidates (a reference row is never one).
 
     ``results``: the evaluation's results.json (with ``protocol.split``, ``models[...].fingerprint`` / ``source``
     and ``selection``). Writes and returns ``<out_dir>/selection.json``.
@@ -132,9 +133,10 @@ def write_selection(out_dir: str | os.PathLike, results: Mapping, *, metric: str
     if not split:
         raise ProtocolError(f"{out_dir}: selection needs problems from a frozen split (launchers.import_problems "
                             "--split writes one with its manifest.json); this evaluation's problems are not one")
-    rows = [c for c in results.get("comparisons", []) if c["metric"] == metric]
+    # reference rows (a distillation's teacher, --references) are shown beside the candidates, never selected
+    rows = [c for c in results.get("comparisons", []) if c["metric"] == metric and not c.get("reference")]
     if not rows:
-        raise ProtocolError(f"{out_dir}: no comparison on {metric!r} to select with")
+        raise ProtocolError(f"{out_dir}: no comparison of a candidate on {metric!r} to select with")
     best = max(rows, key=lambda c: c["diff"])
     name = best["model"]
     entry = results["models"][name]

@@ -23,10 +23,10 @@ import math
 import threading
 from typing import Any, Mapping, Optional
 
-from jaxrl.data.reasoning_gym import require
-from jaxrl.rewards.answers import check_extraction, extract_answer
+from jaxrl.data.reasoning_gym import require, version
+from jaxrl.data.answers import check_extraction, extract_answer
 from jaxrl.rewards.base import RewardResult, TruncationPolicy, problem_field
-from jaxrl.rewards.toy import _PerSampleReward
+from jaxrl.rewards.toy import PerSampleReward
 
 __all__ = ["ReasoningGymReward", "task_entry"]
 
@@ -65,14 +65,13 @@ def task_entry(problem: Any):
     answer = (tests[0]["output"] if isinstance(tests[0], Mapping) else tests[0].output) if tests else None
     want = "" if entry["answer"] is None else str(entry["answer"])
     if question != str(entry["question"]) or answer != want:
-        from jaxrl.data.reasoning_gym import version
         raise ValueError(f"problem {problem_field(problem, 'id')!r}: reasoning-gym {version()} generates another "
                          f"problem at {spec['task']} #{spec['index']} than the {spec.get('version', '?')} that made "
                          "it; regenerate the problems (launchers.import_problems --tasks) or install that version")
     return dataset, entry
 
 
-class ReasoningGymReward(_PerSampleReward):
+class ReasoningGymReward(PerSampleReward):
     """Scores with the task's own score_answer (module docstring). `extract`: tag | last_line | regex | all, or None
     for the answer format each problem records; `tag` and `pattern` override the recorded ones too."""
 

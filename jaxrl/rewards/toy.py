@@ -33,7 +33,7 @@ def expected_answer(problem: Any) -> str:
     raise KeyError("problem has neither an 'answer' nor tests to take the expected answer from")
 
 
-class _PerSampleReward:
+class PerSampleReward:
     """Shared batch logic: truncation (the one loop of every toy reward), then a per-sample score: reasoning
     stripping and a check by default."""
 
@@ -64,7 +64,7 @@ class _PerSampleReward:
                                                     normalize_truncated(truncated, len(completions)))]
 
 
-class ExactMatchReward(_PerSampleReward):
+class ExactMatchReward(PerSampleReward):
     """1 if the answer equals the expected one after stripping whitespace (optionally ignoring case)."""
 
     def __init__(self, case_sensitive: bool = True, truncation: TruncationPolicy = "zero"):
@@ -76,7 +76,7 @@ class ExactMatchReward(_PerSampleReward):
         return got == want if self.case_sensitive else got.casefold() == want.casefold()
 
 
-class PatternReward(_PerSampleReward):
+class PatternReward(PerSampleReward):
     """1 if a regular expression matches the answer: ``pattern=`` here, or the problem's "pattern" field."""
 
     def __init__(self, pattern: str | None = None, fullmatch: bool = False, flags: int = re.DOTALL,
@@ -122,7 +122,7 @@ def evaluate_arithmetic(expression: str) -> Fraction:
     return walk(ast.parse(expression, mode="eval"))
 
 
-class ArithmeticReward(_PerSampleReward):
+class ArithmeticReward(PerSampleReward):
     """1 if the last number in the answer equals the problem's value within ``tolerance``.
 
     The value is ``problem["answer"]`` (or the first test's output), or ``problem["expression"]`` evaluated
@@ -143,7 +143,7 @@ class ArithmeticReward(_PerSampleReward):
         return math.isclose(float(got), float(want), rel_tol=0.0, abs_tol=self.tolerance) or got == want
 
 
-class CharsetReward(_PerSampleReward):
+class CharsetReward(PerSampleReward):
     """Partial credit: the fraction of the answer's non-space characters that lie in the allowed set.
 
     The set is ``charset=`` here, or the problem's ``metadata["charset"]``, or its first test's output. An empty
@@ -175,7 +175,7 @@ class CharsetReward(_PerSampleReward):
         return RewardResult(partial=partial, strict=partial >= 1.0, tests=[])
 
 
-class FunctionReward(_PerSampleReward):
+class FunctionReward(PerSampleReward):
     """Wraps a user function ``fn(answer, problem, **kwargs) -> bool | float | RewardResult``."""
 
     def __init__(self, fn: Callable[..., Any], truncation: TruncationPolicy = "zero", **kwargs: Any):
