@@ -27,6 +27,18 @@ Programs (bf16 base weights, LoRA r16 / alpha 32 on all 12 projections, fp32 ada
   reference_4b GRPO's reference pass (`jaxrl.algorithms.online.passes._pass`, the policy with its adapters off),
                8 rows of 2,048 + 4,096 tokens a call: what the teacher pass replaces
 
+`--layouts=padded,packed,shared_prefix` compiles `grpo_4b` and `reference_4b` in each online layout
+(jaxrl/algorithms/online/layout.py) for a draw of the users' lengths (`users_draw`, `--seed`): 20 prompts x 8
+samples, each prompt's length uniform on [P/2, P] (1,024-2,048 tokens) and shared by its 8 samples, 45% of the
+completions (72 of 160, drawn at random) at the cap C (4,096: their evaluations hit it 43-49% of the time) and the
+others uniform on [C/16, C) (256-4,095). `padded`: the rollout's [N, P + C] rows (the programs above, unchanged);
+`packed`: the rows packed end to end with `segment_ids` at the shape `OnlineLayout.plan` picks for the draw (the
+train step per micro-batch of 4 rows, the pass per call of 8); `shared_prefix`: the padded rows with each group's
+prompt computed once and its completions continuing the prompt's caches (jaxrl/algorithms/online/shared_prefix.py;
+`prefix_rows` [N, n] in the batch, n found in the rows: 4 per micro-batch, 8 per call). Each object's `layout`
+says what the plan chose (packed: rows per group and their length, the rows each group needs; shared_prefix: n),
+the row and padding tokens against the padded layout's, and what `layout="auto"` would decide, with its reason.
+
 `--scan_layers=both` compiles each train step with the layers scanned (`Qwen35Config.scan_layers`: one
 compiled block of three Gated DeltaNet layers and one attention layer) and unrolled; decode is never scanned.
 `--num_layers=N` compiles the programs at the model's widths with N layers of its block (what scanning saves at
@@ -76,6 +88,8 @@ import sys
 import time
 from typing import Optional
 
+import numpy as np
+
 # One CPU device: the train steps' meshes are (1, 1, 1), and `remat="auto"` divides tokens by the device count. The
 # test suite's 8 fake devices (XLA_FLAGS) would change both; drop them before jax starts.
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
@@ -106,6 +120,72 @@ TINY = {
     "teacher_9b": dict(prompt_len=16, new_tokens=32, rows=4),
     "reference_4b": dict(prompt_len=16, new_tokens=32, rows=4),
 }
+
+
+LAYOUT_KINDS = ("grpo", "reference")  # the programs compiled in the online layouts (--layouts)
+ONLINE_LAYOUTS = ("padded", "packed", "shared_prefix")
+CAP_SHARE = 0.45  # the users' completions at the cap (43-49% of their evaluations)
+
+
+def users_draw(spec: dict, seed: int = 0, cap_share: float = CAP_SHARE) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(attention mask [N, P + C] in the rollout's layout, input ids, a description) of the users' lengths (module
+    docstring): groups of 8 rows sharing a prompt of uniform length on [P/2, P]; round(cap_share x N) completions,
+    drawn at random, at C, the others uniform on [C/16, C). N: the train step's rows (`rows`) or, for a pass, 160
+    (the step's rollout). The ids: each group's prompt one token, each row's completion another (what tells the
+    shared_prefix layout which rows share a prompt)."""
+    P, C = spec["prompt_len"], spec["new_tokens"]
+    n = spec["rows"] if spec["kind"] != "reference" else spec.get("rollout_rows", 160)
+    k = 8  # samples per prompt
+    rng = np.random.default_rng(seed)
+    prompts = np.repeat(rng.integers(P // 2, P + 1, -(-n // k)), k)[:n]
+    at_cap = np.zeros(n, bool)
+    at_cap[rng.permutation(n)[:int(round(cap_share * n))]] = True
+    completions = np.where(at_cap, C, rng.integers(max(1, C // 16), C, n))
+    columns = np.arange(P + C)
+    attn = ((columns >= (P - prompts)[:, None]) & (columns < (P + completions)[:, None])).astype(np.int32)
+    token = np.where(columns[None, :] < P, 1 + np.arange(n)[:, None] // k, 1000 + np.arange(n)[:, None])
+    ids = (attn * token).astype(np.int32)
+    about = {"seed": seed, "rows": int(n), "samples_per_prompt": k,
+             "prompt_len": f"uniform [{P // 2}, {P}] per prompt",
+             "completion_len": (f"{C} for {int(at_cap.sum())} of {n} rows at random, else uniform "
+                                f"[{max(1, C // 16)}, {C - 1}]"),
+             "at_cap": round(float(at_cap.mean()), 4), "mean_prompt": round(float(prompts.mean()), 1),
+             "mean_completion": round(float(completions.mean()), 1),
+             "real_over_padded_tokens": round(float(attn.sum() / attn.size), 4)}
+    return attn, ids, about
+
+
+def layout_plan(spec: dict, layout: str, seed: int = 0):
+    """(plan or None, report) of `layout` for the users' draw: the group is the train step's micro-batch or the
+    pass's rows per call, as GRPOTask.batch and RolloutPasses apply it."""
+    from jaxrl.algorithms.online.layout import OnlineLayout
+    from jaxrl.data import packing
+    attn, ids, about = users_draw(spec, seed)
+    C, total = spec["new_tokens"], attn.shape[1]
+    group = spec["micro_batch"] if spec["kind"] == "grpo" else spec["rows"]
+    auto = OnlineLayout("auto", width=C, name="grpo").plan(attn, group)
+    report = {"layout": layout, "draw": about, "group": group,
+              "auto": {"packed": auto.packed, "reason": auto.reason}, "padded_row_tokens": float(attn.size),
+              "padding_tokens_padded": float(attn.size - attn.sum())}
+    if layout == "padded":
+        return None, report
+    plan = OnlineLayout(layout, width=C, name="grpo").plan(attn, group, ids)
+    if layout == "shared_prefix":
+        report.update({"prefix_group": plan.shared, "reason": plan.reason,
+                       **{k: plan.counters[k] for k in ("row_tokens", "padding_tokens", "prompt_tokens")},
+                       "share_of_padded": round(plan.counters["row_tokens"] / attn.size, 4)})
+        if not plan.shared:
+            raise ValueError(f"shared_prefix fell back to padded: {plan.reason}")
+        return plan, report
+    lengths = attn.sum(1)
+    need = [next(r for r in range(1, group + 1)  # the fewest rows of L each group fits in
+                 if packing.first_fit(lengths[g:g + group].tolist(), r, plan.row_len))
+            for g in range(0, len(lengths), group)]
+    report.update({"rows_per_group": plan.rows, "row_len": plan.row_len, "row_tokens": plan.counters["row_tokens"],
+                   "padding_tokens": plan.counters["padding_tokens"],
+                   "share_of_padded": round(plan.counters["row_tokens"] / attn.size, 4),
+                   "groups_by_rows_needed": {str(r): need.count(r) for r in sorted(set(need))}})
+    return plan, report
 
 
 def model_config(name: str, shape: str, scan: Optional[bool], num_layers: Optional[int] = None):
@@ -193,7 +273,7 @@ def resident_gib(cfg, trainable: bool) -> float:
     return (frozen + 3 * 4 * n) / GIB  # fp32 adapters, mu and nu
 
 
-def pass_program(spec: dict, cfg):
+def pass_program(spec: dict, cfg, plan=None):
     """(jitted pass, positional args, static kwargs, abstract model) of a forward-only pass: the in-process
     teacher's (`teacher`) or GRPO's reference (`reference`), `rows` rows of P + C tokens a call, as
     `jaxrl.parallel.batched_forward` calls them (chunk_size = TrainConfig.logprob_chunk_size's default 512)."""
@@ -205,6 +285,15 @@ def pass_program(spec: dict, cfg):
     from jaxrl.backends import jax_teacher
     T, C = spec["prompt_len"] + spec["new_tokens"], spec["new_tokens"]
     ids = jax.ShapeDtypeStruct((spec["rows"], T), jnp.int32)
+    shared = getattr(plan, "shared", 0)
+    if shared:  # padded rows, each group of `shared` rows one prompt (jaxrl/algorithms/online/shared_prefix.py)
+        batch = {"input_ids": ids, "attention_mask": ids,
+                 "prefix_rows": jax.ShapeDtypeStruct((spec["rows"], shared), jnp.int8)}
+    elif plan is not None:  # packed rows of one call (layout.py): R x L stored as rows x R L / rows
+        storage = jax.ShapeDtypeStruct((spec["rows"], plan.rows * plan.row_len // spec["rows"]), jnp.int32)
+        batch = {"input_ids": storage, "attention_mask": storage, "segment_ids": storage,
+                 "completion_index": jax.ShapeDtypeStruct((spec["rows"], C), jnp.int32),
+                 "packed_rows": jax.ShapeDtypeStruct((spec["rows"], plan.rows), jnp.int8)}
     if spec["kind"] == "teacher":
         model = abstract_model(cfg, "none", adapters=False)
         fn = jax.jit(jax_teacher.teacher_pass, static_argnames=("graphdef", "max_new_tokens", "k", "temperature",
@@ -218,6 +307,8 @@ def pass_program(spec: dict, cfg):
     graphdef, state = nnx.split(model)
     if spec["kind"] == "teacher":
         return fn, (graphdef, state, ids, ids), static, model
+    if plan is not None:
+        return fn, (graphdef, state, batch), static, model
     return fn, (graphdef, state, {"input_ids": ids, "attention_mask": ids}), static, model
 
 
@@ -285,7 +376,7 @@ def kept_activations(micro_loss, params, frozen, micro_batch, normalisers, rng) 
             "largest": [[round(b / GIB, 2), shape] for shape, b in by_shape.most_common(5)]}
 
 
-def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: float):
+def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: float, plan=None):
     """(jitted step, abstract args, remat report, rows per micro-batch, tokens per row, abstract model, a function
     of no arguments giving `kept_activations`) of a DPO or GRPO step."""
     import functools
@@ -346,6 +437,14 @@ def train_step_program(spec: dict, cfg, remat: str, dpo_reference: str, limit: f
                  "completion_mask": sds((n_micro, mb, C), f32), "advantages": sds((n_micro, mb), f32),
                  "sequence_mask": sds((n_micro, mb), f32), "ref_logp": sds((n_micro, mb, C), f32)}
         rows = mb
+        if getattr(plan, "shared", 0):  # padded rows + prefix_rows [mb, n]: each group's prompt once
+            batch["prefix_rows"] = sds((n_micro, mb, plan.shared), jnp.int8)
+        elif plan is not None:  # each micro-batch's rows packed: R rows of L tokens, stored as mb rows of R L / mb
+            storage = sds((n_micro, mb, plan.rows * plan.row_len // mb), i32)
+            batch.update({"input_ids": storage, "attention_mask": storage, "segment_ids": storage,
+                          "completion_index": sds((n_micro, mb, C), i32),
+                          "packed_rows": sds((n_micro, mb, plan.rows), jnp.int8)})
+            rows, T = plan.rows, plan.row_len  # what the model computes
     step_fn = make_train_step(objective, tx, schedule, graphdef, codec)
     mesh = make_mesh((1, 1, 1), jax.devices()[:1])
     jitted = jit_train_step(step_fn, mesh, state, frozen, batch)
@@ -464,7 +563,8 @@ def formula_flops(cfg, kind: str, rows: int, seq_len: int, dpo_reference: str, c
 
 def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_reference: str, capacity: float,
                 limit: float, llvm_opt: Optional[int], emulate: bool = True, dump_dir: Optional[str] = None,
-                analysis_only: bool = False, num_layers: Optional[int] = None) -> dict:
+                analysis_only: bool = False, num_layers: Optional[int] = None, layout: Optional[str] = None,
+                seed: int = 0) -> dict:
     import contextlib
 
     import jax
@@ -476,13 +576,18 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
               else "tiny", "spec": spec, "scan_layers": scan, "backend": jax.default_backend(),
               "jax": jax.__version__, "llvm_opt": llvm_opt, "emulated_h200": emulate,
               "num_layers": cfg.num_hidden_layers}
+    plan = None
+    if layout is not None:  # an online layout of the users' draw (module docstring)
+        plan, result["layout"] = layout_plan(spec, layout, seed)
     with H200(limit) if emulate else contextlib.nullcontext():
         t0, c0 = time.perf_counter(), time.process_time()
         if spec["kind"] in PASSES:
-            fn, args, static, model = pass_program(spec, cfg)
+            fn, args, static, model = pass_program(spec, cfg, plan)
             lowered = None if analysis_only else fn.lower(*args, **static)
             result["remat"] = {"setting": "none (a forward pass has no backward)"}
             rows, seq_len = spec["rows"], spec["prompt_len"] + spec["new_tokens"]
+            if plan is not None and plan.packed:
+                rows, seq_len = plan.rows, plan.row_len
             if spec["kind"] == "teacher":  # what the student holds meanwhile, in the same process
                 result["student_resident_gib"] = round(resident_gib(model_config("4b", shape, scan), True), 2)
         elif spec["kind"] == "decode":
@@ -494,7 +599,7 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
             rows, seq_len = spec["slots"], 1
         else:
             jitted, args, remat_info, rows, seq_len, model, kept = train_step_program(spec, cfg, remat,
-                                                                                       dpo_reference, limit)
+                                                                                       dpo_reference, limit, plan)
             lowered = None if analysis_only else jitted.lower(*args)
             result["remat"] = remat_info
         policy = result["remat"].get("chosen")  # the train step's remat policy; decode: none chosen
@@ -533,6 +638,7 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
             "margin_allocator_gib": round(limit / GIB - peak, 2)}
     if spec["kind"] in PASSES:
         result["flops"] = {"counted": counted, "formula_per_call": pass_flops_per_token(cfg, seq_len) * seq_len * rows,
+                           "rows_per_call": rows, "tokens_per_row": seq_len,
                            "note": "XLA counts a while-loop body once (the head's chunk map, scanned layers)"}
     elif spec["kind"] == "decode":
         # one decode step of every slot: 2 FLOPs per weight (the head included) and row, the LoRA products, and
@@ -559,7 +665,7 @@ def run_program(name: str, shape: str, scan: Optional[bool], remat: str, dpo_ref
 def run(programs: str = ",".join(PROGRAMS), shape: str = "real", scan_layers: str = "both", remat: str = "auto",
         dpo_reference: str = "adapters_off", device_memory_gib: float = 139.0, mem_fraction: float = 0.75,
         llvm_opt: Optional[int] = None, out: Optional[str] = None, dump_dir: Optional[str] = None,
-        analysis_only: bool = False, num_layers: Optional[int] = None) -> dict:
+        analysis_only: bool = False, num_layers: Optional[int] = None, layouts: str = "", seed: int = 0) -> dict:
     """Every program of `programs` (comma list) at each scan setting; {"programs": [result, ...], ...}. On a GPU
     (benchmarks/gpu_all.py's `aot_real_shapes`) the programs are the GPU's, nothing is emulated, and the
     allocator limit is the device's own."""
@@ -581,16 +687,24 @@ def run(programs: str = ",".join(PROGRAMS), shape: str = "real", scan_layers: st
         settings = [None]
     else:
         settings = {"both": [True, False], "on": [True], "off": [False]}[scan_layers]
+    chosen_layouts = [x for x in layouts.split(",") if x]
+    bad = [x for x in chosen_layouts if x not in ONLINE_LAYOUTS]
+    if bad:
+        raise ValueError(f"layouts: unknown {bad}; choose from {', '.join(ONLINE_LAYOUTS)}")
     results = []
     for name in names:
-        for scan in ([False] if PROGRAMS[name]["kind"] == "decode" and settings != [None] else settings):
-            print(f"[aot {time.strftime('%H:%M:%S')}] {name} ({shape}, scan_layers={scan}) ...", file=sys.stderr,
-                  flush=True)
+        for scan, layout in [(scan, layout)
+                             for scan in ([False] if PROGRAMS[name]["kind"] == "decode" and settings != [None]
+                                          else settings)
+                             for layout in (chosen_layouts or [None] if PROGRAMS[name]["kind"] in LAYOUT_KINDS
+                                            else [None])]:
+            print(f"[aot {time.strftime('%H:%M:%S')}] {name} ({shape}, scan_layers={scan}"
+                  f"{'' if layout is None else ', layout=' + layout}) ...", file=sys.stderr, flush=True)
             try:
                 result = run_program(name, shape, scan, remat, dpo_reference, capacity, limit, llvm_opt, emulate,
-                                     dump_dir, analysis_only, num_layers)
+                                     dump_dir, analysis_only, num_layers, layout, seed)
             except Exception as e:  # noqa: BLE001 - a program that does not compile is a result too
-                result = {"program": name, "shape": shape, "scan_layers": scan,
+                result = {"program": name, "shape": shape, "scan_layers": scan, "layout": layout,
                           "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
                           "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
                                                      2)}
@@ -627,6 +741,10 @@ def main(argv=None) -> dict:
                     "depth (a multiple of the block; default: the model's own)")
     ap.add_argument("--analysis_only", action="store_true", help="only what needs no compile: remat's choice and "
                     "the kept activations (seconds per program)")
+    ap.add_argument("--layouts", default="", help="comma list of padded, packed, shared_prefix: grpo_4b and "
+                    "reference_4b in each online layout at the users' draw of lengths (module docstring); default: "
+                    "padded, no draw")
+    ap.add_argument("--seed", type=int, default=0, help="the seed of the users' draw of lengths (--layouts)")
     args = ap.parse_args(argv)
     if args.dump_dir:  # read when the backend starts, which nothing has done yet
         os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump_dir} "
