@@ -1,17 +1,20 @@
-r"""CPU wall time of an online step's teacher-forced pass and train step, padded against packed rows
-(jaxrl/algorithms/online/layout.py, issue 51), side by side in one process on the same rows.
+r"""CPU wall time of an online step's teacher-forced pass and train step, padded against packed rows and against
+shared prefixes (jaxrl/algorithms/online/layout.py, shared_prefix.py, issue 51), side by side in one process on the
+same rows.
 
     python -m benchmarks.bench_packed_online                          # prompt-heavy: prompts of 512, completions
                                                                       # of 64-256, groups of 8
     python -m benchmarks.bench_packed_online --prompt=128 --tail=0.45 # the users' long tail, scaled down
 
 The model is the tiny Qwen3.5 widened to `--hidden` (both layer kinds, fp32, LoRA r8 on every projection); the rows
-are `--groups` x 8 with prompts of `--prompt` tokens (left-padded to it) and completions drawn uniformly from
+are `--groups` x 8, prompt-major (the 8 rows of a group share one prompt, as GRPO's do), with prompts of
+`--prompt` tokens (left-padded to it) and completions drawn uniformly from
 [`--min_new`, `--max_new`] (`--tail`: that share at the cap instead). One GRPO train step (forward + backward,
 micro-batches of `--micro_batch` rows) and one reference pass (`--pass_batch` rows a call) are compiled in each
 layout, then timed (median of `--repeats`). Prints one JSON object: each layout's seconds, the layout counters, and
-packed / padded ratios (below 1: packed is faster). Packing alone only gains what padding the rows hold; a
-prompt-heavy step of full rows gains little (the prompt once per group, issue 51 item 2, is what would).
+packed / padded and shared_prefix / padded ratios (below 1: faster than padded). Packing alone only gains what
+padding the rows hold; a prompt-heavy step of full rows gains little; the prompt once per group (shared_prefix,
+issue 51 item 2) is what gains there.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def rows(args, vocab: int, rng):
     mask = np.zeros((n, C), np.float32)
     for i in range(n):
         c = C if rng.random() < args.tail else int(rng.integers(args.min_new, C + 1))
-        ids[i, :P] = rng.integers(2, vocab, P)
+        if i % 8 == 0:  # prompt-major: 8 samples of each prompt
+            prompt = rng.integers(2, vocab, P)
+        ids[i, :P] = prompt
         ids[i, P:P + c] = rng.integers(2, vocab, c)
         attn[i, :P + c] = 1
         mask[i, :c] = 1
@@ -100,7 +105,7 @@ def main(argv=None) -> dict:
         return jax.value_and_grad(total)(params)
 
     out = {"args": vars(args), "device": jax.devices()[0].device_kind}
-    for name in ("padded", "packed"):
+    for name in ("padded", "packed", "shared_prefix"):
         layout = OnlineLayout(name, width=C, name="bench")
         train, counters = layout.apply(batch, args.micro_batch)
         split = jax.tree.map(jnp.asarray, split_batch(train, len(train["input_ids"]) // args.micro_batch))
@@ -112,6 +117,9 @@ def main(argv=None) -> dict:
         out[name] = {"train_step_s": step_s, "reference_pass_s": pass_s, **counters, **pass_counters}
     out["ratio_train_step"] = out["packed"]["train_step_s"] / out["padded"]["train_step_s"]
     out["ratio_reference_pass"] = out["packed"]["reference_pass_s"] / out["padded"]["reference_pass_s"]
+    out["ratio_shared_train_step"] = out["shared_prefix"]["train_step_s"] / out["padded"]["train_step_s"]
+    out["ratio_shared_reference_pass"] = (out["shared_prefix"]["reference_pass_s"]
+                                          / out["padded"]["reference_pass_s"])
     print(json.dumps(out))
     return out
 

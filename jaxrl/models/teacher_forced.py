@@ -32,7 +32,9 @@ prompt), `completion_start(input_ids, C)` for a completion of C columns at the e
 (jaxrl/algorithms/online/layout.py) instead give `positions` [b, C]: the flat index (row * T + column) of the hidden
 state that predicts each token; the pass reads the head at those hidden states only (the token is the one after
 it, flat index + 1), so a packed pass returns [b, C] arrays in the padded layout's order, its head over the
-completion tokens only, as a padded pass computes it.
+completion tokens only, as a padded pass computes it. Shared prefixes (`prefix_group=n`, padded rows whose
+consecutive groups of n rows hold one prompt: jaxrl/algorithms/online/shared_prefix.py) compute each group's
+prompt once and its n completions from the prompt's caches (`shared_prefix_hidden`); same [b, C] outputs.
 """
 
 from __future__ import annotations
@@ -100,17 +102,24 @@ def completion_start(input_ids: jax.Array, width: int) -> int:
 def next_token_logprobs(model, input_ids: jax.Array, attention_mask: Optional[jax.Array], *, start: int = 0,
                         temperature: float = 1.0, chunk_size: int = 512, entropy: bool = False,
                         head: Optional[Head] = None, segment_ids: Optional[jax.Array] = None,
-                        adapters: bool = True, positions: Optional[jax.Array] = None) -> TeacherForced:
+                        adapters: bool = True, positions: Optional[jax.Array] = None,
+                        prefix_group: Optional[int] = None) -> TeacherForced:
     """The pass of the module docstring over input_ids / attention_mask [B, T]. head: what is read besides the
     taken token's log-prob (default Head.logp()). adapters False: with the model's LoRA adapters disabled (the
     reference policy). segment_ids: packed rows (`Qwen35.hidden_states`). positions [b, L] int: read the tokens
     predicted by these flat hidden-state indices (module docstring) instead of columns [start + 1, T); the
-    outputs are then [b, L]."""
+    outputs are then [b, L]. prefix_group n (with `start`, padded rows only): rows g*n .. g*n + n - 1 hold one
+    prompt in columns [0, start + 1): it is computed once per group (`shared_prefix_hidden`)."""
     head = Head.logp() if head is None else head
     if entropy and head.kind != "logp":
         raise ValueError(f"next_token_logprobs: entropy=True goes with Head.logp() only, not {head.kind}")
 
+    if prefix_group is not None and (positions is not None or segment_ids is not None):
+        raise ValueError("next_token_logprobs: prefix_group is for padded rows, not packed ones")
+
     def forward():
+        if prefix_group is not None:
+            return shared_prefix_hidden(model, input_ids, attention_mask, group=prefix_group, start=start)
         hidden, _ = model.hidden_states(input_ids, attention_mask, segment_ids=segment_ids)
         if positions is None:
             return hidden[:, start:-1]
@@ -143,3 +152,44 @@ def next_token_logprobs(model, input_ids: jax.Array, attention_mask: Optional[ja
         return TeacherForced(logp, hidden, entropy=ent)
     return TeacherForced(token_logprobs(hidden, weight, targets, chunk_size=chunk_size, temperature=temperature),
                          hidden)
+
+
+def repeat_cache(cache, n: int):
+    """A model cache (`Qwen35.hidden_states(..., cache_length=S)`) of G rows as G * n rows, row g repeated n times
+    (rows g*n .. g*n + n - 1): every per-row leaf (keys / values, conv windows, recurrent states, valid slots,
+    next positions) repeated; the shared length stays one scalar. Under autodiff the transpose of the repeat sums
+    the n rows' cotangents back into their prefix's."""
+    rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+    return cache._replace(layers=jax.tree.map(rep, cache.layers), valid=rep(cache.valid),
+                          next_position=rep(cache.next_position))
+
+
+def shared_prefix_hidden(model, input_ids: jax.Array, attention_mask: Optional[jax.Array], *, group: int,
+                         start: int) -> jax.Array:
+    """The hidden states [b, T - 1 - start, H] that predict tokens [start + 1, T) of padded rows input_ids /
+    attention_mask [b, T] whose consecutive groups of `group` rows hold one prompt in columns [0, P = start + 1)
+    (left-padded, its last column a real token), each group's prompt computed once:
+
+      1. the G = b / group prompts [G, P] prefill a cache of T slots (`Qwen35.hidden_states(cache_length=T)`):
+         keys / values of the attention layers, conv window and recurrent state of the Gated DeltaNet layers,
+         each the state after the prompt's real tokens (left padding is zeroed before the conv and the delta
+         rule, so it leaves the zero initial states as they were);
+      2. the b completions [b, C] continue that cache repeated `group` times (`repeat_cache`), as the engine's
+         prefill -> extend does: attention over the prompt's keys and their own, the delta rule from the prompt's
+         state, RoPE positions counting on from the prompt's real tokens.
+    Completion token 0 is predicted by the prompt's last hidden state (repeated), token t by the continuation's
+    hidden state t - 1: the columns a padded pass reads (hidden[:, start:-1]). Differentiable end to end, LoRA as
+    in any pass (every projection is the same `Linear`); the prompt's activations get the summed gradient of
+    their group's completions through the repeats. The two calls run without remat and unscanned (the model's
+    cache paths)."""
+    batch, total = input_ids.shape
+    prompt = int(start) + 1
+    if group < 1 or batch % group:
+        raise ValueError(f"shared_prefix_hidden: {batch} rows are not whole groups of {group}")
+    if not 0 < prompt < total:
+        raise ValueError(f"shared_prefix_hidden: start={start} leaves no prompt or no completion in {total} columns")
+    mask = jnp.ones((batch, total), jnp.int32) if attention_mask is None else attention_mask
+    h_prompt, cache = model.hidden_states(input_ids[::group, :prompt], mask[::group, :prompt], cache_length=total)
+    h_completion, _ = model.hidden_states(input_ids[:, prompt:], mask[:, prompt:], cache=repeat_cache(cache, group))
+    first = jnp.repeat(h_prompt[:, -1:], group, axis=0)
+    return jnp.concatenate([first, h_completion[:, :-1]], axis=1)

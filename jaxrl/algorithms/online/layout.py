@@ -1,5 +1,5 @@
-"""Online rows laid out for the teacher-forced passes and the train step: padded, as the rollouts make them, or
-packed (issue 51).
+"""Online rows laid out for the teacher-forced passes and the train step: padded, as the rollouts make them,
+packed, or padded with each group's prompt computed once (shared_prefix) (issue 51).
 
     layout = OnlineLayout("auto", width=C, pad_id=0, name="grpo")
     arrays, metrics = layout.apply(arrays, group=8, where="pass")  # packed: input_ids, attention_mask,
@@ -35,6 +35,15 @@ Counters (metrics of every step): `layout/packed` (0/1), `layout/row_tokens` (to
 included), `layout/padding_tokens` (of those, the ones that hold no token) and `layout/prompt_tokens` (prompt tokens
 computed: each row's own prompt, so a group's prompt num_generations times) of the train step's batch;
 `layout/pass_*` the same of one of the rollout's teacher-forced passes.
+
+shared_prefix (`layout = "shared_prefix"`, opt-in; `auto` never picks it): padded rows whose consecutive groups of
+n rows hold one prompt (GRPO's rows are prompt-major: rows j*n .. j*n + n - 1 sample prompt j) keep their padded
+arrays and gain `prefix_rows`, an empty [N, n] array whose shape carries n; every pass and the train step then
+compute each group's prompt once and its n completions from the prompt's caches
+(jaxrl/algorithms/online/shared_prefix.py). n is found in the rows themselves: the largest divisor of the call /
+micro-batch rows such that every aligned block of n rows has one prompt (ids and mask); none (n = 1): padded,
+with the reason in the log. Counters: `row_tokens` G x P + N x C, `prompt_tokens` the group prompts' real tokens
+(once per group), and `layout/shared_prefix` (0/1) and `layout/prefix_group` (n), both only under this setting.
 """
 
 from __future__ import annotations
@@ -49,17 +58,40 @@ from absl import logging
 
 from jaxrl.data import packing
 
-LAYOUTS = ("auto", "padded", "packed")
+LAYOUTS = ("auto", "padded", "packed", "shared_prefix")
 PACK_MARGIN = 0.8  # auto packs when its row tokens are at most this share of the padded ones
 PAD_MULTIPLE = 64  # packed row lengths round up to it (jaxrl.data.packing.row_lengths)
 # auto leaves rows shorter than this padded: such steps are bound by dispatch and compiles (a new shape costs seconds
 # to minutes), not by row tokens; and the tests' and the demo's rows keep the numbers earlier runs logged
 MIN_PACKED_ROW = 1024
 PACKED_KEYS = ("input_ids", "attention_mask", "segment_ids", "completion_index", "packed_rows")
+SHARED_KEYS = ("input_ids", "attention_mask", "prefix_rows")  # a shared-prefix batch's model inputs
 
 
 def is_packed(batch) -> bool:
     return "completion_index" in batch
+
+
+def is_shared(batch) -> bool:
+    """Rows whose groups of n share a prompt (`prefix_rows` [N, n] carries n)."""
+    return "prefix_rows" in batch
+
+
+def prefix_group(input_ids: np.ndarray, attention_mask: np.ndarray, width: int, group: int) -> int:
+    """The largest n dividing `group` (the rows of a call / micro-batch) and the row count such that every aligned
+    block of n consecutive rows holds one prompt (the columns before the last `width`: ids and mask); 1 if none."""
+    ids, attn = np.asarray(input_ids), np.asarray(attention_mask) > 0
+    rows, prompt = ids.shape[0], ids.shape[1] - int(width)
+    if prompt <= 0 or rows == 0:
+        return 1
+    key = np.where(attn[:, :prompt], ids[:, :prompt], -1)
+    same = np.concatenate([[False], np.all(key[1:] == key[:-1], axis=1)])  # row i holds row i - 1's prompt
+    for n in sorted((d for d in range(2, group + 1) if group % d == 0 and rows % d == 0), reverse=True):
+        starts = np.zeros(rows, bool)
+        starts[::n] = True
+        if np.all(same | starts) and np.all(attn[::n, prompt - 1]):
+            return n
+    return 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +106,7 @@ class Plan:
     group: int
     counters: dict
     reason: str
+    shared: int = 0  # shared_prefix: rows per prompt (n >= 2); 0: not shared
 
 
 def _counters(attention_mask: np.ndarray, width: int, row_tokens: int) -> dict[str, float]:
@@ -96,12 +129,15 @@ class OnlineLayout:
         self._said: dict[str, set] = {}
         self._lock = threading.Lock()  # rollouts sampled ahead run their passes on producer threads
 
-    def plan(self, attention_mask: np.ndarray, group: int) -> Plan:
+    def plan(self, attention_mask: np.ndarray, group: int, input_ids: Optional[np.ndarray] = None) -> Plan:
         """The layout of rows with this attention mask [N, P + C] in groups of `group` consecutive rows (a last
-        group of fewer rows is planned as if padded with empty rows)."""
+        group of fewer rows is planned as if padded with empty rows). input_ids: needed by shared_prefix (which
+        rows share a prompt)."""
         attn = np.asarray(attention_mask) > 0
         n, total = attn.shape
         group = max(1, int(group))
+        if self.setting == "shared_prefix":
+            return self._plan_shared(attn, group, input_ids)
         lengths = attn.sum(1).astype(int)
         groups = [lengths[g:g + group].tolist() for g in range(0, n, group)]
         row_len, rows, placed = packed_rows(groups, group, packing.row_lengths(total, self.multiple))
@@ -121,28 +157,56 @@ class OnlineLayout:
         counters = _counters(attn, self.width, packed_tokens if packed else padded_tokens)
         return Plan(packed, row_len, rows, placed, group, counters, reason)
 
+    def _plan_shared(self, attn: np.ndarray, group: int, input_ids: Optional[np.ndarray]) -> Plan:
+        """shared_prefix (module docstring): n rows per prompt, or padded when no two rows of a block share one."""
+        rows, total = attn.shape
+        prompt = total - self.width
+        if input_ids is None:
+            raise ValueError("OnlineLayout('shared_prefix').plan needs the input_ids (which rows share a prompt)")
+        n = prefix_group(input_ids, attn, self.width, group)
+        if n < 2:
+            reason = (f"{self.name}.layout='shared_prefix', but no aligned block of rows of the {group}-row "
+                      f"calls holds one prompt: padded")
+            counters = _counters(attn, self.width, rows * total)
+            return Plan(False, total, group, [], group, counters, reason)
+        leaders = attn[::n, :prompt]
+        row_tokens = leaders.shape[0] * prompt + rows * self.width
+        real = int(np.count_nonzero(leaders)) + int(np.count_nonzero(attn[:, prompt:]))
+        counters = {"row_tokens": float(row_tokens), "padding_tokens": float(row_tokens - real),
+                    "prompt_tokens": float(np.count_nonzero(leaders))}
+        reason = (f"{self.name}.layout='shared_prefix': each prompt computed once for its {n} rows "
+                  f"({row_tokens / max(rows * total, 1):.2f} of the padded row tokens)")
+        return Plan(False, total, group, [], group, counters, reason, shared=n)
+
     def apply(self, arrays: dict, group: int, where: str = "train") -> tuple[dict, dict[str, float]]:
         """(arrays in the chosen layout, metrics): padded arrays are returned as they are; packed ones have
         PACKED_KEYS replaced or added and every other key unchanged. where: "train" (metrics `layout/*`) or
         "pass" (`layout/pass_*`)."""
-        plan = self.plan(arrays["attention_mask"], group)
+        plan = self.plan(arrays["attention_mask"], group, arrays.get("input_ids"))
         self._log(plan, where)
         prefix = "layout/" if where == "train" else "layout/pass_"
         metrics = {prefix + "packed": float(plan.packed), **{prefix + k: v for k, v in plan.counters.items()}}
+        if self.setting == "shared_prefix":
+            metrics.update({prefix + "shared_prefix": float(plan.shared > 0), prefix + "prefix_group": float(
+                max(plan.shared, 1))})
+        if plan.shared:
+            rows = len(arrays["input_ids"])
+            return {**arrays, "prefix_rows": np.zeros((rows, plan.shared), np.int8)}, metrics
         if not plan.packed:
             return arrays, metrics
         return pack(arrays, plan, self.width, self.pad_id), metrics
 
     def _log(self, plan: Plan, where: str) -> None:
+        kind = "packed" if plan.packed else f"shared_prefix (n={plan.shared})" if plan.shared else "padded"
         with self._lock:
             said = self._said.setdefault(where, set())
-            if plan.packed in said:
+            if kind in said:
                 return
             first = not said
-            said.add(plan.packed)
+            said.add(kind)
         what = "the train step" if where == "train" else "the rollout passes"
         logging.info("%s layout of %s%s: %s (%s)", self.name or "online", what, "" if first else " changes",
-                     "packed" if plan.packed else "padded", plan.reason)
+                     kind, plan.reason)
 
 
 def packed_rows(groups: list, group: int, lengths) -> tuple[int, int, list]:

@@ -17,6 +17,8 @@ call (jaxrl.parallel.batched_forward). `policy_forward` is the same pass inside 
 Packed rows (jaxrl/algorithms/online/layout.py): with a `layout`, the rollout's rows are packed per call of
 `batch_size` rows when the layout's rule says it pays, and a train batch that carries `completion_index` is
 packed; either way the pass returns the same [N, C] arrays (`completion_layout` gives the pass its arguments).
+Shared prefixes (layout "shared_prefix": the batch carries `prefix_rows` [N, n]): padded rows, each group's
+prompt computed once per call (jaxrl/algorithms/online/shared_prefix.py); the same [N, C] arrays again.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Optional
 import numpy as np
 from flax import nnx
 
-from jaxrl.algorithms.online.layout import PACKED_KEYS, is_packed, model_inputs
+from jaxrl.algorithms.online.layout import PACKED_KEYS, SHARED_KEYS, is_packed, is_shared, model_inputs
 from jaxrl.models.teacher_forced import completion_start, next_token_logprobs
 from jaxrl.parallel import batched_forward
 
@@ -46,6 +48,9 @@ def completion_inputs(batch: dict, width: int) -> tuple[tuple, dict]:
     if is_packed(batch):
         ids, mask, segments = model_inputs(batch)
         return (ids, mask), {"segment_ids": segments, "positions": batch["completion_index"]}
+    if is_shared(batch):  # each group's prompt once: `prefix_rows` [b, n] carries n
+        return (batch["input_ids"], batch["attention_mask"]), {
+            "start": completion_start(batch["input_ids"], width), "prefix_group": batch["prefix_rows"].shape[-1]}
     return (batch["input_ids"], batch["attention_mask"]), {"start": completion_start(batch["input_ids"], width)}
 
 
@@ -153,7 +158,8 @@ def teacher_forced(model, arrays: dict, *, adapters: bool, batch_size: int, temp
     if max_new_tokens is not None and int(max_new_tokens) != width:
         raise ValueError(f"max_new_tokens={max_new_tokens}, but the completion mask is {width} wide")
     max_new_tokens = width
-    keys = PACKED_KEYS if is_packed(arrays) else ("input_ids", "attention_mask")
+    keys = (PACKED_KEYS if is_packed(arrays) else SHARED_KEYS if is_shared(arrays)
+            else ("input_ids", "attention_mask"))
     out = batched_forward.map_batches(
         lambda b: program(graphdef, state, b, max_new_tokens=max_new_tokens,
                           adapters=adapters, temperature=float(temperature), chunk_size=chunk_size, values=values),

@@ -76,8 +76,11 @@ class SamplingSettings(Block):
     logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass (reference, old log-probs, values)")
     layout: str = setting("auto", doc="rows of the teacher-forced passes and the train step: auto (packed end to end "
                           "when rows are >= 1024 tokens and packing computes at most 0.8 of the padded row tokens, "
-                          "else padded) | padded | packed (jaxrl/algorithms/online/layout.py)",
-                          choices=("auto", "padded", "packed"))
+                          "else padded) | padded | packed (jaxrl/algorithms/online/layout.py) | shared_prefix (opt-in: "
+                          "each group's prompt computed once, its completions continuing from the prompt's caches; "
+                          "its cache path runs without remat, so long rows at 4B need more memory than padded: "
+                          "jaxrl/algorithms/online/shared_prefix.py)",
+                          choices=("auto", "padded", "packed", "shared_prefix"))
 
     def __post_init__(self):
         # an infinite temperature divides every logit to 0 (uniform sampling, with an overflow warning from the

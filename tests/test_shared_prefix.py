@@ -1,0 +1,227 @@
+"""Shared prefixes (issue 51 item 2, jaxrl/algorithms/online/shared_prefix.py): each group's prompt computed once
+and its completions continued from the prompt's caches (attention keys / values, Gated DeltaNet conv window and
+recurrent state) give the padded layout's per-token log-probs and values, and a GRPO, PPO or distillation step's
+loss, metrics and every LoRA (and value-head) gradient, within float32 rounding; the prompt tokens a pass computes
+are G x P, not N x P."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.algorithms.distill_task import DistillObjective
+from jaxrl.algorithms.grpo_task import GRPOObjective
+from jaxrl.algorithms.online.layout import OnlineLayout, is_shared, prefix_group
+from jaxrl.algorithms.online.passes import teacher_forced
+from jaxrl.algorithms.ppo_task import TRAINABLE, PPOObjective
+from jaxrl.models import lora, qwen35
+from tests.test_packed_online import QUICK, TOL, _model, _step
+
+P, C = 12, 10  # prompt columns (left-padded), completion columns (right-padded)
+N, MB = 8, 4  # rows, rows per micro-batch
+
+
+def _rows(rng, vocab, n, episodes=False):
+    """Prompt-major rollout rows: N / n prompts of varied lengths (1 token, all P columns, ...), each sampled n
+    times with completions of varied lengths (empty, full); episodes: observations inside the completion."""
+    ids = np.zeros((N, P + C), np.int32)
+    attn = np.zeros_like(ids)
+    mask = np.zeros((N, C), np.float32)
+    prompts = [1, P, 5, 9, 3, 7, 2, 11]
+    completions = [C, 4, 0, C, 1, 6, 8, 3]
+    for i, c in enumerate(completions):
+        p = prompts[i // n]
+        if i % n == 0:
+            prompt = rng.integers(2, vocab, p)
+        ids[i, P - p:P] = prompt
+        ids[i, P:P + c] = rng.integers(2, vocab, c)
+        attn[i, P - p:P + c] = 1
+        mask[i, :c] = 1.0
+        if episodes and c > 4:
+            mask[i, 2:4] = 0.0
+    return {"input_ids": ids, "attention_mask": attn, "completion_mask": mask}
+
+
+def _shared(batch, group=MB, n=None):
+    out, metrics = OnlineLayout("shared_prefix", width=C).apply(batch, group)
+    assert is_shared(out) and metrics["layout/shared_prefix"] == 1
+    if n is not None:
+        assert out["prefix_rows"].shape == (N, n) and metrics["layout/prefix_group"] == n
+    return out
+
+
+def test_prefix_group_counters_and_fallback():
+    """n is found in the rows (the largest divisor of the call's rows whose aligned blocks share a prompt); the
+    counters count each group's prompt once; rows that share no prompt stay padded."""
+    rng = np.random.default_rng(0)
+    batch = _rows(rng, 64, 4)
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    assert prefix_group(ids, attn, C, 8) == 4 and prefix_group(ids, attn, C, 4) == 4
+    assert prefix_group(ids, attn, C, 2) == 2  # a call of 2 rows: groups of 2 inside it
+    _, padded = OnlineLayout("padded", width=C).apply(batch, 8)
+    out, shared = OnlineLayout("shared_prefix", width=C).apply(batch, 8, where="pass")
+    assert out["prefix_rows"].shape == (N, 4) and all(out[k] is batch[k] for k in batch)
+    groups = attn[::4, :P]
+    assert shared["layout/pass_prompt_tokens"] == groups.sum() == 1 + P  # G x P, not N x P
+    assert padded["layout/prompt_tokens"] == 4 * groups.sum()
+    assert shared["layout/pass_row_tokens"] == 2 * P + N * C < padded["layout/row_tokens"] == N * (P + C)
+    real = groups.sum() + attn[:, P:].sum()
+    assert shared["layout/pass_padding_tokens"] == shared["layout/pass_row_tokens"] - real
+    # every row its own prompt: padded, said so
+    lone = _rows(rng, 64, 1)
+    out, m = OnlineLayout("shared_prefix", width=C).apply(lone, 4)
+    assert not is_shared(out) and out is lone and m["layout/shared_prefix"] == 0 and m["layout/prefix_group"] == 1
+    assert m["layout/row_tokens"] == N * (P + C)
+    # a permuted minibatch (several minibatches per rollout): no aligned block shares a prompt
+    perm = {k: v[[0, 4, 1, 5, 2, 6, 3, 7]] for k, v in batch.items()}
+    assert prefix_group(perm["input_ids"], perm["attention_mask"], C, 4) == 1
+    # auto never picks it
+    assert not is_shared(OnlineLayout("auto", width=C).apply(batch, 8)[0])
+
+
+def test_a_pass_computes_each_prompt_once(monkeypatch):
+    """What the model computes, read off its calls: the prompts [G, P] once, then the completions [N, C]."""
+    model = _model()
+    batch = _shared(_rows(np.random.default_rng(1), model.config.vocab_size, 4), 8, 4)
+    shapes = []
+    real = qwen35.Qwen35.hidden_states
+
+    def spy(self, input_ids, *args, **kw):
+        shapes.append(tuple(input_ids.shape))
+        return real(self, input_ids, *args, **kw)
+
+    monkeypatch.setattr(qwen35.Qwen35, "hidden_states", spy)
+    teacher_forced(model, batch, adapters=True, batch_size=8, compile_options=QUICK)
+    assert shapes == [(2, P), (N, C)]
+
+
+@pytest.mark.slow  # compiles the padded and the shared-prefix program
+def test_shared_passes_give_the_padded_logprobs_and_values():
+    """Reference (adapters off) and old (with values) passes, per call of 8 rows (two groups of 4) and of 4
+    (one group): the padded numbers on every completion token."""
+    model = _model()
+    batch = _rows(np.random.default_rng(2), model.config.vocab_size, 4)
+    on = batch["completion_mask"] > 0
+    for adapters, values, calls in ((False, False, 8), (True, True, 4)):
+        kw = dict(adapters=adapters, values=values, batch_size=calls, temperature=0.7, chunk_size=64,
+                  compile_options=QUICK)
+        want = teacher_forced(model, batch, **kw)
+        got = teacher_forced(model, _shared(batch, calls, 4), **kw)
+        for key in want:
+            np.testing.assert_allclose(got[key][on], want[key][on], rtol=TOL, atol=TOL, err_msg=key)
+            assert np.all(got[key][~on] == 0)
+
+
+def _same_step(objective, model, batch, trainable=lora.LoRAParam):
+    """The step over padded rows and over shared-prefix rows (groups of 2, two per micro-batch of MB)."""
+    loss_u, met_u, g_u = _step(objective, model, batch, trainable)
+    loss_s, met_s, g_s = _step(objective, model, _shared(batch, MB, 2), trainable)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=TOL, atol=1e-7)
+    assert set(met_s) == set(met_u)
+    for name in met_u:
+        np.testing.assert_allclose(met_s[name], met_u[name], rtol=TOL, atol=1e-6, err_msg=name)
+    assert len(g_s) == len(g_u) > 0
+    scale = max(float(np.abs(g).max()) for g in g_u)
+    assert scale > 1e-4
+    for gs, gu in zip(g_s, g_u):  # relative to the largest entry: float32 sums in another order
+        np.testing.assert_allclose(gs, gu, rtol=1e-4, atol=TOL * scale)
+    return loss_u, met_u
+
+
+def _grpo_batch(model, rng, episodes=False):
+    batch = _rows(rng, model.config.vocab_size, 2, episodes)
+    kw = dict(batch_size=N, temperature=0.7, chunk_size=64, compile_options=QUICK)
+    ref = teacher_forced(model, batch, adapters=False, **kw)["logp"]
+    old = teacher_forced(model, batch, adapters=True, **kw)["logp"]
+    mask = batch["completion_mask"]
+    batch.update(advantages=rng.standard_normal(N).astype(np.float32),
+                 sequence_mask=np.ones(N, np.float32), ref_logp=ref,
+                 old_logp=(old + 0.3 * rng.standard_normal(old.shape) * mask).astype(np.float32))
+    return batch
+
+
+@pytest.mark.slow  # compiles the padded and the shared-prefix step
+@pytest.mark.parametrize("episodes", [False, True], ids=["single_turn", "multi_turn"])
+def test_grpo_step_shared_prefix_equals_padded(episodes):
+    """GRPO (sequence_mean, KL to the reference, clipped off-policy ratio, entropy): loss, metrics, every LoRA
+    gradient (the prompts' through the summed branches)."""
+    model = _model()
+    batch = _grpo_batch(model, np.random.default_rng(3), episodes)
+    objective = GRPOObjective(max_new_tokens=C, aggregation="sequence_mean", beta=0.1, temperature=0.7,
+                              epsilon_low=0.2, epsilon_high=0.28, entropy=True, chunk_size=64)
+    _, metrics = _same_step(objective, model, batch)
+    assert metrics["clip_fraction/region"] > 0
+
+
+@pytest.mark.slow  # compiles the padded and the shared-prefix step
+def test_ppo_step_shared_prefix_equals_padded():
+    """PPO: policy and value loss from the same hidden states; LoRA and value-head gradients."""
+    model = _model()
+    rng = np.random.default_rng(4)
+    batch = _grpo_batch(model, rng)
+    batch.pop("ref_logp"), batch.pop("sequence_mask")
+    mask = batch["completion_mask"]
+    batch.update(advantages=(rng.standard_normal((N, C)) * mask).astype(np.float32),
+                 old_values=(rng.standard_normal((N, C)) * mask).astype(np.float32),
+                 returns=(rng.standard_normal((N, C)) * mask).astype(np.float32))
+    _same_step(PPOObjective(temperature=0.7, cliprange_value=0.2, chunk_size=64), model, batch, TRAINABLE)
+
+
+@pytest.mark.slow  # compiles the padded and the shared-prefix step
+def test_distill_step_shared_prefix_equals_padded():
+    """Distillation's student pass on the teacher's support (jsd): loss, metrics, gradients."""
+    model = _model()
+    rng = np.random.default_rng(5)
+    batch = _rows(rng, model.config.vocab_size, 2)
+    k, vocab = 4, model.config.vocab_size
+    top = rng.standard_normal((N, C, k)).astype(np.float32)
+    batch.update(teacher_top_ids=rng.integers(0, vocab, (N, C, k)).astype(np.int32),
+                 teacher_top_logp=np.sort(top - 3.0, -1)[..., ::-1].copy(),
+                 teacher_rest_logp=np.full((N, C), -0.2, np.float32),
+                 teacher_logp=(-2.0 + 0.5 * rng.standard_normal((N, C))).astype(np.float32))
+    _same_step(DistillObjective(loss_name="jsd", temperature=0.7, chunk_size=64), model, batch)
+
+
+@pytest.mark.slow  # a rollout through the real task, twice
+def test_grpo_task_routes_the_shared_prefix_layout(tmp_path):
+    """The real GRPO task (tiny config, 4 prompts x 4 samples, one minibatch per rollout) with its layout set to
+    shared_prefix: the rollout passes and the train batch find groups of 4; the reference log-probs and the step's
+    gradients are the padded task's."""
+    from conftest import first_batch, tiny_config
+    from jaxrl.algorithms.run import build_model, resolve_config
+    from jaxrl.algorithms.tasks import get_task_factory
+    from jaxrl.parallel.mesh import make_mesh
+    from jaxrl.train.loop import Trainer
+    from jaxrl.train.step import accumulate_gradients, make_micro_loss, split_batch
+
+    out = {}
+    for name in ("padded", "shared_prefix"):
+        cfg = tiny_config("grpo", num_generations=4, prompts_per_step=4, beta=0.1)
+        cfg.batch.micro_batch_size, cfg.batch.grad_accum = 8, 2
+        cfg = resolve_config(cfg)
+        model = build_model(cfg)
+        task = get_task_factory("grpo")(cfg, model, make_mesh((1, 1, 1)))
+        task.layout = OnlineLayout(name, width=task.layout.width, pad_id=task.layout.pad_id, name="grpo")
+        trainer = Trainer(cfg, model, task, str(tmp_path / name), mesh=make_mesh((1, 1, 1)))
+        batch, host = first_batch(trainer)
+        params = dict(jax.device_get(trainer.state.params))
+        rng = np.random.default_rng(0)
+        for key in sorted(params):
+            if key.endswith("lora_B"):
+                params[key] = rng.standard_normal(params[key].shape).astype(np.float32) * 0.3
+        objective = task.objective
+        split = split_batch(batch, 2)
+        f = jax.jit(lambda p, b: accumulate_gradients(make_micro_loss(objective, trainer.graphdef, trainer.codec),
+                                                      objective, p, trainer.frozen, b, jax.random.key(0)),
+                    compiler_options=QUICK)
+        out[name] = batch, host, jax.device_get(f(params, split))
+    (b_pad, h_pad, (loss_pad, g_pad, _)), (b_sh, h_sh, (loss_sh, g_sh, _)) = out["padded"], out["shared_prefix"]
+    assert "prefix_rows" not in b_pad and b_sh["prefix_rows"].shape == (16, 4)
+    assert h_sh["layout/prefix_group"] == h_sh["layout/pass_prefix_group"] == 4
+    assert h_sh["layout/prompt_tokens"] * 4 == h_pad["layout/prompt_tokens"]
+    np.testing.assert_array_equal(b_sh["input_ids"], b_pad["input_ids"])
+    np.testing.assert_allclose(b_sh["ref_logp"], b_pad["ref_logp"], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(loss_sh, loss_pad, rtol=TOL, atol=1e-7)
+    scale = max(float(np.abs(g).max()) for g in g_pad.values())
+    assert scale > 1e-4 and set(g_sh) == set(g_pad)
+    for key in g_pad:
+        np.testing.assert_allclose(g_sh[key], g_pad[key], rtol=1e-4, atol=TOL * scale, err_msg=key)
