@@ -128,7 +128,7 @@ def test_the_best_of_group_reward_is_logged_for_what_pass_at_k_trains():
     from jaxrl.algorithms.online.rollouts import sample_metrics
     r = np.array([0.0, 1.0, 0.0, 0.0, 0.2, np.nan, np.nan, np.nan, np.nan, 0.5, 0.0, 0.25], np.float32)
     s = SimpleNamespace(rewards=r, strict=(r == 1).astype(np.float32), lengths=np.full(12, 4),
-                        truncated=np.zeros(12, bool), difficulty={})
+                        truncated=np.zeros(12, bool), difficulty={}, fleet={})
     m = sample_metrics(s, 8, group=4)
     assert m["reward/group_best_mean"] == pytest.approx((1.0 + 0.2 + 0.5) / 3)
     assert "reward/group_best_mean" not in sample_metrics(s, 8)

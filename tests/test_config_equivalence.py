@@ -6,7 +6,8 @@ the same keys with the same values (types included: 1 is not 1.0), the same erro
 named: distillation's block no longer has the asynchronous keys it inherited and refused (`RETIRED`; a config.json
 written before, which holds them at their defaults, still resolves), and the partial-rollouts refusal names only
 the requirements that are not met (`IMPROVED`). Keys added since (`ADDED`, issue 48) appear at their defaults, which
-keep what the corpus's configs did."""
+keep what the corpus's configs did: issue 48's loss keys, issue 50's fleet wait and environment step limit, issue
+51's layout."""
 
 import gzip
 import json
@@ -26,8 +27,13 @@ IMPROVED = ".partial_rollouts continues rows across policy versions: it needs "
 RETIRED = {"distill": {"max_staleness": 0, "off_policy_loss": "behaviour", "overlap": False, "partial_rollouts": False}}
 # block -> keys added after 2e1e1a6, at the defaults that keep the behaviour the corpus's configs had
 LOSS_KEYS = {"policy_loss": "ppo_clip", "policy_loss_options": {}, "ref_reset_every": 0, "ref_reset_optimizer": False}
-ADDED = {"grpo": {**LOSS_KEYS, "kl_in_reward": 0.0, "replay_groups": 0, "replay_max_age": 4, "pass_at_k_k": 0},
-         "ppo": dict(LOSS_KEYS),
+# issue 50: the fleet's wait (a nested server block's key), the environment step limit; issue 51: the layout
+FLEET = {"fleet_wait_s": 600.0}
+ONLINE_KEYS = {"layout": "auto", "rollout_server": FLEET}
+ADDED = {"grpo": {**LOSS_KEYS, **ONLINE_KEYS, "kl_in_reward": 0.0, "replay_groups": 0, "replay_max_age": 4,
+                  "pass_at_k_k": 0, "step_timeout_s": 600.0},
+         "ppo": {**LOSS_KEYS, **ONLINE_KEYS, "step_timeout_s": 600.0},
+         "distill": {**ONLINE_KEYS, "teacher_server": FLEET},
          # the online algorithms' data block (DPO's and SFT's have none of these)
          "data": {"sampler": "uniform", "curriculum_window": 1, "curriculum_set_aside": 8, "curriculum_solved": 1.0,
                   "curriculum_failed": 0.0}}
@@ -47,19 +53,24 @@ def without_retired(output: dict) -> dict:
     return out
 
 
-def without_added(output: dict) -> dict:
+def without_added(output: dict, added: dict = ADDED) -> dict:
+    """`output` without the keys added since 2e1e1a6 (each at its default); a dict in `added` names the keys added
+    inside a nested block that existed then (its other keys stay)."""
     out = dict(output)
-    for block, keys in ADDED.items():
+    for block, keys in added.items():
         if isinstance(out.get(block), dict):
-            present = {k: v for k, v in keys.items() if k in out[block]}
+            inner = {k: v for k, v in keys.items() if isinstance(v, dict) and v and isinstance(out[block].get(k), dict)}
+            present = {k: v for k, v in keys.items() if k in out[block] and k not in inner}
             assert all(out[block][k] == v for k, v in present.items()), (block, {k: out[block][k] for k in present})
             out[block] = {k: v for k, v in out[block].items() if k not in present}
+            out[block].update(without_added(out[block], inner))
     return out
 
 
 def without_added_names(message: str) -> str:
     """An unknown-key error lists the block's keys: the added ones are taken out of that list."""
-    for key in sorted({k for keys in ADDED.values() for k in keys}, key=len, reverse=True):
+    names = {k for keys in ADDED.values() for k, v in keys.items() if not (isinstance(v, dict) and v)}
+    for key in sorted(names | set(FLEET), key=len, reverse=True):
         message = re.sub(rf"(?<![\w.]){key}, ", "", message)
     return message
 

@@ -43,8 +43,8 @@ def test_help_exits_0_and_prints_the_launchers_flags(name):
     # the deprecated --backend_kwargs: an unknown key, and a key that contradicts its flag (jaxrl.backends.flags)
     (("rollout", "--problems=P", "--model=M", "--out=O", "--backend=vllm", '--backend_kwargs={"gpu_util": 0.5}'),
      "rollout: --backend_kwargs: unknown key 'gpu_util'; valid keys: url, max_lora_rank, concurrency, "
-     "request_timeout_s, progress_every_s, python, tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
-     "extra_args, startup_timeout_s, max_loras (each is a flag now: --server_url, --vllm_max_lora_rank, "
+     "request_timeout_s, progress_every_s, fleet_wait_s, python, tensor_parallel_size, data_parallel_size, "
+     "gpu_memory_utilization, extra_args, startup_timeout_s, max_loras (each is a flag now: --server_url, --vllm_max_lora_rank, "
      "--server_<key>, --vllm_<key>)"),
     (("evaluate", "--problems=P", "--base=B", "--out=O", "--backend=vllm", "--server_concurrency=4",
       '--backend_kwargs={"concurrency": 8}'),

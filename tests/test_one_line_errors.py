@@ -53,7 +53,7 @@ def test_a_mistyped_model_folder_or_reward_is_one_line(env, tmp_path, case):
                             f"evaluate: --base={typo}: no such folder (an HF model folder with config.json)"),
         "rollout --reward": ("rollout", (f"--model={env['model']}", "--reward=exact_mtach"), 2,
                              "rollout: --reward=exact_mtach: unknown reward; registered: arithmetic, charset, code, "
-                             "exact_match, pattern, token_block (or name your own as module:function)"),
+                             "exact_match, pattern, reasoning_gym, token_block (or name your own as module:function)"),
         "evaluate option": ("evaluate", (f"--base={env['model']}", "--reward=charset",
                                          '--reward_kwargs={"chars": "0"}'), 2, "evaluate: --reward_kwargs: reward 'charset' takes no option 'chars'; its options: "
                                "charset, truncation"),
