@@ -163,9 +163,10 @@ def layout_plan(spec: dict, layout: str, seed: int = 0):
     attn, ids, about = users_draw(spec, seed)
     C, total = spec["new_tokens"], attn.shape[1]
     group = spec["micro_batch"] if spec["kind"] == "grpo" else spec["rows"]
-    auto = OnlineLayout("auto", width=C, name="grpo").plan(attn, group)
+    auto = OnlineLayout("auto", width=C, name="grpo").plan(attn, group, ids)
+    auto_kind = "packed" if auto.packed else "shared_prefix" if auto.shared else "padded"
     report = {"layout": layout, "draw": about, "group": group,
-              "auto": {"packed": auto.packed, "reason": auto.reason}, "padded_row_tokens": float(attn.size),
+              "auto": {"chosen": auto_kind, "reason": auto.reason}, "padded_row_tokens": float(attn.size),
               "padding_tokens_padded": float(attn.size - attn.sum())}
     if layout == "padded":
         return None, report

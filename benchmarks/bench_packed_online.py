@@ -11,8 +11,9 @@ are `--groups` x 8, prompt-major (the 8 rows of a group share one prompt, as GRP
 `--prompt` tokens (left-padded to it) and completions drawn uniformly from
 [`--min_new`, `--max_new`] (`--tail`: that share at the cap instead). One GRPO train step (forward + backward,
 micro-batches of `--micro_batch` rows) and one reference pass (`--pass_batch` rows a call) are compiled in each
-layout, then timed (median of `--repeats`). Prints one JSON object: each layout's seconds, the layout counters, and
-packed / padded and shared_prefix / padded ratios (below 1: faster than padded). Packing alone only gains what
+layout, then timed in `--repeats` interleaved rounds (median and min). Prints one JSON object: each layout's
+seconds, the layout counters, what `auto` picks and why, and packed / padded and shared_prefix / padded ratios
+(below 1: faster than padded). Packing alone only gains what
 padding the rows hold; a prompt-heavy step of full rows gains little; the prompt once per group (shared_prefix,
 issue 51 item 2) is what gains there.
 """
@@ -48,16 +49,6 @@ def rows(args, vocab: int, rng):
             "advantages": rng.standard_normal(n).astype(np.float32), "sequence_mask": np.ones(n, np.float32)}
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--groups", type=int, default=2)
@@ -68,7 +59,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--micro_batch", type=int, default=8)
     ap.add_argument("--pass_batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds after the compiles")
+    ap.add_argument("--remat", default="none", help="the model's remat (none: the tiny model keeps everything; "
+                    "full / attention: the shared-prefix step's checkpointed layers, as the 4B shape runs)")
     args = ap.parse_args(argv)
 
     import jax
@@ -84,7 +77,7 @@ def main(argv=None) -> dict:
 
     cfg = qwen35.tiny(num_hidden_layers=4, hidden_size=args.hidden,
                       layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"))
-    model = qwen35.Qwen35(cfg, rngs=nnx.Rngs(0))
+    model = qwen35.Qwen35(cfg, rngs=nnx.Rngs(0), remat=args.remat)
     lora.apply_lora(model, "all-linear", rank=8, alpha=16.0, seed=0)
     rng = np.random.default_rng(0)
     batch = rows(args, cfg.vocab_size, rng)
@@ -105,21 +98,38 @@ def main(argv=None) -> dict:
         return jax.value_and_grad(total)(params)
 
     out = {"args": vars(args), "device": jax.devices()[0].device_kind}
-    for name in ("padded", "packed", "shared_prefix"):
+    runs = {}
+    for name in ("padded", "packed", "shared_prefix", "auto"):
         layout = OnlineLayout(name, width=C, name="bench")
         train, counters = layout.apply(batch, args.micro_batch)
         split = jax.tree.map(jnp.asarray, split_batch(train, len(train["input_ids"]) // args.micro_batch))
-        step_s = timed(lambda: jax.block_until_ready(step(params, split)), args.repeats)
         arrays, pass_counters = layout.apply({k: batch[k] for k in ("input_ids", "attention_mask",
                                                                      "completion_mask")}, args.pass_batch, "pass")
-        pass_s = timed(lambda: teacher_forced(model, arrays, adapters=False, batch_size=args.pass_batch),
-                       args.repeats)
-        out[name] = {"train_step_s": step_s, "reference_pass_s": pass_s, **counters, **pass_counters}
-    out["ratio_train_step"] = out["packed"]["train_step_s"] / out["padded"]["train_step_s"]
-    out["ratio_reference_pass"] = out["packed"]["reference_pass_s"] / out["padded"]["reference_pass_s"]
-    out["ratio_shared_train_step"] = out["shared_prefix"]["train_step_s"] / out["padded"]["train_step_s"]
-    out["ratio_shared_reference_pass"] = (out["shared_prefix"]["reference_pass_s"]
-                                          / out["padded"]["reference_pass_s"])
+        plan = layout.plan(batch["attention_mask"], args.micro_batch, batch["input_ids"])
+        out[name] = {**counters, **pass_counters, "reason": plan.reason}
+        if name == "auto":  # one of the three: its times are that layout's
+            chosen = "packed" if plan.packed else "shared_prefix" if plan.shared else "padded"
+            out["auto"]["chosen"] = chosen
+            continue
+        runs[name] = (lambda split=split: jax.block_until_ready(step(params, split)),
+                      lambda arrays=arrays: teacher_forced(model, arrays, adapters=False, batch_size=args.pass_batch))
+        for fn in runs[name]:
+            fn()  # compile
+    # interleaved rounds (each layout once per round) so that a change of the machine's load hits every layout alike
+    times = {name: ([], []) for name in runs}
+    for _ in range(args.repeats):
+        for name, fns in runs.items():
+            for fn, into in zip(fns, times[name]):
+                t0 = time.perf_counter()
+                fn()
+                into.append(time.perf_counter() - t0)
+    for name, (step_times, pass_times) in times.items():
+        out[name].update(train_step_s=statistics.median(step_times), train_step_min_s=min(step_times),
+                         reference_pass_s=statistics.median(pass_times), reference_pass_min_s=min(pass_times))
+    for name, key in (("packed", ""), ("shared_prefix", "shared_")):
+        for what in ("train_step", "reference_pass"):
+            out[f"ratio_{key}{what}"] = out[name][f"{what}_s"] / out["padded"][f"{what}_s"]
+            out[f"ratio_{key}{what}_min"] = out[name][f"{what}_min_s"] / out["padded"][f"{what}_min_s"]
     print(json.dumps(out))
     return out
 

@@ -5,8 +5,10 @@ loss, metrics and every LoRA (and value-head) gradient, within float32 rounding;
 are G x P, not N x P."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl.algorithms.distill_task import DistillObjective
 from jaxrl.algorithms.grpo_task import GRPOObjective
@@ -14,6 +16,7 @@ from jaxrl.algorithms.online.layout import OnlineLayout, is_shared, prefix_group
 from jaxrl.algorithms.online.passes import teacher_forced
 from jaxrl.algorithms.ppo_task import TRAINABLE, PPOObjective
 from jaxrl.models import lora, qwen35
+from jaxrl.models.teacher_forced import shared_prefix_hidden
 from tests.test_packed_online import QUICK, TOL, _model, _step
 
 P, C = 12, 10  # prompt columns (left-padded), completion columns (right-padded)
@@ -74,24 +77,80 @@ def test_prefix_group_counters_and_fallback():
     # a permuted minibatch (several minibatches per rollout): no aligned block shares a prompt
     perm = {k: v[[0, 4, 1, 5, 2, 6, 3, 7]] for k, v in batch.items()}
     assert prefix_group(perm["input_ids"], perm["attention_mask"], C, 4) == 1
-    # auto never picks it
-    assert not is_shared(OnlineLayout("auto", width=C).apply(batch, 8)[0])
+    # auto leaves prompts of 12 columns padded (MIN_SHARED_PROMPT)
+    out, m = OnlineLayout("auto", width=C).apply(batch, 8)
+    assert not is_shared(out) and m["layout/shared_prefix"] == 0 and m["layout/prefix_group"] == 1
+
+
+def _lengths_rows(rng, groups, n, prompt, width, low):
+    """Prompt-major rows (ids and mask only) of `groups` prompts of `prompt` tokens, each sampled n times with
+    completions of low..width tokens."""
+    rows = groups * n
+    ids = np.zeros((rows, prompt + width), np.int32)
+    attn = np.zeros_like(ids)
+    for g in range(groups):
+        shared = rng.integers(2, 100, prompt)
+        for i in range(g * n, g * n + n):
+            c = int(rng.integers(low, width + 1))
+            ids[i, :prompt], attn[i, :prompt + c] = shared, 1
+            ids[i, prompt:prompt + c] = rng.integers(2, 100, c)
+    return {"input_ids": ids, "attention_mask": attn}
+
+
+def test_auto_weighs_padded_packed_and_shared_prefix():
+    """auto takes the layout computing the fewest row tokens when at most 0.8 of padded: shared_prefix for the
+    prompt-heavy step (prompts of 512, completions of 64-256, groups of 8), padded where prompts are short, and
+    padded or packed when the rows share no prompt; the reason names every candidate's share."""
+    rng = np.random.default_rng(9)
+    heavy = _lengths_rows(rng, 2, 8, 512, 256, 64)
+    plan = OnlineLayout("auto", width=256, name="grpo").plan(heavy["attention_mask"], 8, heavy["input_ids"])
+    assert plan.shared == 8 and not plan.packed
+    assert plan.counters["row_tokens"] == 2 * 512 + 16 * 256 and plan.counters["prompt_tokens"] == 2 * 512
+    assert plan.reason.startswith("shared_prefix: ") and "shared_prefix (n=8) 0.42" in plan.reason
+    assert "short of 1024" in plan.reason  # packed not weighed: rows of 768
+    out, m = OnlineLayout("auto", width=256).apply(heavy, 8)
+    assert is_shared(out) and m["layout/shared_prefix"] == 1 and m["layout/prefix_group"] == 8
+    # the same rows split in micro-batches of 4: half a group each, its prompt computed twice per step
+    assert OnlineLayout("auto", width=256).plan(heavy["attention_mask"], 4, heavy["input_ids"]).shared == 4
+    # short prompts: (2 x 32 + 16 x 256) / (16 x 288) = 0.90 > 0.8: padded
+    short = _lengths_rows(rng, 2, 8, 32, 256, 64)
+    plan = OnlineLayout("auto", width=256).plan(short["attention_mask"], 8, short["input_ids"])
+    assert not plan.shared and not plan.packed and "prompts of 32 columns are short of 256" in plan.reason
+    # prompts of 256 under completions of 2,048: (2 x 256 + 16 x 2,048) / (16 x 2,304) = 0.90; packed 1.00: padded
+    long = _lengths_rows(rng, 2, 8, 256, 2048, 1900)
+    plan = OnlineLayout("auto", width=2048).plan(long["attention_mask"], 8, long["input_ids"])
+    assert not plan.shared and not plan.packed and plan.reason.startswith("padded: ")
+    assert "shared_prefix (n=8) 0.90" in plan.reason and "packed (" in plan.reason
+    # the users' shape, one micro-batch of 4 rows of one prompt of 2,048 and completions of 256-4,096: 0.75
+    users = _lengths_rows(rng, 1, 4, 2048, 4096, 4096)
+    plan = OnlineLayout("auto", width=4096).plan(users["attention_mask"], 4, users["input_ids"])
+    assert plan.shared == 4 and "shared_prefix (n=4) 0.75" in plan.reason
+    # rows that share no prompt (a permuted minibatch): shared_prefix not possible
+    perm = {k: v[[0, 8, 1, 9, 2, 10, 3, 11]] for k, v in heavy.items()}
+    plan = OnlineLayout("auto", width=256).plan(perm["attention_mask"], 8, perm["input_ids"])
+    assert not plan.shared and "no aligned block of rows shares a prompt" in plan.reason
 
 
 def test_a_pass_computes_each_prompt_once(monkeypatch):
-    """What the model computes, read off its calls: the prompts [G, P] once, then the completions [N, C]."""
+    """What the model computes, read off its calls: the prompts [G, P] once, continued by the completions [N, C],
+    and no whole-row pass."""
     model = _model()
     batch = _shared(_rows(np.random.default_rng(1), model.config.vocab_size, 4), 8, 4)
-    shapes = []
-    real = qwen35.Qwen35.hidden_states
+    shapes, rows = [], []
+    real_branched, real_hidden = qwen35.Qwen35.branched_hidden_states, qwen35.Qwen35.hidden_states
 
-    def spy(self, input_ids, *args, **kw):
-        shapes.append(tuple(input_ids.shape))
-        return real(self, input_ids, *args, **kw)
+    def branched(self, prompt_ids, prompt_mask, branch_ids, *args, **kw):
+        shapes.append((tuple(prompt_ids.shape), tuple(branch_ids.shape)))
+        return real_branched(self, prompt_ids, prompt_mask, branch_ids, *args, **kw)
 
-    monkeypatch.setattr(qwen35.Qwen35, "hidden_states", spy)
+    def hidden(self, input_ids, *args, **kw):
+        rows.append(tuple(input_ids.shape))
+        return real_hidden(self, input_ids, *args, **kw)
+
+    monkeypatch.setattr(qwen35.Qwen35, "branched_hidden_states", branched)
+    monkeypatch.setattr(qwen35.Qwen35, "hidden_states", hidden)
     teacher_forced(model, batch, adapters=True, batch_size=8, compile_options=QUICK)
-    assert shapes == [(2, P), (N, C)]
+    assert shapes == [((2, P), (N, C))] and rows == []
 
 
 @pytest.mark.slow  # compiles the padded and the shared-prefix program
@@ -225,3 +284,75 @@ def test_grpo_task_routes_the_shared_prefix_layout(tmp_path):
     assert scale > 1e-4 and set(g_sh) == set(g_pad)
     for key in g_pad:
         np.testing.assert_allclose(g_sh[key], g_pad[key], rtol=1e-4, atol=TOL * scale, err_msg=key)
+
+
+def test_continuation_attention_equals_the_cache_attention_and_its_gradient():
+    """The training form of continuing a prefix (query blocks that read keys up to their last query, each block
+    recomputed in the backward) gives the one-block cache attention's outputs and input gradients: blocks of 3 over
+    7 queries (a short last block), left-padded prefixes, padded continuation slots."""
+    from jaxrl.ops import attention as attn
+    rng = np.random.default_rng(7)
+    batch, heads, kv, hd, start, width = 3, 4, 2, 8, 5, 7
+    slots = start + width + 2  # two slots past the call: never visible
+    q = jnp.asarray(rng.standard_normal((batch, width, heads, hd)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((batch, kv, slots, hd)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((batch, kv, slots, hd)), jnp.float32)
+    valid = np.ones((batch, slots), bool)
+    valid[0, :3] = False  # a left-padded prefix
+    valid[1, start + 5:] = False  # a continuation padded at its end
+    valid = jnp.asarray(valid)
+    q_slots = start + jnp.arange(width)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+    blocked = lambda q, k, v: attn.continuation_attention(q, k, v, valid, start, 0.3, block_size=3)  # noqa: E731
+    whole = lambda q, k, v: attn.cache_attention(q, k, v, valid, q_slots, 0.3)  # noqa: E731
+    np.testing.assert_allclose(blocked(q, k, v), whole(q, k, v), rtol=1e-6, atol=1e-6)
+    got = jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(got[1][:, :, start + width:]).max()) == 0  # slots past the call get no gradient
+    # what the backward keeps: each block recomputes its scores ([.., 3, s] at a time), none is saved
+    text = str(jax.make_jaxpr(jax.grad(loss(blocked)))(q, k, v))
+    assert text.count("remat2[") == 3
+
+
+@pytest.mark.slow  # compiles the padded and the shared-prefix step
+def test_grpo_step_shared_prefix_scanned_and_rematerialised_equals_padded(monkeypatch):
+    """The shared-prefix step as the users' shapes run it: layers scanned over the repeats of the pattern, each
+    layer rematerialised ("full": the backward keeps the layer's two inputs, prompts and completions, and
+    recomputes the prefill, the repeated caches and the continuation). Same loss, metrics and gradients as the
+    padded step under the same settings; the compiled step holds one scan and the checkpoints."""
+    cfg = qwen35.tiny(num_hidden_layers=4, layer_types=("linear_attention", "full_attention") * 2, gdn_chunk_size=8)
+    model = qwen35.Qwen35(cfg, rngs=nnx.Rngs(11))
+    lora.apply_lora(model, "all-linear", rank=4, alpha=8.0, seed=11)
+    rng = np.random.default_rng(11)
+    for _, adapter in lora.iter_lora(model):
+        adapter.lora_B[...] = jnp.asarray(0.05 * rng.standard_normal(adapter.lora_B.shape), jnp.float32)
+    model.set_compute(remat="full", scan_layers=True)
+    assert model.layer_cycle("full") == (2, "")
+    batch = _grpo_batch(model, np.random.default_rng(12))
+    objective = GRPOObjective(max_new_tokens=C, aggregation="token_mean", beta=0.05, temperature=1.0,
+                              epsilon_low=0.2, epsilon_high=0.2, entropy=False, chunk_size=64)
+    _same_step(objective, model, batch)
+    shared = _shared(batch, MB, 2)
+    ids, mask = (jnp.asarray(shared[k][:MB]) for k in ("input_ids", "attention_mask"))
+    graphdef, params, rest = nnx.split(model, lora.LoRAParam, ...)
+
+    def total(params):
+        hidden = shared_prefix_hidden(nnx.merge(graphdef, params, rest), ids, mask, group=2, start=P - 1)
+        return jnp.sum(hidden ** 2)
+
+    from jaxrl.models.qwen35 import model as model_module
+    cycles = []
+    real_run = model_module._run_layers
+
+    def run_layers(layers, carry, make_step, cycle):
+        cycles.append(cycle)
+        return real_run(layers, carry, make_step, cycle)
+
+    monkeypatch.setattr(model_module, "_run_layers", run_layers)
+    text = str(jax.make_jaxpr(jax.grad(total))(params))
+    assert cycles == [2] and "remat2[" in text  # one scan over the 2 repeats of the block, layers checkpointed

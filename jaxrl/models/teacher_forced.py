@@ -154,34 +154,17 @@ def next_token_logprobs(model, input_ids: jax.Array, attention_mask: Optional[ja
                          hidden)
 
 
-def repeat_cache(cache, n: int):
-    """A model cache (`Qwen35.hidden_states(..., cache_length=S)`) of G rows as G * n rows, row g repeated n times
-    (rows g*n .. g*n + n - 1): every per-row leaf (keys / values, conv windows, recurrent states, valid slots,
-    next positions) repeated; the shared length stays one scalar. Under autodiff the transpose of the repeat sums
-    the n rows' cotangents back into their prefix's."""
-    rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-    return cache._replace(layers=jax.tree.map(rep, cache.layers), valid=rep(cache.valid),
-                          next_position=rep(cache.next_position))
-
-
 def shared_prefix_hidden(model, input_ids: jax.Array, attention_mask: Optional[jax.Array], *, group: int,
                          start: int) -> jax.Array:
     """The hidden states [b, T - 1 - start, H] that predict tokens [start + 1, T) of padded rows input_ids /
     attention_mask [b, T] whose consecutive groups of `group` rows hold one prompt in columns [0, P = start + 1)
-    (left-padded, its last column a real token), each group's prompt computed once:
-
-      1. the G = b / group prompts [G, P] prefill a cache of T slots (`Qwen35.hidden_states(cache_length=T)`):
-         keys / values of the attention layers, conv window and recurrent state of the Gated DeltaNet layers,
-         each the state after the prompt's real tokens (left padding is zeroed before the conv and the delta
-         rule, so it leaves the zero initial states as they were);
-      2. the b completions [b, C] continue that cache repeated `group` times (`repeat_cache`), as the engine's
-         prefill -> extend does: attention over the prompt's keys and their own, the delta rule from the prompt's
-         state, RoPE positions counting on from the prompt's real tokens.
+    (left-padded, its last column a real token), each group's prompt computed once
+    (`Qwen35.branched_hidden_states`: every layer prefills the G = b / group prompts, repeats their keys / values,
+    conv windows and recurrent states `group` times and continues them with the b completions [b, C]).
     Completion token 0 is predicted by the prompt's last hidden state (repeated), token t by the continuation's
     hidden state t - 1: the columns a padded pass reads (hidden[:, start:-1]). Differentiable end to end, LoRA as
     in any pass (every projection is the same `Linear`); the prompt's activations get the summed gradient of
-    their group's completions through the repeats. The two calls run without remat and unscanned (the model's
-    cache paths)."""
+    their group's completions through the repeats."""
     batch, total = input_ids.shape
     prompt = int(start) + 1
     if group < 1 or batch % group:
@@ -189,7 +172,7 @@ def shared_prefix_hidden(model, input_ids: jax.Array, attention_mask: Optional[j
     if not 0 < prompt < total:
         raise ValueError(f"shared_prefix_hidden: start={start} leaves no prompt or no completion in {total} columns")
     mask = jnp.ones((batch, total), jnp.int32) if attention_mask is None else attention_mask
-    h_prompt, cache = model.hidden_states(input_ids[::group, :prompt], mask[::group, :prompt], cache_length=total)
-    h_completion, _ = model.hidden_states(input_ids[:, prompt:], mask[:, prompt:], cache=repeat_cache(cache, group))
+    h_prompt, h_completion = model.branched_hidden_states(input_ids[::group, :prompt], mask[::group, :prompt],
+                                                          input_ids[:, prompt:], mask[:, prompt:], group)
     first = jnp.repeat(h_prompt[:, -1:], group, axis=0)
     return jnp.concatenate([first, h_completion[:, :-1]], axis=1)

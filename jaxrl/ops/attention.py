@@ -4,6 +4,7 @@
     order, dest, lengths = compaction(mask)                           # any padding -> right padding
     o = uncompact(causal_attention(*(compact(x, order) for x in (q, k, v)), lengths, scale), dest)
     o = cache_attention(q, k_cache, v_cache, valid, q_slots, scale, filled=n)   # over a KV cache
+    o = continuation_attention(q, k_cache, v_cache, valid, start, scale)      # continuing a prefix, for training
 
 Layouts: q [B, T, nH, hd], fresh k / v [B, T, nKV, hd], a KV cache [B, nKV, S, hd] (head-major). Query head h
 reads KV head h // (nH / nKV); K/V are never repeated to nH heads.
@@ -25,6 +26,11 @@ real tokens only), and `uncompact` puts every output back in its column.
 to the query in slot t when valid[b, s] and s <= t. With `filled` (how many leading slots may be in use), it
 reads only a prefix of the cache: the smallest of a few static prefix lengths that covers `filled`, chosen by
 `lax.switch`, so a decode step reads the slots written so far rather than the whole preallocated buffer.
+
+`continuation_attention` is the training form of continuing a prefix held in a cache (the shared-prefix layout,
+`Qwen35.branched_hidden_states`): the queries sit at the static slots start, start + 1, ...; it goes in query blocks,
+block i reading only the keys up to its last query, and each block under its own `jax.checkpoint`, so a backward
+holds one block's [t, s] scores at a time (as a flash attention would) rather than every block's.
 
 Packed rows (`segment_ids` [B, T], training passes): several sequences end to end in one row; query t also needs
 the key's sequence to be its own. The XLA form adds that to its block masks; cuDNN takes it as a [B, 1, T, T]
@@ -243,3 +249,33 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, 
         return _from_head_major_queries(attend(sizes[0]))
     index = jnp.sum(jnp.asarray(sizes[:-1]) < filled).astype(jnp.int32)
     return _from_head_major_queries(jax.lax.switch(index, [lambda s=s: attend(s) for s in sizes]))
+
+
+def continuation_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, start: int, scale: float,
+                           block_size: Optional[int] = None) -> jax.Array:
+    """q [B, T, nH, hd], the queries of cache slots start .. start + T - 1 (`start` a Python int); k, v [B, nKV, S,
+    hd] (the cache, this call's keys already written at those slots); valid [B, S] bool. Key s is visible to query
+    t when valid[b, s] and s <= start + t. Query blocks of `block_size` (default `query_block_size(T)`): block
+    [t0, t1) reads keys [0, start + t1) only, under its own `jax.checkpoint` that keeps nothing but its inputs, so
+    the backward recomputes one block's scores at a time. Returns [B, T, nH, hd] in q's dtype."""
+    seq_len = q.shape[1]
+    if start + seq_len > k.shape[2]:
+        raise ValueError(f"continuation_attention: queries at slots {start}..{start + seq_len - 1} past the "
+                         f"cache's {k.shape[2]}")
+    qh = _to_head_major_queries(q, k.shape[1])
+    block = block_size or query_block_size(seq_len)
+
+    def attend_block(t0: int, t1: int):
+        size = start + t1
+
+        def attend(qb, kc, vc, visible):
+            causal = jnp.arange(size)[None, :] <= start + jnp.arange(t0, t1)[:, None]  # [t, s]
+            allowed = visible[:, None, None, None, :size] & causal
+            return _softmax_attend(qb, kc[:, :, :size].astype(q.dtype), vc[:, :, :size].astype(q.dtype), allowed,
+                                   scale)
+
+        return jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)(qh[:, :, :, t0:t1], k, v,
+                                                                                       valid)
+
+    outs = [attend_block(t0, min(seq_len, t0 + block)) for t0 in range(0, seq_len, block)]
+    return _from_head_major_queries(outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3))

@@ -26,24 +26,30 @@ losses are untouched; and the head (a vocabulary-wide matmul) runs over the comp
 padded layout, never over the prompts. (On a mesh the gather crosses the rows' shards: correct, with the
 communication XLA adds.)
 
-Where it pays (`layout = "auto"`): packed when its row tokens (the rows x L, padding included) are at most
-PACK_MARGIN of the padded row tokens (N x (P + C)); padded otherwise: it compiles one shape, and its numbers are
-the ones earlier runs logged. Rows shorter than MIN_PACKED_ROW (the tests', the demo's) always stay padded. `layout = "padded" | "packed"` forces one. The first decision of
-the train step and of the rollout passes is logged with its reason, and again the first time it changes.
+Where it pays (`layout = "auto"`), decided per batch from its lengths: the layout that computes the fewest row
+tokens (padding included), if they are at most PACK_MARGIN of the padded row tokens (N x (P + C)); padded otherwise:
+it compiles one shape, and its numbers are the ones earlier runs logged. Weighed: packed (its rows x L), only for
+rows of at least MIN_PACKED_ROW tokens; shared_prefix (G x P + N x C), only for prompts of at least
+MIN_SHARED_PROMPT columns and rows whose aligned blocks share one. Below those sizes a step is bound by dispatch and
+compiles, not by row tokens, so the tests' and the demo's rows stay padded. `layout = "padded" | "packed" |
+"shared_prefix"` forces one. The first decision of the train step and of the rollout passes is logged with its
+reason (every candidate's share), and again the first time it changes. Memory does not enter the rule: the packed
+programs are the padded shapes, and the shared-prefix pass keeps less than the padded one under the same remat
+(`Qwen35.branched_hidden_states`; benchmarks/aot_real_shapes.py measures all three at the users' 4B shape).
 
-Counters (metrics of every step): `layout/packed` (0/1), `layout/row_tokens` (tokens the forward computes, padding
-included), `layout/padding_tokens` (of those, the ones that hold no token) and `layout/prompt_tokens` (prompt tokens
-computed: each row's own prompt, so a group's prompt num_generations times) of the train step's batch;
-`layout/pass_*` the same of one of the rollout's teacher-forced passes.
+Counters (metrics of every step): `layout/packed` and `layout/shared_prefix` (0/1), `layout/prefix_group` (n, 1
+when not shared), `layout/row_tokens` (tokens the forward computes, padding included), `layout/padding_tokens` (of
+those, the ones that hold no token) and `layout/prompt_tokens` (prompt tokens computed: each row's own prompt, so a
+group's prompt num_generations times, or once per group when shared) of the train step's batch; `layout/pass_*` the
+same of one of the rollout's teacher-forced passes.
 
-shared_prefix (`layout = "shared_prefix"`, opt-in; `auto` never picks it): padded rows whose consecutive groups of
-n rows hold one prompt (GRPO's rows are prompt-major: rows j*n .. j*n + n - 1 sample prompt j) keep their padded
-arrays and gain `prefix_rows`, an empty [N, n] array whose shape carries n; every pass and the train step then
-compute each group's prompt once and its n completions from the prompt's caches
-(jaxrl/algorithms/online/shared_prefix.py). n is found in the rows themselves: the largest divisor of the call /
-micro-batch rows such that every aligned block of n rows has one prompt (ids and mask); none (n = 1): padded,
-with the reason in the log. Counters: `row_tokens` G x P + N x C, `prompt_tokens` the group prompts' real tokens
-(once per group), and `layout/shared_prefix` (0/1) and `layout/prefix_group` (n), both only under this setting.
+shared_prefix: padded rows whose consecutive groups of n rows hold one prompt (GRPO's rows are prompt-major: rows
+j*n .. j*n + n - 1 sample prompt j) keep their padded arrays and gain `prefix_rows`, an empty [N, n] array whose
+shape carries n; every pass and the train step then compute each group's prompt once and its n completions from
+the prompt's caches (jaxrl/algorithms/online/shared_prefix.py). n is found in the rows themselves: the largest
+divisor of the call / micro-batch rows such that every aligned block of n rows has one prompt (ids and mask); none
+(n = 1): padded, with the reason in the log. Counters: `row_tokens` G x P + N x C, `prompt_tokens` the group
+prompts' real tokens (once per group).
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ PAD_MULTIPLE = 64  # packed row lengths round up to it (jaxrl.data.packing.row_l
 # auto leaves rows shorter than this padded: such steps are bound by dispatch and compiles (a new shape costs seconds
 # to minutes), not by row tokens; and the tests' and the demo's rows keep the numbers earlier runs logged
 MIN_PACKED_ROW = 1024
+# auto weighs shared_prefix only for prompts of at least this many columns: below it a step is bound by dispatch and
+# its two calls per layer (prefill, continuation), not by the prompt tokens it would save (benchmarks/RESULTS.md,
+# section 'CPU: packed online passes (issue 51)'); the tests' and the demo's prompts stay padded
+MIN_SHARED_PROMPT = 256
 PACKED_KEYS = ("input_ids", "attention_mask", "segment_ids", "completion_index", "packed_rows")
 SHARED_KEYS = ("input_ids", "attention_mask", "prefix_rows")  # a shared-prefix batch's model inputs
 
@@ -131,8 +141,8 @@ class OnlineLayout:
 
     def plan(self, attention_mask: np.ndarray, group: int, input_ids: Optional[np.ndarray] = None) -> Plan:
         """The layout of rows with this attention mask [N, P + C] in groups of `group` consecutive rows (a last
-        group of fewer rows is planned as if padded with empty rows). input_ids: needed by shared_prefix (which
-        rows share a prompt)."""
+        group of fewer rows is planned as if padded with empty rows). input_ids: which rows share a prompt
+        (shared_prefix, and auto's weighing of it; without them auto weighs padded and packed only)."""
         attn = np.asarray(attention_mask) > 0
         n, total = attn.shape
         group = max(1, int(group))
@@ -144,18 +154,41 @@ class OnlineLayout:
         padded_tokens, packed_tokens = n * total, len(groups) * rows * row_len
         share = packed_tokens / max(padded_tokens, 1)
         shape = f"{rows} rows of {row_len} tokens per {group} sequences"
-        if self.setting == "auto" and total < MIN_PACKED_ROW:
-            packed = False
-            reason = f"rows of {total} tokens are short of {MIN_PACKED_ROW}: padded compiles one shape"
-        elif self.setting == "auto":
-            packed = share <= PACK_MARGIN
-            reason = (f"packed ({shape}) computes {share:.2f} of the padded row tokens ({group} rows of {total}), "
-                      f"{'<=' if packed else '>'} {PACK_MARGIN}")
-        else:
-            packed = self.setting == "packed"
+        packed_plan = lambda reason: Plan(True, row_len, rows, placed, group,  # noqa: E731
+                                          _counters(attn, self.width, packed_tokens), reason)
+        padded_plan = lambda reason: Plan(False, row_len, rows, placed, group,  # noqa: E731
+                                          _counters(attn, self.width, padded_tokens), reason)
+        if self.setting != "auto":
             reason = f"{self.name}.layout={self.setting!r} (packed: {shape}, {share:.2f} of the padded row tokens)"
-        counters = _counters(attn, self.width, packed_tokens if packed else padded_tokens)
-        return Plan(packed, row_len, rows, placed, group, counters, reason)
+            return packed_plan(reason) if self.setting == "packed" else padded_plan(reason)
+        # auto: the layout computing the fewest row tokens, if at most PACK_MARGIN of the padded ones
+        weighed = []
+        if total >= MIN_PACKED_ROW:
+            weighed.append((share, "packed", f"packed ({shape}) {share:.2f}"))
+        else:
+            weighed.append((1.0, "padded", f"packed: rows of {total} tokens are short of {MIN_PACKED_ROW}"))
+        prompt = total - self.width
+        shared = None
+        if input_ids is not None and prompt >= MIN_SHARED_PROMPT:
+            shared = self._plan_shared(attn, group, input_ids)
+            if shared.shared:
+                shared_share = shared.counters["row_tokens"] / max(padded_tokens, 1)
+                weighed.append((shared_share, "shared_prefix",
+                                f"shared_prefix (n={shared.shared}) {shared_share:.2f}"))
+            else:
+                weighed.append((1.0, "padded", "shared_prefix: no aligned block of rows shares a prompt"))
+        elif input_ids is not None:
+            weighed.append((1.0, "padded", f"shared_prefix: prompts of {prompt} columns are short of "
+                                           f"{MIN_SHARED_PROMPT}"))
+        best, kind, _ = min(weighed, key=lambda w: w[0])
+        chosen = kind if best <= PACK_MARGIN else "padded"
+        reason = (f"{chosen}: of the padded row tokens ({group} rows of {total}), "
+                  + "; ".join(w[2] for w in weighed) + f" (auto takes the fewest if <= {PACK_MARGIN})")
+        if chosen == "packed":
+            return packed_plan(reason)
+        if chosen == "shared_prefix":
+            return dataclasses.replace(shared, reason=reason)
+        return padded_plan(reason)
 
     def _plan_shared(self, attn: np.ndarray, group: int, input_ids: Optional[np.ndarray]) -> Plan:
         """shared_prefix (module docstring): n rows per prompt, or padded when no two rows of a block share one."""
@@ -185,10 +218,9 @@ class OnlineLayout:
         plan = self.plan(arrays["attention_mask"], group, arrays.get("input_ids"))
         self._log(plan, where)
         prefix = "layout/" if where == "train" else "layout/pass_"
-        metrics = {prefix + "packed": float(plan.packed), **{prefix + k: v for k, v in plan.counters.items()}}
-        if self.setting == "shared_prefix":
-            metrics.update({prefix + "shared_prefix": float(plan.shared > 0), prefix + "prefix_group": float(
-                max(plan.shared, 1))})
+        metrics = {prefix + "packed": float(plan.packed), prefix + "shared_prefix": float(plan.shared > 0),
+                   prefix + "prefix_group": float(max(plan.shared, 1)),
+                   **{prefix + k: v for k, v in plan.counters.items()}}
         if plan.shared:
             rows = len(arrays["input_ids"])
             return {**arrays, "prefix_rows": np.zeros((rows, plan.shared), np.int8)}, metrics

@@ -74,12 +74,12 @@ class SamplingSettings(Block):
     top_k: int = setting(0)
     rollout_batch_size: int = setting(0, doc="sampler rows per compiled call; 0 = the whole rollout")
     logprob_batch_size: int = setting(8, doc="rows per teacher-forced pass (reference, old log-probs, values)")
-    layout: str = setting("auto", doc="rows of the teacher-forced passes and the train step: auto (packed end to end "
-                          "when rows are >= 1024 tokens and packing computes at most 0.8 of the padded row tokens, "
-                          "else padded) | padded | packed (jaxrl/algorithms/online/layout.py) | shared_prefix (opt-in: "
-                          "each group's prompt computed once, its completions continuing from the prompt's caches; "
-                          "its cache path runs without remat, so long rows at 4B need more memory than padded: "
-                          "jaxrl/algorithms/online/shared_prefix.py)",
+    layout: str = setting("auto", doc="rows of the teacher-forced passes and the train step: auto (per batch, the "
+                          "layout computing the fewest row tokens if at most 0.8 of the padded ones: packed for rows "
+                          ">= 1024 tokens, shared_prefix for prompts >= 256 columns shared by aligned groups; else "
+                          "padded; logged with the reason) | padded | packed (jaxrl/algorithms/online/layout.py) | "
+                          "shared_prefix (each group's prompt computed once, its completions continuing from the "
+                          "prompt's caches: jaxrl/algorithms/online/shared_prefix.py)",
                           choices=("auto", "padded", "packed", "shared_prefix"))
 
     def __post_init__(self):

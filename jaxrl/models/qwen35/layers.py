@@ -22,7 +22,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.qwen35.config import Qwen35Config
-from jaxrl.ops.attention import cache_attention, causal_attention, compact, compaction, uncompact
+from jaxrl.ops.attention import (cache_attention, causal_attention, compact, compaction, continuation_attention,
+                                 uncompact)
 from jaxrl.ops.conv import causal_depthwise_conv
 from jaxrl.ops.gated_delta import (PendingUpdate, apply_pending, chunk_gated_delta_rule,
                                    gated_delta_decode_step_deferred, no_pending_update)
@@ -203,6 +204,10 @@ class StepContext(NamedTuple):
     # Packed rows (training passes): [B, T] int32 sequence number of each token (`Qwen35.hidden_states`), None
     # for one sequence per row.
     segment_ids: Optional[jax.Array] = None
+    # A cache of one shared length continued by this call from this static slot (`Qwen35.branched_hidden_states`):
+    # attention reads it in causal query blocks (`continuation_attention`). A Python int: closed over, never
+    # passed through a jax transformation as an argument.
+    continues_at: Optional[int] = None
 
 
 class GatedAttention(nnx.Module):
@@ -245,7 +250,10 @@ class GatedAttention(nnx.Module):
                 k_all = jax.lax.dynamic_update_slice(state.k, head_major(k).astype(state.k.dtype), start)
                 v_all = jax.lax.dynamic_update_slice(state.v, head_major(v).astype(state.v.dtype), start)
             state = KVState(k_all, v_all)
-            o = cache_attention(q, k_all, v_all, ctx.key_valid, ctx.q_slots, scale, filled=ctx.filled)
+            if ctx.continues_at is not None:
+                o = continuation_attention(q, k_all, v_all, ctx.key_valid, ctx.continues_at, scale)
+            else:
+                o = cache_attention(q, k_all, v_all, ctx.key_valid, ctx.q_slots, scale, filled=ctx.filled)
         elif ctx.order is None:
             o = causal_attention(q, k, v, None, scale, self.implementation, segment_ids=ctx.segment_ids)
         else:  # any padding layout -> right padding, the fused kernel, and back

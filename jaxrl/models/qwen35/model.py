@@ -185,6 +185,46 @@ class Qwen35(nnx.Module):
             raise ValueError("give either a cache to continue or cache_length for a fresh one, not both")
         if cache_length is not None and cache_length < seq_len:
             raise ValueError(f"cache_length={cache_length} is shorter than the {seq_len} tokens of this call")
+        ctx, start_pos, counts = self._context(input_ids, attention_mask, positions, cache, segment_ids,
+                                               cache_length is not None)
+        token_mask = ctx.token_mask
+        per_row = cache is not None and cache.length.ndim == 1
+        training = cache is None and cache_length is None
+        policy = self.remat_policy(batch, seq_len) if training else "none"
+        h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        new_states = []
+        # Only the training pass scans. Prefill and decode stay unrolled: their caches are one state per layer
+        # (KVState / LinearState) that the engine and the decode loops index by layer; a scanned decode would
+        # need them stacked per cycle position (a new cache layout for every cache user) or stacked and unstacked
+        # around every call (a copy of every KV buffer per token).
+        cycle = self._scan_cycle(policy) if training else None
+        if cycle is not None:
+            h = _scan_layers(list(self.layers), cycle, h, ctx, policy)
+        else:
+            for i, layer in enumerate(self.layers):
+                state = None if cache is None else cache.layers[i]
+                if policy != "none":
+                    h = _remat_layer(layer, h, ctx, REMAT_POLICIES[policy])
+                else:
+                    h, state = layer(h, ctx, state, cache_length)
+                new_states.append(state)
+        h = self.norm(h)
+        if training:
+            return h, None
+        if cache is None:
+            valid = jnp.pad(token_mask, ((0, 0), (0, cache_length - seq_len)))
+            return h, Cache(tuple(new_states), valid, jnp.int32(seq_len), start_pos + counts[:, -1])
+        length = cache.length + (counts[:, -1] if per_row else seq_len)
+        return h, Cache(tuple(new_states), ctx.key_valid, length, start_pos + counts[:, -1])
+
+    def _context(self, input_ids: jax.Array, attention_mask: Optional[jax.Array], positions: Optional[jax.Array],
+                 cache: Optional[Cache], segment_ids: Optional[jax.Array], prefill: bool = False,
+                 continues_at: Optional[int] = None) -> tuple[StepContext, jax.Array, jax.Array]:
+        """(the StepContext every layer of this call reads, each row's first RoPE position [B], the running count
+        of real tokens [B, T]) of a call of `hidden_states`. continues_at (a cache of one shared length, continued
+        from that static slot: `branched_hidden_states`) lets attention read the cache in causal query blocks."""
+        cfg = self.config
+        batch, seq_len = input_ids.shape
         token_mask = (jnp.ones((batch, seq_len), bool) if attention_mask is None
                       else attention_mask.astype(bool))
         counts = jnp.cumsum(token_mask.astype(jnp.int32), axis=1)
@@ -215,7 +255,7 @@ class Qwen35(nnx.Module):
             key_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
             filled = write_index + seq_len
         if segment_ids is not None:
-            if cache is not None or cache_length is not None:
+            if cache is not None or prefill:
                 raise ValueError("segment_ids (packed rows) are for training passes, without a cache")
             segment_ids = sequence_numbers(segment_ids)
         if positions is None and segment_ids is not None:
@@ -224,35 +264,53 @@ class Qwen35(nnx.Module):
             positions = start_pos[:, None] + jnp.maximum(counts - 1, 0)
         cos, sin = rotary_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, self.dtype)
         ctx = StepContext(cos, sin, token_mask, order, dest, lengths, key_valid, q_slots, write_index, filled,
-                          segment_ids)
+                          segment_ids, continues_at)
+        return ctx, start_pos, counts
 
-        training = cache is None and cache_length is None
-        policy = self.remat_policy(batch, seq_len) if training else "none"
-        h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        new_states = []
-        # Only the training pass scans. Prefill and decode stay unrolled: their caches are one state per layer
-        # (KVState / LinearState) that the engine and the decode loops index by layer; a scanned decode would
-        # need them stacked per cycle position (a new cache layout for every cache user) or stacked and unstacked
-        # around every call (a copy of every KV buffer per token).
-        cycle = self._scan_cycle(policy) if training else None
-        if cycle is not None:
-            h = _scan_layers(list(self.layers), cycle, h, ctx, policy)
-        else:
-            for i, layer in enumerate(self.layers):
-                state = None if cache is None else cache.layers[i]
-                if policy != "none":
-                    h = _remat_layer(layer, h, ctx, REMAT_POLICIES[policy])
-                else:
-                    h, state = layer(h, ctx, state, cache_length)
-                new_states.append(state)
-        h = self.norm(h)
-        if training:
-            return h, None
-        if cache is None:
-            valid = jnp.pad(token_mask, ((0, 0), (0, cache_length - seq_len)))
-            return h, Cache(tuple(new_states), valid, jnp.int32(seq_len), start_pos + counts[:, -1])
-        length = cache.length + (counts[:, -1] if per_row else seq_len)
-        return h, Cache(tuple(new_states), key_valid, length, start_pos + counts[:, -1])
+    def branched_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, branch_ids: jax.Array,
+                               branch_mask: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+        """Prompts computed once, each continued by `group` branches: (hidden states of the G prompts [G, P, H],
+        of the G * group branches [G * group, C, H]), the branch rows g * group .. g * group + group - 1 continuing
+        prompt g. Equal to `hidden_states` of each branch row with its prompt in front (prompts left-padded,
+        branches right-padded), within float rounding; the training pass of the shared-prefix layout
+        (jaxrl/algorithms/online/shared_prefix.py), differentiable, the prompt's activations taking the summed
+        gradient of its branches through the repeats.
+
+        Each layer computes the prompts as a prefill would (the fused causal attention; the keys / values, the
+        conv window and the delta rule's state after each prompt's real tokens), repeats those states `group`
+        times, and continues them with the branches as the engine's prefill -> extend does (attention over the
+        prompt's keys and the branch's own, in causal query blocks; the chunked delta rule from the prompt's
+        state). The layers run as the training forward does: one `jax.checkpoint` per layer with the remat policy
+        of a padded pass over the same rows (the backward keeps each layer's two inputs and recomputes the rest,
+        the caches included), scanned over the repeats of the layer pattern when the training forward would."""
+        num_prompts, prompt_len = prompt_ids.shape
+        batch, width = branch_ids.shape
+        if group < 1 or batch != num_prompts * group:
+            raise ValueError(f"branched_hidden_states: {batch} branch rows are not {group} per each of {num_prompts} "
+                             f"prompts")
+        total = prompt_len + width
+        ctx_p, start_pos, counts = self._context(prompt_ids, prompt_mask, None, None, None, prefill=True)
+        valid = jnp.pad(ctx_p.token_mask, ((0, 0), (0, width)))
+        prefix = Cache((), valid, jnp.int32(prompt_len), start_pos + counts[:, -1])
+        ctx_b, _, _ = self._context(branch_ids, branch_mask, None, repeat_rows(prefix, group), None,
+                                    continues_at=prompt_len)
+        policy = self.remat_policy(batch, total)
+
+        def layer_step(graphdef):
+            def run(state, carry):
+                layer = nnx.merge(graphdef, state)
+                h_prompt, h_branch = carry
+                h_prompt, cached = layer(h_prompt, ctx_p, None, total)
+                h_branch, _ = layer(h_branch, ctx_b, repeat_rows(cached, group))
+                return h_prompt, h_branch
+            # ctx_p / ctx_b are closed over, not arguments: `continues_at` must stay a Python int
+            return run if policy == "none" else jax.checkpoint(run, policy=REMAT_POLICIES[policy])
+
+        embed = self.embed_tokens[...]
+        carry = (jnp.take(embed, prompt_ids, axis=0), jnp.take(embed, branch_ids, axis=0))
+        cycle = self._scan_cycle(policy)
+        carry = _run_layers(list(self.layers), carry, layer_step, cycle)
+        return self.norm(carry[0]), self.norm(carry[1])
 
     def remat_policy(self, batch: int, seq_len: int) -> str:
         """The remat policy a training pass over [batch, seq_len] runs with ("auto" resolved)."""
@@ -372,29 +430,55 @@ def _layer_path(path) -> str:
 
 def _scan_layers(layers: list, cycle: int, h: jax.Array, ctx: StepContext, policy: str) -> jax.Array:
     """The training forward's layers as one `jax.lax.scan` over the len(layers) // cycle repeats of the block
-    (`Qwen35.layer_cycle`): XLA compiles one block instead of every layer.
+    (`Qwen35.layer_cycle`): XLA compiles one block instead of every layer (`_run_layers`)."""
+    def make_step(graphdef):
+        run = _layer_step(graphdef, policy)
+        return lambda state, x: run(state, x, ctx)
+
+    return _run_layers(layers, h, make_step, cycle)
+
+
+def _run_layers(layers: list, carry, make_step, cycle: Optional[int]):
+    """carry through every layer: `make_step(graphdef)` gives (layer state, carry) -> carry for a layer of that
+    graphdef. cycle None: unrolled, one step per layer. Otherwise one `jax.lax.scan` over the len(layers) // cycle
+    repeats of the block (`Qwen35.layer_cycle`): XLA compiles one block instead of every layer.
 
     The weights stay one module per layer (Hugging Face's layout, what LoRA, the sharding rules, export and the
     decode caches address); here, at trace time, the states of the layers at each block position are stacked
     on a new leading axis. That stack is a copy inside the compiled program: XLA hoists it out of the train
     step's micro-batch loop but does not elide it, so the step's temporaries hold one more copy of the layer
     weights (benchmarks/RESULTS.md, section 'CPU: scanned vs unrolled layers (issue 31)'). Each layer keeps its own
-    `jax.checkpoint` with the remat policy inside the scanned body, so the backward recomputes what the
-    unrolled layers would; gradients flow back through the stack to each layer's own parameters.
+    `jax.checkpoint` with the remat policy inside the scanned body (the steps' own), so the backward recomputes
+    what the unrolled layers would; gradients flow back through the stack to each layer's own parameters.
     """
     splits = [nnx.split(layer) for layer in layers]
+    if cycle is None:
+        for graphdef, state in splits:
+            carry = make_step(graphdef)(state, carry)
+        return carry
     graphdefs = [graphdef for graphdef, _ in splits[:cycle]]
     stacked = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits[j::cycle]))
                     for j in range(cycle))
-    steps = [_layer_step(graphdef, policy) for graphdef in graphdefs]
+    steps = [make_step(graphdef) for graphdef in graphdefs]
 
     def block(x, states):
         for step, state in zip(steps, states):
-            x = step(state, x, ctx)
+            x = step(state, x)
         return x, None
 
-    h, _ = jax.lax.scan(block, h, stacked)
-    return h
+    carry, _ = jax.lax.scan(block, carry, stacked)
+    return carry
+
+
+def repeat_rows(tree, n: int):
+    """A cache (`Cache`) or one layer's state (KVState, LinearState) of G rows as G * n rows, row g repeated n
+    times (rows g * n .. g * n + n - 1); a cache's shared length stays one scalar. Under autodiff the transpose of
+    the repeat sums the n rows' cotangents back into their row's."""
+    rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+    if isinstance(tree, Cache):
+        return tree._replace(layers=jax.tree.map(rep, tree.layers), valid=rep(tree.valid),
+                             next_position=rep(tree.next_position))
+    return jax.tree.map(rep, tree)
 
 
 def _layer_step(graphdef, policy: str):
