@@ -356,3 +356,34 @@ def test_grpo_step_shared_prefix_scanned_and_rematerialised_equals_padded(monkey
     monkeypatch.setattr(model_module, "_run_layers", run_layers)
     text = str(jax.make_jaxpr(jax.grad(total))(params))
     assert cycles == [2] and "remat2[" in text  # one scan over the 2 repeats of the block, layers checkpointed
+
+
+def test_minibatches_keep_whole_groups_under_a_sharing_layout():
+    """Several minibatches per rollout: under a layout that may share prompts, the schedule permutes whole groups
+    (each kept in order), so every micro-batch still finds its groups; a uniform split all the same (every row
+    once per pass, seeded). Row by row otherwise, as before."""
+    from jaxrl.algorithms.online.buffer import Schedule
+    from jaxrl.algorithms.online.layout import keeps_groups
+    assert keeps_groups("shared_prefix", 8) and keeps_groups("auto", 256)
+    assert not keeps_groups("auto", 255) and not keeps_groups("padded", 4096) and not keeps_groups("packed", 4096)
+    grouped = Schedule(rows=32, global_batch=8, iterations=2, seed=3, group=4)
+    rows = Schedule(rows=32, global_batch=8, iterations=2, seed=3)
+    assert grouped.whole_groups and not rows.whole_groups
+    for it in range(2):
+        served = [grouped.rows_of(0, it, u) for u in range(grouped.minibatches)]
+        assert sorted(np.concatenate(served).tolist()) == list(range(32))
+        for mb in served:  # whole groups, in order: aligned blocks of 4 consecutive rows of one prompt
+            blocks = mb.reshape(-1, 4)
+            assert np.all(blocks % 4 == np.arange(4)) and np.all(blocks // 4 == blocks[:, :1] // 4)
+    assert not np.array_equal(grouped.rows_of(0, 0, 0), grouped.rows_of(0, 1, 0))  # a new permutation per pass
+    assert np.array_equal(rows.rows_of(1, 0, 2), Schedule(32, 8, 2, 3).rows_of(1, 0, 2))  # row-wise: unchanged
+    # a global batch that cannot hold whole groups: rows one by one
+    assert not Schedule(rows=24, global_batch=6, iterations=1, seed=0, group=4).whole_groups
+    # the rows of a grouped minibatch (prompt-major, 4 samples each) in micro-batches of 4: each one prompt
+    rng = np.random.default_rng(0)
+    rollout = _lengths_rows(rng, 8, 4, 256, 64, 8)
+    mb = {k: v[grouped.rows_of(0, 0, 1)] for k, v in rollout.items()}
+    plan = OnlineLayout("auto", width=64).plan(mb["attention_mask"], 4, mb["input_ids"])
+    assert plan.shared == 4
+    shuffled = {k: v[rows.rows_of(0, 0, 1)] for k, v in rollout.items()}
+    assert OnlineLayout("auto", width=64).plan(shuffled["attention_mask"], 4, shuffled["input_ids"]).shared < 4

@@ -83,7 +83,7 @@ from jaxrl.algorithms.grpo_config import GRPOConfig
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule, check_rows
 from jaxrl.algorithms.online.controller import proximal_pass
-from jaxrl.algorithms.online.layout import OnlineLayout
+from jaxrl.algorithms.online.layout import OnlineLayout, keeps_groups
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.replay import GroupReplay
 from jaxrl.algorithms.online.rollouts import Rollouts, Sampled, sample_metrics
@@ -200,7 +200,8 @@ class GRPOTask(OnlineTask):
         check_rows(grpo.rows_per_rollout, global_batch, "grpo.prompts_per_step x grpo.num_generations")
         rollouts = Rollouts(config, model, mesh, prompts_per_rollout=grpo.prompts_per_step, sampling=grpo,
                             episodes=grpo if grpo.environment else None, async_policy=grpo.async_policy)
-        super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed),
+        whole = grpo.num_generations if keeps_groups(grpo.layout, config.data.max_prompt_len) else 1
+        super().__init__(config, Schedule(grpo.rows_per_rollout, global_batch, grpo.num_iterations, config.seed, whole),
                          rollouts, grpo.async_policy, proximal_pass(grpo, config, mesh), grpo.ref_reset_every,
                          grpo.ref_reset_optimizer)
         # replayed rows were sampled by older policies: with replay every step is off-policy (old log-probs kept)

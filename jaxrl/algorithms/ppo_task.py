@@ -69,7 +69,7 @@ from jaxrl.algorithms.config import TrainConfig
 from jaxrl.algorithms.online import correction
 from jaxrl.algorithms.online.buffer import Schedule
 from jaxrl.algorithms.online.controller import proximal_pass
-from jaxrl.algorithms.online.layout import OnlineLayout
+from jaxrl.algorithms.online.layout import OnlineLayout, keeps_groups
 from jaxrl.algorithms.online.passes import RolloutPasses, Role, policy_forward
 from jaxrl.algorithms.online.rollouts import Rollouts, sample_metrics
 from jaxrl.algorithms.online.task import OnlineTask
@@ -204,8 +204,10 @@ class PPOTask(OnlineTask):
                              f"({global_batch})")
         rollouts = Rollouts(config, model, mesh, prompts_per_rollout=ppo.prompts_per_rollout, sampling=ppo,
                             episodes=ppo if ppo.environment else None, async_policy=ppo.async_policy)
-        super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed), rollouts, ppo.async_policy,
-                         proximal_pass(ppo, config, mesh), ppo.ref_reset_every, ppo.ref_reset_optimizer)
+        whole = ppo.num_generations if keeps_groups(ppo.layout, config.data.max_prompt_len) else 1
+        super().__init__(config, Schedule(rows, global_batch, ppo.epochs, config.seed, whole), rollouts,
+                         ppo.async_policy, proximal_pass(ppo, config, mesh), ppo.ref_reset_every,
+                         ppo.ref_reset_optimizer)
         lr = config.optimizer.learning_rate
         value_lr = ppo.value_learning_rate or lr
         if not (value_lr > 0 and lr > 0):

@@ -5,7 +5,11 @@ Rollouts and train steps (the Trainer's unit is one optimizer update per step): 
 one is due and then served as U = N / B_global minibatches (B_global = batch.micro_batch_size x
 batch.grad_accum), `iterations` times over (GRPO num_iterations, PPO epochs), so rollout r covers train steps
 [r*S, (r+1)*S) with S = iterations x U. Within a rollout, pass i serves its rows in a permutation seeded by
-(seed, r, i).
+(seed, r, i): of the rows, or, with `group` > 1 (a layout that computes a prompt once for its rows:
+jaxrl/algorithms/online/layout.py `keeps_groups`), of the rollout's prompt groups (the `group` consecutive rows
+sampled from one prompt), each kept whole and in order, so every minibatch holds whole groups. Either is a uniform
+random split of the rollout; the grouped one keeps a prompt's samples in one update, as GRPO's group-relative
+advantages are computed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Schedule:
     global_batch: int  # B_global per train step
     iterations: int  # passes over each rollout (GRPO num_iterations, PPO epochs)
     seed: int
+    group: int = 1  # rows per prompt kept together in a minibatch (module docstring); 1: rows permuted one by one
 
     def __post_init__(self):
         if self.iterations < 1:
@@ -45,6 +50,11 @@ class Schedule:
     def steps_per_rollout(self) -> int:
         return self.iterations * self.minibatches
 
+    @property
+    def whole_groups(self) -> bool:
+        """Minibatches of whole groups: asked for (group > 1) and possible (a global batch holds whole groups)."""
+        return self.group > 1 and self.global_batch % self.group == 0 and self.rows % self.group == 0
+
     def locate(self, step: int) -> tuple[int, int, int]:
         """(rollout, pass, minibatch) of 0-based train step `step`."""
         r, within = divmod(step, self.steps_per_rollout)
@@ -52,10 +62,16 @@ class Schedule:
         return r, i, u
 
     def rows_of(self, rollout: int, iteration: int, minibatch: int) -> np.ndarray:
-        """Row indices of one minibatch: rows in a permutation seeded by (seed, rollout, pass)."""
+        """Row indices of one minibatch: rows (or whole groups of rows) in a permutation seeded by (seed, rollout,
+        pass)."""
         if self.minibatches == 1:
             return np.arange(self.rows)
-        perm = np.random.default_rng([self.seed, rollout, iteration, 3571]).permutation(self.rows)
+        rng = np.random.default_rng([self.seed, rollout, iteration, 3571])
+        if self.whole_groups:
+            groups = rng.permutation(self.rows // self.group)
+            perm = (groups[:, None] * self.group + np.arange(self.group)[None, :]).reshape(-1)
+        else:
+            perm = rng.permutation(self.rows)
         return perm[minibatch * self.global_batch:(minibatch + 1) * self.global_batch]
 
 

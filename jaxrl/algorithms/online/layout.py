@@ -78,6 +78,13 @@ PACKED_KEYS = ("input_ids", "attention_mask", "segment_ids", "completion_index",
 SHARED_KEYS = ("input_ids", "attention_mask", "prefix_rows")  # a shared-prefix batch's model inputs
 
 
+def keeps_groups(setting: str, prompt_columns: int) -> bool:
+    """Whether minibatches should hold whole prompt groups (jaxrl/algorithms/online/buffer.py `Schedule.group`):
+    under a layout that may compute a prompt once for its rows (shared_prefix, or auto for prompts it would weigh
+    it for), a minibatch of rows permuted one by one would leave few aligned blocks sharing a prompt."""
+    return setting == "shared_prefix" or (setting == "auto" and prompt_columns >= MIN_SHARED_PROMPT)
+
+
 def is_packed(batch) -> bool:
     return "completion_index" in batch
 

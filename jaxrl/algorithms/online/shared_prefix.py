@@ -40,9 +40,11 @@ Limits: the continuation's attention is the XLA form (query blocks) on every bac
 mask types do not express "the prompt's valid keys, then causal"); it reads the repeated prompt keys ([G*n, P + C]
 per attention layer, as padded); `gdn_state_dtype` other than float32 rounds the prompt's state once (the padded
 pass does not). Rows must come prompt-major in whole groups per call / micro-batch: the layout finds n in the rows
-(`prefix_group`) and falls back to padded (logged) when no aligned block shares a prompt, e.g. a train step whose
-minibatch rows are a permutation of the rollout (several minibatches per rollout). On a mesh the prompts (every
-n-th row) are gathered across the rows' shards.
+(`prefix_group`) and falls back to padded (logged) when no aligned block shares a prompt. With several minibatches
+per rollout, GRPO and PPO under this layout (or auto, for prompts it weighs it for) permute whole groups
+(`layout.keeps_groups`, jaxrl/algorithms/online/buffer.py `Schedule.group`), so minibatches keep them; a micro-batch
+that is not a multiple of the group still shares within its aligned blocks. On a mesh the prompts (every n-th row)
+are gathered across the rows' shards.
 """
 
 from jaxrl.algorithms.online.layout import SHARED_KEYS, is_shared, prefix_group  # noqa: F401
