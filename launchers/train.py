@@ -57,11 +57,14 @@ def _kill_hook(kill_after: int, kill_during_save: int):
 
 def _check_reward(config) -> None:
     """An unknown config.reward.name is a usage error here (RewardChoiceError), like an unknown flag value; a
-    reward a plug-in registers later is not known yet, so runs with plug-ins are checked when they are built."""
+    reward a plug-in registers later is not known yet, so with plug-ins only a built-in name is checked here (a
+    plug-in cannot take a built-in's name): one that needs a missing optional package is refused before any plug-in
+    or model loads."""
+    from jaxrl.rewards.registry import REWARDS
     from jaxrl.rollout.runner import check_reward_choice
     reward = config.get("reward", None) if hasattr(config, "get") else None
     name = reward.get("name", None) if reward is not None and hasattr(reward, "get") else None
-    if name and not config.get("plugins", None):
+    if name and (not config.get("plugins", None) or str(name) in REWARDS):
         check_reward_choice(str(name), {}, flag="--config.reward.name")
 
 

@@ -186,6 +186,9 @@ INSTALL_LINE = "pip install -e '.[tasks]'"
     ("import_problems", ["--tasks=spell_backward", "--output=OUT/p.jsonl"]),
     # the train launcher's reward check, before any model is built or the workdir made
     ("train", ["--config=configs/grpo_tiny.py", "--workdir=OUT/run", "--config.reward.name=reasoning_gym"]),
+    # with plug-ins too (a plug-in cannot take a built-in name): refused before they or any model load
+    ("train", ["--config=configs/grpo_tiny.py", "--workdir=OUT/run", "--config.reward.name=reasoning_gym",
+               "--config.plugins=('policy_loss:tests/test_plugins.py:t_scalar_loss',)"]),
 ])
 def test_without_the_extra_a_command_that_names_it_is_refused_in_one_line(tmp_path, name, args):
     argv = [name] + [a.replace("OUT", str(tmp_path)) for a in args]
