@@ -18,7 +18,7 @@ from jaxrl.data.problems import load_problems
 from jaxrl.data.stream import epoch_stream
 from jaxrl.rewards import get_reward
 from jaxrl.rewards.toy import TokenTask
-from jaxrl.rollout.keys import problem_key
+from jaxrl.rollout.keys import group_keys
 from jaxrl.algorithms.online.difficulty import Difficulty
 from jaxrl.algorithms.online.settings import OnlineDataConfig
 from jaxrl.rewards.settings import RewardConfig
@@ -52,14 +52,14 @@ class TokenTaskPrompts(PromptSource):
 
     def prompts(self, rollout: int, count: int):
         ids, problems = self.task.prompts(self.seed, rollout, count)
-        return ids, problems, [problem_key(p["id"]) for p in problems]
+        return ids, problems, group_keys(p["id"] for p in problems)
 
     def extra_prompts(self, rollout: int, draw: int, count: int):
         seed = int(np.random.SeedSequence([self.seed, rollout, draw, 6761]).generate_state(1)[0])
         ids, problems = self.task.prompts(seed, rollout, count)
         for j, p in enumerate(problems):
             p["id"] = f"token_task/{rollout}/draw{draw}/{j}"
-        return ids, problems, [problem_key(p["id"]) for p in problems]
+        return ids, problems, group_keys(p["id"] for p in problems)
 
     def longest(self) -> int:
         return self.task.prompt_len
@@ -109,7 +109,7 @@ class ProblemPrompts(PromptSource):
 
     def _take(self, idx):
         problems = [self.problems[i] for i in idx]
-        return [self.ids[i] for i in idx], problems, [problem_key(p.id) for p in problems]
+        return [self.ids[i] for i in idx], problems, group_keys(p.id for p in problems)
 
 
 def make_prompt_source(data: OnlineDataConfig, model, *, seed: int, model_path: str, max_new_tokens: int
