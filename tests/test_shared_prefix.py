@@ -319,7 +319,7 @@ def test_continuation_attention_equals_the_cache_attention_and_its_gradient():
     assert text.count("remat2[") == 3
 
 
-@pytest.mark.slow  # compiles the padded and the shared-prefix step
+@pytest.mark.heavy  # compiles a 4-layer scanned, rematerialised step in both layouts (about 25 s)
 def test_grpo_step_shared_prefix_scanned_and_rematerialised_equals_padded(monkeypatch):
     """The shared-prefix step as the users' shapes run it: layers scanned over the repeats of the pattern, each
     layer rematerialised ("full": the backward keeps the layer's two inputs, prompts and completions, and
