@@ -123,6 +123,30 @@ def test_packed_passes_give_the_padded_logprobs_and_values():
             assert np.all(got[key][~on] == 0)
 
 
+def ppo_targets(batch: dict, rng) -> dict:
+    """A GRPO batch made PPO's: per-token advantages, old values and returns on the completion tokens instead of
+    the reference log-probs and the sequence mask."""
+    batch.pop("ref_logp"), batch.pop("sequence_mask")
+    mask = batch["completion_mask"]
+    shape = mask.shape
+    batch.update(advantages=(rng.standard_normal(shape) * mask).astype(np.float32),
+                 old_values=(rng.standard_normal(shape) * mask).astype(np.float32),
+                 returns=(rng.standard_normal(shape) * mask).astype(np.float32))
+    return batch
+
+
+def teacher_support(batch: dict, rng, vocab: int, k: int = 4) -> dict:
+    """A teacher's top-k support on every completion position (ids, sorted log-probs, the rest's log-mass) and its
+    log-prob of the taken token: what a distillation step reads."""
+    rows, width = batch["completion_mask"].shape
+    top = rng.standard_normal((rows, width, k)).astype(np.float32)
+    batch.update(teacher_top_ids=rng.integers(0, vocab, (rows, width, k)).astype(np.int32),
+                 teacher_top_logp=np.sort(top - 3.0, -1)[..., ::-1].copy(),
+                 teacher_rest_logp=np.full((rows, width), -0.2, np.float32),
+                 teacher_logp=(-2.0 + 0.5 * rng.standard_normal((rows, width))).astype(np.float32))
+    return batch
+
+
 def _step(objective, model, batch, trainable=lora.LoRAParam):
     """(loss, metrics, gradients) of one step over MB-row micro-batches, summed as jaxrl.train.step does."""
     graphdef, params, rest = nnx.split(model, trainable, ...)
@@ -193,12 +217,7 @@ def test_ppo_step_packed_equals_padded():
     """PPO: policy and value loss from the same gathered hidden states; LoRA and value-head gradients."""
     model = _model()
     rng = np.random.default_rng(4)
-    batch = _grpo_batch(model, rng)
-    batch.pop("ref_logp"), batch.pop("sequence_mask")
-    mask = batch["completion_mask"]
-    batch.update(advantages=(rng.standard_normal((N, C)) * mask).astype(np.float32),
-                 old_values=(rng.standard_normal((N, C)) * mask).astype(np.float32),
-                 returns=(rng.standard_normal((N, C)) * mask).astype(np.float32))
+    batch = ppo_targets(_grpo_batch(model, rng), rng)
     objective = PPOObjective(temperature=0.7, cliprange_value=0.2, chunk_size=64)
     _same_step(objective, model, batch, TRAINABLE)
 
@@ -209,11 +228,5 @@ def test_distill_step_packed_equals_padded(loss):
     """Distillation's student pass on the teacher's support (jsd) and reverse_kl: loss, metrics, gradients."""
     model = _model()
     rng = np.random.default_rng(5)
-    batch = _rows(rng, model.config.vocab_size)
-    k, vocab = 4, model.config.vocab_size
-    top = rng.standard_normal((N, C, k)).astype(np.float32)
-    batch.update(teacher_top_ids=rng.integers(0, vocab, (N, C, k)).astype(np.int32),
-                 teacher_top_logp=np.sort(top - 3.0, -1)[..., ::-1].copy(),
-                 teacher_rest_logp=np.full((N, C), -0.2, np.float32),
-                 teacher_logp=(-2.0 + 0.5 * rng.standard_normal((N, C))).astype(np.float32))
+    batch = teacher_support(_rows(rng, model.config.vocab_size), rng, model.config.vocab_size)
     _same_step(DistillObjective(loss_name=loss, temperature=0.7, chunk_size=64), model, batch)

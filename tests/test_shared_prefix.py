@@ -17,7 +17,7 @@ from jaxrl.algorithms.online.passes import teacher_forced
 from jaxrl.algorithms.ppo_task import TRAINABLE, PPOObjective
 from jaxrl.models import lora, qwen35
 from jaxrl.models.teacher_forced import shared_prefix_hidden
-from tests.test_packed_online import QUICK, TOL, _model, _step
+from tests.test_packed_online import QUICK, TOL, _model, _step, ppo_targets, teacher_support
 
 P, C = 12, 10  # prompt columns (left-padded), completion columns (right-padded)
 N, MB = 8, 4  # rows, rows per micro-batch
@@ -216,12 +216,7 @@ def test_ppo_step_shared_prefix_equals_padded():
     """PPO: policy and value loss from the same hidden states; LoRA and value-head gradients."""
     model = _model()
     rng = np.random.default_rng(4)
-    batch = _grpo_batch(model, rng)
-    batch.pop("ref_logp"), batch.pop("sequence_mask")
-    mask = batch["completion_mask"]
-    batch.update(advantages=(rng.standard_normal((N, C)) * mask).astype(np.float32),
-                 old_values=(rng.standard_normal((N, C)) * mask).astype(np.float32),
-                 returns=(rng.standard_normal((N, C)) * mask).astype(np.float32))
+    batch = ppo_targets(_grpo_batch(model, rng), rng)
     _same_step(PPOObjective(temperature=0.7, cliprange_value=0.2, chunk_size=64), model, batch, TRAINABLE)
 
 
@@ -230,13 +225,7 @@ def test_distill_step_shared_prefix_equals_padded():
     """Distillation's student pass on the teacher's support (jsd): loss, metrics, gradients."""
     model = _model()
     rng = np.random.default_rng(5)
-    batch = _rows(rng, model.config.vocab_size, 2)
-    k, vocab = 4, model.config.vocab_size
-    top = rng.standard_normal((N, C, k)).astype(np.float32)
-    batch.update(teacher_top_ids=rng.integers(0, vocab, (N, C, k)).astype(np.int32),
-                 teacher_top_logp=np.sort(top - 3.0, -1)[..., ::-1].copy(),
-                 teacher_rest_logp=np.full((N, C), -0.2, np.float32),
-                 teacher_logp=(-2.0 + 0.5 * rng.standard_normal((N, C))).astype(np.float32))
+    batch = teacher_support(_rows(rng, model.config.vocab_size, 2), rng, model.config.vocab_size)
     _same_step(DistillObjective(loss_name="jsd", temperature=0.7, chunk_size=64), model, batch)
 
 
