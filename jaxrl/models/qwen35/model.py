@@ -4,6 +4,8 @@
     logits = model(input_ids, attention_mask=mask)                  # [B, T] -> [B, T, V]
     hidden, cache = model.hidden_states(ids, mask, cache_length=S)   # prefill: a fresh cache of S slots
     hidden, cache = model.hidden_states(ids, mask, cache=cache)      # decode / continue a preallocated cache
+    h_prompts, h_branches = model.branched_hidden_states(prompt_ids, prompt_mask, ids, mask, group=n)
+                                                                     # training: G prompts once, n branches each
 
 Padding: rows may be padded anywhere (left-padded prompts, right-padded completions, both); `attention_mask`
 (1 = real token) keeps padding out of attention, out of the conv window and out of the recurrent state, and
@@ -19,7 +21,8 @@ continuous-batching engine's slots, each at its own position) takes one token pe
 writes slot length[b], and a row whose token is masked out keeps its length: a free or held slot), or several
 (the engine extending live rows: real tokens first, padding at the end of each row).
 
-Rematerialisation (`remat`, training passes only: no cache): per-layer `jax.checkpoint` with a named policy.
+Rematerialisation (`remat`, training passes only: no cache, or `branched_hidden_states`, whose layers each run a
+prefill and a continuation inside one checkpoint): per-layer `jax.checkpoint` with a named policy.
   none       keep every activation
   matmuls    keep the projection outputs, the LoRA hidden and the attention / delta-rule core outputs (the
              `checkpoint_name` tags of layers.py); the backward recomputes norms, gates, activations, the conv
@@ -29,7 +32,7 @@ Rematerialisation (`remat`, training passes only: no cache): per-layer `jax.chec
              device's memory after the weights, decided per call from the batch shape
   dots, dots_no_batch   JAX's dots_saveable / dots_with_no_batch_dims_saveable
 
-Scanned layers (`scan_layers`, training passes only): when the layer pattern repeats (Qwen3.5: three Gated
+Scanned layers (`scan_layers`, training passes only, `branched_hidden_states` included): when the layer pattern repeats (Qwen3.5: three Gated
 DeltaNet layers then one attention layer, 8 times for the 4B and 9B) the layers run as one `jax.lax.scan` over
 the repeats of that block, so XLA compiles one block instead of every layer; remat stays per layer inside the
 block. The weights stay one module per layer (stacked only inside the traced program). By default
