@@ -3,6 +3,8 @@
     python -m benchmarks.gpu_grpo                                  # Qwen3.5-4B shape, bf16, random weights
     python -m benchmarks.gpu_grpo --max_new_tokens=1024 --steps=3  # a shorter cap
     python -m benchmarks.gpu_grpo --tiny                           # CPU smoke run (tests)
+    python -m benchmarks.gpu_grpo --prompt_len=2048 --layout=shared_prefix   # one row layout (issue 51): run
+                                                                   # padded, packed and shared_prefix in turn
 
 The real trainer (configs/grpo.py:run=4b_base: LoRA r16/alpha32, beta 0.01 with the reference pass, one update
 per rollout over 160 rows, micro-batch `--mb`, full remat) on random-weight Qwen3.5-4B with the token task's
@@ -28,7 +30,8 @@ def _peak_gib():
     return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
 
 
-def make_config(tiny: bool, prompts: int, k: int, prompt_len: int, max_new_tokens: int, steps: int, mb: int):
+def make_config(tiny: bool, prompts: int, k: int, prompt_len: int, max_new_tokens: int, steps: int, mb: int,
+                layout: str = "auto"):
     from configs import grpo
     c = grpo.get_config(f"run=4b_base,mb={mb if not tiny else 4},k={k},prompts={prompts},"
                         f"max_new_tokens={max_new_tokens}")
@@ -49,16 +52,17 @@ def make_config(tiny: bool, prompts: int, k: int, prompt_len: int, max_new_token
     c.data.score_tokens = min(8, max_new_tokens)
     c.reward.name = "token_block"
     c.grpo.logprob_batch_size = c.batch.micro_batch_size
+    c.grpo.layout = layout
     c.remat = "none" if tiny else "full"
     return c
 
 
 def run(tiny: bool = False, prompts: int = 20, k: int = 8, prompt_len: int = 512, max_new_tokens: int = 4096,
-        steps: int = 3, mb: int = 8) -> dict:
+        steps: int = 3, mb: int = 8, layout: str = "auto") -> dict:
     import jax
 
     from jaxrl.algorithms.run import run_training
-    config = make_config(tiny, prompts, k, prompt_len, max_new_tokens, steps, mb)
+    config = make_config(tiny, prompts, k, prompt_len, max_new_tokens, steps, mb, layout)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         records = run_training(config, workdir).records
@@ -79,7 +83,10 @@ def run(tiny: bool = False, prompts: int = 20, k: int = 8, prompt_len: int = 512
         "model": "tiny" if tiny else "qwen3.5-4b", "dtype": config.dtype, "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "mb": config.batch.micro_batch_size,
         "grad_accum": config.batch.grad_accum, "wall_s": time.perf_counter() - t0,
-        "peak_device_memory_gib": _peak_gib()})
+        "peak_device_memory_gib": _peak_gib(),
+        # the row layout each step ran (jaxrl/algorithms/online/layout.py): the setting and its counters
+        "layout": layout, **{key: med(key) for key in ("layout/packed", "layout/shared_prefix", "layout/row_tokens",
+                                                        "layout/prompt_tokens", "layout/padding_tokens")}})
     return out
 
 
@@ -92,11 +99,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--max_new_tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--mb", type=int, default=8)
+    ap.add_argument("--layout", default="auto", choices=("auto", "padded", "packed", "shared_prefix"),
+                    help="grpo.layout: the rows of the passes and the train step")
     args = ap.parse_args(argv)
     if args.tiny:
-        result = run(True, prompts=2, k=4, prompt_len=8, max_new_tokens=8, steps=2)
+        result = run(True, prompts=2, k=4, prompt_len=8, max_new_tokens=8, steps=2, layout=args.layout)
     else:
-        result = run(False, args.prompts, args.k, args.prompt_len, args.max_new_tokens, args.steps, args.mb)
+        result = run(False, args.prompts, args.k, args.prompt_len, args.max_new_tokens, args.steps, args.mb,
+                     args.layout)
     print(json.dumps(result, indent=2))
     return result
 

@@ -135,3 +135,15 @@ def test_versus_finds_the_sampler_of_either_layout(tmp_path, monkeypatch):
     pkg = importlib.import_module("jaxrl_layout_test")
     cls, path = versus.sampler_class(pkg)
     assert path == "rollout.sampler.Sampler" and cls.__module__ == "jaxrl_layout_test.rollout.sampler"
+
+
+def test_the_gpu_grpo_step_runs_in_the_layout_asked_for():
+    """benchmarks.gpu_grpo --layout (the issue-51 GPU plan: the 4B GRPO step in each layout): the run trains in that
+    layout and reports its counters; shared_prefix computes each of the 2 prompts once for its 4 samples."""
+    from benchmarks import gpu_grpo
+    shared = gpu_grpo.run(True, prompts=2, k=4, prompt_len=8, max_new_tokens=8, steps=2, layout="shared_prefix")
+    padded = gpu_grpo.run(True, prompts=2, k=4, prompt_len=8, max_new_tokens=8, steps=2, layout="padded")
+    assert shared["layout"] == "shared_prefix" and shared["layout/shared_prefix"] == 1.0
+    assert padded["layout/shared_prefix"] == 0.0 and padded["layout/packed"] == 0.0
+    assert padded["layout/prompt_tokens"] == 4 * shared["layout/prompt_tokens"] > 0
+    assert shared["loss"][0] == pytest.approx(padded["loss"][0], rel=1e-5, abs=1e-7)  # the same first step
